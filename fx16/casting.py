@@ -1,0 +1,27 @@
+"""The public entry points, with the calling convention of ``coreai_opt.casting``."""
+
+from torch.export import ExportedProgram
+
+from fx16.pipelines import fp16_passes, run_passes
+from fx16.program import Program
+
+
+def cast_fp32_to_fp16(ep: ExportedProgram, *, keep_explicit_fp32: bool = True) -> ExportedProgram:
+    """Rewrite ``ep`` in place to compute in fp16 where that is safe, and return it.
+
+    Parameters, buffers, constants and user inputs become fp16 unless a value
+    exceeds the fp16 range; ops run in fp16 unless an input or scalar forces fp32.
+    Callers pass fp16 tensors for converted inputs afterwards, and outputs may be fp16.
+
+    keep_explicit_fp32: keep the fp32 regions the model opens itself (``x.float()``,
+        ``dtype=torch.float32``), such as the variance in an RMSNorm. False retargets
+        those casts to fp16, as coreai-opt does.
+
+    Raises ``fx16.errors.InvalidProgramError`` for an argument that is not an
+    ExportedProgram and ``fx16.errors.PassFailedError`` when a stage fails; in
+    both cases ``ep`` is left exactly as it was.
+    """
+    program = Program(ep)
+    with program.transaction():
+        run_passes(fp16_passes(ep, keep_explicit_fp32=keep_explicit_fp32), ep.graph_module)
+    return ep

@@ -1,0 +1,161 @@
+"""Reading, writing and inserting dtype casts in an FX graph.
+
+A cast here is a node that changes only a tensor's dtype: ``aten._to_copy``,
+``aten.to.dtype`` or ``aten.to.dtype_layout`` with no device, layout or memory
+format change and no forced copy. Casts fx16 inserts are ``aten._to_copy`` nodes
+marked with ``meta[INSERTED]`` so that cleanup can tell them from the model's
+own casts; a model cast whose dtype fx16 retargets is marked the same way.
+"""
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx import Graph, Node
+
+from fx16.nodes import node_dtype, node_val
+from fx16.ops import CAST_OPS
+
+aten = torch.ops.aten
+
+# meta key on nodes fx16 inserted or retargeted; its value says why ("upcast", ...).
+INSERTED = "fx16.inserted"
+
+# meta keys copied from a producer onto the casts inserted after it.
+_PROVENANCE_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn")
+
+_PRESERVE = (None, torch.preserve_format)
+
+
+def is_cast(node: Node) -> bool:
+    """True for a node that changes only the dtype of its first argument."""
+    if node.op != "call_function" or node.target not in CAST_OPS:
+        return False
+    if not isinstance(cast_dtype(node), torch.dtype) or not isinstance(node.args[0], Node):
+        return False
+    source_val = node_val(node.args[0])
+    if not isinstance(source_val, torch.Tensor):
+        return False
+    kwargs = node.kwargs
+    if kwargs.get("device") not in (None, source_val.device):
+        return False
+    if kwargs.get("layout") not in (None, torch.strided):
+        return False
+    if kwargs.get("memory_format") not in _PRESERVE:
+        return False
+    if node.target == aten.to.dtype:
+        copy = node.args[3] if len(node.args) > 3 else kwargs.get("copy", False)
+        memory_format = node.args[4] if len(node.args) > 4 else None
+        return not copy and memory_format in _PRESERVE
+    return True
+
+
+def is_inserted(node: Node) -> bool:
+    return INSERTED in node.meta
+
+
+def cast_dtype(node: Node) -> torch.dtype | None:
+    """The dtype a cast node converts to (None when it keeps the input dtype)."""
+    if node.target == aten.to.dtype and len(node.args) > 1:
+        return node.args[1]
+    return node.kwargs.get("dtype")
+
+
+def set_cast_dtype(node: Node, dtype: torch.dtype) -> None:
+    """Point a cast node at another dtype and update its recorded value to match."""
+    if node.target == aten.to.dtype and len(node.args) > 1:
+        node.args = (node.args[0], dtype, *node.args[2:])
+    else:
+        node.kwargs = {**node.kwargs, "dtype": dtype}
+    node.meta["val"] = retype_val(node.meta["val"], dtype)
+
+
+def retype_val(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The same fake tensor (shape, strides, device) with another dtype.
+
+    Builds the FakeTensor directly from a meta tensor: several times cheaper than
+    ``val.to(dtype)``, which dispatches a real ``_to_copy`` through fake mode.
+    """
+    if val.dtype == dtype:
+        return val
+    if isinstance(val, FakeTensor):
+        meta = torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
+        return FakeTensor(val.fake_mode, meta, val.device)
+    return val.to(dtype)
+
+
+class CastInserter:
+    """Inserts casts into one graph, at most one per (producer, dtype).
+
+    A cast goes right after its producer (after the last placeholder when the
+    producer is a placeholder), so one cast serves every later consumer.
+    Build a fresh one for every pass run: it caches nodes of that graph.
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self._casts: dict[tuple[Node, torch.dtype], Node] = {}
+        self._last_placeholder: Node | None = None
+
+    def cast(self, source: Node, dtype: torch.dtype, why: str) -> Node:
+        """A cast of ``source`` to ``dtype``: the cached one, or a new one."""
+        key = (source, dtype)
+        cast = self._casts.get(key)
+        if cast is None or cast.graph is not self.graph or cast.args[0] is not source:
+            cast = self._insert(source, dtype, why)
+            self._casts[key] = cast
+        return cast
+
+    def cast_after(self, node: Node, dtype: torch.dtype, why: str) -> Node:
+        """Insert a cast of ``node`` and move every current user of ``node`` onto it."""
+        cast = self._insert(node, dtype, why)
+        node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+        return cast
+
+    def _insert(self, source: Node, dtype: torch.dtype, why: str) -> Node:
+        with self.graph.inserting_after(self._anchor(source)):
+            cast = self.graph.call_function(aten._to_copy.default, (source,), {"dtype": dtype})
+        cast.meta["val"] = retype_val(source.meta["val"], dtype)
+        for key in _PROVENANCE_KEYS:
+            if key in source.meta:
+                cast.meta[key] = source.meta[key]
+        cast.meta[INSERTED] = why
+        return cast
+
+    def _anchor(self, source: Node) -> Node:
+        if source.op != "placeholder":
+            return source
+        if self._last_placeholder is None:
+            self._last_placeholder = self.graph.find_nodes(op="placeholder")[-1]
+        return self._last_placeholder
+
+
+_FLOAT_RANK = {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
+_SIGNED_BITS = {torch.int8: 8, torch.int16: 16, torch.int32: 32, torch.int64: 64}
+_UNSIGNED_BITS = {torch.uint8: 8}
+_MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+
+
+def represents_exactly(narrow: torch.dtype, wide: torch.dtype) -> bool:
+    """True when every value of dtype ``narrow`` is a value of dtype ``wide``.
+
+    Examples: fp16 -> fp32 (yes), int16 -> fp32 (yes: 16 bits fit a 24-bit
+    significand), fp16 -> bf16 (no: bf16 has fewer significand bits), fp32 -> fp16
+    (no), int32 -> fp32 (no).
+    """
+    if narrow == wide or narrow == torch.bool:
+        return True
+    if narrow in _FLOAT_RANK and wide in _FLOAT_RANK:
+        if narrow in (torch.float16, torch.bfloat16) and wide in (torch.float16, torch.bfloat16):
+            return False
+        return _FLOAT_RANK[narrow] <= _FLOAT_RANK[wide]
+    if narrow in _SIGNED_BITS and wide in _SIGNED_BITS:
+        return _SIGNED_BITS[narrow] <= _SIGNED_BITS[wide]
+    if narrow in _UNSIGNED_BITS and wide in _SIGNED_BITS:
+        return _UNSIGNED_BITS[narrow] < _SIGNED_BITS[wide]
+    integer_bits = _SIGNED_BITS.get(narrow) or _UNSIGNED_BITS.get(narrow)
+    if integer_bits is not None and wide in _MANTISSA_BITS:
+        return integer_bits <= _MANTISSA_BITS[wide] + (narrow in _UNSIGNED_BITS)
+    return False
+
+
+def source_dtype(cast: Node) -> torch.dtype | None:
+    return node_dtype(cast.args[0])

@@ -1,0 +1,33 @@
+"""The exceptions fx16 raises.
+
+Every failure fx16 reports is an ``Fx16Error``; catching that one type is enough.
+The public entry points restore the caller's program before raising (see
+``fx16.program.Program.transaction``).
+"""
+
+
+class Fx16Error(Exception):
+    """Base class of every error fx16 raises on purpose."""
+
+
+class InvalidProgramError(Fx16Error, TypeError):
+    """The argument is not something fx16 can cast (wrong type, missing metadata)."""
+
+
+class PreconditionError(Fx16Error):
+    """A pass was run on a graph that lacks what it needs (named in the message)."""
+
+
+class PassFailedError(Fx16Error):
+    """A stage of a pipeline raised; the message names the stage.
+
+    The public entry points raise it only after restoring the caller's program,
+    and keep the original exception as ``__cause__``.
+    """
+
+    def __init__(self, stage: str, cause: BaseException) -> None:
+        super().__init__(
+            f"fx16 stage {stage} failed: {type(cause).__name__}: {cause}. "
+            "The program was left unchanged."
+        )
+        self.stage = stage

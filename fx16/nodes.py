@@ -1,0 +1,95 @@
+"""Small read-only questions about FX nodes: dtypes, inputs, scalar arguments.
+
+Scalars are found through the op schema: an argument declared ``Scalar`` or
+``float`` holds a number that enters the computation (an fp16 op needs it in
+range); ``int`` arguments are sizes, dims or indices and are never touched.
+"""
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+_SCALAR_TYPES = frozenset({"number", "Optional[number]", "float", "Optional[float]"})
+
+# Where an argument sits in a node: ("args", index) or ("kwargs", name).
+Location = tuple[str, Any]
+
+
+def node_val(node: Any) -> Any:
+    """The fake value torch.export recorded for a node (None for non-nodes or when absent)."""
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def node_dtype(node: Any) -> torch.dtype | None:
+    """dtype of a node's tensor value, or None when the node is not a single tensor."""
+    val = node_val(node)
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def is_float_node(node: Any) -> bool:
+    return node_dtype(node) in FLOAT_DTYPES
+
+
+def tensor_inputs(node: Node) -> list[Node]:
+    """The distinct input nodes whose value is a tensor, in argument order."""
+    return [arg for arg in node.all_input_nodes if isinstance(node_val(arg), torch.Tensor)]
+
+
+def schema_arguments(node: Node) -> Iterator[tuple[Location, Any, Any]]:
+    """(location, schema argument, value) for every argument the node passes explicitly."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return
+    by_name = {arg.name: arg for arg in schema.arguments}
+    for index, value in enumerate(node.args):
+        if index < len(schema.arguments):
+            yield ("args", index), schema.arguments[index], value
+    for name, value in node.kwargs.items():
+        if name in by_name:
+            yield ("kwargs", name), by_name[name], value
+
+
+def value_scalars(node: Node) -> list[tuple[Location, int | float]]:
+    """Numbers passed in ``Scalar``/``float`` arguments (bools excluded)."""
+    found = []
+    for location, argument, value in schema_arguments(node):
+        if str(argument.type) in _SCALAR_TYPES and isinstance(value, (int, float)):
+            if not isinstance(value, bool):
+                found.append((location, value))
+    return found
+
+
+def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
+    """Arguments that pass a dtype (``dtype=torch.float32`` and the like)."""
+    return [
+        (location, value)
+        for location, _, value in schema_arguments(node)
+        if isinstance(value, torch.dtype)
+    ]
+
+
+def get_argument(node: Node, location: Location) -> Any:
+    kind, key = location
+    return node.args[key] if kind == "args" else node.kwargs[key]
+
+
+def set_argument(node: Node, location: Location, value: Any) -> None:
+    kind, key = location
+    if kind == "args":
+        args = list(node.args)
+        args[key] = value
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, key: value}
+
+
+def mutated_argument(node: Node) -> Node | None:
+    """The input an in-place op writes to (``add_``'s self, ``copy_``'s dst), if any."""
+    for location, argument, value in schema_arguments(node):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            return value if isinstance(value, Node) else None
+    return None

@@ -1,0 +1,88 @@
+"""CastRule: the shape every cast-cleanup rule shares (match, refusal, rewrite)."""
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16.casts import cast_dtype, is_cast, is_inserted, represents_exactly, source_dtype
+from fx16.nodes import mutated_argument
+from fx16.program import Program
+
+# meta key: why a cleanup rule left a matching cast in place.
+KEPT_CAST = "fx16.kept_cast"
+
+
+class CastRule(PassBase):
+    """A cleanup rule: one linear walk over the graph, rewriting each node it matches.
+
+    Subclasses define ``match`` (is this node the rule's pattern?), ``refusal``
+    (a reason not to rewrite it, or None) and ``rewrite``. A refusal is recorded in
+    ``meta["fx16.kept_cast"]``. The output specs are kept in step with the graph.
+    """
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+
+    def match(self, node: Node) -> bool:
+        raise NotImplementedError
+
+    def refusal(self, node: Node) -> str | None:
+        return None
+
+    def rewrite(self, node: Node) -> None:
+        raise NotImplementedError
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        modified = False
+        for node in list(graph_module.graph.nodes):
+            if node.graph is not graph_module.graph or not self.match(node):
+                continue
+            reason = self.refusal(node)
+            if reason is None:
+                self.rewrite(node)
+                modified = True
+            else:
+                node.meta[KEPT_CAST] = reason
+        if modified:
+            self.program.sync_output_specs()
+        return PassResult(graph_module, modified)
+
+
+def is_written_in_place(node: Node) -> bool:
+    return any(mutated_argument(user) is node for user in node.users)
+
+
+def chain_refusal(inner: Node, outer: Node) -> str | None:
+    """Why ``outer(inner(x))`` may not read ``x`` directly, or None when it may.
+
+    Casts fx16 inserted may be skipped freely. A cast the model wrote may be
+    skipped only when it loses nothing: x -> fp32 -> fp16 equals x -> fp16 for an
+    fp16 x, but x -> fp16 -> fp32 rounds, so the model's narrowing stays.
+    """
+    if is_inserted(inner) and is_inserted(outer):
+        return None
+    if represents_exactly(source_dtype(inner), cast_dtype(inner)):
+        return None
+    return "the model narrows here on purpose (the chain changes range or resolution)"
+
+
+def read_through(inner: Node, outer: Node) -> None:
+    """Make ``outer`` read what ``inner`` reads, erasing ``inner`` if nothing else uses it."""
+    outer.args = (inner.args[0], *outer.args[1:])
+    if not inner.users:
+        inner.graph.erase_node(inner)
+
+
+def is_cast_of_cast(node: Node) -> bool:
+    return is_cast(node) and isinstance(node.args[0], Node) and is_cast(node.args[0])
+
+
+def same_dtype_cast(node: Node) -> bool:
+    return is_cast(node) and cast_dtype(node) == source_dtype(node)
+
+
+def dtype_groups(casts: list[Node]) -> dict[torch.dtype, list[Node]]:
+    groups: dict[torch.dtype, list[Node]] = {}
+    for cast in casts:
+        groups.setdefault(cast_dtype(cast), []).append(cast)
+    return groups

@@ -1,0 +1,44 @@
+"""CleanupCastsPass: run the cast-cleanup rules until none applies."""
+
+from torch.fx import GraphModule
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16.errors import PassFailedError
+from fx16.passes.bypass_branching_casts import BypassBranchingCastsPass
+from fx16.passes.cast_rule import CastRule
+from fx16.passes.deduplicate_casts import DeduplicateCastsPass
+from fx16.passes.fuse_cast_chains import FuseCastChainsPass
+from fx16.passes.remove_noop_casts import RemoveNoopCastsPass
+from fx16.program import Program
+
+# Each round is one linear walk per rule; every rewrite removes a cast or moves a
+# cast's input to an earlier node, so rounds are few. The cap only guards against a bug.
+_MAX_ROUNDS = 64
+
+
+class CleanupCastsPass(PassBase):
+    """Drive the cleanup rules to a fixed point.
+
+    Default order: dedupe first (fewer nodes for the others), then fuse chains,
+    bypass shared casts, and drop the no-ops those rewrites leave behind.
+    Reads and writes what its rules do (casts, ``meta["fx16.kept_cast"]``, output specs).
+    """
+
+    def __init__(self, program: Program, rules: list[CastRule] | None = None) -> None:
+        self.rules = rules or [
+            DeduplicateCastsPass(program),
+            FuseCastChainsPass(program),
+            BypassBranchingCastsPass(program),
+            RemoveNoopCastsPass(program),
+        ]
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        modified = False
+        for _ in range(_MAX_ROUNDS):
+            changed = [rule(graph_module).modified for rule in self.rules]
+            if not any(changed):
+                return PassResult(graph_module, modified)
+            modified = True
+        raise PassFailedError(
+            type(self).__name__, RuntimeError(f"no fixed point after {_MAX_ROUNDS} rounds")
+        )

@@ -1,0 +1,33 @@
+"""ConvertUserInputsPass: fp32 user inputs become fp16 inputs."""
+
+import torch
+from torch.fx import GraphModule
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16.casts import retype_val
+from fx16.decisions import Reason, decide
+from fx16.nodes import node_dtype
+from fx16.program import Program
+
+
+class ConvertUserInputsPass(PassBase):
+    """Declare every fp32 user input as fp16: callers pass fp16 tensors afterwards.
+
+    Reads: the user-input placeholders.
+    Writes: their ``meta["val"]`` and ``meta["fx16.precision"]``; the program's
+    recorded example inputs, converted to match.
+    """
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        new_dtypes = {}
+        for index, placeholder in enumerate(self.program.user_input_placeholders()):
+            if node_dtype(placeholder) != torch.float32:
+                continue
+            placeholder.meta["val"] = retype_val(placeholder.meta["val"], torch.float16)
+            decide(placeholder, torch.float16, Reason.FITS)
+            new_dtypes[index] = torch.float16
+        self.program.retype_example_inputs(new_dtypes)
+        return PassResult(graph_module, bool(new_dtypes))

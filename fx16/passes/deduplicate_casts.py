@@ -1,0 +1,41 @@
+"""DeduplicateCastsPass: one cast per (value, dtype)."""
+
+from torch.fx import Node
+
+from fx16.casts import INSERTED, is_cast, is_inserted
+from fx16.passes.cast_rule import CastRule, dtype_groups, is_written_in_place
+
+
+class DeduplicateCastsPass(CastRule):
+    """Casts of the same value to the same dtype are merged into the first one.
+
+    Input graph:  x -> to(f32) -> a;  x -> to(f32) -> b
+    Output graph: x -> c=to(f32) -> {a, b}
+
+    The survivor counts as the model's own cast if any merged cast was, so later
+    rules stay as strict with it. Casts whose result is written in place are not merged.
+    """
+
+    def match(self, node: Node) -> bool:
+        return any(len(group) > 1 for group in dtype_groups(self._casts_of(node)).values())
+
+    def rewrite(self, node: Node) -> None:
+        for group in dtype_groups(self._casts_of(node)).values():
+            if len(group) < 2:
+                continue
+            group.sort()  # fx nodes order by their position in the graph
+            keeper, duplicates = group[0], group[1:]
+            if not all(is_inserted(cast) for cast in group):
+                keeper.meta.pop(INSERTED, None)
+            for duplicate in duplicates:
+                duplicate.replace_all_uses_with(keeper)
+                duplicate.graph.erase_node(duplicate)
+
+    @staticmethod
+    def _casts_of(node: Node) -> list[Node]:
+        return [
+            user
+            for user in node.users
+            if is_cast(user) and user.args[0] is node and not is_written_in_place(user)
+        ]
+

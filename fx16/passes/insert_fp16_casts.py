@@ -1,0 +1,298 @@
+"""InsertFP16CastsPass: decide, op by op, whether to compute in fp16 or fp32."""
+
+import operator
+
+import torch
+from torch._ops import HigherOrderOperator
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16.casts import (
+    INSERTED,
+    CastInserter,
+    cast_dtype,
+    is_cast,
+    is_inserted,
+    retype_val,
+    set_cast_dtype,
+)
+from fx16.decisions import Reason, decide, decision_of, was_narrowed
+from fx16.nodes import (
+    FLOAT_DTYPES,
+    dtype_arguments,
+    mutated_argument,
+    node_dtype,
+    node_val,
+    set_argument,
+    tensor_inputs,
+    value_scalars,
+)
+from fx16.numerics import round_scalar_to_fp16
+from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
+from fx16.program import Program
+
+FP16, FP32 = torch.float16, torch.float32
+
+# why-values of meta["fx16.inserted"]
+UPCAST, DOWNCAST, RETARGETED, OUTPUT_DTYPE = "upcast", "cast-back", "retargeted", "output dtype"
+
+
+class InsertFP16CastsPass(PassBase):
+    """Walk the graph in order and give every float op a precision.
+
+    Reads: ``meta["val"]`` and ``meta["fx16.precision"]`` of the inputs (run the
+    parameter and user-input converters first).
+    Writes: op ``meta["val"]`` dtypes, rounded scalars, ``dtype=`` arguments,
+    inserted ``_to_copy`` casts (marked ``meta["fx16.inserted"]``) and
+    ``meta["fx16.precision"]`` on every op it considers; the output specs.
+
+    An op computes in fp16 when all its float inputs are fp16 and its scalars fit.
+    It stays fp32 - fp16 inputs upcast before it, its result cast back after it -
+    when an input is fp32 or a scalar lies beyond 65504. Creation ops get
+    ``dtype=torch.float16``. With ``keep_explicit_fp32`` (the default) a cast to
+    fp32 that the model makes on a 16-bit value (``x.float()``), or an op given
+    ``dtype=torch.float32``, opens an fp32 region: ops fed only from it stay fp32
+    with no cast-back, until the model casts to fp32 again (in the source, the
+    cast back to the input dtype), which then becomes the cast to fp16.
+    """
+
+    def __init__(self, program: Program, *, keep_explicit_fp32: bool = True) -> None:
+        self.program = program
+        self.keep_explicit_fp32 = keep_explicit_fp32
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        graph = graph_module.graph
+        nodes_before = len(graph.nodes)
+        run = _Run(CastInserter(graph), self.keep_explicit_fp32)
+        for node in list(graph.nodes):
+            if node.op == "call_function":
+                run.visit(node)
+        run.restore_required_output_dtypes(self.program.required_output_dtypes())
+        self.program.sync_output_specs()
+        modified = run.modified or len(graph.nodes) != nodes_before
+        return PassResult(graph_module, modified)
+
+
+def _is_island(node: Node) -> bool:
+    decision = decision_of(node)
+    return decision is not None and decision.reason == Reason.EXPLICIT_FP32
+
+
+def _fp32_parts(val) -> bool:
+    if isinstance(val, torch.Tensor):
+        return val.dtype == FP32
+    if isinstance(val, (list, tuple)):
+        return any(_fp32_parts(item) for item in val)
+    return False
+
+
+class _Run:
+    """State of one walk over one graph."""
+
+    def __init__(self, casts: CastInserter, keep_explicit_fp32: bool) -> None:
+        self.casts = casts
+        self.keep_explicit_fp32 = keep_explicit_fp32
+        self.modified = False
+
+    def visit(self, node: Node) -> None:
+        if node.target == operator.getitem:
+            self.visit_getitem(node)
+        elif node.target in ASSERT_METADATA_OPS:
+            self.visit_assert(node)
+        elif is_cast(node) and cast_dtype(node) == FP32:
+            self.visit_cast_to_fp32(node)
+        elif is_cast(node):
+            self.visit_other_cast(node)
+        elif node.target in CREATION_OPS and node_dtype(node) == FP32:
+            self.visit_creation(node)
+        elif isinstance(node.target, HigherOrderOperator):
+            self.visit_opaque(node)
+        elif mutated_argument(node) is not None:
+            self.visit_in_place(node)
+        else:
+            self.visit_compute(node)
+
+    # ---- special nodes -------------------------------------------------------------
+
+    def visit_getitem(self, node: Node) -> None:
+        container, index = node.args
+        container_val = node_val(container)
+        if not isinstance(container_val, (list, tuple)):
+            return
+        element = container_val[index]
+        if not isinstance(element, torch.Tensor):
+            return
+        original = node_dtype(node)
+        node.meta["val"] = element
+        decision = decision_of(container)
+        if decision is None:
+            return
+        decide(node, element.dtype if element.dtype in FLOAT_DTYPES else decision.dtype, decision.reason)
+        if original == FP32 and element.dtype == FP32 and not _is_island(node):
+            self.cast_back(node, decision.reason)
+
+    def visit_assert(self, node: Node) -> None:
+        """``_assert_tensor_metadata`` checks the dtype of the value as it is now."""
+        dtype = node_dtype(node.args[0])
+        if dtype is None:
+            return
+        if len(node.args) > 3 and isinstance(node.args[3], torch.dtype):
+            if node.args[3] != dtype:
+                set_argument(node, ("args", 3), dtype)
+                self.modified = True
+            # torch.export.load may also leave a copy in kwargs; two dtypes break the call.
+            if "dtype" in node.kwargs:
+                node.kwargs = {k: v for k, v in node.kwargs.items() if k != "dtype"}
+        elif isinstance(node.kwargs.get("dtype"), torch.dtype) and node.kwargs["dtype"] != dtype:
+            set_argument(node, ("kwargs", "dtype"), dtype)
+            self.modified = True
+
+    def visit_cast_to_fp32(self, node: Node) -> None:
+        source = node.args[0]
+        source_dtype = node_dtype(source)
+        if source_dtype == FP32 and _is_island(source):
+            # The model's way back from its fp32 region: to the program's working dtype.
+            self.retarget(node, FP16)
+        elif source_dtype == FP32:
+            decide(node, FP32, decision_of(source).reason if decision_of(source) else Reason.FP32_INPUT)
+        elif source_dtype in (FP16, torch.bfloat16) and self.keep_explicit_fp32:
+            decide(node, FP32, Reason.EXPLICIT_FP32)
+        else:
+            self.retarget(node, FP16)
+
+    def visit_other_cast(self, node: Node) -> None:
+        if cast_dtype(node) is None:
+            self.visit_compute(node)
+
+    def retarget(self, node: Node, dtype: torch.dtype) -> None:
+        set_cast_dtype(node, dtype)
+        node.meta[INSERTED] = RETARGETED
+        decide(node, dtype, Reason.FITS)
+        self.modified = True
+
+    def visit_creation(self, node: Node) -> None:
+        rounded = []
+        for location, value in value_scalars(node):
+            new_value = round_scalar_to_fp16(float(value))
+            if new_value is None:
+                decide(node, FP32, Reason.SCALAR_OVERFLOW)
+                return
+            rounded.append((location, new_value if isinstance(value, float) else value))
+        for location, value in rounded:
+            set_argument(node, location, value)
+        node.kwargs = {**node.kwargs, "dtype": FP16}
+        node.meta["val"] = retype_val(node.meta["val"], FP16)
+        decide(node, FP16, Reason.FITS)
+        self.modified = True
+
+    def visit_opaque(self, node: Node) -> None:
+        """A higher-order op runs its body as exported: feed it fp32 like before."""
+        if any(was_narrowed(arg) for arg in tensor_inputs(node)):
+            self.upcast_inputs(node)
+            decide(node, FP32, Reason.OPAQUE_SUBGRAPH)
+
+    def visit_in_place(self, node: Node) -> None:
+        """An in-place op keeps the dtype of the tensor it writes to."""
+        target_dtype = node_dtype(mutated_argument(node))
+        val = node_val(node)
+        if isinstance(val, torch.Tensor) and target_dtype is not None and val.dtype != target_dtype:
+            node.meta["val"] = retype_val(val, target_dtype)
+            self.modified = True
+
+    # ---- ordinary ops --------------------------------------------------------------
+
+    def visit_compute(self, node: Node) -> None:
+        float_inputs = [arg for arg in tensor_inputs(node) if node_dtype(arg) in FLOAT_DTYPES]
+        produces_fp32 = _fp32_parts(node_val(node))
+        if not any(was_narrowed(arg) or node_dtype(arg) == FP32 for arg in float_inputs):
+            if produces_fp32 and not float_inputs:
+                decide(node, FP32, Reason.NO_FLOAT_INPUT)
+            return
+
+        scalars = value_scalars(node)
+        explicit_fp32 = any(dtype == FP32 for _, dtype in dtype_arguments(node))
+        fp32_inputs = [arg for arg in float_inputs if node_dtype(arg) == FP32]
+        other_float = any(node_dtype(arg) not in (FP16, FP32) for arg in float_inputs)
+
+        if explicit_fp32 and self.keep_explicit_fp32:
+            decide(node, FP32, Reason.EXPLICIT_FP32)
+        elif fp32_inputs and all(_is_island(arg) for arg in float_inputs):
+            decide(node, FP32, Reason.EXPLICIT_FP32)
+        elif fp32_inputs:
+            self.run_in_fp32(node, Reason.FP32_INPUT, produces_fp32)
+        elif any(round_scalar_to_fp16(float(value)) is None for _, value in scalars):
+            self.run_in_fp32(node, Reason.SCALAR_OVERFLOW, produces_fp32)
+        elif other_float and produces_fp32:
+            self.run_in_fp32(node, Reason.MIXED_FLOAT_DTYPES, produces_fp32)
+        else:
+            self.run_in_fp16(node, scalars, produces_fp32)
+
+    def run_in_fp16(self, node: Node, scalars, produces_fp32: bool) -> None:
+        for location, value in scalars:
+            if isinstance(value, float):
+                set_argument(node, location, round_scalar_to_fp16(value))
+        for location, dtype in dtype_arguments(node):
+            if dtype == FP32:
+                set_argument(node, location, FP16)
+        val = node_val(node)
+        if isinstance(val, torch.Tensor) and val.dtype == FP32:
+            node.meta["val"] = retype_val(val, FP16)
+        elif produces_fp32:
+            node.meta["val"] = _propagate_fake(node)
+        decide(node, FP16, Reason.FITS)
+        self.modified = True
+
+    def run_in_fp32(self, node: Node, reason: Reason, produces_fp32: bool) -> None:
+        self.upcast_inputs(node)
+        decide(node, FP32, reason)
+        if isinstance(node_val(node), torch.Tensor) and produces_fp32:
+            self.cast_back(node, reason)
+
+    def upcast_inputs(self, node: Node) -> None:
+        def upcast(arg: Node) -> Node:
+            if not was_narrowed(arg) or node_dtype(arg) != FP16:
+                return arg
+            # Reading a value we cast back from fp32 a moment ago: use the fp32 original.
+            if is_inserted(arg) and arg.meta[INSERTED] == DOWNCAST:
+                return arg.args[0]
+            return self.casts.cast(arg, FP32, UPCAST)
+
+        node.args = map_arg(node.args, upcast)
+        node.kwargs = map_arg(node.kwargs, upcast)
+        self.modified = True
+
+    def cast_back(self, node: Node, reason: Reason) -> None:
+        back = self.casts.cast_after(node, FP16, DOWNCAST)
+        decide(back, FP16, reason)
+        self.modified = True
+
+    def restore_required_output_dtypes(self, required: dict[int, torch.dtype]) -> None:
+        """Mutated buffers and inputs are written back in their own dtype."""
+        output = self.casts.graph.output_node()
+        returned = list(output.args[0])
+        for index, dtype in required.items():
+            value = returned[index]
+            if not isinstance(value, Node) or node_dtype(value) in (None, dtype):
+                continue
+            if is_inserted(value) and node_dtype(value.args[0]) == dtype:
+                returned[index] = value.args[0]
+            else:
+                returned[index] = self.casts.cast(value, dtype, OUTPUT_DTYPE)
+        if returned != list(output.args[0]):
+            output.args = (type(output.args[0])(returned), *output.args[1:])
+            self.modified = True
+
+
+def _propagate_fake(node: Node):
+    """Recompute a multi-output op's value from its inputs' current values."""
+    fake_mode = next(
+        (val.fake_mode for val in map(node_val, node.all_input_nodes) if hasattr(val, "fake_mode")),
+        None,
+    )
+    args = map_arg(node.args, node_val)
+    kwargs = map_arg(node.kwargs, node_val)
+    if fake_mode is None:
+        return node.target(*args, **kwargs)
+    with fake_mode:
+        return node.target(*args, **kwargs)

@@ -1,0 +1,52 @@
+"""The pass lists behind the public entry points, and the runner they share.
+
+Each call builds fresh pass instances bound to one program, so a list can be
+handed to ``torch.fx.passes.infra.pass_manager.PassManager`` as it is, or edited
+(reordered, extended with a user's own passes) first.
+"""
+
+from torch.fx import GraphModule
+from torch.fx.passes.infra.pass_base import PassBase
+
+from fx16.passes import (
+    CleanupCastsPass,
+    ConvertParametersPass,
+    ConvertUserInputsPass,
+    InsertFP16CastsPass,
+)
+from fx16.program import Program
+
+
+def fp16_passes(ep, *, keep_explicit_fp32: bool = True) -> list[PassBase]:
+    """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
+
+    Order: state tensors and user inputs first, so the cast inserter sees every
+    graph input in its final dtype; then the inserter walks the graph once; cleanup
+    last, because it only removes casts and needs them all in place.
+    """
+    program = Program(ep)
+    return [
+        ConvertParametersPass(program),
+        ConvertUserInputsPass(program),
+        InsertFP16CastsPass(program, keep_explicit_fp32=keep_explicit_fp32),
+        CleanupCastsPass(program),
+    ]
+
+
+def run_passes(passes: list[PassBase], graph_module: GraphModule) -> bool:
+    """Run ``passes`` in order on ``graph_module``, recompiling once at the end.
+
+    Same effect as ``PassManager(passes)(graph_module)``, which recompiles after
+    every pass. An exception raised by a pass carries its name in ``fx16_stage``.
+    Returns whether any pass modified the graph.
+    """
+    modified = False
+    for pass_ in passes:
+        try:
+            result = pass_(graph_module)
+        except Exception as error:
+            error.fx16_stage = type(pass_).__name__
+            raise
+        modified = modified or bool(result and result.modified)
+    graph_module.recompile()
+    return modified

@@ -1,0 +1,158 @@
+"""The view of an ExportedProgram that fx16 passes share.
+
+This module is the only code that reads or writes an ExportedProgram's
+``state_dict``, ``constants``, graph signature and example inputs. Passes get a
+``Program`` in their constructor and touch program state only through it.
+"""
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+from torch.fx import GraphModule, Node
+
+from fx16.errors import Fx16Error, InvalidProgramError, PassFailedError
+
+_STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+@dataclass(frozen=True)
+class StateSlot:
+    """A placeholder fed from the program's state: a parameter, buffer or constant."""
+
+    placeholder: Node
+    target: str  # the state_dict / constants key, e.g. "layers.0.weight"
+    kind: InputKind
+
+
+class Program:
+    """Reads and updates one ExportedProgram's state on behalf of the passes."""
+
+    def __init__(self, ep: ExportedProgram) -> None:
+        if not isinstance(ep, ExportedProgram):
+            raise InvalidProgramError(
+                f"fx16 expects a torch.export.ExportedProgram, got {type(ep).__name__}"
+                + (
+                    "; export it first with torch.export.export(model, args)"
+                    if isinstance(ep, (torch.nn.Module, GraphModule))
+                    else ""
+                )
+            )
+        self.ep = ep
+
+    @property
+    def graph_module(self) -> GraphModule:
+        return self.ep.graph_module
+
+    def _placeholders_by_name(self) -> dict[str, Node]:
+        return {node.name: node for node in self.graph_module.graph.find_nodes(op="placeholder")}
+
+    # ---- state -----------------------------------------------------------------
+
+    def state_slots(self) -> list[StateSlot]:
+        """Parameters, buffers and tensor constants, in signature order."""
+        placeholders = self._placeholders_by_name()
+        return [
+            StateSlot(placeholders[spec.arg.name], spec.target, spec.kind)
+            for spec in self.ep.graph_signature.input_specs
+            if spec.kind in _STATE_KINDS and spec.arg.name in placeholders
+        ]
+
+    def state_tensor(self, target: str) -> torch.Tensor | None:
+        """The tensor stored under ``target`` (state_dict first, then constants)."""
+        for store in (self.ep.state_dict, self.ep.constants):
+            value = store.get(target)
+            if isinstance(value, torch.Tensor):
+                return value
+        return None
+
+    def replace_state_tensor(self, target: str, tensor: torch.Tensor) -> None:
+        """Store ``tensor`` under ``target``, keeping the Parameter wrapper if there was one."""
+        store = self.ep.state_dict if target in self.ep.state_dict else self.ep.constants
+        old = store[target]
+        if isinstance(old, torch.nn.Parameter):
+            tensor = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
+        store[target] = tensor
+
+    # ---- user inputs and outputs ---------------------------------------------------
+
+    def user_input_placeholders(self) -> list[Node]:
+        placeholders = self._placeholders_by_name()
+        return [
+            placeholders[spec.arg.name]
+            for spec in self.ep.graph_signature.input_specs
+            if spec.kind == InputKind.USER_INPUT and spec.arg.name in placeholders
+        ]
+
+    def output_node(self) -> Node:
+        return self.graph_module.graph.output_node()
+
+    def required_output_dtypes(self) -> dict[int, torch.dtype]:
+        """Output positions whose dtype is fixed: mutations must match what they write to."""
+        required = {}
+        placeholders = self._placeholders_by_name()
+        input_names = {spec.target: spec.arg.name for spec in self.ep.graph_signature.input_specs}
+        for index, spec in enumerate(self.ep.graph_signature.output_specs):
+            if spec.kind == OutputKind.BUFFER_MUTATION:
+                tensor = self.state_tensor(spec.target)
+                if tensor is not None:
+                    required[index] = tensor.dtype
+            elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+                placeholder = placeholders.get(input_names.get(spec.target, spec.target))
+                val = placeholder.meta.get("val") if placeholder is not None else None
+                if isinstance(val, torch.Tensor):
+                    required[index] = val.dtype
+        return required
+
+    def sync_output_specs(self) -> None:
+        """Point each output spec at the node the graph now returns in its position."""
+        returned = self.output_node().args[0]
+        for spec, value in zip(self.ep.graph_signature.output_specs, returned):
+            if isinstance(spec.arg, TensorArgument) and isinstance(value, Node):
+                spec.arg.name = value.name
+
+    def retype_example_inputs(self, dtypes: dict[int, torch.dtype]) -> None:
+        """Convert the recorded example inputs: user input number i to dtypes[i]."""
+        if self.ep.example_inputs is None or not dtypes:
+            return
+        flat, spec = pytree.tree_flatten(self.ep.example_inputs)
+        flat = [
+            value.to(dtypes[index]) if index in dtypes and isinstance(value, torch.Tensor) else value
+            for index, value in enumerate(flat)
+        ]
+        self.ep.example_inputs = pytree.tree_unflatten(flat, spec)
+
+    # ---- transactions ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Run a block that rewrites the program; if it raises, put everything back.
+
+        Restores the graph (and its code), state_dict, constants, graph signature
+        and example inputs, then raises the error as an ``Fx16Error`` (a
+        ``PassFailedError`` naming the stage when it was not one already).
+        """
+        ep = self.ep
+        graph = copy.deepcopy(self.graph_module.graph)
+        state_dict, constants = dict(ep.state_dict), dict(ep.constants)
+        signature = copy.deepcopy(ep.graph_signature)
+        example_inputs = ep.example_inputs
+        try:
+            yield
+        except BaseException as error:
+            self.graph_module.graph = graph
+            self.graph_module.recompile()
+            for store, saved in ((ep.state_dict, state_dict), (ep.constants, constants)):
+                store.clear()
+                store.update(saved)
+            ep._graph_signature = signature
+            ep._example_inputs = example_inputs
+            if isinstance(error, Fx16Error) or not isinstance(error, Exception):
+                raise
+            stage = getattr(error, "fx16_stage", "unknown")
+            raise PassFailedError(stage, error) from error
