@@ -96,6 +96,8 @@ class _Run:
         self.modified = False
 
     def visit(self, node: Node) -> None:
+        if is_inserted(node):
+            return  # a cast fx16 made (on this run or an earlier one) is already decided
         if node.target == operator.getitem:
             self.visit_getitem(node)
         elif node.target in ASSERT_METADATA_OPS:
@@ -230,18 +232,21 @@ class _Run:
 
     def run_in_fp16(self, node: Node, scalars, produces_fp32: bool) -> None:
         for location, value in scalars:
-            if isinstance(value, float):
+            if isinstance(value, float) and round_scalar_to_fp16(value) != value:
                 set_argument(node, location, round_scalar_to_fp16(value))
+                self.modified = True
         for location, dtype in dtype_arguments(node):
             if dtype == FP32:
                 set_argument(node, location, FP16)
+                self.modified = True
         val = node_val(node)
         if isinstance(val, torch.Tensor) and val.dtype == FP32:
             node.meta["val"] = retype_val(val, FP16)
+            self.modified = True
         elif produces_fp32:
             node.meta["val"] = _propagate_fake(node)
+            self.modified = True
         decide(node, FP16, Reason.FITS)
-        self.modified = True
 
     def run_in_fp32(self, node: Node, reason: Reason, produces_fp32: bool) -> None:
         self.upcast_inputs(node)
@@ -253,6 +258,7 @@ class _Run:
         def upcast(arg: Node) -> Node:
             if not was_narrowed(arg) or node_dtype(arg) != FP16:
                 return arg
+            self.modified = True
             # Reading a value we cast back from fp32 a moment ago: use the fp32 original.
             if is_inserted(arg) and arg.meta[INSERTED] == DOWNCAST:
                 return arg.args[0]
@@ -260,9 +266,11 @@ class _Run:
 
         node.args = map_arg(node.args, upcast)
         node.kwargs = map_arg(node.kwargs, upcast)
-        self.modified = True
 
     def cast_back(self, node: Node, reason: Reason) -> None:
+        """Give the consumers of an fp32 result an fp16 value (casts among them convert anyway)."""
+        if all(is_cast(user) for user in node.users):
+            return
         back = self.casts.cast_after(node, FP16, DOWNCAST)
         decide(back, FP16, reason)
         self.modified = True

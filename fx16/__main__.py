@@ -1,0 +1,5 @@
+import sys
+
+from fx16.cli import main
+
+sys.exit(main())

@@ -1,0 +1,56 @@
+"""Figures that describe a program's precision: weight bytes, casts, ops per dtype."""
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+
+from fx16.casts import is_cast, is_inserted
+from fx16.nodes import node_val
+from fx16.ops import ASSERT_METADATA_OPS
+
+_BOOKKEEPING = {"getitem"}
+
+
+@dataclass(frozen=True)
+class ProgramStats:
+    weight_bytes: int
+    casts: int
+    inserted_casts: int
+    ops_by_dtype: dict[str, int]  # compute ops by the float dtype they produce
+
+    def ops_in(self, dtype: torch.dtype) -> int:
+        return self.ops_by_dtype.get(str(dtype).removeprefix("torch."), 0)
+
+
+def program_stats(ep: ExportedProgram) -> ProgramStats:
+    """Count what a cast changed: state bytes, cast nodes, float ops per dtype."""
+    tensors = {id(t): t for t in (*ep.state_dict.values(), *ep.constants.values())}
+    weight_bytes = sum(
+        t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)
+    )
+    casts = inserted = 0
+    ops: Counter[str] = Counter()
+    for node in ep.graph_module.graph.nodes:
+        if node.op != "call_function" or node.target in ASSERT_METADATA_OPS:
+            continue
+        if is_cast(node):
+            casts += 1
+            inserted += is_inserted(node)
+            continue
+        if getattr(node.target, "__name__", "") in _BOOKKEEPING:
+            continue
+        val = node_val(node)
+        if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+            ops[str(val.dtype).removeprefix("torch.")] += 1
+    return ProgramStats(weight_bytes, casts, inserted, dict(ops))
+
+
+def relative_error(reference: torch.Tensor, value: torch.Tensor) -> float:
+    """max |reference - value| / max |reference|, computed in fp64 (0 for an all-zero reference)."""
+    reference, value = reference.double(), value.double()
+    scale = reference.abs().max().item() if reference.numel() else 0.0
+    if scale == 0.0:
+        return float((reference - value).abs().max().item()) if reference.numel() else 0.0
+    return float((reference - value).abs().max().item() / scale)

@@ -1,0 +1,122 @@
+"""Shared test helpers: export small models, run casts, check programs like a downstream user."""
+
+import copy
+import io
+from collections import Counter
+
+import torch
+import torch.utils._pytree as pytree
+
+from fx16.casts import is_cast, is_inserted
+from fx16.pipelines import run_passes
+from fx16.program import Program
+from fx16.stats import relative_error
+
+aten = torch.ops.aten
+
+
+def export(model: torch.nn.Module, *args, decompose: bool = False, dynamic_shapes=None):
+    ep = torch.export.export(model.eval(), tuple(args), dynamic_shapes=dynamic_shapes)
+    return ep.run_decompositions() if decompose else ep
+
+
+def targets(ep) -> Counter:
+    """How many call_function nodes there are per ``node.target``."""
+    return Counter(n.target for n in ep.graph_module.graph.nodes if n.op == "call_function")
+
+
+def casts(ep) -> list[torch.fx.Node]:
+    return [n for n in ep.graph_module.graph.nodes if is_cast(n)]
+
+
+def inserted_casts(ep) -> list[torch.fx.Node]:
+    return [n for n in casts(ep) if is_inserted(n)]
+
+
+def node_named(ep, name: str) -> torch.fx.Node:
+    return next(n for n in ep.graph_module.graph.nodes if n.name == name)
+
+
+def inputs_for(ep, args):
+    """``args`` converted to the dtypes the program's user inputs now expect."""
+    placeholders = Program(ep).user_input_placeholders()
+    flat, spec = pytree.tree_flatten(args)
+    converted = [
+        value.to(node.meta["val"].dtype) if isinstance(value, torch.Tensor) else value
+        for value, node in zip(flat, placeholders)
+    ]
+    return pytree.tree_unflatten(converted, spec)
+
+
+def run(ep, *args):
+    """Run the program on ``args`` (converted to its input dtypes); a flat list of outputs."""
+    with torch.no_grad():
+        return pytree.tree_leaves(ep.module()(*inputs_for(ep, args)))
+
+
+def fp64_reference(model: torch.nn.Module, *args):
+    model64 = copy.deepcopy(model).double()
+    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    with torch.no_grad():
+        return pytree.tree_leaves(model64(*args64))
+
+
+def check_program(ep) -> None:
+    """What a downstream user does with a cast program: lint, validate, save/load, decompose, run."""
+    ep.graph_module.graph.lint()
+    ep.validate()
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer)
+    if ep.example_inputs is not None:
+        args, kwargs = ep.example_inputs
+        expected = pytree.tree_leaves(ep.module()(*args, **kwargs))
+        got = pytree.tree_leaves(loaded.module()(*args, **kwargs))
+        for a, b in zip(expected, got):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, equal_nan=True)
+    copy.deepcopy(ep).run_decompositions()
+    for node in ep.graph_module.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "output":
+            assert val is not None or node.op == "call_function", f"{node.name} lost its meta['val']"
+
+
+def max_error(reference, outputs) -> float:
+    return max(
+        relative_error(r, o) for r, o in zip(reference, outputs) if r.is_floating_point()
+    )
+
+
+def apply_passes_and_check(ep, passes, model, args, tolerance: float = 1e-2):
+    """coremltools-style pass check: run, validate the program, compare with fp64, rerun.
+
+    Returns the (changed) program. Asserts the result agrees with an fp64 run of
+    ``model`` within ``tolerance`` relative error.
+    """
+    run_passes(passes, ep.graph_module)
+    check_program(ep)
+    error = max_error(fp64_reference(model, *args), run(ep, *args))
+    assert error < tolerance, f"relative error {error:.3g} above {tolerance}"
+    return ep
+
+
+def state_snapshot(ep):
+    """Everything a cast may change, in comparable form."""
+    return (
+        ep.graph_module.code,
+        {k: (v.dtype, v.clone()) for k, v in ep.state_dict.items()},
+        {k: (v.dtype, v.clone()) for k, v in ep.constants.items() if isinstance(v, torch.Tensor)},
+        str(ep.graph_signature),
+    )
+
+
+def assert_same_state(a, b) -> None:
+    assert a[0] == b[0]
+    assert str(a[3]) == str(b[3])
+    for left, right in ((a[1], b[1]), (a[2], b[2])):
+        assert left.keys() == right.keys()
+        for key in left:
+            assert left[key][0] == right[key][0], key
+            torch.testing.assert_close(left[key][1], right[key][1], equal_nan=True)

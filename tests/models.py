@@ -1,0 +1,126 @@
+"""Small models the tests export. Seeded by the tests that build them."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fx16.demo import RMSNorm
+
+
+class MLP(nn.Module):
+    def __init__(self, widths=(8, 16, 4)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x):
+        for index, layer in enumerate(self.layers):
+            x = layer(x)
+            if index < len(self.layers) - 1:
+                x = F.gelu(x)
+        return x
+
+
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = F.relu(self.bn(self.conv(x)))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+class MaskedAttention(nn.Module):
+    """Self-attention whose padding mask is filled with ``fill`` (-1e9 or finfo.min)."""
+
+    def __init__(self, width=16, fill=-1e9):
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.fill = fill
+
+    def forward(self, x, keep):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(~keep[:, None, :], self.fill)
+        return self.out(scores.softmax(-1) @ v)
+
+
+class EmbeddingNormSoftmax(nn.Module):
+    def __init__(self, vocab=50, width=16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.norm = nn.LayerNorm(width)
+        self.proj = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        return self.proj(self.norm(self.embed(ids))).softmax(-1)
+
+
+class RMSNormMLP(nn.Module):
+    """A Llama-style RMSNorm (explicit ``x.to(torch.float32)``) in front of a linear layer."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.norm = RMSNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+class MixedBuffers(nn.Module):
+    """Holds an fp16 buffer, an int8 quantized weight with its scale, and an fp64 buffer."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.register_buffer("half_bias", torch.randn(width).half())
+        self.register_buffer("qweight", torch.randint(-127, 127, (width, width), dtype=torch.int8))
+        self.register_buffer("scale", torch.full((width,), 0.02))
+        self.register_buffer("double_gain", torch.ones(width, dtype=torch.float64))
+
+    def forward(self, x):
+        weight = self.qweight.to(torch.float32) * self.scale[:, None]
+        y = x @ weight.t() + self.half_bias
+        return y, (y.double() * self.double_gain).sum()
+
+
+class OverflowWeight(nn.Module):
+    """One weight holds 1e5 (beyond fp16); another is tiny (below fp16's smallest subnormal)."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.big = nn.Parameter(torch.full((width,), 1e5))
+        self.tiny = nn.Parameter(torch.full((width,), 1e-9))
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.fc(x) * 1e-5 * self.big + self.tiny
+
+
+class CreationOps(nn.Module):
+    """Tensors made inside forward: zeros, full, arange, *_like, scalar_tensor."""
+
+    def __init__(self, fill=2.5):
+        super().__init__()
+        self.fill = fill
+
+    def forward(self, x):
+        n = x.shape[-1]
+        ramp = torch.arange(n, dtype=torch.float32) / n
+        base = torch.zeros(n) + torch.full((n,), self.fill)
+        return x * ramp + base + torch.ones_like(x) + torch.scalar_tensor(0.5)
+
+
+class BufferUpdate(nn.Module):
+    """Updates a running buffer in place (BUFFER_MUTATION after run_decompositions)."""
+
+    def __init__(self, width=4, start=0.0):
+        super().__init__()
+        self.register_buffer("running", torch.full((width,), start))
+
+    def forward(self, x):
+        self.running.add_(x.mean(0))
+        return x * 2 + self.running

@@ -1,0 +1,133 @@
+"""cast_fp32_to_fp16 on whole small models: the program stays valid and close to fp64."""
+
+import pytest
+import torch
+
+import fx16
+from helpers import casts, check_program, export, fp64_reference, max_error, run, targets
+from models import (
+    MLP,
+    BufferUpdate,
+    ConvBN,
+    EmbeddingNormSoftmax,
+    MaskedAttention,
+    MixedBuffers,
+    RMSNormMLP,
+)
+
+aten = torch.ops.aten
+
+
+def _cast_and_compare(model, args, decompose=False, tolerance=1e-2):
+    ep = export(model, *args, decompose=decompose)
+    assert fx16.cast_fp32_to_fp16(ep) is ep
+    check_program(ep)
+    outputs = run(ep, *args)
+    assert all(torch.isfinite(o).all() for o in outputs if o.is_floating_point())
+    assert max_error(fp64_reference(model, *args), outputs) < tolerance
+    return ep, outputs
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_mlp_runs_fully_in_fp16(decompose):
+    """x:f32 -> linear -> gelu -> linear   becomes   x:f16 -> ... all f16, no casts."""
+    torch.manual_seed(0)
+    ep, outputs = _cast_and_compare(MLP(), (torch.randn(4, 8),), decompose)
+    assert casts(ep) == []
+    assert all(o.dtype == torch.float16 for o in outputs)
+    assert all(t.dtype == torch.float16 for t in ep.state_dict.values())
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_cnn_with_batchnorm(decompose):
+    torch.manual_seed(0)
+    model = ConvBN()
+    model.bn.running_var.uniform_(0.5, 2.0)
+    ep, outputs = _cast_and_compare(model, (torch.randn(2, 3, 8, 8),), decompose)
+    assert outputs[0].dtype == torch.float16
+    assert ep.state_dict["bn.running_mean"].dtype == torch.float16
+
+
+@pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min, float("-inf")])
+def test_attention_with_large_negative_mask(fill):
+    """-1e9 does not fit fp16: masked_fill runs in fp32; finfo.min and -inf saturate in fp16."""
+    torch.manual_seed(0)
+    keep = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    ep, _ = _cast_and_compare(MaskedAttention(fill=fill), (torch.randn(2, 4, 16), keep))
+    masked_fill = next(n for n in ep.graph_module.graph.nodes if n.target == aten.masked_fill.Scalar)
+    expected = torch.float32 if fill == -1e9 else torch.float16
+    assert masked_fill.meta["val"].dtype == expected
+    if fill != -1e9:
+        assert masked_fill.args[2] in (-65504.0, float("-inf"))
+
+
+def test_embedding_layernorm_softmax():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 6))
+    ep, outputs = _cast_and_compare(EmbeddingNormSoftmax(), (ids,))
+    assert outputs[0].dtype == torch.float16
+    assert ep.example_inputs[0][0].dtype == torch.int64  # integer inputs are untouched
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_rmsnorm_with_explicit_float_keeps_its_fp32_region(decompose):
+    """to(f32) -> pow -> mean -> add -> rsqrt -> mul -> to(f32)   keeps the region in fp32,
+    and the closing cast becomes the cast back to fp16."""
+    torch.manual_seed(0)
+    ep, outputs = _cast_and_compare(RMSNormMLP(), (torch.randn(3, 16),), decompose)
+    by_target = {n.target: n for n in ep.graph_module.graph.nodes if n.op == "call_function"}
+    if not decompose:
+        assert by_target[aten.rsqrt.default].meta["val"].dtype == torch.float32
+        assert by_target[aten.pow.Tensor_Scalar].meta["val"].dtype == torch.float32
+    assert outputs[0].dtype == torch.float16
+
+
+def test_rmsnorm_without_keeping_explicit_fp32_is_all_fp16():
+    torch.manual_seed(0)
+    model = RMSNormMLP()
+    args = (torch.randn(3, 16),)
+    ep = export(model, *args)
+    fx16.cast_fp32_to_fp16(ep, keep_explicit_fp32=False)
+    check_program(ep)
+    floats = [n for n in ep.graph_module.graph.nodes if n.op == "call_function"
+              and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point()]
+    assert all(n.meta["val"].dtype == torch.float16 for n in floats)
+    assert max_error(fp64_reference(model, *args), run(ep, *args)) < 1e-2
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_model_holding_fp16_int8_and_fp64_buffers(decompose):
+    """Only fp32 tensors change: the int8 weight, fp16 bias and fp64 gain keep their dtypes."""
+    torch.manual_seed(0)
+    model = MixedBuffers()
+    ep, outputs = _cast_and_compare(model, (torch.randn(2, 8),), decompose)
+    assert ep.state_dict["qweight"].dtype == torch.int8
+    assert ep.state_dict["half_bias"].dtype == torch.float16
+    assert ep.state_dict["double_gain"].dtype == torch.float64
+    assert ep.state_dict["scale"].dtype == torch.float16
+    assert [o.dtype for o in outputs] == [torch.float16, torch.float64]
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_buffer_updated_in_place(decompose):
+    torch.manual_seed(0)
+    model = BufferUpdate()
+    x = torch.randn(3, 4)
+    ep = export(model, x, decompose=decompose)
+    fx16.cast_fp32_to_fp16(ep)
+    check_program(ep)
+    assert ep.state_dict["running"].dtype == torch.float16
+    assert run(ep, x)[0].dtype == torch.float16
+
+
+def test_buffer_that_overflows_keeps_its_dtype_when_written_back():
+    """running holds 1e5: it stays fp32, and the value written back to it stays fp32."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    ep = export(BufferUpdate(start=1e5), x, decompose=True)
+    fx16.cast_fp32_to_fp16(ep)
+    check_program(ep)
+    output = ep.graph_module.graph.output_node().args[0]
+    assert ep.state_dict["running"].dtype == torch.float32
+    assert output[0].meta["val"].dtype == torch.float32
+    assert targets(ep)[aten._to_copy.default] >= 1
