@@ -1,7 +1,7 @@
 """Small read-only questions about FX nodes: dtypes, inputs, scalar arguments.
 
-Scalars are found through the op schema: an argument declared ``Scalar`` or
-``float`` holds a number that enters the computation (an fp16 op needs it in
+Scalars are found through the op schema: a number in an argument declared
+``Scalar``, ``float`` or ``Tensor`` enters the computation (an fp16 op needs it in
 range); ``int`` arguments are sizes, dims or indices and are never touched.
 """
 
@@ -13,7 +13,10 @@ from torch.fx import Node
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
-_SCALAR_TYPES = frozenset({"number", "Optional[number]", "float", "Optional[float]"})
+# Tensor-typed arguments count too: torch.export passes ``x * 2.0`` as mul.Tensor(x, 2.0).
+_SCALAR_TYPES = frozenset(
+    {"number", "Optional[number]", "float", "Optional[float]", "Tensor", "Optional[Tensor]"}
+)
 
 # Where an argument sits in a node: ("args", index) or ("kwargs", name).
 Location = tuple[str, Any]
@@ -54,7 +57,7 @@ def schema_arguments(node: Node) -> Iterator[tuple[Location, Any, Any]]:
 
 
 def value_scalars(node: Node) -> list[tuple[Location, int | float]]:
-    """Numbers passed in ``Scalar``/``float`` arguments (bools excluded)."""
+    """Numbers passed in ``Scalar``, ``float`` or ``Tensor`` arguments (bools excluded)."""
     found = []
     for location, argument, value in schema_arguments(node):
         if str(argument.type) in _SCALAR_TYPES and isinstance(value, (int, float)):

@@ -77,10 +77,27 @@ def check_program(ep) -> None:
             assert a.dtype == b.dtype
             torch.testing.assert_close(a, b, equal_nan=True)
     copy.deepcopy(ep).run_decompositions()
-    for node in ep.graph_module.graph.nodes:
+    if ep.example_inputs is not None:
+        assert_meta_matches_runtime(ep, *ep.example_inputs)
+
+
+class _DtypeChecker(torch.fx.Interpreter):
+    def run_node(self, node):
+        result = super().run_node(node)
         val = node.meta.get("val")
-        if node.op != "output":
-            assert val is not None or node.op == "call_function", f"{node.name} lost its meta['val']"
+        for got, meta in zip(pytree.tree_leaves(result), pytree.tree_leaves(val)):
+            if isinstance(got, torch.Tensor) and isinstance(meta, torch.Tensor):
+                assert got.dtype == meta.dtype, (
+                    f"{node.name}: meta says {meta.dtype}, running gives {got.dtype}"
+                )
+        return result
+
+
+def assert_meta_matches_runtime(ep, args, kwargs=None) -> None:
+    """Every node's recorded dtype is the dtype it computes when the graph runs."""
+    inputs = Program(ep).graph_inputs(args, kwargs)
+    with torch.no_grad():
+        _DtypeChecker(ep.graph_module).run(*inputs)
 
 
 def max_error(reference, outputs) -> float:

@@ -1,0 +1,117 @@
+"""ConvertParametersPass: state tensors to fp16 unless they overflow or are not fp32."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fx16.decisions import PRECISION, Reason
+from fx16.numerics import FP16_TINY
+from fx16.passes import ConvertParametersPass
+from fx16.program import Program
+from helpers import export, node_named
+from models import MLP, MixedBuffers, OverflowWeight
+
+
+class WithConstant(torch.nn.Module):
+    """forward uses a lifted tensor constant and a non-persistent buffer."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.table = torch.tensor(values)
+        self.register_buffer("offset", torch.tensor(values) * 0.5, persistent=False)
+
+    def forward(self, x):
+        return x * self.table + self.offset
+
+
+def _convert(ep):
+    return ConvertParametersPass(Program(ep))(ep.graph_module)
+
+
+def test_parameters_become_fp16_and_meta_follows():
+    """p_layers_0_weight:f32 placeholder   becomes   p_layers_0_weight:f16 (state and meta)."""
+    ep = export(MLP(), torch.randn(2, 8))
+    result = _convert(ep)
+    assert result.modified
+    for name, tensor in ep.state_dict.items():
+        assert tensor.dtype == torch.float16, name
+        assert isinstance(tensor, torch.nn.Parameter)
+    weight = node_named(ep, "p_layers_0_weight")
+    assert weight.meta["val"].dtype == torch.float16
+    assert weight.meta[PRECISION].reason == Reason.FITS
+
+
+def test_overflowing_weight_stays_fp32_and_tiny_weight_is_not_flushed():
+    ep = export(OverflowWeight(), torch.randn(2, 4))
+    _convert(ep)
+    assert ep.state_dict["big"].dtype == torch.float32
+    assert node_named(ep, "p_big").meta[PRECISION].reason == Reason.VALUE_OVERFLOW
+    assert node_named(ep, "p_big").meta["val"].dtype == torch.float32
+    tiny = ep.state_dict["tiny"]
+    assert tiny.dtype == torch.float16
+    assert torch.all(tiny == torch.tensor(FP16_TINY, dtype=torch.float16))
+
+
+def test_lifted_constants_and_non_persistent_buffers_are_converted():
+    ep = export(WithConstant([1.5, -2.0]), torch.randn(2))
+    _convert(ep)
+    assert {v.dtype for v in ep.constants.values()} == {torch.float16}
+
+
+def test_constant_with_inf_is_converted_but_large_finite_is_not():
+    ep = export(WithConstant([float("inf"), 1.0]), torch.randn(2))
+    _convert(ep)
+    assert ep.constants["table"].dtype == torch.float16
+    assert torch.isinf(ep.constants["table"][0])
+    ep = export(WithConstant([1e6, 1.0]), torch.randn(2))
+    _convert(ep)
+    assert ep.constants["table"].dtype == torch.float32
+
+
+def test_non_fp32_state_is_untouched():
+    model = MixedBuffers()
+    ep = export(model, torch.randn(2, 8))
+    before = {k: v.clone() for k, v in ep.state_dict.items()}
+    _convert(ep)
+    for key in ("half_bias", "qweight", "double_gain"):
+        assert torch.equal(ep.state_dict[key], before[key])
+        assert ep.state_dict[key].dtype == before[key].dtype
+
+
+def test_second_run_changes_nothing():
+    ep = export(MLP(), torch.randn(2, 8))
+    _convert(ep)
+    assert not _convert(ep).modified
+
+
+def test_shared_tensor_converted_once():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4, bias=False)
+            self.b = torch.nn.Linear(4, 4, bias=False)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    ep = export(Tied(), torch.randn(2, 4))
+    _convert(ep)
+    tensors = [t for t in ep.state_dict.values()]
+    assert all(t.dtype == torch.float16 for t in tensors)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(min_value=-1e6, max_value=1e6, width=32), min_size=1, max_size=8))
+def test_conversion_is_exactly_rounding_or_nothing(values):
+    ep = export(WithConstant(values), torch.randn(len(values)))
+    original = ep.constants["table"].clone()
+    _convert(ep)
+    table = ep.constants["table"]
+    if original.abs().max() > 65504:
+        assert table.dtype == torch.float32 and torch.equal(table, original)
+    else:
+        assert table.dtype == torch.float16
+        nonzero = original != 0
+        assert torch.all(table[nonzero] != 0)
+        assert torch.all((table.float() - original).abs() <= original.abs() * 2**-11 + FP16_TINY)

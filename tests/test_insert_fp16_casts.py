@@ -1,0 +1,283 @@
+"""InsertFP16CastsPass on its own (after the two converters, before cleanup)."""
+
+import operator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fx16.casts import INSERTED
+from fx16.decisions import PRECISION, Reason
+from fx16.numerics import round_scalar_to_fp16
+from fx16.passes import ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass
+from fx16.pipelines import run_passes
+from fx16.program import Program
+from helpers import check_program, export, fp64_reference, inserted_casts, max_error, run, targets
+from models import MLP, CreationOps, OverflowWeight
+
+aten = torch.ops.aten
+
+
+def _insert(ep, **options):
+    program = Program(ep)
+    run_passes(
+        [ConvertParametersPass(program), ConvertUserInputsPass(program)], ep.graph_module
+    )
+    result = InsertFP16CastsPass(program, **options)(ep.graph_module)
+    ep.graph_module.recompile()
+    return result
+
+
+def _only(ep, target):
+    nodes = [n for n in ep.graph_module.graph.nodes if n.target == target]
+    assert len(nodes) == 1, nodes
+    return nodes[0]
+
+
+class Scale(torch.nn.Module):
+    def __init__(self, factor):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return (x * self.factor).relu()
+
+
+def test_all_fp16_graph_needs_no_casts():
+    """x -> linear -> gelu -> linear (all f16): no cast inserted, every op f16."""
+    ep = export(MLP(), torch.randn(2, 8))
+    assert _insert(ep).modified
+    assert inserted_casts(ep) == []
+    for node in ep.graph_module.graph.nodes:
+        if node.op == "call_function":
+            assert node.meta["val"].dtype == torch.float16
+            assert node.meta[PRECISION].reason == Reason.FITS
+
+
+def test_scalar_beyond_fp16_keeps_the_op_in_fp32():
+    """x:f16 -> mul(x, 1e5) -> relu   becomes   x -> to(f32) -> mul -> to(f16) -> relu."""
+    ep = export(Scale(1e5), torch.randn(3))
+    _insert(ep)
+    mul = _only(ep, aten.mul.Tensor)
+    assert mul.meta["val"].dtype == torch.float32
+    assert mul.meta[PRECISION].reason == Reason.SCALAR_OVERFLOW
+    upcast, = mul.all_input_nodes
+    assert upcast.target == aten._to_copy.default and upcast.meta[INSERTED] == "upcast"
+    back, = mul.users
+    assert back.meta[INSERTED] == "cast-back" and back.kwargs["dtype"] == torch.float16
+    assert _only(ep, aten.relu.default).args[0] is back
+    assert targets(ep)[aten._to_copy.default] == 2
+
+
+def test_scalars_are_rounded_to_fp16_values():
+    ep = export(Scale(0.1), torch.randn(3))
+    _insert(ep)
+    mul = _only(ep, aten.mul.Tensor)
+    assert mul.args[1] == round_scalar_to_fp16(0.1) != 0.1
+    assert mul.meta["val"].dtype == torch.float16
+
+
+def test_inf_like_scalar_saturates_instead_of_forcing_fp32():
+    ep = export(Scale(-3.0e38), torch.randn(3))
+    _insert(ep)
+    mul = _only(ep, aten.mul.Tensor)
+    assert mul.args[1] == -65504.0
+    assert mul.meta["val"].dtype == torch.float16
+
+
+def test_overflowing_weight_gets_upcast_and_cast_back():
+    """fc(x) * 1e-5 * big:f32 + tiny   runs the mul with big in fp32, then returns to fp16."""
+    model = OverflowWeight()
+    x = torch.randn(2, 4)
+    ep = export(model, x)
+    _insert(ep)
+    check_program(ep)
+    muls = [n for n in ep.graph_module.graph.nodes if n.target == aten.mul.Tensor]
+    big_mul = next(n for n in muls if any(a.name == "p_big" for a in n.all_input_nodes))
+    assert big_mul.meta[PRECISION].reason == Reason.FP32_INPUT
+    assert big_mul.meta["val"].dtype == torch.float32
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 1e-2
+
+
+def test_creation_ops_get_dtype_fp16():
+    ep = export(CreationOps(), torch.randn(2, 5))
+    _insert(ep)
+    check_program(ep)
+    for target in (aten.arange.default, aten.zeros.default, aten.full.default, aten.ones_like.default,
+                   aten.scalar_tensor.default):
+        node = _only(ep, target)
+        assert node.kwargs["dtype"] == torch.float16, target
+        assert node.meta["val"].dtype == torch.float16
+
+
+def test_creation_op_with_out_of_range_fill_stays_fp32():
+    ep = export(CreationOps(fill=1e5), torch.randn(2, 5))
+    _insert(ep)
+    check_program(ep)
+    full = _only(ep, aten.full.default)
+    assert full.meta["val"].dtype == torch.float32
+    assert full.meta[PRECISION].reason == Reason.SCALAR_OVERFLOW
+    assert _only(ep, aten.arange.default).kwargs["dtype"] == torch.float16
+
+
+class ExplicitDtype(torch.nn.Module):
+    def forward(self, x):
+        return x.softmax(-1, dtype=torch.float32) + x.sum(-1, keepdim=True, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_dtype_arguments(keep):
+    """softmax(x, dtype=f32): kept as an fp32 request, or rewritten to f16 when not kept."""
+    ep = export(ExplicitDtype(), torch.randn(2, 4))
+    _insert(ep, keep_explicit_fp32=keep)
+    check_program(ep)
+    softmax = _only(ep, aten.softmax.int)
+    expected = torch.float32 if keep else torch.float16
+    assert softmax.args[2] == expected
+    assert softmax.meta["val"].dtype == expected
+    assert _only(ep, aten.sum.dim_IntList).kwargs["dtype"] == expected
+
+
+class Island(torch.nn.Module):
+    """r = relu(x); h = x.float(); y = h.exp() / h.exp().sum(); return y.to(f32) * r.
+
+    (r comes first: an identity ``x.to(torch.float32)`` returns x itself, so export
+    routes every later use of x through the cast.)"""
+
+    def forward(self, x):
+        r = x.relu()
+        h = x.to(torch.float32)
+        y = h.exp() / h.exp().sum(-1, keepdim=True)
+        return y.to(torch.float32) * r
+
+
+def test_explicit_fp32_region_and_its_exit():
+    """Ops fed only by the model's own to(f32) stay f32 without cast-backs; the next to(f32)
+    of that region becomes to(f16), so the product runs in fp16 again."""
+    ep = export(Island(), torch.randn(2, 3))
+    _insert(ep)
+    check_program(ep)
+    first, second = [n for n in ep.graph_module.graph.nodes if n.target == aten.to.dtype]
+    assert first.args[1] == torch.float32 and first.meta[PRECISION].reason == Reason.EXPLICIT_FP32
+    assert second.args[1] == torch.float16 and second.meta[INSERTED] == "retargeted"
+    for target in (aten.exp.default, aten.div.Tensor, aten.sum.dim_IntList):
+        for node in (n for n in ep.graph_module.graph.nodes if n.target == target):
+            assert node.meta["val"].dtype == torch.float32
+    assert _only(ep, aten.mul.Tensor).meta["val"].dtype == torch.float16
+    assert inserted_casts(ep) == [second]
+
+
+class IntToFloat(torch.nn.Module):
+    def forward(self, x, ids):
+        return x + ids.to(torch.float32)
+
+
+def test_integer_to_fp32_cast_is_retargeted_to_fp16():
+    ep = export(IntToFloat(), torch.randn(3), torch.arange(3))
+    _insert(ep)
+    cast = _only(ep, aten.to.dtype)
+    assert cast.args[1] == torch.float16
+    assert _only(ep, aten.add.Tensor).meta["val"].dtype == torch.float16
+
+
+class MaxAndNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(4)
+
+    def forward(self, x):
+        values, indices = self.norm(x).max(-1)
+        return values, indices
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_multi_output_ops_and_getitem_meta(decompose):
+    ep = export(MaxAndNorm(), torch.randn(3, 4), decompose=decompose)
+    _insert(ep)
+    check_program(ep)
+    values, indices = ep.graph_module.graph.output_node().args[0]
+    assert values.meta["val"].dtype == torch.float16
+    assert indices.meta["val"].dtype == torch.int64
+    for node in ep.graph_module.graph.nodes:
+        if node.target == aten.native_layer_norm.default:
+            # mean/rstd dtypes come from the op itself, not from a blanket rewrite
+            expected = [t.dtype for t in torch.ops.aten.native_layer_norm(
+                torch.randn(3, 4).half(), [4], torch.ones(4).half(), torch.zeros(4).half(), 1e-5)]
+            assert [t.dtype for t in node.meta["val"]] == expected
+        if node.target is operator.getitem:
+            assert node.meta["val"] is node.args[0].meta["val"][node.args[1]]
+
+
+def test_assert_tensor_metadata_follows_the_value():
+    ep = export(Island(), torch.randn(2, 3))
+    _insert(ep)
+    for node in ep.graph_module.graph.nodes:
+        if node.target == aten._assert_tensor_metadata.default:
+            assert node.kwargs["dtype"] == node.args[0].meta["val"].dtype
+
+
+class SharedUpcast(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.tensor([1e5, 2.0, 3.0]))
+
+    def forward(self, x):
+        h = x.relu()
+        return h * self.big, h + self.big, h - self.big
+
+
+def test_one_upcast_per_producer():
+    """h:f16 feeds three fp32 ops: one to(f32) of h serves all three."""
+    ep = export(SharedUpcast(), torch.randn(3))
+    _insert(ep)
+    check_program(ep)
+    upcasts = [n for n in inserted_casts(ep) if n.meta[INSERTED] == "upcast"]
+    assert len(upcasts) == 1 and len(upcasts[0].users) == 3
+
+
+def test_output_specs_follow_cast_backs():
+    ep = export(Scale(1e5), torch.randn(3))
+    _insert(ep)
+    returned = ep.graph_module.graph.output_node().args[0]
+    assert [s.arg.name for s in ep.graph_signature.output_specs] == [n.name for n in returned]
+
+
+def test_second_run_reports_no_change():
+    ep = export(OverflowWeight(), torch.randn(2, 4))
+    _insert(ep)
+    code = ep.graph_module.code
+    assert not InsertFP16CastsPass(Program(ep))(ep.graph_module).modified
+    ep.graph_module.recompile()
+    assert ep.graph_module.code == code
+
+
+def test_opaque_higher_order_region_is_fed_fp32():
+    class Region(torch.nn.Module):
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):
+                s = x.exp().sum(-1, keepdim=True)
+            return x / s
+
+    ep = export(Region(), torch.randn(2, 4))
+    _insert(ep)
+    check_program(ep)
+    hop = next(n for n in ep.graph_module.graph.nodes if n.op == "call_function"
+               and isinstance(n.target, torch._ops.HigherOrderOperator))
+    assert hop.meta[PRECISION].reason == Reason.OPAQUE_SUBGRAPH
+    assert all(a.meta["val"].dtype == torch.float32 for a in hop.all_input_nodes
+               if isinstance(a.meta.get("val"), torch.Tensor))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.floats(allow_nan=False, allow_infinity=True, width=32))
+def test_any_scalar_keeps_the_program_valid(factor):
+    ep = export(Scale(factor), torch.randn(3))
+    _insert(ep)
+    check_program(ep)
+    mul = _only(ep, aten.mul.Tensor)
+    if round_scalar_to_fp16(factor) is None:
+        assert mul.meta["val"].dtype == torch.float32
+    else:
+        assert mul.meta["val"].dtype == torch.float16
+        assert mul.args[1] == round_scalar_to_fp16(factor)
