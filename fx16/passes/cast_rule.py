@@ -6,6 +6,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.casts import cast_dtype, is_cast, is_inserted, represents_exactly, source_dtype
 from fx16.nodes import mutated_argument
+from fx16.ops import ASSERT_METADATA_OPS
 from fx16.program import Program
 
 # meta key: why a cleanup rule left a matching cast in place.
@@ -66,14 +67,22 @@ def chain_refusal(inner: Node, outer: Node) -> str | None:
     return "the model narrows here on purpose (the chain changes range or resolution)"
 
 
+def consumers(node: Node) -> list[Node]:
+    """Users that compute with the value (``_assert_tensor_metadata`` checks only look at it)."""
+    return [user for user in node.users if user.target not in ASSERT_METADATA_OPS]
+
+
 def read_through(inner: Node, outer: Node) -> None:
-    """Make ``outer`` read what ``inner`` reads, erasing ``inner`` if nothing else uses it."""
+    """Make ``outer`` read what ``inner`` reads; erase ``inner`` (and its checks) if now unused."""
     outer.args = (inner.args[0], *outer.args[1:])
-    if not inner.users:
+    if not consumers(inner):
+        for check in list(inner.users):
+            check.graph.erase_node(check)
         inner.graph.erase_node(inner)
 
 
 def is_cast_of_cast(node: Node) -> bool:
+    """``node`` casts the result of another cast."""
     return is_cast(node) and isinstance(node.args[0], Node) and is_cast(node.args[0])
 
 

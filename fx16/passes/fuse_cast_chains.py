@@ -2,7 +2,13 @@
 
 from torch.fx import Node
 
-from fx16.passes.cast_rule import CastRule, chain_refusal, is_cast_of_cast, read_through
+from fx16.passes.cast_rule import (
+    CastRule,
+    chain_refusal,
+    consumers,
+    is_cast_of_cast,
+    read_through,
+)
 
 
 class FuseCastChainsPass(CastRule):
@@ -16,7 +22,7 @@ class FuseCastChainsPass(CastRule):
     """
 
     def match(self, node: Node) -> bool:
-        return is_cast_of_cast(node) and len(node.args[0].users) == 1
+        return is_cast_of_cast(node) and len(consumers(node.args[0])) == 1
 
     def refusal(self, node: Node) -> str | None:
         return chain_refusal(node.args[0], node)

@@ -1,0 +1,114 @@
+"""The public entry points: calling convention, PassManager equivalence, errors, transactions."""
+
+import copy
+
+import pytest
+import torch
+from torch.fx.passes.infra.pass_manager import PassManager
+
+import fx16
+from fx16.passes import (
+    CleanupCastsPass,
+    ConvertParametersPass,
+    ConvertUserInputsPass,
+    FuseCastChainsPass,
+    InsertFP16CastsPass,
+    RemoveNoopCastsPass,
+)
+from fx16.pipelines import run_passes
+from helpers import assert_same_state, export, state_snapshot
+from models import MLP, OverflowWeight, RMSNormMLP
+
+
+INPUT_WIDTH = {MLP: 8, OverflowWeight: 4, RMSNormMLP: 16}
+
+
+def _fresh(model_class, decompose=False):
+    """The same program every call: fixed seeds for the weights and the example input."""
+    torch.manual_seed(0)
+    model = model_class()
+    return export(model, torch.randn(3, INPUT_WIDTH[model_class]), decompose=decompose)
+
+
+def test_cast_works_in_place_and_returns_the_program():
+    ep = _fresh(MLP)
+    graph_module = ep.graph_module
+    assert fx16.cast_fp32_to_fp16(ep) is ep
+    assert ep.graph_module is graph_module
+
+
+@pytest.mark.parametrize("model_class", [MLP, OverflowWeight, RMSNormMLP])
+@pytest.mark.parametrize("decompose", [False, True])
+def test_pass_manager_gives_the_same_program(model_class, decompose):
+    by_api = fx16.cast_fp32_to_fp16(_fresh(model_class, decompose=decompose))
+    by_manager = _fresh(model_class, decompose=decompose)
+    PassManager(fx16.fp16_passes(by_manager))(by_manager.graph_module)
+    assert_same_state(state_snapshot(by_api), state_snapshot(by_manager))
+    for a, b in zip(by_api.example_inputs[0], by_manager.example_inputs[0]):
+        assert a.dtype == b.dtype
+
+
+def test_pass_lists_are_fresh_instances():
+    ep = _fresh(MLP)
+    first, second = fx16.fp16_passes(ep), fx16.fp16_passes(ep)
+    assert [type(p) for p in first] == [type(p) for p in second]
+    assert not any(a is b for a, b in zip(first, second))
+    assert [type(p) for p in first] == [
+        ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass, CleanupCastsPass
+    ]
+
+
+@pytest.mark.parametrize("model_class", [MLP, OverflowWeight, RMSNormMLP])
+def test_casting_twice_equals_casting_once(model_class):
+    ep = fx16.cast_fp32_to_fp16(_fresh(model_class))
+    once = state_snapshot(ep)
+    assert not run_passes(fx16.fp16_passes(ep), ep.graph_module)
+    assert_same_state(once, state_snapshot(ep))
+
+
+@pytest.mark.parametrize(
+    "argument, words",
+    [
+        (MLP(), "export it first"),
+        (torch.fx.symbolic_trace(MLP()), "export it first"),
+        (None, "got NoneType"),
+        ("model.pt2", "got str"),
+    ],
+)
+def test_wrong_argument_gets_a_clear_error(argument, words):
+    for entry in (fx16.cast_fp32_to_fp16, fx16.fp16_passes):
+        with pytest.raises(fx16.InvalidProgramError, match=words):
+            entry(argument)
+    with pytest.raises(TypeError):  # still a TypeError for callers that catch that
+        fx16.cast_fp32_to_fp16(argument)
+
+
+def _fail_after(pass_class, monkeypatch):
+    original = pass_class.call
+
+    def failing(self, graph_module):
+        original(self, graph_module)  # leave its work half-done, then fail
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(pass_class, "call", failing)
+
+
+@pytest.mark.parametrize(
+    "stage",
+    [ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass, FuseCastChainsPass,
+     RemoveNoopCastsPass, CleanupCastsPass],
+)
+def test_failure_in_any_stage_leaves_the_program_unchanged(stage, monkeypatch):
+    ep = _fresh(OverflowWeight)
+    before = state_snapshot(ep)
+    example_inputs = copy.deepcopy(ep.example_inputs)
+    _fail_after(stage, monkeypatch)
+    with pytest.raises(fx16.PassFailedError, match="injected failure") as caught:
+        fx16.cast_fp32_to_fp16(ep)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert caught.value.stage in (stage.__name__, CleanupCastsPass.__name__)
+    assert_same_state(before, state_snapshot(ep))
+    assert all(a.dtype == b.dtype for a, b in zip(ep.example_inputs[0], example_inputs[0]))
+    monkeypatch.undo()
+    fx16.cast_fp32_to_fp16(ep)  # and it can still be cast afterwards
+    ep.module()(torch.randn(3, 4).half())
