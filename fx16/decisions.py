@@ -18,6 +18,7 @@ class Reason(str, enum.Enum):
     FITS = "fits 16-bit"
     VALUE_OVERFLOW = "a tensor value exceeds the 16-bit range"
     SCALAR_OVERFLOW = "a scalar argument exceeds the 16-bit range"
+    ACTIVATION_OVERFLOW = "its values exceed the 16-bit range on the calibration inputs"
     FP32_INPUT = "an input stays fp32"
     EXPLICIT_FP32 = "inside an fp32 region the model asks for explicitly"
     MIXED_FLOAT_DTYPES = "mixes 16-bit values with another float dtype"

@@ -8,6 +8,7 @@ handed to ``torch.fx.passes.infra.pass_manager.PassManager`` as it is, or edited
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase
 
+from fx16.analysis import CalibrationAnalysis
 from fx16.passes import (
     CleanupCastsPass,
     ConvertParametersPass,
@@ -17,18 +18,29 @@ from fx16.passes import (
 from fx16.program import Program
 
 
-def fp16_passes(ep, *, keep_explicit_fp32: bool = True) -> list[PassBase]:
+def fp16_passes(
+    ep,
+    *,
+    keep_explicit_fp32: bool = True,
+    calibration: list | None = None,
+    overflow_margin: float = 2.0,
+) -> list[PassBase]:
     """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
 
-    Order: state tensors and user inputs first, so the cast inserter sees every
-    graph input in its final dtype; then the inserter walks the graph once; cleanup
-    last, because it only removes casts and needs them all in place.
+    Order: calibration first, while the program still computes in fp32; then
+    state tensors and user inputs, so the cast inserter sees every graph input in
+    its final dtype; then the inserter walks the graph once; cleanup last, because
+    it only removes casts and needs them all in place. Options: see
+    ``fx16.cast_fp32_to_fp16``.
     """
     program = Program(ep)
     return [
+        CalibrationAnalysis(program, calibration),
         ConvertParametersPass(program),
-        ConvertUserInputsPass(program),
-        InsertFP16CastsPass(program, keep_explicit_fp32=keep_explicit_fp32),
+        ConvertUserInputsPass(program, overflow_margin=overflow_margin),
+        InsertFP16CastsPass(
+            program, keep_explicit_fp32=keep_explicit_fp32, overflow_margin=overflow_margin
+        ),
         CleanupCastsPass(program),
     ]
 

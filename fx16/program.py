@@ -127,18 +127,21 @@ class Program:
         ]
         self.ep.example_inputs = pytree.tree_unflatten(flat, spec)
 
-    def graph_inputs(self, args: tuple, kwargs: dict | None = None) -> list:
+    def graph_inputs(self, args: tuple, kwargs: dict | None = None, *, copy_buffers=False) -> list:
         """The graph module's positional inputs for a call with user ``args``/``kwargs``.
 
         State placeholders get the program's tensors and user placeholders the
         flattened user arguments, so the graph can run directly (much cheaper than
-        ``ep.module()``, which unlifts the program first).
+        ``ep.module()``, which unlifts the program first). ``copy_buffers`` hands
+        copies of the buffers, so a graph that updates them in place changes no state.
         """
         user_values = iter(pytree.tree_leaves((tuple(args), dict(kwargs or {}))))
         values = []
         for spec in self.ep.graph_signature.input_specs:
             if spec.kind == InputKind.USER_INPUT:
                 values.append(next(user_values))
+            elif spec.kind == InputKind.BUFFER and copy_buffers:
+                values.append(self.state_tensor(spec.target).clone())
             elif spec.kind in _STATE_KINDS:
                 values.append(self.state_tensor(spec.target))
             else:

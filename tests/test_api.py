@@ -7,6 +7,7 @@ import torch
 from torch.fx.passes.infra.pass_manager import PassManager
 
 import fx16
+from fx16.analysis import CalibrationAnalysis
 from fx16.passes import (
     CleanupCastsPass,
     ConvertParametersPass,
@@ -54,6 +55,7 @@ def test_pass_lists_are_fresh_instances():
     assert [type(p) for p in first] == [type(p) for p in second]
     assert not any(a is b for a, b in zip(first, second))
     assert [type(p) for p in first] == [
+        CalibrationAnalysis,
         ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass, CleanupCastsPass
     ]
 

@@ -1,3 +1,5 @@
 """Analyses: passes that change no node and publish findings in ``node.meta["fx16.*"]``."""
 
-__all__: list[str] = []
+from fx16.analysis.calibration import CalibrationAnalysis
+
+__all__ = ["CalibrationAnalysis"]

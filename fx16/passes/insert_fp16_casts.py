@@ -8,6 +8,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.casts import (
     INSERTED,
     CastInserter,
@@ -28,7 +29,7 @@ from fx16.nodes import (
     tensor_inputs,
     value_scalars,
 )
-from fx16.numerics import round_scalar_to_fp16
+from fx16.numerics import FP16_MAX, round_scalar_to_fp16
 from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
 from fx16.program import Program
 
@@ -42,7 +43,8 @@ class InsertFP16CastsPass(PassBase):
     """Walk the graph in order and give every float op a precision.
 
     Reads: ``meta["val"]`` and ``meta["fx16.precision"]`` of the inputs (run the
-    parameter and user-input converters first).
+    parameter and user-input converters first), and ``meta["fx16.observed_range"]``
+    when CalibrationAnalysis ran.
     Writes: op ``meta["val"]`` dtypes, rounded scalars, ``dtype=`` arguments,
     inserted ``_to_copy`` casts (marked ``meta["fx16.inserted"]``) and
     ``meta["fx16.precision"]`` on every op it considers; the output specs.
@@ -55,16 +57,26 @@ class InsertFP16CastsPass(PassBase):
     ``dtype=torch.float32``, opens an fp32 region: ops fed only from it stay fp32
     with no cast-back, until the model casts to fp32 again (in the source, the
     cast back to the input dtype), which then becomes the cast to fp16.
+
+    A value observed above ``65504 / overflow_margin`` on calibration inputs is
+    computed in fp32 and handed on in fp32: no cast-back, so its consumers run in
+    fp32 too, until one produces values that fit and casts back to fp16.
+
+    Nodes that already carry a decision (from an earlier run) are left as they
+    are, so casting twice equals casting once.
     """
 
-    def __init__(self, program: Program, *, keep_explicit_fp32: bool = True) -> None:
+    def __init__(
+        self, program: Program, *, keep_explicit_fp32: bool = True, overflow_margin: float = 2.0
+    ) -> None:
         self.program = program
         self.keep_explicit_fp32 = keep_explicit_fp32
+        self.overflow_margin = overflow_margin
 
     def call(self, graph_module: GraphModule) -> PassResult:
         graph = graph_module.graph
         nodes_before = len(graph.nodes)
-        run = _Run(CastInserter(graph), self.keep_explicit_fp32)
+        run = _Run(CastInserter(graph), self.keep_explicit_fp32, FP16_MAX / self.overflow_margin)
         for node in list(graph.nodes):
             if node.op == "call_function":
                 run.visit(node)
@@ -90,14 +102,19 @@ def _fp32_parts(val) -> bool:
 class _Run:
     """State of one walk over one graph."""
 
-    def __init__(self, casts: CastInserter, keep_explicit_fp32: bool) -> None:
+    def __init__(self, casts: CastInserter, keep_explicit_fp32: bool, limit: float) -> None:
         self.casts = casts
         self.keep_explicit_fp32 = keep_explicit_fp32
+        self.limit = limit
         self.modified = False
 
+    def overflows(self, node: Node) -> bool:
+        """Calibration saw this node hold values too large for fp16."""
+        return node.meta.get(CalibrationAnalysis.META_KEY, 0.0) > self.limit
+
     def visit(self, node: Node) -> None:
-        if is_inserted(node):
-            return  # a cast fx16 made (on this run or an earlier one) is already decided
+        if is_inserted(node) or decision_of(node) is not None:
+            return  # fx16 decided this node on an earlier run (or made it): keep that
         if node.target == operator.getitem:
             self.visit_getitem(node)
         elif node.target in ASSERT_METADATA_OPS:
@@ -153,7 +170,9 @@ class _Run:
     def visit_cast_to_fp32(self, node: Node) -> None:
         source = node.args[0]
         source_dtype = node_dtype(source)
-        if source_dtype == FP32 and _is_island(source):
+        if self.overflows(node):
+            decide(node, FP32, Reason.ACTIVATION_OVERFLOW)
+        elif source_dtype == FP32 and _is_island(source):
             # The model's way back from its fp32 region: to the program's working dtype.
             self.retarget(node, FP16)
         elif source_dtype == FP32:
@@ -174,13 +193,20 @@ class _Run:
         self.modified = True
 
     def visit_creation(self, node: Node) -> None:
+        reason = Reason.ACTIVATION_OVERFLOW if self.overflows(node) else None
         rounded = []
         for location, value in value_scalars(node):
             new_value = round_scalar_to_fp16(float(value))
             if new_value is None:
-                decide(node, FP32, Reason.SCALAR_OVERFLOW)
-                return
+                reason = reason or Reason.SCALAR_OVERFLOW
             rounded.append((location, new_value if isinstance(value, float) else value))
+        if reason is not None:
+            # *_like and new_* ops follow their input's dtype, which may be fp16 by now
+            if node.kwargs.get("dtype") != FP32:
+                node.kwargs = {**node.kwargs, "dtype": FP32}
+                self.modified = True
+            decide(node, FP32, reason)
+            return
         for location, value in rounded:
             set_argument(node, location, value)
         node.kwargs = {**node.kwargs, "dtype": FP16}
@@ -221,6 +247,8 @@ class _Run:
             decide(node, FP32, Reason.EXPLICIT_FP32)
         elif fp32_inputs and all(_is_island(arg) for arg in float_inputs):
             decide(node, FP32, Reason.EXPLICIT_FP32)
+        elif self.overflows(node):
+            self.run_in_fp32(node, Reason.ACTIVATION_OVERFLOW, produces_fp32)
         elif fp32_inputs:
             self.run_in_fp32(node, Reason.FP32_INPUT, produces_fp32)
         elif any(round_scalar_to_fp16(float(value)) is None for _, value in scalars):
@@ -268,8 +296,11 @@ class _Run:
         node.kwargs = map_arg(node.kwargs, upcast)
 
     def cast_back(self, node: Node, reason: Reason) -> None:
-        """Give the consumers of an fp32 result an fp16 value (casts among them convert anyway)."""
-        if all(is_cast(user) for user in node.users):
+        """Give the consumers of an fp32 result an fp16 value, unless it does not fit.
+
+        Casts among the consumers convert anyway, so a node used only by casts gets none.
+        """
+        if self.overflows(node) or all(is_cast(user) for user in node.users):
             return
         back = self.casts.cast_after(node, FP16, DOWNCAST)
         decide(back, FP16, reason)

@@ -1,0 +1,92 @@
+"""CalibrationAnalysis: how large each value gets when the program runs."""
+
+import math
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx import GraphModule, Interpreter, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16.numerics import INF_LIKE
+from fx16.program import Program
+
+
+class CalibrationAnalysis(PassBase):
+    """Run the program on calibration inputs and record each node's largest magnitude.
+
+    Reads: the program's state and ``calibration`` (a list of argument tuples, or
+    ``(args, kwargs)`` pairs); by default the example inputs torch.export recorded.
+    Writes: ``node.meta["fx16.observed_range"]``, the largest finite magnitude any
+    float tensor of the node held on any input, leaving out infinity-like
+    sentinels (|v| >= 1e38, such as ``finfo.min`` masks). When there is nothing
+    to run on, writes nothing and says so in ``graph_module.meta["fx16.calibration"]``.
+
+    Run it before anything converts the program: it observes the values the
+    original precision computes. Buffers the program updates in place are copied
+    first, so calibrating changes no state.
+    """
+
+    META_KEY = "fx16.observed_range"
+    STATUS_KEY = "fx16.calibration"
+
+    def __init__(self, program: Program, calibration: list | None = None) -> None:
+        self.program = program
+        self.calibration = calibration
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        calls = self._calls()
+        if not calls:
+            graph_module.meta[self.STATUS_KEY] = "skipped: no calibration inputs"
+            return PassResult(graph_module, False)
+        recorder = _MagnitudeRecorder(graph_module)
+        with torch.no_grad():
+            for args, kwargs in calls:
+                recorder.run(*self.program.graph_inputs(args, kwargs, copy_buffers=True))
+        for node, magnitude in recorder.magnitudes.items():
+            node.meta[self.META_KEY] = magnitude
+        graph_module.meta[self.STATUS_KEY] = f"observed on {len(calls)} input(s)"
+        return PassResult(graph_module, False)
+
+    def _calls(self) -> list[tuple[tuple, dict]]:
+        if self.calibration is None:
+            example = self.program.ep.example_inputs
+            return [example] if example is not None else []
+        return [
+            entry if _is_args_kwargs(entry) else (tuple(entry), {}) for entry in self.calibration
+        ]
+
+
+def _is_args_kwargs(entry) -> bool:
+    return (
+        isinstance(entry, tuple)
+        and len(entry) == 2
+        and isinstance(entry[0], tuple)
+        and isinstance(entry[1], dict)
+    )
+
+
+def largest_magnitude(value) -> float | None:
+    """Largest finite, non-sentinel magnitude among the float tensors in ``value``."""
+    largest = None
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel():
+            magnitude = leaf.detach().abs().float()
+            magnitude = magnitude[magnitude < INF_LIKE]  # also drops inf and nan
+            if magnitude.numel():
+                top = float(magnitude.max())
+                largest = top if largest is None else max(largest, top)
+    return largest
+
+
+class _MagnitudeRecorder(Interpreter):
+    def __init__(self, graph_module: GraphModule) -> None:
+        super().__init__(graph_module)
+        self.magnitudes: dict[Node, float] = {}
+
+    def run_node(self, node: Node):
+        result = super().run_node(node)
+        if node.op in ("placeholder", "call_function"):
+            magnitude = largest_magnitude(result)
+            if magnitude is not None and not math.isnan(magnitude):
+                self.magnitudes[node] = max(magnitude, self.magnitudes.get(node, 0.0))
+        return result

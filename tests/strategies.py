@@ -1,0 +1,105 @@
+"""Hypothesis strategies that build small random, valid exported programs."""
+
+import os
+
+import torch
+from hypothesis import strategies as st
+from torch import nn
+
+FP32 = torch.finfo(torch.float32)
+
+# Tests marked slow run this many examples: a bounded number by default (and in CI),
+# hundreds with FX16_FUZZ=full.
+SLOW_EXAMPLES = 400 if os.environ.get("FX16_FUZZ") == "full" else 25
+
+# Scalars that stress the rules: below the fp16 subnormal, just past fp16's max,
+# infinity-like sentinels, infinities, fp32's extremes.
+EXTREME_SCALARS = [1e-9, -1e-9, 1e-30, 7e4, -7e4, 65504.0, 1e38, -1e38, float("inf"),
+                   float("-inf"), FP32.min, FP32.max, 0.0]
+
+scalars = st.one_of(
+    st.sampled_from(EXTREME_SCALARS),
+    st.floats(min_value=-1e5, max_value=1e5, allow_nan=False, width=32),
+)
+
+ELEMENTWISE = ("mul", "add", "clamp_min", "masked_fill", "where", "div")
+
+
+class RandomMLP(nn.Module):
+    """Linear layers, each followed by one elementwise op with a drawn scalar."""
+
+    def __init__(self, widths, ops, constants):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        self.ops, self.constants = ops, constants
+
+    def extra_repr(self):
+        return f"ops={self.ops}, constants={self.constants}"
+
+    def forward(self, x):
+        for layer, op, value in zip(self.layers, self.ops, self.constants):
+            x = apply_elementwise(op, layer(x), value)
+        return x
+
+
+class RandomAttention(nn.Module):
+    """Single-head attention with a drawn mask fill and a drawn score scale."""
+
+    def __init__(self, width, fill, scale):
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+        self.fill, self.scale = fill, scale
+
+    def extra_repr(self):
+        return f"fill={self.fill}, scale={self.scale}"
+
+    def forward(self, x, keep):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~keep[:, None, :], self.fill)
+        return self.out(torch.softmax(scores, -1) @ v)
+
+
+def apply_elementwise(op, x, value):
+    if op == "mul":
+        return x * value
+    if op == "add":
+        return x + value
+    if op == "div":
+        return x / value if value != 0 else x
+    if op == "clamp_min":
+        return x.clamp(min=value)
+    if op == "masked_fill":
+        return x.masked_fill(x > 0, value)
+    return torch.where(x > 0, x, torch.full_like(x, value))
+
+
+@st.composite
+def mlp_cases(draw):
+    depth = draw(st.integers(1, 3))
+    widths = draw(st.lists(st.integers(1, 12), min_size=depth + 1, max_size=depth + 1))
+    ops = draw(st.lists(st.sampled_from(ELEMENTWISE), min_size=depth, max_size=depth))
+    constants = draw(st.lists(scalars, min_size=depth, max_size=depth))
+    seed = draw(st.integers(0, 2**16))
+    torch.manual_seed(seed)
+    model = RandomMLP(widths, ops, constants).eval()
+    batch = draw(st.integers(1, 3))
+    return model, (torch.randn(batch, widths[0]),)
+
+
+@st.composite
+def attention_cases(draw):
+    width = draw(st.integers(2, 16))
+    length = draw(st.integers(1, 6))
+    fill = draw(scalars)
+    scale = draw(st.sampled_from([1.0, 0.125, 1e-3, 100.0]))
+    seed = draw(st.integers(0, 2**16))
+    torch.manual_seed(seed)
+    model = RandomAttention(width, fill, scale).eval()
+    keep = torch.rand(2, length) > 0.3
+    keep[:, 0] = True
+    return model, (torch.randn(2, length, width), keep)
+
+
+model_cases = st.one_of(mlp_cases(), attention_cases())

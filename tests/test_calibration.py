@@ -1,0 +1,126 @@
+"""CalibrationAnalysis, and the fp16 inserter keeping observed overflows in fp32."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fx16
+from fx16.analysis import CalibrationAnalysis
+from fx16.decisions import PRECISION, Reason
+from fx16.program import Program
+from helpers import check_program, export, fp64_reference, max_error, run, state_snapshot
+from models import BufferUpdate, MaskedAttention
+
+aten = torch.ops.aten
+KEY = CalibrationAnalysis.META_KEY
+
+
+class SumOfSquares(torch.nn.Module):
+    """linear -> pow(2) -> sum -> x / sqrt(sum): the sum overflows fp16, the output does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 64)
+        with torch.no_grad():
+            self.fc.weight.mul_(60.0)
+
+    def forward(self, x):
+        h = self.fc(x)
+        energy = h.pow(2).sum(-1, keepdim=True)
+        return h / energy.sqrt()
+
+
+def _by_target(ep, target):
+    return next(n for n in ep.graph_module.graph.nodes if n.target == target)
+
+
+def test_records_the_largest_magnitude_and_changes_nothing():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = SumOfSquares()
+    ep = export(model, x)
+    code = ep.graph_module.code
+    assert not CalibrationAnalysis(Program(ep))(ep.graph_module).modified
+    assert ep.graph_module.code == code
+    with torch.no_grad():
+        expected = model.fc(x).pow(2).sum(-1).max().item()
+    assert abs(_by_target(ep, aten.sum.dim_IntList).meta[KEY] - expected) <= 1e-3 * expected
+    assert _by_target(ep, aten.linear.default).meta[KEY] > 0
+
+
+def test_sum_of_squares_stays_fp32_and_returns_to_fp16():
+    """linear:f16 -> pow:f32 -> sum:f32 -> sqrt -> div -> to(f16): no inf, small error."""
+    torch.manual_seed(0)
+    model, x = SumOfSquares(), torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    assert _by_target(ep, aten.sum.dim_IntList).meta["val"].dtype == torch.float32
+    assert _by_target(ep, aten.sum.dim_IntList).meta[PRECISION].reason == Reason.ACTIVATION_OVERFLOW
+    assert _by_target(ep, aten.linear.default).meta["val"].dtype == torch.float16
+    outputs = run(ep, x)
+    assert outputs[0].dtype == torch.float16
+    assert max_error(fp64_reference(model, x), outputs) < 1e-2
+
+
+def test_without_calibration_the_same_model_goes_wrong():
+    """What coreai-opt does: everything fp16, the sum becomes inf and the output collapses."""
+    torch.manual_seed(0)
+    model, x = SumOfSquares(), torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(model, x), calibration=[])
+    assert max_error(fp64_reference(model, x), run(ep, x)) > 0.5
+
+
+def test_explicit_calibration_inputs_and_margin():
+    torch.manual_seed(0)
+    model = SumOfSquares()
+    small = torch.randn(4, 8) * 1e-3
+    ep = export(model, small)
+    CalibrationAnalysis(Program(ep), [(small,), ((small * 1e3,), {})])(ep.graph_module)
+    with torch.no_grad():
+        expected = model.fc(small * 1e3).pow(2).sum(-1).max().item()
+    assert abs(_by_target(ep, aten.sum.dim_IntList).meta[KEY] - expected) <= 1e-3 * expected
+
+
+def test_buffers_updated_in_place_are_not_changed_by_calibration():
+    ep = export(BufferUpdate(), torch.randn(3, 4))
+    before = state_snapshot(ep)
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    assert torch.equal(before[1]["running"][1], ep.state_dict["running"])
+
+
+def test_no_inputs_means_no_findings_and_a_status():
+    ep = export(SumOfSquares(), torch.randn(2, 8))
+    ep.example_inputs = None
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    assert "skipped" in ep.graph_module.meta[CalibrationAnalysis.STATUS_KEY]
+    assert not any(KEY in n.meta for n in ep.graph_module.graph.nodes)
+
+
+def test_minus_1e9_mask_is_kept_fp32_until_softmax():
+    """masked_fill(-1e9) holds -1e9: it stays fp32 (no cast-back to -inf); softmax returns to fp16."""
+    torch.manual_seed(0)
+    keep = torch.tensor([[True, True, False, False], [False, False, False, False]])
+    model, args = MaskedAttention(fill=-1e9), (torch.randn(2, 4, 16), keep)
+    ep = fx16.cast_fp32_to_fp16(export(model, *args))
+    check_program(ep)
+    fill = _by_target(ep, aten.masked_fill.Scalar)
+    assert all(user.target != aten._to_copy.default for user in fill.users)
+    outputs = run(ep, *args)
+    assert torch.isfinite(outputs[0]).all()  # even the fully masked row
+    assert max_error(fp64_reference(model, *args), outputs) < 1e-2
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.floats(min_value=1.0, max_value=1e6), st.floats(min_value=1.0, max_value=1e4))
+def test_no_overflow_that_fp32_did_not_have(input_scale, weight_scale):
+    torch.manual_seed(0)
+    model = SumOfSquares()
+    with torch.no_grad():
+        model.fc.weight.mul_(weight_scale / 60.0)
+    x = torch.randn(3, 8) * input_scale
+    ep = export(model, x)
+    with torch.no_grad():
+        reference = model(x)
+    fx16.cast_fp32_to_fp16(ep)
+    output = run(ep, x)[0]
+    assert torch.isfinite(output).all() == torch.isfinite(reference).all()
