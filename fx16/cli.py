@@ -7,7 +7,9 @@ from fx16.demo import run_demo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fx16", description="Cast torch.export programs to 16-bit.")
+    parser = argparse.ArgumentParser(
+        prog="fx16", description="Cast torch.export programs to 16-bit."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("demo", help="cast a built-in transformer block and show before/after")
     return parser

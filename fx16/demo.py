@@ -88,5 +88,9 @@ def run_demo(out: TextIO = sys.stdout) -> float:
     print(f"{'':30}{'fp32':>12}{'fx16':>12}", file=out)
     for name, old, new in rows:
         print(f"{name:30}{old:>12}{new:>12}", file=out)
-    print(f"weights: {after.weight_bytes / before.weight_bytes:.2f}x; cast took {seconds * 1e3:.1f} ms", file=out)
+    print(
+        f"weights: {after.weight_bytes / before.weight_bytes:.2f}x; "
+        f"cast took {seconds * 1e3:.1f} ms",
+        file=out,
+    )
     return error

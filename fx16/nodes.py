@@ -92,7 +92,7 @@ def set_argument(node: Node, location: Location, value: Any) -> None:
 
 def mutated_argument(node: Node) -> Node | None:
     """The input an in-place op writes to (``add_``'s self, ``copy_``'s dst), if any."""
-    for location, argument, value in schema_arguments(node):
+    for _, argument, value in schema_arguments(node):
         if argument.alias_info is not None and argument.alias_info.is_write:
             return value if isinstance(value, Node) else None
     return None

@@ -61,5 +61,7 @@ def tensor_to_fp16(tensor: torch.Tensor) -> torch.Tensor:
     source = tensor.detach()
     tiny = (source != 0) & (source.abs() < FP16_TINY)
     if bool(tiny.any()):
-        source = torch.where(tiny, torch.copysign(torch.full_like(source, FP16_TINY), source), source)
+        source = torch.where(
+            tiny, torch.copysign(torch.full_like(source, FP16_TINY), source), source
+        )
     return source.to(torch.float16)

@@ -122,7 +122,9 @@ class Program:
             return
         flat, spec = pytree.tree_flatten(self.ep.example_inputs)
         flat = [
-            value.to(dtypes[index]) if index in dtypes and isinstance(value, torch.Tensor) else value
+            value.to(dtypes[index])
+            if index in dtypes and isinstance(value, torch.Tensor)
+            else value
             for index, value in enumerate(flat)
         ]
         self.ep.example_inputs = pytree.tree_unflatten(flat, spec)

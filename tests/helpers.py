@@ -56,13 +56,15 @@ def run(ep, *args):
 
 def fp64_reference(model: torch.nn.Module, *args):
     model64 = copy.deepcopy(model).double()
-    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    args64 = [
+        a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+    ]
     with torch.no_grad():
         return pytree.tree_leaves(model64(*args64))
 
 
 def check_program(ep) -> None:
-    """What a downstream user does with a cast program: lint, validate, save/load, decompose, run."""
+    """What a downstream user does with a program: lint, validate, save/load, decompose, run."""
     ep.graph_module.graph.lint()
     ep.validate()
     buffer = io.BytesIO()
@@ -101,9 +103,7 @@ def assert_meta_matches_runtime(ep, args, kwargs=None) -> None:
 
 
 def max_error(reference, outputs) -> float:
-    return max(
-        relative_error(r, o) for r, o in zip(reference, outputs) if r.is_floating_point()
-    )
+    return max(relative_error(r, o) for r, o in zip(reference, outputs) if r.is_floating_point())
 
 
 def apply_passes_and_check(ep, passes, model, args, tolerance: float = 1e-2):

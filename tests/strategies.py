@@ -14,8 +14,21 @@ SLOW_EXAMPLES = 400 if os.environ.get("FX16_FUZZ") == "full" else 25
 
 # Scalars that stress the rules: below the fp16 subnormal, just past fp16's max,
 # infinity-like sentinels, infinities, fp32's extremes.
-EXTREME_SCALARS = [1e-9, -1e-9, 1e-30, 7e4, -7e4, 65504.0, 1e38, -1e38, float("inf"),
-                   float("-inf"), FP32.min, FP32.max, 0.0]
+EXTREME_SCALARS = [
+    1e-9,
+    -1e-9,
+    1e-30,
+    7e4,
+    -7e4,
+    65504.0,
+    1e38,
+    -1e38,
+    float("inf"),
+    float("-inf"),
+    FP32.min,
+    FP32.max,
+    0.0,
+]
 
 scalars = st.one_of(
     st.sampled_from(EXTREME_SCALARS),

@@ -20,7 +20,6 @@ from fx16.pipelines import run_passes
 from helpers import assert_same_state, export, state_snapshot
 from models import MLP, OverflowWeight, RMSNormMLP
 
-
 INPUT_WIDTH = {MLP: 8, OverflowWeight: 4, RMSNormMLP: 16}
 
 
@@ -56,7 +55,10 @@ def test_pass_lists_are_fresh_instances():
     assert not any(a is b for a, b in zip(first, second))
     assert [type(p) for p in first] == [
         CalibrationAnalysis,
-        ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass, CleanupCastsPass
+        ConvertParametersPass,
+        ConvertUserInputsPass,
+        InsertFP16CastsPass,
+        CleanupCastsPass,
     ]
 
 
@@ -97,8 +99,14 @@ def _fail_after(pass_class, monkeypatch):
 
 @pytest.mark.parametrize(
     "stage",
-    [ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass, FuseCastChainsPass,
-     RemoveNoopCastsPass, CleanupCastsPass],
+    [
+        ConvertParametersPass,
+        ConvertUserInputsPass,
+        InsertFP16CastsPass,
+        FuseCastChainsPass,
+        RemoveNoopCastsPass,
+        CleanupCastsPass,
+    ],
 )
 def test_failure_in_any_stage_leaves_the_program_unchanged(stage, monkeypatch):
     ep = _fresh(OverflowWeight)

@@ -97,7 +97,7 @@ def test_no_inputs_means_no_findings_and_a_status():
 
 
 def test_minus_1e9_mask_is_kept_fp32_until_softmax():
-    """masked_fill(-1e9) holds -1e9: it stays fp32 (no cast-back to -inf); softmax returns to fp16."""
+    """masked_fill(-1e9) stays fp32 (no cast-back to -inf); softmax returns to fp16."""
     torch.manual_seed(0)
     keep = torch.tensor([[True, True, False, False], [False, False, False, False]])
     model, args = MaskedAttention(fill=-1e9), (torch.randn(2, 4, 16), keep)

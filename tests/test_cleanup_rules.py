@@ -100,7 +100,7 @@ def test_model_narrowing_chain_is_kept_with_a_reason():
 
 
 def test_inserted_narrowing_chain_is_fused():
-    """relu:f32 -> to(f16)* -> to(f32)* -> exp   (both inserted)   becomes   relu -> to(f32) -> exp."""
+    """relu:f32 -> to(f16)* -> to(f32)* -> exp  (* inserted)   becomes   relu -> to(f32) -> exp."""
 
     class Chain(torch.nn.Module):
         def forward(self, x):
@@ -121,7 +121,7 @@ def test_inserted_narrowing_chain_is_fused():
 
 
 def test_branching_cast_is_bypassed():
-    """h = to(x, f32) -> {exp, to(h, f16) -> add}   becomes   {to(x,f32) -> exp, to(x, f16) -> add}."""
+    """h = to(x, f32) -> {exp, to(h, f16) -> add}   becomes   {h -> exp, to(x, f16) -> add}."""
     ep = export(Branching(), HALF)
     assert _apply(BypassBranchingCastsPass, ep).modified
     half_cast = next(c for c in casts(ep) if c.args[1] == torch.float16)

@@ -54,7 +54,9 @@ def test_attention_with_large_negative_mask(fill):
     torch.manual_seed(0)
     keep = torch.tensor([[True, True, True, False], [True, False, False, False]])
     ep, _ = _cast_and_compare(MaskedAttention(fill=fill), (torch.randn(2, 4, 16), keep))
-    masked_fill = next(n for n in ep.graph_module.graph.nodes if n.target == aten.masked_fill.Scalar)
+    masked_fill = next(
+        n for n in ep.graph_module.graph.nodes if n.target == aten.masked_fill.Scalar
+    )
     expected = torch.float32 if fill == -1e9 else torch.float16
     assert masked_fill.meta["val"].dtype == expected
     if fill != -1e9:
@@ -89,8 +91,13 @@ def test_rmsnorm_without_keeping_explicit_fp32_is_all_fp16():
     ep = export(model, *args)
     fx16.cast_fp32_to_fp16(ep, keep_explicit_fp32=False)
     check_program(ep)
-    floats = [n for n in ep.graph_module.graph.nodes if n.op == "call_function"
-              and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].is_floating_point()]
+    floats = [
+        n
+        for n in ep.graph_module.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.meta.get("val"), torch.Tensor)
+        and n.meta["val"].is_floating_point()
+    ]
     assert all(n.meta["val"].dtype == torch.float16 for n in floats)
     assert max_error(fp64_reference(model, *args), run(ep, *args)) < 1e-2
 

@@ -21,9 +21,7 @@ aten = torch.ops.aten
 
 def _insert(ep, **options):
     program = Program(ep)
-    run_passes(
-        [ConvertParametersPass(program), ConvertUserInputsPass(program)], ep.graph_module
-    )
+    run_passes([ConvertParametersPass(program), ConvertUserInputsPass(program)], ep.graph_module)
     result = InsertFP16CastsPass(program, **options)(ep.graph_module)
     ep.graph_module.recompile()
     return result
@@ -62,9 +60,9 @@ def test_scalar_beyond_fp16_keeps_the_op_in_fp32():
     mul = _only(ep, aten.mul.Tensor)
     assert mul.meta["val"].dtype == torch.float32
     assert mul.meta[PRECISION].reason == Reason.SCALAR_OVERFLOW
-    upcast, = mul.all_input_nodes
+    (upcast,) = mul.all_input_nodes
     assert upcast.target == aten._to_copy.default and upcast.meta[INSERTED] == "upcast"
-    back, = mul.users
+    (back,) = mul.users
     assert back.meta[INSERTED] == "cast-back" and back.kwargs["dtype"] == torch.float16
     assert _only(ep, aten.relu.default).args[0] is back
     assert targets(ep)[aten._to_copy.default] == 2
@@ -104,8 +102,13 @@ def test_creation_ops_get_dtype_fp16():
     ep = export(CreationOps(), torch.randn(2, 5))
     _insert(ep)
     check_program(ep)
-    for target in (aten.arange.default, aten.zeros.default, aten.full.default, aten.ones_like.default,
-                   aten.scalar_tensor.default):
+    for target in (
+        aten.arange.default,
+        aten.zeros.default,
+        aten.full.default,
+        aten.ones_like.default,
+        aten.scalar_tensor.default,
+    ):
         node = _only(ep, target)
         assert node.kwargs["dtype"] == torch.float16, target
         assert node.meta["val"].dtype == torch.float16
@@ -202,8 +205,12 @@ def test_multi_output_ops_and_getitem_meta(decompose):
     for node in ep.graph_module.graph.nodes:
         if node.target == aten.native_layer_norm.default:
             # mean/rstd dtypes come from the op itself, not from a blanket rewrite
-            expected = [t.dtype for t in torch.ops.aten.native_layer_norm(
-                torch.randn(3, 4).half(), [4], torch.ones(4).half(), torch.zeros(4).half(), 1e-5)]
+            expected = [
+                t.dtype
+                for t in torch.ops.aten.native_layer_norm(
+                    torch.randn(3, 4).half(), [4], torch.ones(4).half(), torch.zeros(4).half(), 1e-5
+                )
+            ]
             assert [t.dtype for t in node.meta["val"]] == expected
         if node.target is operator.getitem:
             assert node.meta["val"] is node.args[0].meta["val"][node.args[1]]
@@ -262,11 +269,17 @@ def test_opaque_higher_order_region_is_fed_fp32():
     ep = export(Region(), torch.randn(2, 4))
     _insert(ep)
     check_program(ep)
-    hop = next(n for n in ep.graph_module.graph.nodes if n.op == "call_function"
-               and isinstance(n.target, torch._ops.HigherOrderOperator))
+    hop = next(
+        n
+        for n in ep.graph_module.graph.nodes
+        if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
+    )
     assert hop.meta[PRECISION].reason == Reason.OPAQUE_SUBGRAPH
-    assert all(a.meta["val"].dtype == torch.float32 for a in hop.all_input_nodes
-               if isinstance(a.meta.get("val"), torch.Tensor))
+    assert all(
+        a.meta["val"].dtype == torch.float32
+        for a in hop.all_input_nodes
+        if isinstance(a.meta.get("val"), torch.Tensor)
+    )
 
 
 @settings(max_examples=30, deadline=None)

@@ -55,7 +55,9 @@ def test_rounded_scalars_are_fp16_values_of_the_same_sign(value):
         assert scalar_overflows_fp16(value) and FP16_MAX < abs(value) < 1e38
         return
     assert float(np.float16(rounded)) == rounded
-    assert rounded == 0.0 if value == 0.0 else math.copysign(1.0, rounded) == math.copysign(1.0, value)
+    assert (
+        rounded == 0.0 if value == 0.0 else math.copysign(1.0, rounded) == math.copysign(1.0, value)
+    )
 
 
 def test_tensor_overflow_ignores_inf_and_nan():
@@ -64,7 +66,9 @@ def test_tensor_overflow_ignores_inf_and_nan():
     assert not tensor_overflows_fp16(torch.empty(0))
 
 
-@given(st.lists(st.floats(min_value=-FP16_MAX, max_value=FP16_MAX, width=32), min_size=1, max_size=20))
+@given(
+    st.lists(st.floats(min_value=-FP16_MAX, max_value=FP16_MAX, width=32), min_size=1, max_size=20)
+)
 def test_tensor_to_fp16_never_flushes_nonzero_values(values):
     source = torch.tensor(values, dtype=torch.float32)
     converted = tensor_to_fp16(source)

@@ -10,9 +10,7 @@ from fx16.pipelines import run_passes
 from helpers import assert_same_state, check_program, export, run, state_snapshot
 from strategies import SLOW_EXAMPLES, model_cases
 
-SETTINGS = settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _finite_where_fp32_is(reference, outputs):

@@ -38,4 +38,3 @@ class DeduplicateCastsPass(CastRule):
             for user in node.users
             if is_cast(user) and user.args[0] is node and not is_written_in_place(user)
         ]
-

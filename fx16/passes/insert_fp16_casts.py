@@ -147,7 +147,11 @@ class _Run:
         decision = decision_of(container)
         if decision is None:
             return
-        decide(node, element.dtype if element.dtype in FLOAT_DTYPES else decision.dtype, decision.reason)
+        decide(
+            node,
+            element.dtype if element.dtype in FLOAT_DTYPES else decision.dtype,
+            decision.reason,
+        )
         if original == FP32 and element.dtype == FP32 and not _is_island(node):
             self.cast_back(node, decision.reason)
 
@@ -176,7 +180,9 @@ class _Run:
             # The model's way back from its fp32 region: to the program's working dtype.
             self.retarget(node, FP16)
         elif source_dtype == FP32:
-            decide(node, FP32, decision_of(source).reason if decision_of(source) else Reason.FP32_INPUT)
+            decide(
+                node, FP32, decision_of(source).reason if decision_of(source) else Reason.FP32_INPUT
+            )
         elif source_dtype in (FP16, torch.bfloat16) and self.keep_explicit_fp32:
             decide(node, FP32, Reason.EXPLICIT_FP32)
         else:
