@@ -137,3 +137,16 @@ def assert_same_state(a, b) -> None:
         for key in left:
             assert left[key][0] == right[key][0], key
             torch.testing.assert_close(left[key][1], right[key][1], equal_nan=True)
+
+
+def apply_rule(rule_class, ep):
+    """Run one cleanup rule (or the driver) on ``ep`` and check the program it leaves."""
+    result = rule_class(Program(ep))(ep.graph_module)
+    ep.graph_module.recompile()
+    check_program(ep)
+    return result
+
+
+def eager(model, *args):
+    with torch.no_grad():
+        return model(*args)

@@ -124,3 +124,38 @@ class BufferUpdate(nn.Module):
     def forward(self, x):
         self.running.add_(x.mean(0))
         return x * 2 + self.running
+
+
+# ---- models with explicit casts, for the cleanup rules (x: fp16 input unless noted) ----
+
+
+class SameDtypeCast(torch.nn.Module):
+    def forward(self, x):
+        return x.to(torch.float16).relu()
+
+
+class Widening(torch.nn.Module):
+    """x:f16 -> to(f32) -> to(f16) -> relu: the model's own round trip loses nothing."""
+
+    def forward(self, x):
+        return x.float().half().relu()
+
+
+class Narrowing(torch.nn.Module):
+    """x:f32 -> to(f16) -> to(f32): the model rounds to fp16 on purpose."""
+
+    def forward(self, x):
+        return x.half().float().relu()
+
+
+class Branching(torch.nn.Module):
+    """h = x.float() feeds exp and a cast back to f16."""
+
+    def forward(self, x):
+        h = x.float()
+        return h.exp(), h.half() + 1
+
+
+class TwoCasts(torch.nn.Module):
+    def forward(self, x):
+        return x.float().exp() + x.float().sin()
