@@ -1,8 +1,12 @@
-"""The public entry points, with the calling convention of ``coreai_opt.casting``."""
+"""The public entry points, with the calling convention of ``coreai_opt.casting``.
+
+Each works in place, returns the program it was given, and is transactional: if a
+stage fails, the program is restored and a ``PassFailedError`` names the stage.
+"""
 
 from torch.export import ExportedProgram
 
-from fx16.pipelines import fp16_passes, run_passes
+from fx16.pipelines import fp16_passes, int16_passes, run_passes
 from fx16.program import Program
 
 
@@ -29,9 +33,9 @@ def cast_fp32_to_fp16(
     overflow_margin: a value counts as overflowing above ``65504 / overflow_margin``,
         since calibration inputs rarely show the largest values a model will see.
 
-    Raises ``fx16.errors.InvalidProgramError`` for an argument that is not an
-    ExportedProgram and ``fx16.errors.PassFailedError`` when a stage fails; in
-    both cases ``ep`` is left exactly as it was.
+    Raises ``fx16.InvalidProgramError`` for an argument that is not an
+    ExportedProgram and ``fx16.PassFailedError`` when a stage fails; in both cases
+    ``ep`` is left exactly as it was.
     """
     program = Program(ep)
     with program.transaction():
@@ -41,5 +45,58 @@ def cast_fp32_to_fp16(
             calibration=calibration,
             overflow_margin=overflow_margin,
         )
+        run_passes(passes, ep.graph_module)
+    return ep
+
+
+def cast_int32_to_int16(
+    ep: ExportedProgram, *, input_ranges: dict | None = None, int16: str = "proven"
+) -> ExportedProgram:
+    """Rewrite ``ep`` in place so integer computations run in int16 where nothing can wrap.
+
+    Only the castable set is considered: integer values connected to an integer
+    add/sub/mul on tensors, that depend on a user input and never flow into an
+    index. Of those, a value is narrowed only when its range, and its inputs'
+    ranges, are proven to fit int16 (from constants, shapes and ``range_constraints``,
+    bounded ops and interval arithmetic) or follow from ``input_ranges``. Narrowed
+    results are cast back to their original dtype, so outputs keep their dtypes;
+    narrowed user inputs take int16 tensors afterwards.
+
+    input_ranges: declared value ranges of integer user inputs, by name:
+        ``{"input_ids": (0, 50256)}``. Ranges you declare are trusted.
+    int16: "proven" (default) narrows only what provably fits; "assume_safe"
+        narrows the whole castable set without checking ranges (what coreai-opt does:
+        unchecked, values outside int16 wrap around); "off" does nothing.
+
+    Raises like ``cast_fp32_to_fp16``, plus ``fx16.InvalidOptionError`` for a bad
+    mode or an ``input_ranges`` name that is not a user input.
+    """
+    program = Program(ep)
+    with program.transaction():
+        run_passes(int16_passes(ep, input_ranges=input_ranges, int16=int16), ep.graph_module)
+    return ep
+
+
+def cast_to_16_bit_precision(
+    ep: ExportedProgram,
+    *,
+    input_ranges: dict | None = None,
+    int16: str = "proven",
+    keep_explicit_fp32: bool = True,
+    calibration: list | None = None,
+    overflow_margin: float = 2.0,
+) -> ExportedProgram:
+    """fp32 -> fp16, then int32/int64 -> int16, in place and as one transaction.
+
+    The options are those of ``cast_fp32_to_fp16`` and ``cast_int32_to_int16``.
+    """
+    program = Program(ep)
+    with program.transaction():
+        passes = fp16_passes(
+            ep,
+            keep_explicit_fp32=keep_explicit_fp32,
+            calibration=calibration,
+            overflow_margin=overflow_margin,
+        ) + int16_passes(ep, input_ranges=input_ranges, int16=int16)
         run_passes(passes, ep.graph_module)
     return ep

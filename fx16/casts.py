@@ -16,8 +16,13 @@ from fx16.ops import CAST_OPS
 
 aten = torch.ops.aten
 
-# meta key on nodes fx16 inserted or retargeted; its value says why ("upcast", ...).
+# meta key on nodes fx16 inserted or retargeted; its value says why (one of the WHY_*).
 INSERTED = "fx16.inserted"
+WHY_UPCAST = "upcast"  # to a wider dtype, for an op that must run wide
+WHY_NARROW = "narrow"  # to a 16-bit dtype, for an op that runs narrow
+WHY_CAST_BACK = "cast-back"  # a narrow op's result back to what its consumers expect
+WHY_RETARGETED = "retargeted"  # the model's own cast, pointed at another dtype
+WHY_OUTPUT_DTYPE = "output dtype"  # a mutation written back in its target's dtype
 
 # meta keys copied from a producer onto the casts inserted after it.
 _PROVENANCE_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn")
@@ -50,6 +55,13 @@ def is_cast(node: Node) -> bool:
 
 def is_inserted(node: Node) -> bool:
     return INSERTED in node.meta
+
+
+def cast_back_source(node: Node, dtype: torch.dtype) -> Node | None:
+    """If ``node`` is a cast-back fx16 inserted after a ``dtype`` value, that value."""
+    if node.meta.get(INSERTED) == WHY_CAST_BACK and node_dtype(node.args[0]) == dtype:
+        return node.args[0]
+    return None
 
 
 def cast_dtype(node: Node) -> torch.dtype | None:

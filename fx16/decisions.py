@@ -1,8 +1,9 @@
-"""The precision decision fx16 records on every node and state tensor it considers.
+"""The precision decisions fx16 records on the nodes it considers.
 
-Transforms write ``node.meta[PRECISION] = Decision(dtype, reason)``; the report
-and later passes read it. A value counts as converted by fx16 when its decision
-says fp16 (or bf16): only those are upcast again where an op must run in fp32.
+Transforms write ``node.meta[PRECISION]`` (floating point) or ``node.meta[INT_PRECISION]``
+(integers) as ``Decision(dtype, reason, detail)``; the report and later runs read
+them. A value counts as converted by fx16 when its decision is a 16-bit dtype:
+only those are cast back again where an op must run wide.
 """
 
 import enum
@@ -12,6 +13,7 @@ import torch
 from torch.fx import Node
 
 PRECISION = "fx16.precision"
+INT_PRECISION = "fx16.int16"
 
 
 class Reason(str, enum.Enum):
@@ -24,26 +26,39 @@ class Reason(str, enum.Enum):
     MIXED_FLOAT_DTYPES = "mixes 16-bit values with another float dtype"
     NO_FLOAT_INPUT = "computed from non-float inputs"
     OPAQUE_SUBGRAPH = "a higher-order op whose body is not rewritten"
+    # integers
+    NOT_USER_REACHABLE = "does not depend on a user input (constant-foldable)"
+    UNSAFE_INDEX = "flows into an index argument"
+    SCALAR_OPERAND = "add/sub/mul with a scalar operand (the converter cannot run it in int16)"
+    NOT_CASTABLE = "not connected to an integer add/sub/mul on tensors"
+    RANGE_UNKNOWN = "its range, or an input's, is unknown"
+    RANGE_EXCEEDS = "its range, or an input's, exceeds int16"
+    NOT_INT16_OP = "the op does not compute in int16"
+    IN_PLACE = "writes a buffer in place"
+    ASSUMED_SAFE = "narrowed without a range check (int16='assume_safe')"
 
 
 @dataclass(frozen=True)
 class Decision:
     dtype: torch.dtype
     reason: Reason
+    detail: str = ""
 
     @property
     def narrowed(self) -> bool:
         return self.dtype in (torch.float16, torch.bfloat16, torch.int16)
 
 
-def decide(node: Node, dtype: torch.dtype, reason: Reason) -> None:
-    node.meta[PRECISION] = Decision(dtype, reason)
+def decide(
+    node: Node, dtype: torch.dtype, reason: Reason, *, key: str = PRECISION, detail: str = ""
+) -> None:
+    node.meta[key] = Decision(dtype, reason, detail)
 
 
-def decision_of(node: Node) -> Decision | None:
-    return node.meta.get(PRECISION)
+def decision_of(node: Node, key: str = PRECISION) -> Decision | None:
+    return node.meta.get(key)
 
 
-def was_narrowed(node: Node) -> bool:
-    decision = decision_of(node)
+def was_narrowed(node: Node, key: str = PRECISION) -> bool:
+    decision = decision_of(node, key)
     return decision is not None and decision.narrowed

@@ -14,6 +14,10 @@ class InvalidProgramError(Fx16Error, TypeError):
     """The argument is not something fx16 can cast (wrong type, missing metadata)."""
 
 
+class InvalidOptionError(Fx16Error, ValueError):
+    """An option passed to fx16 is malformed or names something the program lacks."""
+
+
 class PreconditionError(Fx16Error):
     """A pass was run on a graph that lacks what it needs (named in the message)."""
 

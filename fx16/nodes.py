@@ -75,6 +75,18 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
     ]
 
 
+def named_argument(node: Node, name: str) -> Any:
+    """The value of the schema argument ``name``: passed explicitly, or its default."""
+    for _, argument, value in schema_arguments(node):
+        if argument.name == name:
+            return value
+    schema = getattr(node.target, "_schema", None)
+    for argument in schema.arguments if schema is not None else ():
+        if argument.name == name and argument.has_default_value():
+            return argument.default_value
+    return None
+
+
 def get_argument(node: Node, location: Location) -> Any:
     kind, key = location
     return node.args[key] if kind == "args" else node.kwargs[key]

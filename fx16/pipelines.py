@@ -8,12 +8,21 @@ handed to ``torch.fx.passes.infra.pass_manager.PassManager`` as it is, or edited
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase
 
-from fx16.analysis import CalibrationAnalysis
+from fx16.analysis import (
+    CalibrationAnalysis,
+    CastableInt16Analysis,
+    UnsafeIndexAnalysis,
+    UserReachabilityAnalysis,
+    ValueRangeAnalysis,
+)
+from fx16.narrowing import check_mode
 from fx16.passes import (
     CleanupCastsPass,
+    ConvertIntInputsPass,
     ConvertParametersPass,
     ConvertUserInputsPass,
     InsertFP16CastsPass,
+    InsertInt16CastsPass,
 )
 from fx16.program import Program
 
@@ -41,6 +50,28 @@ def fp16_passes(
         InsertFP16CastsPass(
             program, keep_explicit_fp32=keep_explicit_fp32, overflow_margin=overflow_margin
         ),
+        CleanupCastsPass(program),
+    ]
+
+
+def int16_passes(ep, *, input_ranges: dict | None = None, int16: str = "proven") -> list[PassBase]:
+    """The int32/int64 -> int16 pipeline for ``ep``, as fresh pass instances.
+
+    Order: the four analyses first (reachability and unsafe indices feed the
+    castable set; ranges are independent of both), then inputs before the inserter
+    so it sees them in their final dtype, cleanup last. ``int16="off"`` gives an
+    empty list. Options: see ``fx16.cast_int32_to_int16``.
+    """
+    program = Program(ep)
+    if check_mode(int16) == "off":
+        return []
+    return [
+        UserReachabilityAnalysis(program),
+        UnsafeIndexAnalysis(),
+        CastableInt16Analysis(),
+        ValueRangeAnalysis(program, input_ranges),
+        ConvertIntInputsPass(program, mode=int16),
+        InsertInt16CastsPass(program, mode=int16),
         CleanupCastsPass(program),
     ]
 

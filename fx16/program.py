@@ -79,6 +79,10 @@ class Program:
             tensor = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
         store[target] = tensor
 
+    def range_constraints(self) -> dict:
+        """Bounds of the program's symbolic sizes (sympy symbol -> ValueRanges)."""
+        return dict(self.ep.range_constraints)
+
     # ---- user inputs and outputs ---------------------------------------------------
 
     def user_input_placeholders(self) -> list[Node]:

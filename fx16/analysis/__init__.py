@@ -1,5 +1,17 @@
 """Analyses: passes that change no node and publish findings in ``node.meta["fx16.*"]``."""
 
 from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.castable_int16 import CastableInt16Analysis
+from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
+from fx16.analysis.user_reachability import UserReachabilityAnalysis
+from fx16.analysis.value_range import Source, ValueRange, ValueRangeAnalysis
 
-__all__ = ["CalibrationAnalysis"]
+__all__ = [
+    "CalibrationAnalysis",
+    "CastableInt16Analysis",
+    "Source",
+    "UnsafeIndexAnalysis",
+    "UserReachabilityAnalysis",
+    "ValueRange",
+    "ValueRangeAnalysis",
+]

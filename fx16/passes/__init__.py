@@ -2,20 +2,24 @@
 
 from fx16.passes.bypass_branching_casts import BypassBranchingCastsPass
 from fx16.passes.cleanup_casts import CleanupCastsPass
+from fx16.passes.convert_int_inputs import ConvertIntInputsPass
 from fx16.passes.convert_parameters import ConvertParametersPass
 from fx16.passes.convert_user_inputs import ConvertUserInputsPass
 from fx16.passes.deduplicate_casts import DeduplicateCastsPass
 from fx16.passes.fuse_cast_chains import FuseCastChainsPass
 from fx16.passes.insert_fp16_casts import InsertFP16CastsPass
+from fx16.passes.insert_int16_casts import InsertInt16CastsPass
 from fx16.passes.remove_noop_casts import RemoveNoopCastsPass
 
 __all__ = [
     "BypassBranchingCastsPass",
     "CleanupCastsPass",
+    "ConvertIntInputsPass",
     "ConvertParametersPass",
     "ConvertUserInputsPass",
     "DeduplicateCastsPass",
     "FuseCastChainsPass",
     "InsertFP16CastsPass",
+    "InsertInt16CastsPass",
     "RemoveNoopCastsPass",
 ]

@@ -11,7 +11,12 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.casts import (
     INSERTED,
+    WHY_CAST_BACK,
+    WHY_OUTPUT_DTYPE,
+    WHY_RETARGETED,
+    WHY_UPCAST,
     CastInserter,
+    cast_back_source,
     cast_dtype,
     is_cast,
     is_inserted,
@@ -32,11 +37,9 @@ from fx16.nodes import (
 from fx16.numerics import FP16_MAX, round_scalar_to_fp16
 from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
 from fx16.program import Program
+from fx16.propagation import propagate_fake
 
 FP16, FP32 = torch.float16, torch.float32
-
-# why-values of meta["fx16.inserted"]
-UPCAST, DOWNCAST, RETARGETED, OUTPUT_DTYPE = "upcast", "cast-back", "retargeted", "output dtype"
 
 
 class InsertFP16CastsPass(PassBase):
@@ -194,7 +197,7 @@ class _Run:
 
     def retarget(self, node: Node, dtype: torch.dtype) -> None:
         set_cast_dtype(node, dtype)
-        node.meta[INSERTED] = RETARGETED
+        node.meta[INSERTED] = WHY_RETARGETED
         decide(node, dtype, Reason.FITS)
         self.modified = True
 
@@ -278,7 +281,7 @@ class _Run:
             node.meta["val"] = retype_val(val, FP16)
             self.modified = True
         elif produces_fp32:
-            node.meta["val"] = _propagate_fake(node)
+            node.meta["val"] = propagate_fake(node)
             self.modified = True
         decide(node, FP16, Reason.FITS)
 
@@ -294,9 +297,7 @@ class _Run:
                 return arg
             self.modified = True
             # Reading a value we cast back from fp32 a moment ago: use the fp32 original.
-            if is_inserted(arg) and arg.meta[INSERTED] == DOWNCAST:
-                return arg.args[0]
-            return self.casts.cast(arg, FP32, UPCAST)
+            return cast_back_source(arg, FP32) or self.casts.cast(arg, FP32, WHY_UPCAST)
 
         node.args = map_arg(node.args, upcast)
         node.kwargs = map_arg(node.kwargs, upcast)
@@ -308,7 +309,7 @@ class _Run:
         """
         if self.overflows(node) or all(is_cast(user) for user in node.users):
             return
-        back = self.casts.cast_after(node, FP16, DOWNCAST)
+        back = self.casts.cast_after(node, FP16, WHY_CAST_BACK)
         decide(back, FP16, reason)
         self.modified = True
 
@@ -323,21 +324,7 @@ class _Run:
             if is_inserted(value) and node_dtype(value.args[0]) == dtype:
                 returned[index] = value.args[0]
             else:
-                returned[index] = self.casts.cast(value, dtype, OUTPUT_DTYPE)
+                returned[index] = self.casts.cast(value, dtype, WHY_OUTPUT_DTYPE)
         if returned != list(output.args[0]):
             output.args = (type(output.args[0])(returned), *output.args[1:])
             self.modified = True
-
-
-def _propagate_fake(node: Node):
-    """Recompute a multi-output op's value from its inputs' current values."""
-    fake_mode = next(
-        (val.fake_mode for val in map(node_val, node.all_input_nodes) if hasattr(val, "fake_mode")),
-        None,
-    )
-    args = map_arg(node.args, node_val)
-    kwargs = map_arg(node.kwargs, node_val)
-    if fake_mode is None:
-        return node.target(*args, **kwargs)
-    with fake_mode:
-        return node.target(*args, **kwargs)

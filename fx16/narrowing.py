@@ -1,0 +1,62 @@
+"""Whether an integer value may be narrowed to int16: the rule both int16 passes apply."""
+
+import torch
+from torch.fx import Node
+
+from fx16.analysis.castable_int16 import CastableInt16Analysis, has_scalar_operand
+from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
+from fx16.analysis.user_reachability import UserReachabilityAnalysis
+from fx16.analysis.value_range import value_range
+from fx16.decisions import Reason
+from fx16.errors import InvalidOptionError
+from fx16.nodes import node_dtype, value_scalars
+from fx16.ops import WIDE_INT_DTYPES
+
+# int16= modes: "proven" narrows only values whose proven or declared range fits;
+# "assume_safe" narrows the whole castable set unchecked, as coreai-opt does.
+INT16_MODES = ("off", "proven", "assume_safe")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in INT16_MODES:
+        raise InvalidOptionError(f"int16={mode!r} is not one of {', '.join(INT16_MODES)}")
+    return mode
+
+
+def int16_verdict(node: Node, mode: str) -> tuple[Reason, str]:
+    """Why ``node`` may (Reason.FITS / ASSUMED_SAFE) or may not compute in int16.
+
+    Reads the findings of the four int16 analyses. The second item gives the
+    ranges involved when they decided it.
+    """
+    meta = node.meta
+    if not meta.get(UserReachabilityAnalysis.META_KEY):
+        return Reason.NOT_USER_REACHABLE, ""
+    if meta.get(UnsafeIndexAnalysis.META_KEY):
+        return Reason.UNSAFE_INDEX, ""
+    if has_scalar_operand(node):
+        return Reason.SCALAR_OPERAND, ""
+    if not meta.get(CastableInt16Analysis.META_KEY):
+        return Reason.NOT_CASTABLE, ""
+    if mode == "assume_safe":
+        return Reason.ASSUMED_SAFE, ""
+    values = {"result": value_range(node)}
+    for arg in node.all_input_nodes:
+        if node_dtype(arg) in WIDE_INT_DTYPES:
+            values[arg.name] = value_range(arg)
+    for _, scalar in value_scalars(node):
+        if isinstance(scalar, int):
+            values[str(scalar)] = value_range(scalar)
+    detail = ", ".join(f"{name} {found}" for name, found in values.items() if found is not None)
+    if any(found is None for found in values.values()):
+        unknown = [name for name, found in values.items() if found is None]
+        return Reason.RANGE_UNKNOWN, f"unknown: {', '.join(unknown)}" + (
+            f"; {detail}" if detail else ""
+        )
+    if not all(found.fits(torch.int16) for found in values.values()):
+        return Reason.RANGE_EXCEEDS, detail
+    return Reason.FITS, detail
+
+
+def may_narrow(reason: Reason) -> bool:
+    return reason in (Reason.FITS, Reason.ASSUMED_SAFE)

@@ -1,0 +1,111 @@
+"""InsertInt16CastsPass: compute castable integer ops in int16 where their ranges fit."""
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16.casts import (
+    INSERTED,
+    WHY_CAST_BACK,
+    WHY_NARROW,
+    WHY_RETARGETED,
+    CastInserter,
+    cast_back_source,
+    is_cast,
+    is_inserted,
+    retype_val,
+    set_cast_dtype,
+)
+from fx16.decisions import INT_PRECISION, Reason, decide
+from fx16.narrowing import check_mode, int16_verdict, may_narrow
+from fx16.nodes import dtype_arguments, mutated_argument, node_dtype, node_val, set_argument
+from fx16.ops import CREATION_OPS, WIDE_INT_DTYPES
+from fx16.program import Program
+from fx16.propagation import propagate_fake
+
+INT16 = torch.int16
+
+
+class InsertInt16CastsPass(PassBase):
+    """Walk the graph in order and move castable int32/int64 ops to int16.
+
+    A node is narrowed when ``fx16.narrowing.int16_verdict`` allows it: castable,
+    and (unless ``mode="assume_safe"``) its range and its integer inputs' ranges
+    fit int16, so nothing can wrap around. Its wide inputs are cast to int16 and its
+    result is cast back to its *original* dtype (int32 or int64) for consumers;
+    cleanup then removes the cast pairs between neighbouring int16 ops. The model's
+    own integer casts and integer creation ops get ``dtype=torch.int16`` instead.
+
+    Reads: the int16 analyses' findings. Writes: narrowed ops' arguments and
+    ``meta["val"]``, inserted casts (``meta["fx16.inserted"]``), ``meta["fx16.int16"]``
+    on every wide integer op, the output specs. Nodes already decided are kept.
+    """
+
+    def __init__(self, program: Program, *, mode: str = "proven") -> None:
+        self.program = program
+        self.mode = check_mode(mode)
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        casts = CastInserter(graph_module.graph)
+        modified = False
+        for node in list(graph_module.graph.nodes):
+            original = node_dtype(node)
+            if (
+                node.op != "call_function"
+                or original not in WIDE_INT_DTYPES
+                or INT_PRECISION in node.meta
+                or is_inserted(node)
+            ):
+                continue
+            reason, detail = int16_verdict(node, self.mode)
+            if may_narrow(reason) and mutated_argument(node) is not None:
+                reason, detail = Reason.IN_PLACE, ""
+            if may_narrow(reason) and not self._narrow(node, casts):
+                reason, detail = Reason.NOT_INT16_OP, ""
+            narrowed = may_narrow(reason)
+            decide(node, INT16 if narrowed else original, reason, key=INT_PRECISION, detail=detail)
+            if narrowed:
+                casts.cast_after(node, original, WHY_CAST_BACK)
+                modified = True
+        if modified:
+            self.program.sync_output_specs()
+        return PassResult(graph_module, modified)
+
+    def _narrow(self, node: Node, casts: CastInserter) -> bool:
+        """Rewrite ``node`` to compute in int16; False (and no change) if it cannot."""
+        if is_cast(node):
+            set_cast_dtype(node, INT16)
+            node.meta[INSERTED] = WHY_RETARGETED
+            return True
+        if node.target in CREATION_OPS:
+            node.kwargs = {**node.kwargs, "dtype": INT16}
+            node.meta["val"] = retype_val(node.meta["val"], INT16)
+            return True
+        narrowed_inputs = {}
+        for arg in node.all_input_nodes:
+            if node_dtype(arg) in WIDE_INT_DTYPES:
+                narrowed_inputs[arg] = cast_back_source(arg, INT16)
+        dtype_locations = [loc for loc, dtype in dtype_arguments(node) if dtype in WIDE_INT_DTYPES]
+
+        def trial_val(arg: Node):
+            return retype_val(node_val(arg), INT16) if arg in narrowed_inputs else node_val(arg)
+
+        trial_inputs = map_arg(node.args, trial_val)
+        trial_kwargs = map_arg(node.kwargs, trial_val)
+        for kind, key in dtype_locations:
+            if kind == "args":
+                trial_inputs = (*trial_inputs[:key], INT16, *trial_inputs[key + 1 :])
+            else:
+                trial_kwargs = {**trial_kwargs, key: INT16}
+        result = propagate_fake(node, trial_inputs, trial_kwargs)
+        if not isinstance(result, torch.Tensor) or result.dtype != INT16:
+            return False
+        for arg, source in narrowed_inputs.items():
+            narrowed_inputs[arg] = source or casts.cast(arg, INT16, WHY_NARROW)
+        node.args = map_arg(node.args, lambda a: narrowed_inputs.get(a, a))
+        node.kwargs = map_arg(node.kwargs, lambda a: narrowed_inputs.get(a, a))
+        for location in dtype_locations:
+            set_argument(node, location, INT16)
+        node.meta["val"] = result
+        return True
