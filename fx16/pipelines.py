@@ -58,9 +58,9 @@ def int16_passes(ep, *, input_ranges: dict | None = None, int16: str = "proven")
     """The int32/int64 -> int16 pipeline for ``ep``, as fresh pass instances.
 
     Order: the four analyses first (reachability and unsafe indices feed the
-    castable set; ranges are independent of both), then inputs before the inserter
-    so it sees them in their final dtype, cleanup last. ``int16="off"`` gives an
-    empty list. Options: see ``fx16.cast_int32_to_int16``.
+    castable set; ranges are independent of both); the inserter next, then the
+    input converter, which narrows only inputs that int16 ops read; cleanup last.
+    ``int16="off"`` gives an empty list. Options: see ``fx16.cast_int32_to_int16``.
     """
     program = Program(ep)
     if check_mode(int16) == "off":
@@ -70,8 +70,8 @@ def int16_passes(ep, *, input_ranges: dict | None = None, int16: str = "proven")
         UnsafeIndexAnalysis(),
         CastableInt16Analysis(),
         ValueRangeAnalysis(program, input_ranges),
-        ConvertIntInputsPass(program, mode=int16),
         InsertInt16CastsPass(program, mode=int16),
+        ConvertIntInputsPass(program, mode=int16),
         CleanupCastsPass(program),
     ]
 

@@ -159,3 +159,57 @@ class Branching(torch.nn.Module):
 class TwoCasts(torch.nn.Module):
     def forward(self, x):
         return x.float().exp() + x.float().sin()
+
+
+# ---- integer models ----------------------------------------------------------------
+
+
+class BucketHash(torch.nn.Module):
+    """(ids * 1000 + ids) % 97: coreai-opt wraps the product in int16 and gets wrong buckets."""
+
+    def forward(self, ids):
+        return (ids * 1000 + ids) % 97
+
+
+class Square(torch.nn.Module):
+    """a * b: 300 x 300 = 90000 does not fit int16 (coreai-opt returns 24464)."""
+
+    def forward(self, a, b):
+        return a * b
+
+
+class PositionsAndMask(torch.nn.Module):
+    """Embedding ids, positions from arange, positions from a mask cumsum, and some
+    integer arithmetic on the side that may be narrowed."""
+
+    def __init__(self, vocab=100, width=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+
+    def forward(self, ids, mask):
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)
+        from_mask = mask.long().cumsum(-1) - 1
+        hidden = self.embed(ids) + self.embed(positions) + self.embed(from_mask.clamp(min=0))
+        return hidden, ids % 7 + from_mask, ids * ids
+
+
+class GatherComputedIndex(torch.nn.Module):
+    """The gather index is computed from the input, so all of it must stay wide."""
+
+    def forward(self, x, ids):
+        index = (ids + ids) % x.shape[-1]
+        return x.gather(-1, index), ids + ids
+
+
+class Int32Arithmetic(torch.nn.Module):
+    """int32 inputs: narrowed results must come back as int32, not int64."""
+
+    def forward(self, a, b):
+        return a + b, (a - b) * (a + b)
+
+
+class CumsumCounter(torch.nn.Module):
+    """A running count over a long sequence: cumsum can outgrow int16."""
+
+    def forward(self, steps, offset):
+        return (steps + offset).cumsum(-1)

@@ -116,3 +116,103 @@ def attention_cases(draw):
 
 
 model_cases = st.one_of(mlp_cases(), attention_cases())
+
+
+# ---- integer programs ---------------------------------------------------------------
+
+INT_STEPS = (
+    "add",
+    "sub",
+    "mul",
+    "neg",
+    "abs",
+    "remainder",
+    "clamp",
+    "cumsum",
+    "sum",
+    "maximum",
+    "where",
+    "scalar_add",
+    "scalar_mul",
+    "cat",
+)
+
+
+class RandomIntegerProgram(nn.Module):
+    """A register machine over integer tensors: each step reads registers and appends one."""
+
+    def __init__(self, steps):
+        super().__init__()
+        self.steps = steps
+
+    def extra_repr(self):
+        return f"steps={self.steps}"
+
+    def forward(self, a, b):
+        registers = [a, b]
+        for op, i, j, constant in self.steps:
+            x, y = registers[i % len(registers)], registers[j % len(registers)]
+            registers.append(integer_step(op, x, y, constant))
+        return tuple(registers[2:]) or (a + b,)
+
+
+def integer_step(op, x, y, constant):
+    if op == "add":
+        return x + y
+    if op == "sub":
+        return x - y
+    if op == "mul":
+        return x * y
+    if op == "neg":
+        return -x
+    if op == "abs":
+        return x.abs()
+    if op == "remainder":
+        return x % constant
+    if op == "clamp":
+        return x.clamp(-constant, constant)
+    if op == "cumsum":
+        return x.cumsum(-1)
+    if op == "sum":
+        return x.sum(-1, keepdim=True).expand_as(x)
+    if op == "maximum":
+        return torch.maximum(x, y)
+    if op == "where":
+        return torch.where(x > y, x, y)
+    if op == "scalar_add":
+        return x + constant
+    if op == "scalar_mul":
+        return x * constant
+    return torch.cat([x, y], -1)[..., : x.shape[-1]]
+
+
+@st.composite
+def integer_cases(draw):
+    """(model, args, input_ranges, draw_inputs): inputs are drawn inside the declared ranges."""
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    steps = draw(
+        st.lists(
+            st.tuples(
+                st.sampled_from(INT_STEPS),
+                st.integers(0, 20),
+                st.integers(0, 20),
+                st.integers(1, 40000),
+            ),
+            min_size=1,
+            max_size=6,
+        )
+    )
+    ranges = {}
+    for name in ("a", "b"):
+        low = draw(st.integers(-40000, 40000))
+        ranges[name] = (low, low + draw(st.integers(0, 40000)))
+    width = draw(st.integers(1, 6))
+
+    def inputs(seed):
+        generator = torch.Generator().manual_seed(seed)
+        return tuple(
+            torch.randint(low, high + 1, (2, width), generator=generator, dtype=dtype)
+            for low, high in ranges.values()
+        )
+
+    return RandomIntegerProgram(steps), inputs(0), ranges, inputs

@@ -122,7 +122,7 @@ class ValueRangeAnalysis(PassBase):
             elif node.op == "placeholder":
                 found = declared.get(node) or rules.of_bool(node)
             elif node.op == "call_function":
-                found = rules.of(node)
+                found = _within_dtype(node, rules.of(node))
             else:
                 continue
             if found is None:
@@ -130,6 +130,16 @@ class ValueRangeAnalysis(PassBase):
             else:
                 node.meta[self.META_KEY] = found
         return PassResult(graph_module, False)
+
+
+def _within_dtype(node: Node, found: ValueRange | tuple | None) -> ValueRange | tuple | None:
+    """Drop a range the node's own dtype cannot hold: the program wraps there, so the
+    true values are unknown (and no narrowing can be justified)."""
+    val = node_val(node)
+    if isinstance(found, ValueRange) and isinstance(val, torch.Tensor):
+        if val.dtype in INT_DTYPES and not found.fits(val.dtype):
+            return None
+    return found
 
 
 def value_range(arg: Any) -> ValueRange | None:
@@ -267,8 +277,9 @@ class _Rules:
         high_range = value_range(high) if high is not None else ValueRange(INF, INF, Source.PROVEN)
         if low_range is None or high_range is None:
             return None
-        result_low = max(x.low, low_range.low)
-        result_high = min(x.high, high_range.high)
+        # clamp(x, lo, hi) is min(max(x, lo), hi), applied to both ends of x
+        result_low = min(max(x.low, low_range.low), high_range.high)
+        result_high = min(max(x.high, low_range.low), high_range.high)
         if not (math.isfinite(result_low) and math.isfinite(result_high)):
             return None
         return _span(result_low, result_high, x, low_range, high_range)

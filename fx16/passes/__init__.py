@@ -10,6 +10,7 @@ from fx16.passes.fuse_cast_chains import FuseCastChainsPass
 from fx16.passes.insert_fp16_casts import InsertFP16CastsPass
 from fx16.passes.insert_int16_casts import InsertInt16CastsPass
 from fx16.passes.remove_noop_casts import RemoveNoopCastsPass
+from fx16.passes.remove_unused_casts import RemoveUnusedCastsPass
 
 __all__ = [
     "BypassBranchingCastsPass",
@@ -22,4 +23,5 @@ __all__ = [
     "InsertFP16CastsPass",
     "InsertInt16CastsPass",
     "RemoveNoopCastsPass",
+    "RemoveUnusedCastsPass",
 ]

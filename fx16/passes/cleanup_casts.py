@@ -9,6 +9,7 @@ from fx16.passes.cast_rule import CastRule
 from fx16.passes.deduplicate_casts import DeduplicateCastsPass
 from fx16.passes.fuse_cast_chains import FuseCastChainsPass
 from fx16.passes.remove_noop_casts import RemoveNoopCastsPass
+from fx16.passes.remove_unused_casts import RemoveUnusedCastsPass
 from fx16.program import Program
 
 # Each round is one linear walk per rule; every rewrite removes a cast or moves a
@@ -20,7 +21,7 @@ class CleanupCastsPass(PassBase):
     """Drive the cleanup rules to a fixed point.
 
     Default order: dedupe first (fewer nodes for the others), then fuse chains,
-    bypass shared casts, and drop the no-ops those rewrites leave behind.
+    bypass shared casts, and drop the no-ops and unused casts those rewrites leave.
     Reads and writes what its rules do (casts, ``meta["fx16.kept_cast"]``, output specs).
     """
 
@@ -30,6 +31,7 @@ class CleanupCastsPass(PassBase):
             FuseCastChainsPass(program),
             BypassBranchingCastsPass(program),
             RemoveNoopCastsPass(program),
+            RemoveUnusedCastsPass(program),
         ]
 
     def call(self, graph_module: GraphModule) -> PassResult:

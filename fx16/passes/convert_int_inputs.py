@@ -1,11 +1,11 @@
-"""ConvertIntInputsPass: castable int32/int64 user inputs become int16 inputs."""
+"""ConvertIntInputsPass: int32/int64 user inputs read by int16 ops become int16 inputs."""
 
 import torch
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fx16.casts import WHY_CAST_BACK, CastInserter, retype_val
-from fx16.decisions import INT_PRECISION, decide
+from fx16.casts import INSERTED, WHY_CAST_BACK, WHY_NARROW, CastInserter, retype_val
+from fx16.decisions import INT_PRECISION, Reason, decide
 from fx16.narrowing import check_mode, int16_verdict, may_narrow
 from fx16.nodes import node_dtype
 from fx16.ops import WIDE_INT_DTYPES
@@ -13,15 +13,16 @@ from fx16.program import Program
 
 
 class ConvertIntInputsPass(PassBase):
-    """Declare a user input int16 when it is castable and its range fits.
+    """Make a user input int16 when it is castable, fits, and an int16 op reads it.
 
-    Callers pass int16 tensors for those inputs afterwards. The input is cast back
-    to its original dtype for every consumer; consumers the int16 inserter narrows
-    read the int16 input directly once cleanup folds that cast away.
+    Runs after InsertInt16CastsPass: the narrowing casts it put on an input are
+    absorbed into the input itself, and the input's other consumers get a cast back
+    to its original dtype. Callers pass int16 tensors for those inputs afterwards.
 
-    Reads: the int16 analyses' findings (see ``fx16.narrowing.int16_verdict``).
-    Writes: the placeholders' ``meta["val"]``, a cast-back after each narrowed
-    input, ``meta["fx16.int16"]`` on every wide integer input, the example inputs.
+    Reads: the int16 analyses' findings (see ``fx16.narrowing.int16_verdict``) and
+    the casts the inserter marked ``meta["fx16.inserted"] == "narrow"``.
+    Writes: the placeholders' ``meta["val"]``, ``meta["fx16.int16"]`` on every wide
+    integer input, a cast-back where wide consumers remain, the example inputs.
     """
 
     def __init__(self, program: Program, *, mode: str = "proven") -> None:
@@ -35,13 +36,24 @@ class ConvertIntInputsPass(PassBase):
             original = node_dtype(placeholder)
             if original not in WIDE_INT_DTYPES or INT_PRECISION in placeholder.meta:
                 continue
+            narrowing = [u for u in placeholder.users if u.meta.get(INSERTED) == WHY_NARROW]
             reason, detail = int16_verdict(placeholder, self.mode)
+            if may_narrow(reason) and not narrowing:
+                reason = Reason.NO_INT16_CONSUMER
             if not may_narrow(reason):
                 decide(placeholder, original, reason, key=INT_PRECISION, detail=detail)
                 continue
+            narrow_consumers = {user for cast in narrowing for user in cast.users}
+            for cast in narrowing:
+                cast.replace_all_uses_with(placeholder)
+                graph_module.graph.erase_node(cast)
             placeholder.meta["val"] = retype_val(placeholder.meta["val"], torch.int16)
+            wide_consumers = [u for u in placeholder.users if u not in narrow_consumers]
+            if wide_consumers:
+                back = casts.cast(placeholder, original, WHY_CAST_BACK)
+                for user in wide_consumers:
+                    user.replace_input_with(placeholder, back)
             decide(placeholder, torch.int16, reason, key=INT_PRECISION, detail=detail)
-            casts.cast_after(placeholder, original, WHY_CAST_BACK)
             new_dtypes[index] = torch.int16
         self.program.retype_example_inputs(new_dtypes)
         return PassResult(graph_module, bool(new_dtypes))

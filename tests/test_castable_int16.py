@@ -1,0 +1,53 @@
+"""CastableInt16Analysis: the integer nodes connected to an int16 computation."""
+
+import pytest
+import torch
+
+from fx16.analysis import CastableInt16Analysis, UnsafeIndexAnalysis, UserReachabilityAnalysis
+from fx16.errors import PreconditionError
+from fx16.program import Program
+from helpers import export
+from models import BucketHash, GatherComputedIndex, Int32Arithmetic, PositionsAndMask
+
+KEY = CastableInt16Analysis.META_KEY
+
+
+def _analyse(ep):
+    program = Program(ep)
+    for analysis in (
+        UserReachabilityAnalysis(program),
+        UnsafeIndexAnalysis(),
+        CastableInt16Analysis(),
+    ):
+        assert not analysis(ep.graph_module).modified
+    return {node.name for node in ep.graph_module.graph.nodes if node.meta[KEY]}
+
+
+def test_needs_its_inputs_analysed_first():
+    ep = export(BucketHash(), torch.arange(5))
+    with pytest.raises(PreconditionError, match="run UserReachabilityAnalysis first"):
+        CastableInt16Analysis()(ep.graph_module)
+
+
+def test_seeds_grow_to_producers_and_consumers():
+    """a, b -> add -> ... ; (a - b) * (a + b): every node joins, inputs included."""
+    args = (torch.arange(4, dtype=torch.int32), torch.arange(4, dtype=torch.int32))
+    assert _analyse(export(Int32Arithmetic(), *args)) == {"a", "b", "add", "sub", "add_1", "mul"}
+
+
+def test_scalar_operand_ops_never_join():
+    """ids * 1000 (scalar) stays out; add(mul, ids) seeds; remainder joins through it."""
+    assert _analyse(export(BucketHash(), torch.arange(5))) == {"ids", "add", "remainder"}
+
+
+def test_growth_stops_at_index_paths_and_constants():
+    args = (torch.randint(0, 100, (2, 8)), torch.ones(2, 8, dtype=torch.bool))
+    castable = _analyse(export(PositionsAndMask(), *args))
+    assert castable == {"remainder", "add_2", "mul"}  # ids itself feeds the embedding
+
+
+def test_gather_index_path_is_excluded():
+    castable = _analyse(
+        export(GatherComputedIndex(), torch.randn(2, 5), torch.randint(0, 5, (2, 3)))
+    )
+    assert castable == {"add_1"}

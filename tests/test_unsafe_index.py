@@ -1,0 +1,96 @@
+"""UnsafeIndexAnalysis: values that flow into index arguments, along every path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fx16.analysis import UnsafeIndexAnalysis
+from helpers import export
+from models import GatherComputedIndex, PositionsAndMask
+
+KEY = UnsafeIndexAnalysis.META_KEY
+
+
+def _analyse(ep):
+    code = ep.graph_module.code
+    assert not UnsafeIndexAnalysis()(ep.graph_module).modified
+    assert ep.graph_module.code == code
+    return {node.name: node.meta[KEY] for node in ep.graph_module.graph.nodes}
+
+
+def test_embedding_ids_positions_and_mask_paths():
+    """ids -> embedding; arange -> unsqueeze -> embedding; mask -> to -> cumsum -> sub -> clamp
+    -> embedding: all unsafe. ids % 7 and ids * ids do not feed an index."""
+    args = (torch.randint(0, 100, (2, 8)), torch.ones(2, 8, dtype=torch.bool))
+    found = _analyse(export(PositionsAndMask(), *args))
+    for name in ("ids", "mask", "arange", "unsqueeze", "to", "cumsum", "sub", "clamp"):
+        assert found[name], name
+    for name in ("remainder", "add_2", "mul", "embedding"):
+        assert not found[name], name
+
+
+def test_computed_gather_index_is_unsafe_upstream():
+    """ids -> add -> remainder -> gather(index): all three unsafe; the second ids + ids is safe."""
+    ep = export(GatherComputedIndex(), torch.randn(2, 5), torch.randint(0, 5, (2, 3)))
+    found = _analyse(ep)
+    assert found["ids"] and found["add"] and found["remainder"]
+    assert not found["add_1"] and not found["gather"]
+
+
+class Indexing(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, x, ids):
+        index = ids * 1 + 0  # one op between the input and the index
+        if self.kind == "index":
+            return x[index]
+        if self.kind == "index_put":
+            return x.index_put((index,), torch.ones(index.shape[0]))
+        if self.kind == "index_select":
+            return x.index_select(0, index)
+        if self.kind == "scatter_add":
+            return x.scatter_add(0, index, torch.ones(index.shape[0]))
+        if self.kind == "index_add":
+            return x.index_add(0, index, torch.ones(index.shape[0]))
+        if self.kind == "one_hot":
+            return F.one_hot(index, 8)
+        if self.kind == "nll_loss":
+            return F.nll_loss(x.unsqueeze(0).expand(index.shape[0], -1), index)
+        if self.kind == "take":
+            return x.take(index)
+        if self.kind == "item":
+            return x[: index[0].item()]
+        raise ValueError(self.kind)
+
+
+KINDS = [
+    "index",
+    "index_put",
+    "index_select",
+    "scatter_add",
+    "index_add",
+    "one_hot",
+    "nll_loss",
+    "take",
+    "item",
+]
+
+
+# Decomposed, one_hot becomes a comparison with arange: no index argument is left.
+@pytest.mark.parametrize(
+    "kind, decompose",
+    [(kind, False) for kind in KINDS] + [(kind, True) for kind in KINDS if kind != "one_hot"],
+)
+def test_every_index_taking_op(kind, decompose):
+    ep = export(Indexing(kind), torch.randn(8), torch.tensor([1, 3, 2]), decompose=decompose)
+    found = _analyse(ep)
+    assert found["ids"], f"{kind}: the input feeding the index is not marked"
+    integer_ops = [
+        n
+        for n in ep.graph_module.graph.nodes
+        if n.op == "call_function" and n.all_input_nodes and n.all_input_nodes[0].name == "ids"
+    ]
+    assert integer_ops and all(found[n.name] for n in integer_ops)
+    assert not found["x"]

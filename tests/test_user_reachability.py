@@ -1,0 +1,86 @@
+"""UserReachabilityAnalysis: which nodes depend on a user input."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fx16.analysis import UserReachabilityAnalysis
+from fx16.program import Program
+from helpers import export, targets
+from models import PositionsAndMask
+
+KEY = UserReachabilityAnalysis.META_KEY
+aten = torch.ops.aten
+
+
+class ConstantBranch(torch.nn.Module):
+    """argmax(weight) + 1 depends on no input; x + that sum does."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        table = self.weight.argmax(-1) + 1
+        return x + table
+
+
+def _analyse(ep):
+    result = UserReachabilityAnalysis(Program(ep))(ep.graph_module)
+    assert not result.modified
+    return {node.name: node.meta[KEY] for node in ep.graph_module.graph.nodes}
+
+
+def test_constant_subgraph_is_not_reachable():
+    """p_weight -> argmax -> add(1)  (not reachable);  x -> add(x, table)  (reachable)."""
+    ep = export(ConstantBranch(), torch.arange(4))
+    code = ep.graph_module.code
+    found = _analyse(ep)
+    assert ep.graph_module.code == code
+    assert found == {
+        "p_weight": False,
+        "x": True,
+        "argmax": False,
+        "add": False,
+        "add_1": True,
+        "output": True,
+    }
+
+
+def test_shapes_of_dynamic_inputs_are_reachable():
+    length = torch.export.Dim("length", max=64)
+    args = (torch.randint(0, 100, (2, 8)), torch.ones(2, 8, dtype=torch.bool))
+    ep = export(PositionsAndMask(), *args, dynamic_shapes=({1: length}, {1: length}))
+    found = _analyse(ep)
+    assert found["sym_size_int_1"] and found["arange"]
+    assert not found["p_embed_weight"]
+
+
+def test_static_arange_is_constant_foldable():
+    args = (torch.randint(0, 100, (2, 8)), torch.ones(2, 8, dtype=torch.bool))
+    ep = export(PositionsAndMask(), *args)
+    assert targets(ep)[aten.arange.default] == 1
+    assert not _analyse(ep)["arange"]
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(1, 6))
+def test_reachable_is_exactly_the_descendants_of_user_inputs(depth):
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("offset", torch.arange(3))
+
+        def forward(self, x):
+            constant = self.offset
+            for _ in range(depth):
+                constant = constant * 2
+                x = x + constant
+            return x
+
+    ep = export(Chain(), torch.arange(3))
+    found = _analyse(ep)
+    for node in ep.graph_module.graph.nodes:
+        if node.op == "call_function":
+            expected = any(found[arg.name] for arg in node.all_input_nodes)
+            assert found[node.name] == expected

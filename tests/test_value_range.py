@@ -1,0 +1,117 @@
+"""ValueRangeAnalysis: intervals for integer values, and that they always hold."""
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from hypothesis import HealthCheck, given, settings
+
+from fx16.analysis import Source, ValueRange, ValueRangeAnalysis
+from fx16.errors import InvalidOptionError
+from fx16.program import Program
+from helpers import export
+from models import BucketHash, CumsumCounter, PositionsAndMask
+from strategies import integer_cases
+
+KEY = ValueRangeAnalysis.META_KEY
+
+
+def _analyse(ep, input_ranges=None):
+    code = ep.graph_module.code
+    assert not ValueRangeAnalysis(Program(ep), input_ranges)(ep.graph_module).modified
+    assert ep.graph_module.code == code
+    return {n.name: n.meta.get(KEY) for n in ep.graph_module.graph.nodes}
+
+
+def test_declared_ranges_flow_through_arithmetic():
+    """ids:[0,999] -> mul(1000):[0,999000] -> add(ids):[0,999999] -> remainder(97):[0,96]."""
+    ranges = _analyse(export(BucketHash(), torch.arange(5)), {"ids": (0, 999)})
+    assert ranges["ids"] == ValueRange(0, 999, Source.DECLARED)
+    assert ranges["mul"] == ValueRange(0, 999000, Source.DECLARED)
+    assert ranges["add"] == ValueRange(0, 999999, Source.DECLARED)
+    assert ranges["remainder"] == ValueRange(0, 96, Source.PROVEN)
+
+
+def test_unknown_inputs_leave_ranges_unknown():
+    ranges = _analyse(export(BucketHash(), torch.arange(5)))
+    assert ranges["ids"] is None and ranges["add"] is None
+    assert ranges["remainder"] == ValueRange(0, 96, Source.PROVEN)
+
+
+def test_shapes_bounded_by_range_constraints():
+    """Dim(max=64): sym_size in [0, 64], arange in [0, 63], mask cumsum in [0, 64]."""
+    length = torch.export.Dim("length", max=64)
+    args = (torch.randint(0, 100, (2, 8)), torch.ones(2, 8, dtype=torch.bool))
+    ep = export(PositionsAndMask(), *args, dynamic_shapes=({1: length}, {1: length}))
+    ranges = _analyse(ep)
+    assert ranges["sym_size_int_1"].high == 64
+    assert ranges["arange"] == ValueRange(0, 63, Source.PROVEN)
+    assert ranges["mask"] == ValueRange(0, 1, Source.PROVEN)
+    assert ranges["cumsum"] == ValueRange(0, 64, Source.PROVEN)
+    assert ranges["sub"] == ValueRange(-1, 63, Source.PROVEN)
+    assert ranges["clamp"] == ValueRange(0, 63, Source.PROVEN)
+
+
+def test_cumsum_scales_with_the_sequence_length():
+    length = torch.export.Dim("length", max=4096)
+    args = (torch.ones(1, 8, dtype=torch.int64), torch.ones(1, 8, dtype=torch.int64))
+    ep = export(CumsumCounter(), *args, dynamic_shapes=({1: length}, {1: length}))
+    ranges = _analyse(ep, {"steps": (0, 10), "offset": (0, 1)})
+    assert ranges["cumsum"] == ValueRange(0, 11 * 4096, Source.DECLARED)
+    assert not ranges["cumsum"].fits(torch.int16)
+
+
+class Bounded(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.tensor([3, -5, 7]))
+        self.register_buffer("edges", torch.tensor([0.0, 1.0, 2.0, 3.0]))
+
+    def forward(self, x, scores):
+        picked = scores.argmax(-1)
+        top = scores.topk(2, -1).indices
+        buckets = torch.bucketize(scores, self.edges)
+        flags = (x > 3).long()
+        return picked + top[..., 0], buckets, flags * self.table, x.abs().neg()
+
+
+def test_bounded_ops_constants_and_comparisons():
+    ranges = _analyse(export(Bounded(), torch.tensor([1, -2, 9]), torch.randn(3, 5)))
+    assert ranges["b_table"] == ValueRange(-5, 7, Source.PROVEN)
+    assert ranges["argmax"] == ValueRange(0, 4, Source.PROVEN)
+    assert ranges["getitem_1"] == ValueRange(0, 4, Source.PROVEN)
+    assert ranges["bucketize"] == ValueRange(0, 4, Source.PROVEN)
+    assert ranges["gt"] == ValueRange(0, 1, Source.PROVEN)
+    assert ranges["mul"] == ValueRange(-5, 7, Source.PROVEN)
+    assert ranges["abs_1"] is None  # x has no declared range
+
+
+def test_input_range_names_are_checked():
+    with pytest.raises(InvalidOptionError, match="not user inputs.*'ids'"):
+        _analyse(export(BucketHash(), torch.arange(5)), {"input_ids": (0, 10)})
+
+
+class _Observer(torch.fx.Interpreter):
+    """Runs the graph and checks every integer value against its recorded range."""
+
+    def run_node(self, node):
+        result = super().run_node(node)
+        recorded = node.meta.get(KEY)
+        values = pytree.tree_leaves(result)
+        ranges = recorded if isinstance(recorded, tuple) else [recorded] * len(values)
+        for value, found in zip(values, ranges):
+            if isinstance(value, torch.Tensor) and found is not None and value.numel():
+                if not value.is_floating_point():
+                    low, high = int(value.min()), int(value.max())
+                    assert found.low <= low and high <= found.high, (node.name, found, low, high)
+        return result
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(integer_cases())
+def test_recorded_ranges_contain_every_value_seen(case):
+    model, args, input_ranges, draw_inputs = case
+    ep = export(model, *args)
+    _analyse(ep, input_ranges)
+    for seed in range(3):
+        inputs = Program(ep).graph_inputs(draw_inputs(seed))
+        _Observer(ep.graph_module).run(*inputs)
