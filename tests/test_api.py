@@ -4,21 +4,24 @@ import copy
 
 import pytest
 import torch
+from int16_helpers import int_decisions
 from torch.fx.passes.infra.pass_manager import PassManager
 
 import fx16
 from fx16.analysis import CalibrationAnalysis
 from fx16.passes import (
     CleanupCastsPass,
+    ConvertIntInputsPass,
     ConvertParametersPass,
     ConvertUserInputsPass,
     FuseCastChainsPass,
     InsertFP16CastsPass,
+    InsertInt16CastsPass,
     RemoveNoopCastsPass,
 )
 from fx16.pipelines import run_passes
-from helpers import assert_same_state, export, state_snapshot
-from models import MLP, OverflowWeight, RMSNormMLP
+from helpers import assert_same_state, check_program, export, state_snapshot
+from models import MLP, OverflowWeight, PositionsAndMask, RMSNormMLP
 
 INPUT_WIDTH = {MLP: 8, OverflowWeight: 4, RMSNormMLP: 16}
 
@@ -122,3 +125,61 @@ def test_failure_in_any_stage_leaves_the_program_unchanged(stage, monkeypatch):
     monkeypatch.undo()
     fx16.cast_fp32_to_fp16(ep)  # and it can still be cast afterwards
     ep.module()(torch.randn(3, 4).half())
+
+
+# ---- the combined and int16 entry points ---------------------------------------------
+
+
+def _int_program():
+    args = (torch.randint(0, 100, (2, 8)), torch.ones(2, 8, dtype=torch.bool))
+    torch.manual_seed(0)
+    model = PositionsAndMask()
+    length = torch.export.Dim("length", max=64)
+    return export(model, *args, dynamic_shapes=({1: length}, {1: length}))
+
+
+RANGES = {"ids": (0, 99)}
+
+
+def test_pass_manager_equals_cast_to_16_bit_precision():
+    by_api = fx16.cast_to_16_bit_precision(_int_program(), input_ranges=RANGES)
+    by_manager = _int_program()
+    passes = fx16.fp16_passes(by_manager) + fx16.int16_passes(by_manager, input_ranges=RANGES)
+    PassManager(passes)(by_manager.graph_module)
+    assert_same_state(state_snapshot(by_api), state_snapshot(by_manager))
+
+
+def test_combined_cast_converts_both_and_is_idempotent():
+    ep = fx16.cast_to_16_bit_precision(_int_program(), input_ranges=RANGES)
+    check_program(ep)
+    assert ep.state_dict["embed.weight"].dtype == torch.float16
+    assert any(d.dtype == torch.int16 for d in int_decisions(ep).values())
+    once = state_snapshot(ep)
+    passes = fx16.fp16_passes(ep) + fx16.int16_passes(ep, input_ranges=RANGES)
+    assert not run_passes(passes, ep.graph_module)
+    assert_same_state(once, state_snapshot(ep))
+
+
+def test_int16_off_only_casts_floats():
+    ep = fx16.cast_to_16_bit_precision(_int_program(), int16="off")
+    assert int_decisions(ep) == {}
+    assert fx16.int16_passes(ep, int16="off") == []
+
+
+@pytest.mark.parametrize("stage", [InsertInt16CastsPass, ConvertIntInputsPass, CleanupCastsPass])
+def test_failure_in_an_int16_stage_restores_the_program(stage, monkeypatch):
+    ep = _int_program()
+    before = state_snapshot(ep)
+    _fail_after(stage, monkeypatch)
+    with pytest.raises(fx16.PassFailedError, match="injected failure"):
+        fx16.cast_to_16_bit_precision(ep, input_ranges=RANGES)
+    assert_same_state(before, state_snapshot(ep))
+    assert ep.example_inputs[0][0].dtype == torch.int64
+
+
+def test_bad_input_range_name_leaves_the_program_unchanged():
+    ep = _int_program()
+    before = state_snapshot(ep)
+    with pytest.raises(fx16.InvalidOptionError, match="input_ids"):
+        fx16.cast_to_16_bit_precision(ep, input_ranges={"input_ids": (0, 9)})
+    assert_same_state(before, state_snapshot(ep))
