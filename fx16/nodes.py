@@ -87,6 +87,16 @@ def named_argument(node: Node, name: str) -> Any:
     return None
 
 
+def accepts_keyword(node: Node, name: str) -> bool:
+    """The op takes a keyword-only argument ``name`` that the node does not pass yet."""
+    schema = getattr(node.target, "_schema", None)
+    return (
+        schema is not None
+        and name not in node.kwargs
+        and any(arg.name == name and arg.kwarg_only for arg in schema.arguments)
+    )
+
+
 def get_argument(node: Node, location: Location) -> Any:
     kind, key = location
     return node.args[key] if kind == "args" else node.kwargs[key]

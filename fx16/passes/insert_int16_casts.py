@@ -19,7 +19,14 @@ from fx16.casts import (
 )
 from fx16.decisions import INT_PRECISION, Reason, decide
 from fx16.narrowing import check_mode, int16_verdict, may_narrow
-from fx16.nodes import dtype_arguments, mutated_argument, node_dtype, node_val, set_argument
+from fx16.nodes import (
+    accepts_keyword,
+    dtype_arguments,
+    mutated_argument,
+    node_dtype,
+    node_val,
+    set_argument,
+)
 from fx16.ops import CREATION_OPS, WIDE_INT_DTYPES
 from fx16.program import Program
 from fx16.propagation import propagate_fake
@@ -86,7 +93,10 @@ class InsertInt16CastsPass(PassBase):
         for arg in node.all_input_nodes:
             if node_dtype(arg) in WIDE_INT_DTYPES:
                 narrowed_inputs[arg] = cast_back_source(arg, INT16)
+        # Integer reductions (sum, cumsum) promote to int64 unless told a dtype: tell them.
         dtype_locations = [loc for loc, dtype in dtype_arguments(node) if dtype in WIDE_INT_DTYPES]
+        if not dtype_locations and accepts_keyword(node, "dtype"):
+            dtype_locations = [("kwargs", "dtype")]
 
         def trial_val(arg: Node):
             return retype_val(node_val(arg), INT16) if arg in narrowed_inputs else node_val(arg)

@@ -1,0 +1,117 @@
+"""Which integer nodes fx16 narrows to int16 on a few models, and why the others stay wide.
+
+    python -m benchmarks.int16_table
+
+Models: GPT-2 and BERT built from ``transformers`` configs (random weights, no
+download) with a dynamic sequence length, a hashing bucketizer, and a running
+counter. Each is cast with ``fx16.cast_to_16_bit_precision`` and the declared input
+ranges shown; integer outputs are checked bit-exact against the original program.
+"""
+
+import warnings
+
+import torch
+import torch.utils._pytree as pytree
+
+import fx16
+from fx16.program import Program
+from fx16.report import decision_rows, format_rows
+
+
+class BucketHash(torch.nn.Module):
+    """Hash ids into 97 buckets, plus a pairwise sum that fits int16."""
+
+    def forward(self, ids, other):
+        return (ids * 1000 + ids) % 97, ids + other
+
+
+class RunningCount(torch.nn.Module):
+    """Counts events along a sequence: the cumsum outgrows int16 for long sequences."""
+
+    def forward(self, events, weights):
+        return (events * weights).cumsum(-1), events - weights
+
+
+class LogitsOnly(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        output = self.model(input_ids=input_ids, attention_mask=attention_mask)
+        return output.logits if hasattr(output, "logits") else output.last_hidden_state
+
+
+def transformer(kind: str):
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = GPT2Config(
+            n_layer=2,
+            n_embd=64,
+            n_head=4,
+            vocab_size=1000,
+            n_positions=128,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        model = GPT2LMHeadModel(config)
+    else:
+        config = BertConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            intermediate_size=128,
+            vocab_size=1000,
+            max_position_embeddings=128,
+        )
+        model = BertModel(config)
+    ids = torch.randint(0, 1000, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.int64)
+    mask[1, 12:] = 0
+    length = torch.export.Dim("length", max=128)
+    dynamic_shapes = ({1: length}, {1: length})
+    return LogitsOnly(model.eval()), (ids, mask), dynamic_shapes, {"input_ids": (0, 999)}
+
+
+def cases():
+    yield "GPT-2 (2 layers)", *transformer("gpt2")
+    yield "BERT (2 layers)", *transformer("bert")
+    ids = torch.randint(0, 1000, (4, 8))
+    ranges = {"ids": (0, 999), "other": (0, 999)}
+    yield "hash buckets", BucketHash(), (ids, ids.flip(0)), None, ranges
+    length = torch.export.Dim("length", max=4096)
+    events = torch.randint(0, 3, (1, 64))
+    yield (
+        "running count",
+        RunningCount(),
+        (events, events + 1),
+        ({1: length}, {1: length}),
+        {"events": (0, 2), "weights": (1, 3)},
+    )
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    for name, model, args, dynamic_shapes, input_ranges in cases():
+        ep = torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
+        with torch.no_grad():
+            expected = pytree.tree_leaves(ep.module()(*args))
+        fx16.cast_to_16_bit_precision(ep, input_ranges=input_ranges)
+        placeholders = Program(ep).user_input_placeholders()
+        cast_args = [a.to(p.meta["val"].dtype) for a, p in zip(args, placeholders)]
+        got = pytree.tree_leaves(ep.module()(*cast_args))
+        exact = all(torch.equal(g, e) for g, e in zip(got, expected) if not e.is_floating_point())
+        rows = [row for row in decision_rows(ep) if row.kind == "int"]
+        narrowed = sum(row.narrowed for row in rows)
+        print(
+            f"\n## {name}: {narrowed} of {len(rows)} integer nodes narrowed; "
+            f"input_ranges={input_ranges}; integer outputs exact: {exact}"
+        )
+        print(format_rows(rows))
+
+
+if __name__ == "__main__":
+    main()
