@@ -50,7 +50,11 @@ def cast_fp32_to_fp16(
 
 
 def cast_int32_to_int16(
-    ep: ExportedProgram, *, input_ranges: dict | None = None, int16: str = "proven"
+    ep: ExportedProgram,
+    *,
+    input_ranges: dict | None = None,
+    int16: str = "proven",
+    calibration: list | None = None,
 ) -> ExportedProgram:
     """Rewrite ``ep`` in place so integer computations run in int16 where nothing can wrap.
 
@@ -64,16 +68,20 @@ def cast_int32_to_int16(
 
     input_ranges: declared value ranges of integer user inputs, by name:
         ``{"input_ids": (0, 50256)}``. Ranges you declare are trusted.
-    int16: "proven" (default) narrows only what provably fits; "assume_safe"
-        narrows the whole castable set without checking ranges (what coreai-opt does:
-        unchecked, values outside int16 wrap around); "off" does nothing.
+    int16: "proven" (default) narrows only what provably fits; "observed" also
+        trusts the ranges seen on ``calibration`` inputs (default: the example
+        inputs), which inputs outside them can break; "assume_safe" narrows the whole
+        castable set without checking ranges (what coreai-opt does: unchecked, values
+        outside int16 wrap around); "off" does nothing.
+    calibration: inputs for ``int16="observed"``, as in ``cast_fp32_to_fp16``.
 
     Raises like ``cast_fp32_to_fp16``, plus ``fx16.InvalidOptionError`` for a bad
     mode or an ``input_ranges`` name that is not a user input.
     """
     program = Program(ep)
     with program.transaction():
-        run_passes(int16_passes(ep, input_ranges=input_ranges, int16=int16), ep.graph_module)
+        passes = int16_passes(ep, input_ranges=input_ranges, int16=int16, calibration=calibration)
+        run_passes(passes, ep.graph_module)
     return ep
 
 
@@ -97,6 +105,6 @@ def cast_to_16_bit_precision(
             keep_explicit_fp32=keep_explicit_fp32,
             calibration=calibration,
             overflow_margin=overflow_margin,
-        ) + int16_passes(ep, input_ranges=input_ranges, int16=int16)
+        ) + int16_passes(ep, input_ranges=input_ranges, int16=int16, calibration=calibration)
         run_passes(passes, ep.graph_module)
     return ep

@@ -6,7 +6,7 @@ from torch.fx import Node
 from fx16.analysis.castable_int16 import CastableInt16Analysis, has_scalar_operand
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.user_reachability import UserReachabilityAnalysis
-from fx16.analysis.value_range import value_range
+from fx16.analysis.value_range import Source, value_range
 from fx16.casts import is_cast, is_inserted
 from fx16.decisions import Reason
 from fx16.errors import InvalidOptionError
@@ -14,8 +14,9 @@ from fx16.nodes import node_dtype, value_scalars
 from fx16.ops import WIDE_INT_DTYPES
 
 # int16= modes: "proven" narrows only values whose proven or declared range fits;
-# "assume_safe" narrows the whole castable set unchecked, as coreai-opt does.
-INT16_MODES = ("off", "proven", "assume_safe")
+# "observed" also trusts ranges seen on calibration inputs; "assume_safe" narrows the
+# whole castable set unchecked, as coreai-opt does.
+INT16_MODES = ("off", "proven", "observed", "assume_safe")
 
 
 def check_mode(mode: str) -> str:
@@ -50,6 +51,11 @@ def int16_verdict(node: Node, mode: str) -> tuple[Reason, str]:
         if isinstance(scalar, int):
             values[str(scalar)] = value_range(scalar)
     detail = ", ".join(f"{name} {found}" for name, found in values.items() if found is not None)
+    if mode != "observed":
+        values = {
+            name: None if found is not None and found.source == Source.OBSERVED else found
+            for name, found in values.items()
+        }
     if any(found is None for found in values.values()):
         unknown = [name for name, found in values.items() if found is None]
         return Reason.RANGE_UNKNOWN, f"unknown: {', '.join(unknown)}" + (

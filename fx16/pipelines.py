@@ -54,21 +54,26 @@ def fp16_passes(
     ]
 
 
-def int16_passes(ep, *, input_ranges: dict | None = None, int16: str = "proven") -> list[PassBase]:
+def int16_passes(
+    ep, *, input_ranges: dict | None = None, int16: str = "proven", calibration: list | None = None
+) -> list[PassBase]:
     """The int32/int64 -> int16 pipeline for ``ep``, as fresh pass instances.
 
     Order: the four analyses first (reachability and unsafe indices feed the
-    castable set; ranges are independent of both); the inserter next, then the
-    input converter, which narrows only inputs that int16 ops read; cleanup last.
-    ``int16="off"`` gives an empty list. Options: see ``fx16.cast_int32_to_int16``.
+    castable set; ranges are independent of both; with ``int16="observed"``,
+    calibration before the ranges); the inserter next, then the input converter,
+    which narrows only inputs that int16 ops read; cleanup last. ``int16="off"``
+    gives an empty list. Options: see ``fx16.cast_int32_to_int16``.
     """
     program = Program(ep)
     if check_mode(int16) == "off":
         return []
+    observe = [CalibrationAnalysis(program, calibration)] if int16 == "observed" else []
     return [
         UserReachabilityAnalysis(program),
         UnsafeIndexAnalysis(),
-        CastableInt16Analysis(),
+        CastableInt16Analysis(program),
+        *observe,
         ValueRangeAnalysis(program, input_ranges),
         InsertInt16CastsPass(program, mode=int16),
         ConvertIntInputsPass(program, mode=int16),

@@ -25,8 +25,15 @@ def _analyse(ep):
 
 def test_needs_its_inputs_analysed_first():
     ep = export(BucketHash(), torch.arange(5))
-    with pytest.raises(PreconditionError, match="run UserReachabilityAnalysis first"):
+    with pytest.raises(PreconditionError, match="run UserReachabilityAnalysis and"):
         CastableInt16Analysis()(ep.graph_module)
+
+
+def test_works_alone_when_given_the_program():
+    ep = export(BucketHash(), torch.arange(5))
+    assert not CastableInt16Analysis(Program(ep))(ep.graph_module).modified
+    castable = {node.name for node in ep.graph_module.graph.nodes if node.meta[KEY]}
+    assert castable == {"ids", "add", "remainder"}
 
 
 def test_seeds_grow_to_producers_and_consumers():

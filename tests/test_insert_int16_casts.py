@@ -159,3 +159,19 @@ def test_integer_outputs_are_bit_exact_and_nothing_narrows_without_a_fitting_ran
             expected = model(*inputs)
         for got, want in zip(run(ep, *inputs), expected):
             assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_observed_ranges_narrow_only_when_asked():
+    """Without input_ranges the example inputs' ranges are only observed: "proven" keeps
+    everything wide, "observed" narrows and says the ranges were observed."""
+    args = (
+        torch.tensor([3, -7, 50], dtype=torch.int32),
+        torch.tensor([1, 2, -3], dtype=torch.int32),
+    )
+    proven = fx16.cast_int32_to_int16(export(Int32Arithmetic(), *args))
+    assert narrowed(proven) == set()
+    observed = fx16.cast_int32_to_int16(export(Int32Arithmetic(), *args), int16="observed")
+    check_program(observed)
+    assert narrowed(observed) == {"a", "b", "add", "sub", "add_1", "mul"}
+    assert "(observed)" in int_decisions(observed)["add"].detail
+    _exact(observed, Int32Arithmetic(), *args)

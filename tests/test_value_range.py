@@ -5,7 +5,7 @@ import torch
 import torch.utils._pytree as pytree
 from hypothesis import HealthCheck, given, settings
 
-from fx16.analysis import Source, ValueRange, ValueRangeAnalysis
+from fx16.analysis import CalibrationAnalysis, Source, ValueRange, ValueRangeAnalysis
 from fx16.errors import InvalidOptionError
 from fx16.program import Program
 from helpers import export
@@ -115,3 +115,12 @@ def test_recorded_ranges_contain_every_value_seen(case):
     for seed in range(3):
         inputs = Program(ep).graph_inputs(draw_inputs(seed))
         _Observer(ep.graph_module).run(*inputs)
+
+
+def test_calibration_ranges_are_marked_observed():
+    ep = export(BucketHash(), torch.tensor([4, 10]))
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    ranges = _analyse(ep)
+    assert ranges["ids"] == ValueRange(4, 10, Source.OBSERVED)
+    assert ranges["mul"] == ValueRange(4000, 10000, Source.OBSERVED)
+    assert ranges["remainder"].source == Source.PROVEN

@@ -8,17 +8,20 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.numerics import INF_LIKE
+from fx16.ops import INT_DTYPES
 from fx16.program import Program
 
 
 class CalibrationAnalysis(PassBase):
-    """Run the program on calibration inputs and record each node's largest magnitude.
+    """Run the program on calibration inputs and record how large each value gets.
 
     Reads: the program's state and ``calibration`` (a list of argument tuples, or
     ``(args, kwargs)`` pairs); by default the example inputs torch.export recorded.
     Writes: ``node.meta["fx16.observed_range"]``, the largest finite magnitude any
     float tensor of the node held on any input, leaving out infinity-like
-    sentinels (|v| >= 1e38, such as ``finfo.min`` masks). When there is nothing
+    sentinels (|v| >= 1e38, such as ``finfo.min`` masks); and
+    ``node.meta["fx16.observed_int_range"]``, the (min, max) an integer tensor held
+    (seen, not proven: ValueRangeAnalysis marks it observed). When there is nothing
     to run on, writes nothing and says so in ``graph_module.meta["fx16.calibration"]``.
 
     Run it before anything converts the program: it observes the values the
@@ -27,6 +30,7 @@ class CalibrationAnalysis(PassBase):
     """
 
     META_KEY = "fx16.observed_range"
+    INT_RANGE_KEY = "fx16.observed_int_range"
     STATUS_KEY = "fx16.calibration"
 
     def __init__(self, program: Program, calibration: list | None = None) -> None:
@@ -44,6 +48,8 @@ class CalibrationAnalysis(PassBase):
                 recorder.run(*self.program.graph_inputs(args, kwargs, copy_buffers=True))
         for node, magnitude in recorder.magnitudes.items():
             node.meta[self.META_KEY] = magnitude
+        for node, extremes in recorder.int_ranges.items():
+            node.meta[self.INT_RANGE_KEY] = extremes
         graph_module.meta[self.STATUS_KEY] = f"observed on {len(calls)} input(s)"
         return PassResult(graph_module, False)
 
@@ -78,10 +84,19 @@ def largest_magnitude(value) -> float | None:
     return largest
 
 
+def integer_extremes(value) -> tuple[int, int] | None:
+    """(min, max) of a single integer tensor, or None."""
+    is_integer = isinstance(value, torch.Tensor) and value.dtype in INT_DTYPES
+    if not is_integer or not value.numel():
+        return None
+    return int(value.min()), int(value.max())
+
+
 class _MagnitudeRecorder(Interpreter):
     def __init__(self, graph_module: GraphModule) -> None:
         super().__init__(graph_module)
         self.magnitudes: dict[Node, float] = {}
+        self.int_ranges: dict[Node, tuple[int, int]] = {}
 
     def run_node(self, node: Node):
         result = super().run_node(node)
@@ -89,4 +104,8 @@ class _MagnitudeRecorder(Interpreter):
             magnitude = largest_magnitude(result)
             if magnitude is not None and not math.isnan(magnitude):
                 self.magnitudes[node] = max(magnitude, self.magnitudes.get(node, 0.0))
+            extremes = integer_extremes(result)
+            if extremes is not None:
+                low, high = self.int_ranges.get(node, extremes)
+                self.int_ranges[node] = (min(low, extremes[0]), max(high, extremes[1]))
         return result

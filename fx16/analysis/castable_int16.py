@@ -10,6 +10,7 @@ from fx16.analysis.user_reachability import UserReachabilityAnalysis
 from fx16.errors import PreconditionError
 from fx16.nodes import node_dtype, value_scalars
 from fx16.ops import INT16_COMPUTE_OPS, WIDE_INT_DTYPES
+from fx16.program import Program
 
 
 def has_scalar_operand(node: Node) -> bool:
@@ -30,21 +31,33 @@ class CastableInt16Analysis(PassBase):
     ranges: ValueRangeAnalysis and the int16 inserter decide whether a castable
     node really fits.
 
-    Reads: ``meta["fx16.user_reachable"]`` and ``meta["fx16.unsafe_index"]``.
+    Reads: ``meta["fx16.user_reachable"]`` and ``meta["fx16.unsafe_index"]``; given
+    the program, it runs the two analyses itself when their findings are missing.
     Writes: ``node.meta["fx16.castable_int16"]`` (bool) on every node.
     """
 
     META_KEY = "fx16.castable_int16"
 
+    def __init__(self, program: Program | None = None) -> None:
+        self.program = program
+
+    def _missing(self, graph_module: GraphModule) -> bool:
+        keys = (UserReachabilityAnalysis.META_KEY, UnsafeIndexAnalysis.META_KEY)
+        return any(key not in node.meta for node in graph_module.graph.nodes for key in keys)
+
     def requires(self, graph_module: GraphModule) -> None:
-        for analysis in (UserReachabilityAnalysis, UnsafeIndexAnalysis):
-            if any(analysis.META_KEY not in n.meta for n in graph_module.graph.nodes):
-                raise PreconditionError(
-                    f"{type(self).__name__} needs {analysis.META_KEY}: "
-                    f"run {analysis.__name__} first"
-                )
+        if self.program is None and self._missing(graph_module):
+            raise PreconditionError(
+                f"{type(self).__name__} needs {UserReachabilityAnalysis.META_KEY} and "
+                f"{UnsafeIndexAnalysis.META_KEY}: run UserReachabilityAnalysis and "
+                "UnsafeIndexAnalysis first, or give it the Program"
+            )
 
     def call(self, graph_module: GraphModule) -> PassResult:
+        if self._missing(graph_module):
+            UserReachabilityAnalysis(self.program)(graph_module)
+            UnsafeIndexAnalysis()(graph_module)
+
         def eligible(node: Node) -> bool:
             return (
                 node.op in ("placeholder", "call_function")

@@ -11,6 +11,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.utils._sympy.value_ranges import bound_sympy
 
+from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.errors import InvalidOptionError
 from fx16.nodes import named_argument, node_val
 from fx16.ops import CAST_OPS, INT_DTYPES, POSITION_OPS, VALUE_PRESERVING_OPS, overloads
@@ -89,9 +90,12 @@ class ValueRangeAnalysis(PassBase):
     ``range_constraints``, ``arange``, ops with bounded results (remainder by a
     constant, clamp, comparisons, argmax/argmin/topk/sort indices, bucketize),
     interval arithmetic through add/sub/mul/neg/abs/cumsum/sum, data movement, and
-    the user's ``input_ranges={"input_ids": (0, 999)}`` (source: declared).
+    the user's ``input_ranges={"input_ids": (0, 999)}`` (source: declared). Where
+    none of these gives a range and CalibrationAnalysis saw the value, its observed
+    (min, max) is used, marked observed.
 
-    Reads: the program's signature, state and range constraints.
+    Reads: the program's signature, state and range constraints, and
+    ``meta["fx16.observed_int_range"]`` when calibration ran.
     Writes: ``node.meta["fx16.value_range"]``: a ValueRange, or a tuple of them for
     ops with several outputs; absent where nothing is known.
     """
@@ -125,6 +129,9 @@ class ValueRangeAnalysis(PassBase):
                 found = _within_dtype(node, rules.of(node))
             else:
                 continue
+            observed = node.meta.get(CalibrationAnalysis.INT_RANGE_KEY)
+            if found is None and observed is not None:
+                found = ValueRange(*observed, Source.OBSERVED)
             if found is None:
                 node.meta.pop(self.META_KEY, None)
             else:
