@@ -43,31 +43,38 @@ class LogitsOnly(torch.nn.Module):
 
 
 def transformer(kind: str):
-    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+    import transformers
 
+    architectures = {
+        "gpt2": (
+            "GPT2Config",
+            "GPT2LMHeadModel",
+            dict(
+                n_layer=2,
+                n_embd=64,
+                n_head=4,
+                n_positions=128,
+                use_cache=False,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        ),
+        "bert": (
+            "BertConfig",
+            "BertModel",
+            dict(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                intermediate_size=128,
+                max_position_embeddings=128,
+            ),
+        ),
+    }
+    config_class, model_class, settings = architectures[kind]
     torch.manual_seed(0)
-    if kind == "gpt2":
-        config = GPT2Config(
-            n_layer=2,
-            n_embd=64,
-            n_head=4,
-            vocab_size=1000,
-            n_positions=128,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        model = GPT2LMHeadModel(config)
-    else:
-        config = BertConfig(
-            num_hidden_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            intermediate_size=128,
-            vocab_size=1000,
-            max_position_embeddings=128,
-        )
-        model = BertModel(config)
+    config = getattr(transformers, config_class)(vocab_size=1000, **settings)
+    model = getattr(transformers, model_class)(config)
     ids = torch.randint(0, 1000, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.int64)
     mask[1, 12:] = 0

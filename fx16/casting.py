@@ -6,7 +6,7 @@ stage fails, the program is restored and a ``PassFailedError`` names the stage.
 
 from torch.export import ExportedProgram
 
-from fx16.pipelines import fp16_passes, int16_passes, run_passes
+from fx16.pipelines import fp16_passes, int16_passes, run_passes, split_options
 from fx16.program import Program
 
 
@@ -37,16 +37,12 @@ def cast_fp32_to_fp16(
     ExportedProgram and ``fx16.PassFailedError`` when a stage fails; in both cases
     ``ep`` is left exactly as it was.
     """
-    program = Program(ep)
-    with program.transaction():
-        passes = fp16_passes(
-            ep,
-            keep_explicit_fp32=keep_explicit_fp32,
-            calibration=calibration,
-            overflow_margin=overflow_margin,
-        )
-        run_passes(passes, ep.graph_module)
-    return ep
+    options = dict(
+        keep_explicit_fp32=keep_explicit_fp32,
+        calibration=calibration,
+        overflow_margin=overflow_margin,
+    )
+    return _in_place(ep, lambda: fp16_passes(ep, **options))
 
 
 def cast_int32_to_int16(
@@ -78,33 +74,25 @@ def cast_int32_to_int16(
     Raises like ``cast_fp32_to_fp16``, plus ``fx16.InvalidOptionError`` for a bad
     mode or an ``input_ranges`` name that is not a user input.
     """
-    program = Program(ep)
-    with program.transaction():
-        passes = int16_passes(ep, input_ranges=input_ranges, int16=int16, calibration=calibration)
-        run_passes(passes, ep.graph_module)
-    return ep
+    options = dict(input_ranges=input_ranges, int16=int16, calibration=calibration)
+    return _in_place(ep, lambda: int16_passes(ep, **options))
 
 
-def cast_to_16_bit_precision(
-    ep: ExportedProgram,
-    *,
-    input_ranges: dict | None = None,
-    int16: str = "proven",
-    keep_explicit_fp32: bool = True,
-    calibration: list | None = None,
-    overflow_margin: float = 2.0,
-) -> ExportedProgram:
+def cast_to_16_bit_precision(ep: ExportedProgram, **options) -> ExportedProgram:
     """fp32 -> fp16, then int32/int64 -> int16, in place and as one transaction.
 
-    The options are those of ``cast_fp32_to_fp16`` and ``cast_int32_to_int16``.
+    Takes the keyword options of ``cast_fp32_to_fp16`` and ``cast_int32_to_int16``
+    (``calibration`` serves both); an unknown one raises ``fx16.InvalidOptionError``.
     """
+    fp16_options, int16_options = split_options(options)
+    return _in_place(
+        ep, lambda: fp16_passes(ep, **fp16_options) + int16_passes(ep, **int16_options)
+    )
+
+
+def _in_place(ep: ExportedProgram, build_passes) -> ExportedProgram:
+    """Run the passes ``build_passes()`` returns on ``ep`` as one transaction; return ``ep``."""
     program = Program(ep)
     with program.transaction():
-        passes = fp16_passes(
-            ep,
-            keep_explicit_fp32=keep_explicit_fp32,
-            calibration=calibration,
-            overflow_margin=overflow_margin,
-        ) + int16_passes(ep, input_ranges=input_ranges, int16=int16, calibration=calibration)
-        run_passes(passes, ep.graph_module)
+        run_passes(build_passes(), ep.graph_module)
     return ep

@@ -5,6 +5,8 @@ handed to ``torch.fx.passes.infra.pass_manager.PassManager`` as it is, or edited
 (reordered, extended with a user's own passes) first.
 """
 
+import inspect
+
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase
 
@@ -15,6 +17,7 @@ from fx16.analysis import (
     UserReachabilityAnalysis,
     ValueRangeAnalysis,
 )
+from fx16.errors import InvalidOptionError
 from fx16.narrowing import check_mode
 from fx16.passes import (
     CleanupCastsPass,
@@ -79,6 +82,25 @@ def int16_passes(
         ConvertIntInputsPass(program, mode=int16),
         CleanupCastsPass(program),
     ]
+
+
+def split_options(options: dict) -> tuple[dict, dict]:
+    """Split keyword options between ``fp16_passes`` and ``int16_passes``.
+
+    An option both accept (``calibration``) goes to both; one neither accepts
+    raises ``InvalidOptionError`` naming the accepted ones.
+    """
+    accepted = [
+        {name for name, p in inspect.signature(f).parameters.items() if p.kind == p.KEYWORD_ONLY}
+        for f in (fp16_passes, int16_passes)
+    ]
+    unknown = sorted(set(options) - accepted[0] - accepted[1])
+    if unknown:
+        raise InvalidOptionError(
+            f"unknown option(s) {unknown}; accepted: {sorted(accepted[0] | accepted[1])}"
+        )
+    fp16, int16 = ({k: v for k, v in options.items() if k in names} for names in accepted)
+    return fp16, int16
 
 
 def run_passes(passes: list[PassBase], graph_module: GraphModule) -> bool:

@@ -183,3 +183,8 @@ def test_bad_input_range_name_leaves_the_program_unchanged():
     with pytest.raises(fx16.InvalidOptionError, match="input_ids"):
         fx16.cast_to_16_bit_precision(ep, input_ranges={"input_ids": (0, 9)})
     assert_same_state(before, state_snapshot(ep))
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(fx16.InvalidOptionError, match="input_range'.*accepted"):
+        fx16.cast_to_16_bit_precision(_int_program(), input_range={"ids": (0, 9)})
