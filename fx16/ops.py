@@ -169,3 +169,48 @@ POSITION_OPS = {
 # Integer dtypes fx16 narrows to int16.
 WIDE_INT_DTYPES = frozenset({torch.int32, torch.int64})
 INT_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+# ---- infinity-like sentinels (finfo.min masks) ------------------------------------------
+
+# Ops that turn a -65504 (saturated finfo.min) input into the same result as -3.4e38:
+# softmax and exp give 0, comparisons keep the order, attention applies its mask by softmax.
+SENTINEL_ABSORBING_OPS = overloads(
+    "softmax.int",
+    "_softmax.default",
+    "_safe_softmax.default",
+    "exp.default",
+    "sigmoid.default",
+    "eq.Tensor",
+    "eq.Scalar",
+    "ne.Tensor",
+    "ne.Scalar",
+    "lt.Tensor",
+    "lt.Scalar",
+    "le.Tensor",
+    "le.Scalar",
+    "gt.Tensor",
+    "gt.Scalar",
+    "ge.Tensor",
+    "ge.Scalar",
+    "scaled_dot_product_attention.default",
+    "_scaled_dot_product_flash_attention_for_cpu.default",
+    "_scaled_dot_product_efficient_attention.default",
+)
+
+# Ops that hand a sentinel on as a sentinel (adding a mask, selecting, moving data).
+SENTINEL_PASSING_OPS = overloads(
+    "add.Tensor",
+    "sub.Tensor",
+    "masked_fill.Scalar",
+    "masked_fill.Tensor",
+    "where.self",
+    "maximum.default",
+    "minimum.default",
+    "amax.default",
+    "amin.default",
+    "max.dim",
+    "min.dim",
+    "_to_copy.default",
+    "to.dtype",
+    "to.dtype_layout",
+) | frozenset(op for op, positions in VALUE_PRESERVING_OPS.items())

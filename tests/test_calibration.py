@@ -124,3 +124,35 @@ def test_no_overflow_that_fp32_did_not_have(input_scale, weight_scale):
     fx16.cast_fp32_to_fp16(ep)
     output = run(ep, x)[0]
     assert torch.isfinite(output).all() == torch.isfinite(reference).all()
+
+
+class SentinelThenLinear(torch.nn.Module):
+    """x + finfo.min is a sentinel; a Linear on it would read a saturated -65504."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x + torch.finfo(torch.float32).min) * 1e-30
+
+
+def test_sentinels_stay_fp16_only_where_every_use_tolerates_saturation():
+    """masked_fill(finfo.min) -> softmax: fp16.  x + finfo.min -> linear: kept fp32."""
+    torch.manual_seed(0)
+    keep = torch.tensor([[True, True, False, False]])
+    ep = fx16.cast_fp32_to_fp16(
+        export(MaskedAttention(fill=torch.finfo(torch.float32).min), torch.randn(1, 4, 16), keep)
+    )
+    assert _by_target(ep, aten.masked_fill.Scalar).meta["val"].dtype == torch.float16
+
+    model, x = SentinelThenLinear(), torch.randn(2, 4)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    add = _by_target(ep, aten.add.Tensor)
+    assert add.meta[KEY] == float("inf")
+    assert add.meta["val"].dtype == torch.float32
+    with torch.no_grad():
+        expected = model(x)
+    got = run(ep, x)[0]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), expected.double(), rtol=1e-2, atol=0)

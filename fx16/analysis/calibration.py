@@ -8,7 +8,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.numerics import INF_LIKE
-from fx16.ops import INT_DTYPES
+from fx16.ops import INT_DTYPES, SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS
 from fx16.program import Program
 
 
@@ -19,7 +19,10 @@ class CalibrationAnalysis(PassBase):
     ``(args, kwargs)`` pairs); by default the example inputs torch.export recorded.
     Writes: ``node.meta["fx16.observed_range"]``, the largest finite magnitude any
     float tensor of the node held on any input, leaving out infinity-like
-    sentinels (|v| >= 1e38, such as ``finfo.min`` masks); and
+    sentinels (|v| >= 1e38, such as ``finfo.min`` masks) where every use tolerates
+    them saturating to +-65504 (softmax, exp, comparisons, attention masks, passed
+    on by add/where/masked_fill/data movement). Elsewhere a sentinel counts as an
+    overflow (recorded as inf), since fp16 cannot carry its value. Also
     ``node.meta["fx16.observed_int_range"]``, the (min, max) an integer tensor held
     (seen, not proven: ValueRangeAnalysis marks it observed). When there is nothing
     to run on, writes nothing and says so in ``graph_module.meta["fx16.calibration"]``.
@@ -48,6 +51,8 @@ class CalibrationAnalysis(PassBase):
                 recorder.run(*self.program.graph_inputs(args, kwargs, copy_buffers=True))
         for node, magnitude in recorder.magnitudes.items():
             node.meta[self.META_KEY] = magnitude
+        for node in _sentinels_fp16_cannot_carry(graph_module, recorder.sentinels):
+            node.meta[self.META_KEY] = math.inf
         for node, extremes in recorder.int_ranges.items():
             node.meta[self.INT_RANGE_KEY] = extremes
         graph_module.meta[self.STATUS_KEY] = f"observed on {len(calls)} input(s)"
@@ -84,6 +89,34 @@ def largest_magnitude(value) -> float | None:
     return largest
 
 
+def holds_sentinel(value) -> bool:
+    """Some float tensor in ``value`` holds a finite magnitude >= 1e38."""
+    return any(
+        isinstance(leaf, torch.Tensor)
+        and leaf.is_floating_point()
+        and bool(((leaf.abs() >= INF_LIKE) & torch.isfinite(leaf)).any())
+        for leaf in pytree.tree_leaves(value)
+    )
+
+
+def _sentinels_fp16_cannot_carry(graph_module: GraphModule, sentinels: set[Node]) -> set[Node]:
+    """The sentinel-holding nodes some use of which would see a wrong value after saturation.
+
+    One walk in reverse order: a node is fine when each user absorbs the sentinel,
+    or passes it on and is fine itself, or is the program output.
+    """
+    fine: set[Node] = set()
+    for node in reversed(graph_module.graph.nodes):
+        if node in sentinels and all(
+            user.op == "output"
+            or user.target in SENTINEL_ABSORBING_OPS
+            or (user.target in SENTINEL_PASSING_OPS and user in fine)
+            for user in node.users
+        ):
+            fine.add(node)
+    return sentinels - fine
+
+
 def integer_extremes(value) -> tuple[int, int] | None:
     """(min, max) of a single integer tensor, or None."""
     is_integer = isinstance(value, torch.Tensor) and value.dtype in INT_DTYPES
@@ -97,6 +130,7 @@ class _MagnitudeRecorder(Interpreter):
         super().__init__(graph_module)
         self.magnitudes: dict[Node, float] = {}
         self.int_ranges: dict[Node, tuple[int, int]] = {}
+        self.sentinels: set[Node] = set()
 
     def run_node(self, node: Node):
         result = super().run_node(node)
@@ -104,6 +138,8 @@ class _MagnitudeRecorder(Interpreter):
             magnitude = largest_magnitude(result)
             if magnitude is not None and not math.isnan(magnitude):
                 self.magnitudes[node] = max(magnitude, self.magnitudes.get(node, 0.0))
+            if holds_sentinel(result):
+                self.sentinels.add(node)
             extremes = integer_extremes(result)
             if extremes is not None:
                 low, high = self.int_ranges.get(node, extremes)
