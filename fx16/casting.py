@@ -8,6 +8,8 @@ from torch.export import ExportedProgram
 
 from fx16.pipelines import fp16_passes, int16_passes, run_passes, split_options
 from fx16.program import Program
+from fx16.report import REPORT_KEY, build_report
+from fx16.stats import program_stats
 
 
 def cast_fp32_to_fp16(
@@ -91,8 +93,13 @@ def cast_to_16_bit_precision(ep: ExportedProgram, **options) -> ExportedProgram:
 
 
 def _in_place(ep: ExportedProgram, build_passes) -> ExportedProgram:
-    """Run the passes ``build_passes()`` returns on ``ep`` as one transaction; return ``ep``."""
+    """Run the passes ``build_passes()`` returns on ``ep`` as one transaction; return ``ep``.
+
+    Stores the CastReport in ``ep.graph_module.meta["fx16.report"]``.
+    """
     program = Program(ep)
+    before = program_stats(ep)
     with program.transaction():
         run_passes(build_passes(), ep.graph_module)
+        ep.graph_module.meta[REPORT_KEY] = build_report(ep, before)
     return ep

@@ -1,13 +1,26 @@
-"""The decision report: every precision decision fx16 recorded, as rows, JSON or a table."""
+"""The decision report: what fx16 did to a program, node by node and in total.
+
+Every public cast function stores a ``CastReport`` in
+``ep.graph_module.meta["fx16.report"]`` (it lives with the program object; it is
+not saved in ``.pt2`` files, so write ``to_json()`` where you need it kept).
+"""
 
 import json
 from dataclasses import asdict, dataclass
 
 import torch
 from torch.export import ExportedProgram
+from torch.fx import Node
 
 from fx16.analysis.value_range import ValueRangeAnalysis
+from fx16.casts import is_inserted
 from fx16.decisions import INT_PRECISION, PRECISION, Decision
+from fx16.nodes import node_dtype
+from fx16.ops import WIDE_INT_DTYPES
+from fx16.stats import ProgramStats, program_stats
+
+REPORT_KEY = "fx16.report"
+LEFT_AS_IS = "not fp32: left as the model computes it"
 
 
 @dataclass(frozen=True)
@@ -17,11 +30,55 @@ class Row:
     kind: str  # "float" or "int"
     dtype: str
     narrowed: bool
+    rule: str  # short name of the rule that decided, e.g. "activation_overflow"
     reason: str
     detail: str
 
 
-def _op_name(node) -> str:
+@dataclass(frozen=True)
+class Totals:
+    weight_bytes_before: int
+    weight_bytes_after: int
+    casts_before: int
+    casts_after: int
+    casts_inserted: int
+    model_casts_removed: int
+    float_ops: int
+    float_ops_16bit: int
+
+    @property
+    def share_16bit(self) -> float:
+        return self.float_ops_16bit / self.float_ops if self.float_ops else 1.0
+
+
+@dataclass(frozen=True)
+class CastReport:
+    rows: list[Row]
+    totals: Totals
+
+    def kept_wide(self) -> list[Row]:
+        return [row for row in self.rows if not row.narrowed]
+
+    def to_json(self) -> str:
+        totals = {**asdict(self.totals), "share_16bit": round(self.totals.share_16bit, 4)}
+        return json.dumps({"totals": totals, "nodes": [asdict(r) for r in self.rows]}, indent=2)
+
+    def table(self, rows: list[Row] | None = None) -> str:
+        """A fixed-width table of ``rows`` (default: every row), then the totals."""
+        t = self.totals
+        lines = [format_rows(self.rows if rows is None else rows), ""]
+        lines.append(f"weight bytes: {t.weight_bytes_before} -> {t.weight_bytes_after}")
+        lines.append(
+            f"casts: {t.casts_before} -> {t.casts_after} "
+            f"({t.casts_inserted} inserted by fx16, {t.model_casts_removed} of the model's removed)"
+        )
+        lines.append(
+            f"float ops in 16-bit: {t.float_ops_16bit} of {t.float_ops} ({t.share_16bit:.0%})"
+        )
+        return "\n".join(lines)
+
+
+def _op_name(node: Node) -> str:
     return node.name if node.op == "placeholder" else str(node.target).removeprefix("aten.")
 
 
@@ -29,39 +86,85 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _row(node: Node, kind: str, decision: Decision | None) -> Row:
+    if decision is None:
+        dtype = node_dtype(node)
+        return Row(
+            node.name,
+            _op_name(node),
+            kind,
+            _dtype_name(dtype),
+            dtype == torch.float16,
+            "left_as_is",
+            LEFT_AS_IS,
+            "",
+        )
+    detail = decision.detail
+    if not detail and kind == "int" and node.meta.get(ValueRangeAnalysis.META_KEY):
+        detail = str(node.meta[ValueRangeAnalysis.META_KEY])
+    return Row(
+        node.name,
+        _op_name(node),
+        kind,
+        _dtype_name(decision.dtype),
+        decision.narrowed,
+        decision.reason.name.lower(),
+        decision.reason.value,
+        detail,
+    )
+
+
 def decision_rows(ep: ExportedProgram) -> list[Row]:
-    """One row per node fx16 decided, in graph order (floating point, then integer)."""
-    rows = []
-    for kind, key in (("float", PRECISION), ("int", INT_PRECISION)):
-        for node in ep.graph_module.graph.nodes:
-            decision: Decision | None = node.meta.get(key)
-            if decision is None:
-                continue
-            detail = decision.detail
-            if not detail and kind == "int" and node.meta.get(ValueRangeAnalysis.META_KEY):
-                detail = str(node.meta[ValueRangeAnalysis.META_KEY])
-            rows.append(
-                Row(
-                    node.name,
-                    _op_name(node),
-                    kind,
-                    _dtype_name(decision.dtype),
-                    decision.narrowed,
-                    decision.reason.value,
-                    detail,
-                )
-            )
+    """One row per float value, then per integer value the int16 pipeline looked at.
+
+    Casts fx16 inserted are not listed (the totals count them).
+    """
+    nodes = [
+        n
+        for n in ep.graph_module.graph.nodes
+        if n.op in ("placeholder", "call_function") and not is_inserted(n)
+    ]
+    int16_ran = any(INT_PRECISION in n.meta for n in nodes)
+    rows = [
+        _row(n, "float", n.meta.get(PRECISION))
+        for n in nodes
+        if PRECISION in n.meta or getattr(node_dtype(n), "is_floating_point", False)
+    ]
+    rows += [
+        _row(n, "int", n.meta.get(INT_PRECISION))
+        for n in nodes
+        if INT_PRECISION in n.meta or (int16_ran and node_dtype(n) in WIDE_INT_DTYPES)
+    ]
     return rows
 
 
-def report_json(ep: ExportedProgram) -> str:
-    return json.dumps([asdict(row) for row in decision_rows(ep)], indent=2)
+def build_report(ep: ExportedProgram, before: ProgramStats) -> CastReport:
+    after = program_stats(ep)
+    float_ops = after.float_ops
+    return CastReport(
+        decision_rows(ep),
+        Totals(
+            weight_bytes_before=before.weight_bytes,
+            weight_bytes_after=after.weight_bytes,
+            casts_before=before.casts,
+            casts_after=after.casts,
+            casts_inserted=after.inserted_casts,
+            model_casts_removed=max(before.casts - (after.casts - after.inserted_casts), 0),
+            float_ops=float_ops,
+            float_ops_16bit=after.ops_in(torch.float16) + after.ops_in(torch.bfloat16),
+        ),
+    )
 
 
 def format_rows(rows: list[Row]) -> str:
-    """A fixed-width table: node, op, dtype, reason (and the ranges or detail)."""
-    lines = [f"{'node':24} {'op':28} {'dtype':8} why"]
+    """A fixed-width table: node, op, dtype, rule and reason (with ranges or detail)."""
+    lines = [f"{'node':24} {'op':28} {'dtype':8} {'rule':20} why"]
     for row in rows:
         why = row.reason + (f": {row.detail}" if row.detail else "")
-        lines.append(f"{row.node[:24]:24} {row.op[:28]:28} {row.dtype:8} {why}")
+        lines.append(f"{row.node[:24]:24} {row.op[:28]:28} {row.dtype:8} {row.rule[:20]:20} {why}")
     return "\n".join(lines)
+
+
+def report_of(ep: ExportedProgram) -> CastReport | None:
+    """The report the last fx16 cast stored on ``ep``, if any."""
+    return ep.graph_module.meta.get(REPORT_KEY)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
-from fx16.casts import is_cast, is_inserted
+from fx16.casts import INSERTED, WHY_RETARGETED, is_cast, is_inserted
 from fx16.nodes import node_val
 from fx16.ops import ASSERT_METADATA_OPS
 
@@ -17,11 +17,15 @@ _BOOKKEEPING = {"getitem"}
 class ProgramStats:
     weight_bytes: int
     casts: int
-    inserted_casts: int
+    inserted_casts: int  # new cast nodes (the model's casts fx16 retargeted are not counted)
     ops_by_dtype: dict[str, int]  # compute ops by the float dtype they produce
 
     def ops_in(self, dtype: torch.dtype) -> int:
         return self.ops_by_dtype.get(str(dtype).removeprefix("torch."), 0)
+
+    @property
+    def float_ops(self) -> int:
+        return sum(self.ops_by_dtype.values())
 
 
 def program_stats(ep: ExportedProgram) -> ProgramStats:
@@ -37,7 +41,7 @@ def program_stats(ep: ExportedProgram) -> ProgramStats:
             continue
         if is_cast(node):
             casts += 1
-            inserted += is_inserted(node)
+            inserted += is_inserted(node) and node.meta[INSERTED] != WHY_RETARGETED
             continue
         if getattr(node.target, "__name__", "") in _BOOKKEEPING:
             continue

@@ -5,7 +5,7 @@ import json
 import torch
 
 import fx16
-from fx16.report import decision_rows, format_rows, report_json
+from fx16.report import decision_rows, format_rows, report_of
 from helpers import export
 from models import BucketHash, OverflowWeight
 
@@ -25,15 +25,41 @@ def test_integer_rows_carry_ranges_and_json_round_trips():
     rows = [row for row in decision_rows(ep) if row.kind == "int"]
     add = next(row for row in rows if row.node == "add")
     assert "exceeds int16" in add.reason and "[0, 999999] (declared)" in add.detail
-    assert json.loads(report_json(ep))[0].keys() == {
-        "node",
-        "op",
-        "kind",
-        "dtype",
-        "narrowed",
-        "reason",
-        "detail",
-    }
+    first = json.loads(report_of(ep).to_json())["nodes"][0]
+    assert first.keys() == {"node", "op", "kind", "dtype", "narrowed", "rule", "reason", "detail"}
     table = format_rows(rows)
-    assert table.splitlines()[0].split() == ["node", "op", "dtype", "why"]
+    assert table.splitlines()[0].split() == ["node", "op", "dtype", "rule", "why"]
     assert len(table.splitlines()) == len(rows) + 1
+
+
+def test_every_cast_stores_a_report_whose_json_has_a_reason_for_every_wide_node():
+    torch.manual_seed(0)
+    ep = fx16.cast_to_16_bit_precision(
+        export(OverflowWeight(), torch.randn(2, 4)), calibration=[(torch.randn(2, 4),)]
+    )
+    report = report_of(ep)
+    document = json.loads(report.to_json())
+    assert set(document) == {"totals", "nodes"}
+    assert set(document["totals"]) == {
+        "weight_bytes_before",
+        "weight_bytes_after",
+        "casts_before",
+        "casts_after",
+        "casts_inserted",
+        "model_casts_removed",
+        "float_ops",
+        "float_ops_16bit",
+        "share_16bit",
+    }
+    for node in document["nodes"]:
+        assert node["reason"] and node["rule"]
+        if node["kind"] == "float" and node["dtype"] != "float16":
+            assert node["rule"] != "fits"
+    totals = report.totals
+    assert totals.weight_bytes_after < totals.weight_bytes_before
+    assert 0 < totals.share_16bit < 1
+    assert "float ops in 16-bit" in report.table()
+
+
+def test_report_of_an_uncast_program_is_none():
+    assert report_of(export(OverflowWeight(), torch.randn(2, 4))) is None
