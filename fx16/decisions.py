@@ -25,7 +25,9 @@ class Reason(str, enum.Enum):
     EXPLICIT_FP32 = "inside an fp32 region the model asks for explicitly"
     MIXED_FLOAT_DTYPES = "mixes 16-bit values with another float dtype"
     NO_FLOAT_INPUT = "computed from non-float inputs"
-    OPAQUE_SUBGRAPH = "a higher-order op whose body is not rewritten"
+    OPAQUE_SUBGRAPH = "a loop body (while_loop, map) runs as exported, in fp32"
+    AUTOCAST_DISABLED = "inside a torch.autocast(enabled=False) region the model wrote"
+    AUTOCAST_REGION = "inside a torch.autocast(enabled=True) region: follows its dtype"
     # integers
     NOT_USER_REACHABLE = "does not depend on a user input (constant-foldable)"
     UNSAFE_INDEX = "flows into an index argument"

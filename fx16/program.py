@@ -160,20 +160,27 @@ class Program:
     def transaction(self) -> Iterator[None]:
         """Run a block that rewrites the program; if it raises, put everything back.
 
-        Restores the graph (and its code), state_dict, constants, graph signature
-        and example inputs, then raises the error as an ``Fx16Error`` (a
-        ``PassFailedError`` naming the stage when it was not one already).
+        Restores the graphs (the program's and its subgraphs', with their code),
+        state_dict, constants, graph signature and example inputs, then raises the
+        error as an ``Fx16Error`` (a ``PassFailedError`` naming the stage when it
+        was not one already).
         """
         ep = self.ep
-        graph = copy.deepcopy(self.graph_module.graph)
+        graphs = {
+            name: copy.deepcopy(module.graph)
+            for name, module in self.graph_module.named_modules()
+            if isinstance(module, GraphModule)
+        }
         state_dict, constants = dict(ep.state_dict), dict(ep.constants)
         signature = copy.deepcopy(ep.graph_signature)
         example_inputs = ep.example_inputs
         try:
             yield
         except BaseException as error:
-            self.graph_module.graph = graph
-            self.graph_module.recompile()
+            for name, module in self.graph_module.named_modules():
+                if name in graphs:
+                    module.graph = graphs[name]  # also recompiles
+
             for store, saved in ((ep.state_dict, state_dict), (ep.constants, constants)):
                 store.clear()
                 store.update(saved)

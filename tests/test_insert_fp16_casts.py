@@ -274,7 +274,7 @@ def test_opaque_higher_order_region_is_fed_fp32():
         for n in ep.graph_module.graph.nodes
         if n.op == "call_function" and isinstance(n.target, torch._ops.HigherOrderOperator)
     )
-    assert hop.meta[PRECISION].reason == Reason.OPAQUE_SUBGRAPH
+    assert hop.meta[PRECISION].reason == Reason.AUTOCAST_DISABLED
     assert all(
         a.meta["val"].dtype == torch.float32
         for a in hop.all_input_nodes

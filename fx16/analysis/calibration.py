@@ -1,6 +1,7 @@
 """CalibrationAnalysis: how large each value gets when the program runs."""
 
 import math
+import warnings
 
 import torch
 import torch.utils._pytree as pytree
@@ -29,7 +30,9 @@ class CalibrationAnalysis(PassBase):
 
     Run it before anything converts the program: it observes the values the
     original precision computes. Buffers the program updates in place are copied
-    first, so calibrating changes no state.
+    first, so calibrating changes no state. If the program fails on its inputs (some
+    exports record dtypes their own graph does not compute), calibration is skipped
+    with a RuntimeWarning and the reason in ``graph_module.meta["fx16.calibration"]``.
     """
 
     META_KEY = "fx16.observed_range"
@@ -46,9 +49,17 @@ class CalibrationAnalysis(PassBase):
             graph_module.meta[self.STATUS_KEY] = "skipped: no calibration inputs"
             return PassResult(graph_module, False)
         recorder = _MagnitudeRecorder(graph_module)
-        with torch.no_grad():
-            for args, kwargs in calls:
-                recorder.run(*self.program.graph_inputs(args, kwargs, copy_buffers=True))
+        try:
+            with torch.no_grad():
+                for args, kwargs in calls:
+                    recorder.run(*self.program.graph_inputs(args, kwargs, copy_buffers=True))
+        except Exception as error:  # the program itself fails: say so, cast without it
+            status = f"skipped: the program fails on its calibration inputs ({error})"
+            graph_module.meta[self.STATUS_KEY] = status.splitlines()[0]
+            warnings.warn(
+                f"fx16 {graph_module.meta[self.STATUS_KEY]}", RuntimeWarning, stacklevel=2
+            )
+            return PassResult(graph_module, False)
         for node, magnitude in recorder.magnitudes.items():
             node.meta[self.META_KEY] = magnitude
         for node in _sentinels_fp16_cannot_carry(graph_module, recorder.sentinels):

@@ -6,6 +6,7 @@ import torch
 from torch._ops import HigherOrderOperator
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
@@ -23,7 +24,7 @@ from fx16.casts import (
     retype_val,
     set_cast_dtype,
 )
-from fx16.decisions import Reason, decide, decision_of, was_narrowed
+from fx16.decisions import PRECISION, Reason, decide, decision_of, was_narrowed
 from fx16.nodes import (
     FLOAT_DTYPES,
     dtype_arguments,
@@ -79,14 +80,36 @@ class InsertFP16CastsPass(PassBase):
     def call(self, graph_module: GraphModule) -> PassResult:
         graph = graph_module.graph
         nodes_before = len(graph.nodes)
-        run = _Run(CastInserter(graph), self.keep_explicit_fp32, FP16_MAX / self.overflow_margin)
-        for node in list(graph.nodes):
-            if node.op == "call_function":
-                run.visit(node)
+        run = _Run(graph_module, self.keep_explicit_fp32, FP16_MAX / self.overflow_margin)
+        run.walk()
         run.restore_required_output_dtypes(self.program.required_output_dtypes())
         self.program.sync_output_specs()
         modified = run.modified or len(graph.nodes) != nodes_before
         return PassResult(graph_module, modified)
+
+
+_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
+_COND = torch.ops.higher_order.cond
+_SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+
+
+def _unify_outputs(submodules: list[GraphModule]) -> list[Node]:
+    """Make every body return the same dtype per output (fp32 where they disagree).
+
+    Returns the first body's output nodes."""
+    outputs = [list(sub.graph.output_node().args[0]) for sub in submodules]
+    for index, candidates in enumerate(zip(*outputs)):
+        if len({node_dtype(candidate) for candidate in candidates}) < 2:
+            continue
+        for submodule, values in zip(submodules, outputs):
+            value = values[index]
+            if node_dtype(value) != FP32:
+                values[index] = CastInserter(submodule.graph).cast(value, FP32, WHY_UPCAST)
+        for submodule, values in zip(submodules, outputs):
+            output = submodule.graph.output_node()
+            output.args = (type(output.args[0])(values), *output.args[1:])
+            submodule.recompile()
+    return outputs[0]
 
 
 def _is_island(node: Node) -> bool:
@@ -105,11 +128,28 @@ def _fp32_parts(val) -> bool:
 class _Run:
     """State of one walk over one graph."""
 
-    def __init__(self, casts: CastInserter, keep_explicit_fp32: bool, limit: float) -> None:
-        self.casts = casts
+    def __init__(
+        self,
+        graph_module: GraphModule,
+        keep_explicit_fp32: bool,
+        limit: float,
+        calibrated: bool = True,
+    ) -> None:
+        self.graph_module = graph_module
+        self.casts = CastInserter(graph_module.graph)
         self.keep_explicit_fp32 = keep_explicit_fp32
         self.limit = limit
+        # Calibration does not see inside subgraphs: there a value forced to fp32 stays
+        # fp32 (no cast-back), since nothing shows that it fits fp16 again.
+        self.calibrated = calibrated
         self.modified = False
+
+    def walk(self) -> None:
+        for node in list(self.graph_module.graph.nodes):
+            if node.op == "call_function":
+                self.visit(node)
+        if self.modified:
+            self.graph_module.recompile()  # a subgraph's code must match before its HOP runs
 
     def overflows(self, node: Node) -> bool:
         """Calibration saw this node hold values too large for fp16."""
@@ -128,6 +168,10 @@ class _Run:
             self.visit_other_cast(node)
         elif node.target in CREATION_OPS and node_dtype(node) == FP32:
             self.visit_creation(node)
+        elif node.target is _AUTOCAST and node.args[2]:
+            self.visit_autocast_region(node)
+        elif node.target in (_COND, _SET_GRAD):
+            self.visit_subgraphs(node)
         elif isinstance(node.target, HigherOrderOperator):
             self.visit_opaque(node)
         elif mutated_argument(node) is not None:
@@ -224,10 +268,58 @@ class _Run:
         self.modified = True
 
     def visit_opaque(self, node: Node) -> None:
-        """A higher-order op runs its body as exported: feed it fp32 like before."""
+        """Run a region as exported, fed fp32: ``torch.autocast(enabled=False)`` regions
+        the model wrote, and loops (while_loop, map), whose carried values must keep
+        their dtypes."""
         if any(was_narrowed(arg) for arg in tensor_inputs(node)):
             self.upcast_inputs(node)
-            decide(node, FP32, Reason.OPAQUE_SUBGRAPH)
+            disabled_autocast = node.target is _AUTOCAST
+            decide(
+                node,
+                FP32,
+                Reason.AUTOCAST_DISABLED if disabled_autocast else Reason.OPAQUE_SUBGRAPH,
+            )
+
+    def visit_autocast_region(self, node: Node) -> None:
+        """``torch.autocast(enabled=True, dtype=d)``: the op enters autocast when it runs,
+        so the region computes in d whatever it is fed. Feed it the 16-bit values as
+        they are and recompute what it returns under the same autocast."""
+        device, dtype, _, _, body, *operands = node.args
+        if not any(was_narrowed(arg) for arg in operands if isinstance(arg, Node)):
+            return
+        submodule = getattr(self.graph_module, body.target)
+        inputs = [node_val(arg) for arg in operands]
+        fake_mode = next(val.fake_mode for val in inputs if hasattr(val, "fake_mode"))
+        with torch.autocast(device_type=device, dtype=dtype):
+            FakeTensorProp(submodule, fake_mode).propagate_dont_convert_inputs(*inputs)
+        node.meta["val"] = tuple(node_val(out) for out in submodule.graph.output_node().args[0])
+        decide(node, dtype, Reason.AUTOCAST_REGION)
+        self.modified = True
+
+    def visit_subgraphs(self, node: Node) -> None:
+        """cond branches and set_grad_enabled bodies: cast inside them like anywhere else.
+
+        Each body sees the operands in their current dtypes. Where cond's branches
+        return different dtypes, both return fp32 for that output.
+        """
+        if node.target is _COND:
+            bodies, operands = node.args[1:3], list(node.args[3])
+        else:
+            bodies, operands = node.args[1:2], list(node.args[2:])
+        submodules = [getattr(self.graph_module, body.target) for body in bodies]
+        for submodule in submodules:
+            placeholders = submodule.graph.find_nodes(op="placeholder")
+            for placeholder, operand in zip(placeholders, operands):
+                placeholder.meta["val"] = retype_val(placeholder.meta["val"], node_dtype(operand))
+                if decision_of(operand) is not None:
+                    placeholder.meta[PRECISION] = decision_of(operand)
+            inner = _Run(submodule, self.keep_explicit_fp32, self.limit, calibrated=False)
+            inner.walk()
+            self.modified |= inner.modified
+        outputs = _unify_outputs(submodules)
+        node.meta["val"] = tuple(node_val(out) for out in outputs)
+        narrowed = any(node_dtype(out) == FP16 for out in outputs)
+        decide(node, FP16 if narrowed else FP32, Reason.FITS if narrowed else Reason.FP32_INPUT)
 
     def visit_in_place(self, node: Node) -> None:
         """An in-place op keeps the dtype of the tensor it writes to."""
@@ -307,7 +399,7 @@ class _Run:
 
         Casts among the consumers convert anyway, so a node used only by casts gets none.
         """
-        if self.overflows(node) or all(is_cast(user) for user in node.users):
+        if not self.calibrated or self.overflows(node) or all(is_cast(u) for u in node.users):
             return
         back = self.casts.cast_after(node, FP16, WHY_CAST_BACK)
         decide(back, FP16, reason)

@@ -1,0 +1,112 @@
+"""Higher-order regions: autocast on and off, cond branches, and other bodies."""
+
+import pytest
+import torch
+
+import fx16
+from fx16.decisions import PRECISION, Reason
+from fx16.passes import CleanupCastsPass
+from helpers import check_program, export, fp64_reference, max_error, run
+
+aten = torch.ops.aten
+
+
+class AutocastRegions(torch.nn.Module):
+    """A disabled-autocast region (fp32 on purpose) and an fp16 autocast region."""
+
+    def __init__(self, enabled_dtype=torch.float16):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.inner = torch.nn.Linear(8, 8)
+        self.enabled_dtype = enabled_dtype
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.autocast("cpu", enabled=False):
+            energy = h.float().pow(2).sum(-1, keepdim=True)
+        with torch.autocast("cpu", dtype=self.enabled_dtype):
+            g = self.inner(h).relu()
+        return h / energy.sqrt() + g.float()
+
+
+class Branches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+
+        def positive(a):
+            return a.exp() * 0.5
+
+        def negative(a):
+            return a * 1e5  # does not fit fp16: this branch must return fp32
+
+        return torch.cond(h.sum() > 0, positive, negative, (h,)) + 1
+
+
+def _hops(ep, target):
+    return [n for n in ep.graph_module.graph.nodes if n.target is target]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_autocast_regions_keep_their_meaning(strict):
+    torch.manual_seed(0)
+    model, x = AutocastRegions(), torch.randn(3, 8)
+    ep = torch.export.export(model.eval(), (x,), strict=strict)
+    if strict:  # strict export records fp32 for the fp16 region: the program cannot run as is
+        with pytest.warns(RuntimeWarning, match="calibration inputs"):
+            fx16.cast_fp32_to_fp16(ep)
+    else:
+        fx16.cast_fp32_to_fp16(ep)
+    check_program(ep)
+    disabled, enabled = _hops(ep, torch.ops.higher_order.wrap_with_autocast)
+    assert disabled.meta[PRECISION].reason == Reason.AUTOCAST_DISABLED
+    assert all(a.meta["val"].dtype == torch.float32 for a in disabled.args[5:])
+    assert enabled.meta[PRECISION].reason == Reason.AUTOCAST_REGION
+    assert enabled.args[5].meta["val"].dtype == torch.float16  # fed as it is
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 1e-2
+
+
+def test_cond_branches_are_cast_and_agree_on_dtypes():
+    """positive branch: exp * 0.5 in fp16; negative: a * 1e5 in fp32; both return fp32."""
+    torch.manual_seed(0)
+    model = Branches()
+    x = torch.randn(2, 4)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    (cond,) = _hops(ep, torch.ops.higher_order.cond)
+    positive = getattr(ep.graph_module, cond.args[1].target)
+    negative = getattr(ep.graph_module, cond.args[2].target)
+    exp = next(n for n in positive.graph.nodes if n.target == aten.exp.default)
+    assert exp.meta["val"].dtype == torch.float16
+    mul = next(n for n in negative.graph.nodes if n.target == aten.mul.Tensor)
+    assert mul.meta[PRECISION].reason == Reason.SCALAR_OVERFLOW
+    dtypes = {
+        out.meta["val"].dtype
+        for body in (positive, negative)
+        for out in body.graph.output_node().args[0]
+    }
+    assert dtypes == {torch.float32}
+    for sign in (1.0, -1.0):
+        with torch.no_grad():
+            model.fc.bias.fill_(5.0 * sign)
+        ep = fx16.cast_fp32_to_fp16(export(model, x))
+        assert max_error(fp64_reference(model, x), run(ep, x)) < 1e-2
+
+
+def test_failure_restores_subgraphs_too(monkeypatch):
+    torch.manual_seed(0)
+    ep = export(Branches(), torch.randn(2, 4))
+    (cond,) = _hops(ep, torch.ops.higher_order.cond)
+    positive = getattr(ep.graph_module, cond.args[1].target)
+    code = positive.code
+
+    def fail(self, graph_module):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(CleanupCastsPass, "call", fail)
+    with pytest.raises(fx16.PassFailedError):
+        fx16.cast_fp32_to_fp16(ep)
+    assert getattr(ep.graph_module, cond.args[1].target).code == code
