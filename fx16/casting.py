@@ -1,13 +1,16 @@
 """The public entry points, with the calling convention of ``coreai_opt.casting``.
 
-Each works in place, returns the program it was given, and is transactional: if a
-stage fails, the program is restored and a ``PassFailedError`` names the stage.
+Each works in place, returns the program it was given, stores a CastReport in
+``ep.graph_module.meta["fx16.report"]``, and is transactional: if a stage fails,
+the program is restored and a ``PassFailedError`` names the stage.
 """
 
 from torch.export import ExportedProgram
 
+from fx16.budget import cast_fp16_within_budget
 from fx16.pipelines import fp16_passes, int16_passes, run_passes, split_options
 from fx16.program import Program
+from fx16.progress import Progress
 from fx16.report import REPORT_KEY, build_report
 from fx16.stats import program_stats
 
@@ -18,6 +21,8 @@ def cast_fp32_to_fp16(
     keep_explicit_fp32: bool = True,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
+    max_rel_error: float | None = None,
+    progress: bool | None = None,
 ) -> ExportedProgram:
     """Rewrite ``ep`` in place to compute in fp16 where that is safe, and return it.
 
@@ -34,6 +39,12 @@ def cast_fp32_to_fp16(
         torch.export recorded; []: no calibration.
     overflow_margin: a value counts as overflowing above ``65504 / overflow_margin``,
         since calibration inputs rarely show the largest values a model will see.
+    max_rel_error: an accuracy budget. After casting, outputs are compared with fp32
+        on the calibration inputs (max |diff| / max |fp32| per output); while over
+        budget, the nodes that add the most error return to fp32 (see fx16.budget).
+        The search is recorded in the report's ``accuracy``.
+    progress: show a progress line on stderr during the accuracy search
+        (None: only when stderr is a terminal).
 
     Raises ``fx16.InvalidProgramError`` for an argument that is not an
     ExportedProgram and ``fx16.PassFailedError`` when a stage fails; in both cases
@@ -44,7 +55,7 @@ def cast_fp32_to_fp16(
         calibration=calibration,
         overflow_margin=overflow_margin,
     )
-    return _in_place(ep, lambda: fp16_passes(ep, **options))
+    return _cast(ep, options, {}, max_rel_error, progress)
 
 
 def cast_int32_to_int16(
@@ -77,29 +88,44 @@ def cast_int32_to_int16(
     mode or an ``input_ranges`` name that is not a user input.
     """
     options = dict(input_ranges=input_ranges, int16=int16, calibration=calibration)
-    return _in_place(ep, lambda: int16_passes(ep, **options))
+    return _cast(ep, None, options, None, None)
 
 
-def cast_to_16_bit_precision(ep: ExportedProgram, **options) -> ExportedProgram:
+def cast_to_16_bit_precision(
+    ep: ExportedProgram,
+    *,
+    max_rel_error: float | None = None,
+    progress: bool | None = None,
+    **options,
+) -> ExportedProgram:
     """fp32 -> fp16, then int32/int64 -> int16, in place and as one transaction.
 
     Takes the keyword options of ``cast_fp32_to_fp16`` and ``cast_int32_to_int16``
     (``calibration`` serves both); an unknown one raises ``fx16.InvalidOptionError``.
+    The accuracy budget applies to the fp16 stage (int16 narrowing is exact).
     """
     fp16_options, int16_options = split_options(options)
-    return _in_place(
-        ep, lambda: fp16_passes(ep, **fp16_options) + int16_passes(ep, **int16_options)
-    )
+    return _cast(ep, fp16_options, int16_options, max_rel_error, progress)
 
 
-def _in_place(ep: ExportedProgram, build_passes) -> ExportedProgram:
-    """Run the passes ``build_passes()`` returns on ``ep`` as one transaction; return ``ep``.
-
-    Stores the CastReport in ``ep.graph_module.meta["fx16.report"]``.
-    """
+def _cast(ep, fp16_options, int16_options, max_rel_error, progress) -> ExportedProgram:
+    """Run the fp16 stage (searching within ``max_rel_error`` if given), then the
+    int16 stage, as one transaction; store the report. ``None`` options skip a stage."""
     program = Program(ep)
     before = program_stats(ep)
+    accuracy = None
     with program.transaction():
-        run_passes(build_passes(), ep.graph_module)
-        ep.graph_module.meta[REPORT_KEY] = build_report(ep, before)
+        if fp16_options is not None and max_rel_error is not None:
+            accuracy = cast_fp16_within_budget(
+                ep,
+                max_rel_error,
+                fp16_options.pop("calibration", None),
+                Progress(progress),
+                **fp16_options,
+            )
+        elif fp16_options is not None:
+            run_passes(fp16_passes(ep, **fp16_options), ep.graph_module)
+        if int16_options is not None:
+            run_passes(int16_passes(ep, **int16_options), ep.graph_module)
+        ep.graph_module.meta[REPORT_KEY] = build_report(ep, before, accuracy)
     return ep

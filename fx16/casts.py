@@ -57,6 +57,13 @@ def is_inserted(node: Node) -> bool:
     return INSERTED in node.meta
 
 
+def before_inserted_casts(node: Node) -> Node:
+    """The value a chain of casts fx16 inserted starts from (``node`` itself if none)."""
+    while is_inserted(node) and is_cast(node):
+        node = node.args[0]
+    return node
+
+
 def cast_back_source(node: Node, dtype: torch.dtype) -> Node | None:
     """If ``node`` is a cast-back fx16 inserted after a ``dtype`` value, that value."""
     if node.meta.get(INSERTED) == WHY_CAST_BACK and node_dtype(node.args[0]) == dtype:

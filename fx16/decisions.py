@@ -28,6 +28,7 @@ class Reason(str, enum.Enum):
     OPAQUE_SUBGRAPH = "a loop body (while_loop, map) runs as exported, in fp32"
     AUTOCAST_DISABLED = "inside a torch.autocast(enabled=False) region the model wrote"
     AUTOCAST_REGION = "inside a torch.autocast(enabled=True) region: follows its dtype"
+    ACCURACY_FALLBACK = "returned to fp32 to meet the accuracy budget"
     # integers
     NOT_USER_REACHABLE = "does not depend on a user input (constant-foldable)"
     UNSAFE_INDEX = "flows into an index argument"

@@ -7,7 +7,7 @@ from fx16.analysis.castable_int16 import CastableInt16Analysis, has_scalar_opera
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.user_reachability import UserReachabilityAnalysis
 from fx16.analysis.value_range import Source, value_range
-from fx16.casts import is_cast, is_inserted
+from fx16.casts import before_inserted_casts
 from fx16.decisions import Reason
 from fx16.errors import InvalidOptionError
 from fx16.nodes import node_dtype, value_scalars
@@ -45,7 +45,7 @@ def int16_verdict(node: Node, mode: str) -> tuple[Reason, str]:
     values = {"result": value_range(node)}
     for arg in node.all_input_nodes:
         if node_dtype(arg) in WIDE_INT_DTYPES:
-            original = _before_inserted_casts(arg)
+            original = before_inserted_casts(arg)
             values[original.name] = value_range(original)
     for _, scalar in value_scalars(node):
         if isinstance(scalar, int):
@@ -64,13 +64,6 @@ def int16_verdict(node: Node, mode: str) -> tuple[Reason, str]:
     if not all(found.fits(torch.int16) for found in values.values()):
         return Reason.RANGE_EXCEEDS, detail
     return Reason.FITS, detail
-
-
-def _before_inserted_casts(node: Node) -> Node:
-    """The value an inserted cast chain starts from (fx16 inserts only value-preserving casts)."""
-    while is_inserted(node) and is_cast(node):
-        node = node.args[0]
-    return node
 
 
 def may_narrow(reason: Reason) -> bool:

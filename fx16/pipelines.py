@@ -36,22 +36,28 @@ def fp16_passes(
     keep_explicit_fp32: bool = True,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
+    force_fp32: frozenset[str] = frozenset(),
 ) -> list[PassBase]:
     """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
 
-    Order: calibration first, while the program still computes in fp32; then
+    Order: calibration first, while the program still computes in fp32; the
+    unsafe-index analysis, so float values that become indices stay fp32; then
     state tensors and user inputs, so the cast inserter sees every graph input in
     its final dtype; then the inserter walks the graph once; cleanup last, because
     it only removes casts and needs them all in place. Options: see
-    ``fx16.cast_fp32_to_fp16``.
+    ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that must stay fp32.
     """
     program = Program(ep)
     return [
         CalibrationAnalysis(program, calibration),
-        ConvertParametersPass(program),
-        ConvertUserInputsPass(program, overflow_margin=overflow_margin),
+        UnsafeIndexAnalysis(),
+        ConvertParametersPass(program, force_fp32=force_fp32),
+        ConvertUserInputsPass(program, overflow_margin=overflow_margin, force_fp32=force_fp32),
         InsertFP16CastsPass(
-            program, keep_explicit_fp32=keep_explicit_fp32, overflow_margin=overflow_margin
+            program,
+            keep_explicit_fp32=keep_explicit_fp32,
+            overflow_margin=overflow_margin,
+            force_fp32=force_fp32,
         ),
         CleanupCastsPass(program),
     ]

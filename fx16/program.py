@@ -120,18 +120,23 @@ class Program:
             if isinstance(spec.arg, TensorArgument) and isinstance(value, Node):
                 spec.arg.name = value.name
 
-    def retype_example_inputs(self, dtypes: dict[int, torch.dtype]) -> None:
-        """Convert the recorded example inputs: user input number i to dtypes[i]."""
-        if self.ep.example_inputs is None or not dtypes:
-            return
-        flat, spec = pytree.tree_flatten(self.ep.example_inputs)
-        flat = [
-            value.to(dtypes[index])
-            if index in dtypes and isinstance(value, torch.Tensor)
-            else value
-            for index, value in enumerate(flat)
-        ]
-        self.ep.example_inputs = pytree.tree_unflatten(flat, spec)
+    def adapt_call(self, args: tuple, kwargs: dict | None = None) -> tuple[tuple, dict]:
+        """``args``/``kwargs`` with each user tensor converted to its input's current dtype."""
+        placeholders = iter(self.user_input_placeholders())
+        flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+        adapted = []
+        for value in flat:
+            placeholder = next(placeholders, None)
+            val = placeholder.meta.get("val") if placeholder is not None else None
+            if isinstance(value, torch.Tensor) and isinstance(val, torch.Tensor):
+                value = value.to(val.dtype)
+            adapted.append(value)
+        return pytree.tree_unflatten(adapted, spec)
+
+    def adapt_example_inputs(self) -> None:
+        """Convert the recorded example inputs to the user inputs' current dtypes."""
+        if self.ep.example_inputs is not None:
+            self.ep.example_inputs = self.adapt_call(*self.ep.example_inputs)
 
     def graph_inputs(self, args: tuple, kwargs: dict | None = None, *, copy_buffers=False) -> list:
         """The graph module's positional inputs for a call with user ``args``/``kwargs``.
@@ -156,37 +161,55 @@ class Program:
 
     # ---- transactions ----------------------------------------------------------------
 
+    def snapshot(self) -> "Snapshot":
+        """Everything a cast changes, saved so that ``Snapshot.restore()`` can put it back."""
+        return Snapshot(self)
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         """Run a block that rewrites the program; if it raises, put everything back.
 
-        Restores the graphs (the program's and its subgraphs', with their code),
-        state_dict, constants, graph signature and example inputs, then raises the
-        error as an ``Fx16Error`` (a ``PassFailedError`` naming the stage when it
-        was not one already).
+        Restores what ``snapshot`` saves, then raises the error as an ``Fx16Error``
+        (a ``PassFailedError`` naming the stage when it was not one already).
         """
-        ep = self.ep
-        graphs = {
-            name: copy.deepcopy(module.graph)
-            for name, module in self.graph_module.named_modules()
-            if isinstance(module, GraphModule)
-        }
-        state_dict, constants = dict(ep.state_dict), dict(ep.constants)
-        signature = copy.deepcopy(ep.graph_signature)
-        example_inputs = ep.example_inputs
+        saved = self.snapshot()
         try:
             yield
         except BaseException as error:
-            for name, module in self.graph_module.named_modules():
-                if name in graphs:
-                    module.graph = graphs[name]  # also recompiles
-
-            for store, saved in ((ep.state_dict, state_dict), (ep.constants, constants)):
-                store.clear()
-                store.update(saved)
-            ep._graph_signature = signature
-            ep._example_inputs = example_inputs
+            saved.restore()
             if isinstance(error, Fx16Error) or not isinstance(error, Exception):
                 raise
             stage = getattr(error, "fx16_stage", "unknown")
             raise PassFailedError(stage, error) from error
+
+
+class Snapshot:
+    """The graphs (the program's and its subgraphs', with their code), state_dict,
+    constants, graph signature and example inputs of a program at one moment."""
+
+    def __init__(self, program: Program) -> None:
+        ep = self._ep = program.ep
+        self._graph_module = program.graph_module
+        self._graphs = {
+            name: copy.deepcopy(module.graph)
+            for name, module in self._graph_module.named_modules()
+            if isinstance(module, GraphModule)
+        }
+        self._state_dict, self._constants = dict(ep.state_dict), dict(ep.constants)
+        self._signature = copy.deepcopy(ep.graph_signature)
+        self._example_inputs = ep.example_inputs
+        self._meta = dict(self._graph_module.meta)
+
+    def restore(self) -> None:
+        """Put the program back as it was (a fresh copy each time, so it can be repeated)."""
+        ep = self._ep
+        for name, module in self._graph_module.named_modules():
+            if name in self._graphs:
+                module.graph = copy.deepcopy(self._graphs[name])  # also recompiles
+        for store, saved in ((ep.state_dict, self._state_dict), (ep.constants, self._constants)):
+            store.clear()
+            store.update(saved)
+        ep._graph_signature = copy.deepcopy(self._signature)
+        ep._example_inputs = self._example_inputs
+        self._graph_module.meta.clear()
+        self._graph_module.meta.update(self._meta)

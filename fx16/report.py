@@ -13,6 +13,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from fx16.analysis.value_range import ValueRangeAnalysis
+from fx16.budget import AccuracySearch
 from fx16.casts import is_inserted
 from fx16.decisions import INT_PRECISION, PRECISION, Decision
 from fx16.nodes import node_dtype
@@ -55,13 +56,17 @@ class Totals:
 class CastReport:
     rows: list[Row]
     totals: Totals
+    accuracy: AccuracySearch | None = None  # set when the cast had an accuracy budget
 
     def kept_wide(self) -> list[Row]:
         return [row for row in self.rows if not row.narrowed]
 
     def to_json(self) -> str:
         totals = {**asdict(self.totals), "share_16bit": round(self.totals.share_16bit, 4)}
-        return json.dumps({"totals": totals, "nodes": [asdict(r) for r in self.rows]}, indent=2)
+        document = {"totals": totals, "nodes": [asdict(r) for r in self.rows]}
+        if self.accuracy is not None:
+            document["accuracy"] = {**asdict(self.accuracy), "met": self.accuracy.met}
+        return json.dumps(document, indent=2)
 
     def table(self, rows: list[Row] | None = None) -> str:
         """A fixed-width table of ``rows`` (default: every row), then the totals."""
@@ -75,6 +80,12 @@ class CastReport:
         lines.append(
             f"float ops in 16-bit: {t.float_ops_16bit} of {t.float_ops} ({t.share_16bit:.0%})"
         )
+        if self.accuracy is not None:
+            a = self.accuracy
+            lines.append(
+                f"accuracy: error {a.error:.3g} (budget {a.budget:.3g}) after {a.rounds} round(s), "
+                f"{a.evaluations} program evaluations, {len(a.fp32_nodes)} node(s) back in fp32"
+            )
         return "\n".join(lines)
 
 
@@ -138,7 +149,9 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
     return rows
 
 
-def build_report(ep: ExportedProgram, before: ProgramStats) -> CastReport:
+def build_report(
+    ep: ExportedProgram, before: ProgramStats, accuracy: AccuracySearch | None = None
+) -> CastReport:
     after = program_stats(ep)
     float_ops = after.float_ops
     return CastReport(
@@ -153,6 +166,7 @@ def build_report(ep: ExportedProgram, before: ProgramStats) -> CastReport:
             float_ops=float_ops,
             float_ops_16bit=after.ops_in(torch.float16) + after.ops_in(torch.bfloat16),
         ),
+        accuracy,
     )
 
 

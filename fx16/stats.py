@@ -1,5 +1,6 @@
 """Figures that describe a program's precision: weight bytes, casts, ops per dtype."""
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -52,9 +53,18 @@ def program_stats(ep: ExportedProgram) -> ProgramStats:
 
 
 def relative_error(reference: torch.Tensor, value: torch.Tensor) -> float:
-    """max |reference - value| / max |reference|, computed in fp64 (0 for an all-zero reference)."""
+    """max |reference - value| / max |reference| over the reference's finite elements, in fp64.
+
+    inf where ``value`` is not finite but the reference is; the absolute error for an
+    all-zero reference; 0 for empty tensors.
+    """
     reference, value = reference.double(), value.double()
-    scale = reference.abs().max().item() if reference.numel() else 0.0
-    if scale == 0.0:
-        return float((reference - value).abs().max().item()) if reference.numel() else 0.0
-    return float((reference - value).abs().max().item() / scale)
+    finite = torch.isfinite(reference)
+    if not bool(finite.any()):
+        return 0.0
+    reference, value = reference[finite], value[finite]
+    if not bool(torch.isfinite(value).all()):
+        return math.inf
+    difference = (reference - value).abs().max().item()
+    scale = reference.abs().max().item()
+    return difference / scale if scale else difference

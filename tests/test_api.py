@@ -8,7 +8,7 @@ from int16_helpers import int_decisions
 from torch.fx.passes.infra.pass_manager import PassManager
 
 import fx16
-from fx16.analysis import CalibrationAnalysis
+from fx16.analysis import CalibrationAnalysis, UnsafeIndexAnalysis
 from fx16.passes import (
     CleanupCastsPass,
     ConvertIntInputsPass,
@@ -58,6 +58,7 @@ def test_pass_lists_are_fresh_instances():
     assert not any(a is b for a, b in zip(first, second))
     assert [type(p) for p in first] == [
         CalibrationAnalysis,
+        UnsafeIndexAnalysis,
         ConvertParametersPass,
         ConvertUserInputsPass,
         InsertFP16CastsPass,

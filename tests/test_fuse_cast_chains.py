@@ -53,3 +53,23 @@ def test_inserted_narrowing_chain_is_fused():
 def test_fuse_leaves_branching_casts_to_bypass():
     ep = export(Branching(), HALF)
     assert not apply_rule(FuseCastChainsPass, ep).modified
+
+
+def test_inserted_cast_back_before_a_model_upcast_is_skipped():
+    """relu:f32 -> to(f16)* -> model's to(f32) -> exp   becomes   relu -> to(f32) -> exp:
+    the model asked for fp32 and now gets the unrounded value."""
+
+    class Upcast(torch.nn.Module):
+        def forward(self, x):
+            return x.relu().to(torch.float32).exp()
+
+    x = torch.randn(2, 3)
+    ep = export(Upcast(), x)
+    graph = ep.graph_module.graph
+    relu = next(n for n in graph.nodes if n.target == aten.relu.default)
+    CastInserter(graph).cast_after(relu, torch.float16, "cast-back")
+    ep.graph_module.recompile()
+    assert apply_rule(FuseCastChainsPass, ep).modified
+    (cast,) = casts(ep)
+    assert cast.args[0] is relu and cast.args[1] == torch.float32
+    torch.testing.assert_close(run(ep, x)[0], eager(Upcast(), x))

@@ -44,7 +44,7 @@ class CalibrationAnalysis(PassBase):
         self.calibration = calibration
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        calls = self._calls()
+        calls = calibration_calls(self.program, self.calibration)
         if not calls:
             graph_module.meta[self.STATUS_KEY] = "skipped: no calibration inputs"
             return PassResult(graph_module, False)
@@ -69,13 +69,13 @@ class CalibrationAnalysis(PassBase):
         graph_module.meta[self.STATUS_KEY] = f"observed on {len(calls)} input(s)"
         return PassResult(graph_module, False)
 
-    def _calls(self) -> list[tuple[tuple, dict]]:
-        if self.calibration is None:
-            example = self.program.ep.example_inputs
-            return [example] if example is not None else []
-        return [
-            entry if _is_args_kwargs(entry) else (tuple(entry), {}) for entry in self.calibration
-        ]
+
+def calibration_calls(program: Program, calibration: list | None) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) calls to calibrate on: ``calibration``, or the example inputs."""
+    if calibration is None:
+        example = program.ep.example_inputs
+        return [example] if example is not None else []
+    return [entry if _is_args_kwargs(entry) else (tuple(entry), {}) for entry in calibration]
 
 
 def _is_args_kwargs(entry) -> bool:

@@ -56,11 +56,13 @@ def is_written_in_place(node: Node) -> bool:
 def chain_refusal(inner: Node, outer: Node) -> str | None:
     """Why ``outer(inner(x))`` may not read ``x`` directly, or None when it may.
 
-    Casts fx16 inserted may be skipped freely. A cast the model wrote may be
+    A cast fx16 inserted may be skipped freely: reading x instead loses nothing the
+    model asked for (an fp32 value cast back to fp16 by fx16 and then cast to fp32
+    by the model gives the model the unrounded value). A cast the model wrote may be
     skipped only when it loses nothing: x -> fp32 -> fp16 equals x -> fp16 for an
     fp16 x, but x -> fp16 -> fp32 rounds, so the model's narrowing stays.
     """
-    if is_inserted(inner) and is_inserted(outer):
+    if is_inserted(inner):
         return None
     if represents_exactly(source_dtype(inner), cast_dtype(inner)):
         return None

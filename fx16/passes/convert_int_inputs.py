@@ -31,8 +31,8 @@ class ConvertIntInputsPass(PassBase):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         casts = CastInserter(graph_module.graph)
-        new_dtypes = {}
-        for index, placeholder in enumerate(self.program.user_input_placeholders()):
+        converted = False
+        for placeholder in self.program.user_input_placeholders():
             original = node_dtype(placeholder)
             if original not in WIDE_INT_DTYPES or INT_PRECISION in placeholder.meta:
                 continue
@@ -54,6 +54,7 @@ class ConvertIntInputsPass(PassBase):
                 for user in wide_consumers:
                     user.replace_input_with(placeholder, back)
             decide(placeholder, torch.int16, reason, key=INT_PRECISION, detail=detail)
-            new_dtypes[index] = torch.int16
-        self.program.retype_example_inputs(new_dtypes)
-        return PassResult(graph_module, bool(new_dtypes))
+            converted = True
+        if converted:
+            self.program.adapt_example_inputs()
+        return PassResult(graph_module, converted)

@@ -20,11 +20,13 @@ class ConvertParametersPass(PassBase):
     A tensor with a finite magnitude above 65504 stays fp32. Nonzero magnitudes
     below the smallest fp16 subnormal become +-2**-24 instead of zero. Tensors of
     other dtypes (int8 quantized weights, fp64, bf16, fp16) are left alone. A tensor
-    stored under several names is converted once and shared again.
+    stored under several names is converted once and shared again. Placeholders named
+    in ``force_fp32`` stay fp32 (the accuracy-budget search uses it).
     """
 
-    def __init__(self, program: Program) -> None:
+    def __init__(self, program: Program, *, force_fp32: frozenset[str] = frozenset()) -> None:
         self.program = program
+        self.force_fp32 = frozenset(force_fp32)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         converted: dict[int, torch.Tensor] = {}
@@ -32,6 +34,9 @@ class ConvertParametersPass(PassBase):
         for slot in self.program.state_slots():
             tensor = self.program.state_tensor(slot.target)
             if tensor is None or tensor.dtype != torch.float32:
+                continue
+            if slot.placeholder.name in self.force_fp32:
+                decide(slot.placeholder, torch.float32, Reason.ACCURACY_FALLBACK)
                 continue
             if tensor_overflows_fp16(tensor):
                 decide(slot.placeholder, torch.float32, Reason.VALUE_OVERFLOW)

@@ -10,6 +10,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.casts import (
     INSERTED,
     WHY_CAST_BACK,
@@ -42,13 +43,17 @@ from fx16.propagation import propagate_fake
 
 FP16, FP32 = torch.float16, torch.float32
 
+# In force_fp32: keep the program's fp32-computed outputs in fp32.
+OUTPUTS = "output"
+
 
 class InsertFP16CastsPass(PassBase):
     """Walk the graph in order and give every float op a precision.
 
     Reads: ``meta["val"]`` and ``meta["fx16.precision"]`` of the inputs (run the
     parameter and user-input converters first), and ``meta["fx16.observed_range"]``
-    when CalibrationAnalysis ran.
+    and ``meta["fx16.unsafe_index"]`` when CalibrationAnalysis and
+    UnsafeIndexAnalysis ran: a float value that decides an index stays fp32.
     Writes: op ``meta["val"]`` dtypes, rounded scalars, ``dtype=`` arguments,
     inserted ``_to_copy`` casts (marked ``meta["fx16.inserted"]``) and
     ``meta["fx16.precision"]`` on every op it considers; the output specs.
@@ -66,22 +71,37 @@ class InsertFP16CastsPass(PassBase):
     computed in fp32 and handed on in fp32: no cast-back, so its consumers run in
     fp32 too, until one produces values that fit and casts back to fp16.
 
+    Nodes named in ``force_fp32`` run in fp32 (the accuracy-budget search uses it);
+    the name ``OUTPUTS`` there keeps results computed in fp32 fp32 at the outputs.
     Nodes that already carry a decision (from an earlier run) are left as they
     are, so casting twice equals casting once.
     """
 
     def __init__(
-        self, program: Program, *, keep_explicit_fp32: bool = True, overflow_margin: float = 2.0
+        self,
+        program: Program,
+        *,
+        keep_explicit_fp32: bool = True,
+        overflow_margin: float = 2.0,
+        force_fp32: frozenset[str] = frozenset(),
     ) -> None:
         self.program = program
         self.keep_explicit_fp32 = keep_explicit_fp32
         self.overflow_margin = overflow_margin
+        self.force_fp32 = frozenset(force_fp32)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         graph = graph_module.graph
         nodes_before = len(graph.nodes)
-        run = _Run(graph_module, self.keep_explicit_fp32, FP16_MAX / self.overflow_margin)
+        run = _Run(
+            graph_module,
+            self.keep_explicit_fp32,
+            FP16_MAX / self.overflow_margin,
+            force_fp32=self.force_fp32,
+        )
         run.walk()
+        if OUTPUTS in self.force_fp32:
+            run.return_fp32_outputs()
         run.restore_required_output_dtypes(self.program.required_output_dtypes())
         self.program.sync_output_specs()
         modified = run.modified or len(graph.nodes) != nodes_before
@@ -134,8 +154,10 @@ class _Run:
         keep_explicit_fp32: bool,
         limit: float,
         calibrated: bool = True,
+        force_fp32: frozenset[str] = frozenset(),
     ) -> None:
         self.graph_module = graph_module
+        self.force_fp32 = force_fp32
         self.casts = CastInserter(graph_module.graph)
         self.keep_explicit_fp32 = keep_explicit_fp32
         self.limit = limit
@@ -154,6 +176,15 @@ class _Run:
     def overflows(self, node: Node) -> bool:
         """Calibration saw this node hold values too large for fp16."""
         return node.meta.get(CalibrationAnalysis.META_KEY, 0.0) > self.limit
+
+    def forced(self, node: Node) -> Reason | None:
+        """Why ``node`` must stay fp32 whatever its inputs: it decides an index (float
+        positions turned into bucket ids), observed overflow, or the accuracy budget."""
+        if node.meta.get(UnsafeIndexAnalysis.META_KEY):
+            return Reason.UNSAFE_INDEX
+        if node.name in self.force_fp32:
+            return Reason.ACCURACY_FALLBACK
+        return Reason.ACTIVATION_OVERFLOW if self.overflows(node) else None
 
     def visit(self, node: Node) -> None:
         if is_inserted(node) or decision_of(node) is not None:
@@ -221,8 +252,8 @@ class _Run:
     def visit_cast_to_fp32(self, node: Node) -> None:
         source = node.args[0]
         source_dtype = node_dtype(source)
-        if self.overflows(node):
-            decide(node, FP32, Reason.ACTIVATION_OVERFLOW)
+        if self.forced(node):
+            decide(node, FP32, self.forced(node))
         elif source_dtype == FP32 and _is_island(source):
             # The model's way back from its fp32 region: to the program's working dtype.
             self.retarget(node, FP16)
@@ -246,7 +277,7 @@ class _Run:
         self.modified = True
 
     def visit_creation(self, node: Node) -> None:
-        reason = Reason.ACTIVATION_OVERFLOW if self.overflows(node) else None
+        reason = self.forced(node)
         rounded = []
         for location, value in value_scalars(node):
             new_value = round_scalar_to_fp16(float(value))
@@ -348,8 +379,8 @@ class _Run:
             decide(node, FP32, Reason.EXPLICIT_FP32)
         elif fp32_inputs and all(_is_island(arg) for arg in float_inputs):
             decide(node, FP32, Reason.EXPLICIT_FP32)
-        elif self.overflows(node):
-            self.run_in_fp32(node, Reason.ACTIVATION_OVERFLOW, produces_fp32)
+        elif self.forced(node):
+            self.run_in_fp32(node, self.forced(node), produces_fp32)
         elif fp32_inputs:
             self.run_in_fp32(node, Reason.FP32_INPUT, produces_fp32)
         elif any(round_scalar_to_fp16(float(value)) is None for _, value in scalars):
@@ -404,6 +435,15 @@ class _Run:
         back = self.casts.cast_after(node, FP16, WHY_CAST_BACK)
         decide(back, FP16, reason)
         self.modified = True
+
+    def return_fp32_outputs(self) -> None:
+        """Outputs computed in fp32 are returned as fp32 (their cast-backs skipped)."""
+        output = self.casts.graph.output_node()
+        returned = [
+            cast_back_source(value, FP32) or value if isinstance(value, Node) else value
+            for value in output.args[0]
+        ]
+        output.args = (type(output.args[0])(returned), *output.args[1:])
 
     def restore_required_output_dtypes(self, required: dict[int, torch.dtype]) -> None:
         """Mutated buffers and inputs are written back in their own dtype."""
