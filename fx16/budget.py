@@ -8,6 +8,7 @@ divergence, not the nodes that merely carry it on). Neighbouring nodes returned
 together form connected fp32 regions, joined by casts only at their edges.
 """
 
+import copy
 import warnings
 from dataclasses import dataclass
 
@@ -31,6 +32,9 @@ from fx16.stats import relative_error
 _TAKE_ALONG = 0.5
 _MOST_PER_ROUND = 4
 _MAX_ROUNDS = 64
+# The search stops below this share of the budget on the calibration inputs, so the
+# budget still holds on inputs it has not seen.
+_TARGET = 0.8
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,9 @@ def cast_fp16_within_budget(
 ) -> AccuracySearch:
     """Cast ``ep`` to fp16 in place, returning nodes to fp32 until the error is within budget.
 
-    ``options`` are those of ``fx16.fp16_passes``. Warns when even the last round
-    misses the budget (nothing left that adds error in 16-bit).
+    The search stops once the calibration error is below 80% of ``budget``, a margin
+    for inputs it has not seen. ``options`` are those of ``fx16.fp16_passes``. Warns
+    when the last round still misses the budget (the round limit was reached).
     """
     program = Program(ep)
     calls = calibration_calls(program, calibration)
@@ -64,7 +69,11 @@ def cast_fp16_within_budget(
             "(this program has no example inputs)"
         )
     CalibrationAnalysis(program, calibration)(ep.graph_module)
-    references = [_record(program, args, kwargs) for args, kwargs in calls]
+    inputs = [program.graph_inputs(args, kwargs, copy_buffers=True) for args, kwargs in calls]
+    reference_module = copy.deepcopy(ep.graph_module)
+    reference = _Reference(
+        reference_module, inputs, [_record(reference_module, each) for each in inputs]
+    )
     evaluations, forced, rounds = len(calls), set(), 0
     pristine = program.snapshot()
     while True:
@@ -73,16 +82,20 @@ def cast_fp16_within_budget(
             pristine.restore()
         passes = fp16_passes(ep, calibration=calibration, force_fp32=frozenset(forced), **options)
         run_passes([p for p in passes if not isinstance(p, CalibrationAnalysis)], ep.graph_module)
-        observed = [_record(program, *program.adapt_call(args, kwargs)) for args, kwargs in calls]
+        observed = [
+            _record(ep.graph_module, program.graph_inputs(*program.adapt_call(args, kwargs)))
+            for args, kwargs in calls
+        ]
         evaluations += len(calls)
-        error = max(_output_error(ref, obs) for ref, obs in zip(references, observed))
+        error = max(_output_error(ref, obs) for ref, obs in zip(reference.records, observed))
         progress.update(
             f"fx16 accuracy search: round {rounds}, error {error:.3g} (budget {budget:.3g}), "
             f"{len(forced)} node(s) back in fp32"
         )
         culprits = set()
-        if error > budget and rounds < _MAX_ROUNDS:
-            culprits = _culprits(ep.graph_module, references, observed, forced)
+        if error > _TARGET * budget and rounds < _MAX_ROUNDS:
+            culprits = _culprits(ep.graph_module, reference, observed, forced)
+            evaluations += len(calls)  # the gradient run of the fp32 program
         if not culprits:
             break
         forced |= culprits
@@ -91,7 +104,7 @@ def cast_fp16_within_budget(
     if not result.met:
         warnings.warn(
             f"fx16: the accuracy budget {budget:.3g} was not met (error {error:.3g}): "
-            "no node left whose 16-bit computation adds error",
+            f"the search stopped after {rounds} rounds",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -105,22 +118,34 @@ class _Record:
 
 
 class _Recorder(Interpreter):
-    def __init__(self, graph_module) -> None:
+    """Runs a graph and keeps every float value by node name (detached unless asked)."""
+
+    def __init__(self, graph_module, keep_graph: bool = False) -> None:
         super().__init__(graph_module)
+        self.keep_graph = keep_graph
         self.values: dict[str, torch.Tensor] = {}
 
     def run_node(self, node: Node):
         result = super().run_node(node)
-        if isinstance(result, torch.Tensor) and result.is_floating_point():
-            self.values[node.name] = result.detach()
+        if _is_float(result):
+            self.values[node.name] = result if self.keep_graph else result.detach()
         return result
 
 
-def _record(program: Program, args: tuple, kwargs: dict) -> _Record:
-    recorder = _Recorder(program.graph_module)
+def _record(graph_module, inputs: list) -> _Record:
+    recorder = _Recorder(graph_module)
     with torch.no_grad():
-        outputs = recorder.run(*program.graph_inputs(args, kwargs, copy_buffers=True))
+        outputs = recorder.run(*inputs)
     return _Record(recorder.values, pytree.tree_leaves(outputs))
+
+
+@dataclass
+class _Reference:
+    """The fp32 program, kept aside: its graph, inputs per call, and recorded values."""
+
+    graph_module: object
+    inputs: list[list]
+    records: list[_Record]
 
 
 def _output_error(reference: _Record, observed: _Record) -> float:
@@ -132,54 +157,74 @@ def _output_error(reference: _Record, observed: _Record) -> float:
     return max(errors, default=0.0)
 
 
-def _culprits(
-    graph_module, references: list[_Record], observed: list[_Record], forced: set[str]
-) -> set[str]:
-    """What to return to fp32 next (never a node in ``forced`` again): the 16-bit nodes
-    adding the most error themselves.
+def _gradients(reference, errors: list[list]) -> list[dict[str, torch.Tensor]]:
+    """d L / d value for every float value of the fp32 program, per calibration input,
+    where L = sum over outputs of <fp32 output - cast output, output>: how much each
+    value moves the outputs along the error the cast program makes now."""
+    found = []
+    for inputs, output_errors in zip(reference.inputs, errors):
+        recorder = _Recorder(reference.graph_module, keep_graph=True)
+        with torch.enable_grad():
+            leaves = [x.detach().clone().requires_grad_() if _is_float(x) else x for x in inputs]
+            outputs = pytree.tree_leaves(recorder.run(*leaves))
+            loss = sum(
+                (out * error).sum()
+                for out, error in zip(outputs, output_errors)
+                if error is not None and _is_float(out) and out.requires_grad
+            )
+            names = [n for n, v in recorder.values.items() if v.requires_grad]
+            values = [recorder.values[n] for n in names]
+            grads = torch.autograd.grad(loss, values, allow_unused=True) if values else []
+        found.append({n: g for n, g in zip(names, grads) if g is not None})
+    return found
 
-    A node's added error is its error against fp32 minus the largest error of the
-    values it reads. Casts fx16 inserted are measured against the value they stand
-    for; a cast back to fp16 that adds error (rounding an fp32 result) names its
-    consumers instead, which then read the fp32 value: the fp32 region grows by one
-    step. At the outputs, that consumer is ``OUTPUTS``. A node already returned to
-    fp32 that still adds error amplifies its inputs' rounding (softmax over large
-    logits): its 16-bit producers are named, and the region grows towards them.
+
+def _is_float(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _culprits(graph_module, reference, observed: list[_Record], forced: set[str]) -> set[str]:
+    """What to return to fp32 next (never a node in ``forced`` again).
+
+    Each 16-bit value is scored by the first-order effect its rounding has on the
+    output error: sum |dL/dv * (v - fp16(v))| on the fp32 program, with L the
+    outputs projected on the current error (see ``_gradients``). A cast back to fp16
+    that rounds an fp32 result scores for its consumers, which then read the fp32
+    value (the region grows one step; at the outputs the consumer is ``OUTPUTS``).
     """
-
-    def error(node: Node) -> float:
-        name, stands_for = node.name, before_inserted_casts(node).name
-        found = [
-            relative_error(ref.values[stands_for], obs.values[name])
-            for ref, obs in zip(references, observed)
-            if stands_for in ref.values and name in obs.values
+    errors = [
+        [
+            (ref - obs.to(ref.dtype)).detach() if _is_float(ref) and _is_float(obs) else None
+            for ref, obs in zip(ref_record.outputs, obs_record.outputs)
         ]
-        return max(found, default=0.0)
+        for ref_record, obs_record in zip(reference.records, observed)
+    ]
+    gradients = _gradients(reference, errors)
 
-    errors: dict[Node, float] = {}
-    added: dict[str, float] = {}
+    def impact(name: str) -> float:
+        total = 0.0
+        for record, grads in zip(reference.records, gradients):
+            value, grad = record.values.get(name), grads.get(name)
+            if value is not None and grad is not None:
+                rounding = value - value.to(torch.float16).to(value.dtype)
+                total += float((grad * rounding).abs().sum())
+        return total
+
+    scores: dict[str, float] = {}
     for node in graph_module.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
-        errors[node] = error(node)
-        own = errors[node] - max((errors.get(a, 0.0) for a in node.all_input_nodes), default=0.0)
         if is_inserted(node) and cast_back_source(node, torch.float32) is not None:
+            score = impact(before_inserted_casts(node).name)
             for user in node.users:
                 if user.target not in ASSERT_METADATA_OPS:
                     name = OUTPUTS if user.op == "output" else user.name
-                    added[name] = max(added.get(name, 0.0), own)
+                    scores[name] = max(scores.get(name, 0.0), score)
         elif was_narrowed(node) and not is_inserted(node):
-            added[node.name] = max(added.get(node.name, 0.0), own)
-        elif node.name in forced:
-            # already fp32 and still adding error: it amplifies its inputs' rounding
-            # (softmax of large logits), so the region grows towards them
-            for arg in node.all_input_nodes:
-                source = before_inserted_casts(arg)
-                if was_narrowed(source):
-                    added[source.name] = max(added.get(source.name, 0.0), own)
-    added = {name: own for name, own in added.items() if name not in forced}
-    worst = max(added.values(), default=0.0)
+            scores[node.name] = max(scores.get(node.name, 0.0), impact(node.name))
+    scores = {name: score for name, score in scores.items() if name not in forced}
+    worst = max(scores.values(), default=0.0)
     if worst <= 0.0:
         return set()
-    ranked = sorted(added, key=added.get, reverse=True)
-    return {name for name in ranked[:_MOST_PER_ROUND] if added[name] >= _TAKE_ALONG * worst}
+    ranked = sorted(scores, key=scores.get, reverse=True)
+    return {name for name in ranked[:_MOST_PER_ROUND] if scores[name] >= _TAKE_ALONG * worst}

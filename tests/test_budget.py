@@ -1,0 +1,145 @@
+"""The accuracy budget: the fewest nodes back to fp32 until outputs are close enough."""
+
+import pytest
+import torch
+
+import fx16
+import fx16.budget
+from fx16.decisions import PRECISION, Reason
+from fx16.report import report_of
+from fx16.stats import relative_error
+from helpers import check_program, export, run
+
+
+class SharpSoftmax(torch.nn.Module):
+    """Attention with unscaled, large logits: fp16 rounding of q and k moves the softmax."""
+
+    def __init__(self, width=32, scale=3.0):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(width, width) for _ in range(3))
+        for layer in (self.q, self.k):
+            with torch.no_grad():
+                layer.weight.mul_(scale)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return scores.softmax(-1) @ self.v(x)
+
+
+def _calibration(count, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(2, 8, 32, generator=generator),) for _ in range(count)]
+
+
+def _unseen_error(model, ep, inputs):
+    with torch.no_grad():
+        return max(relative_error(model(*args), run(ep, *args)[0]) for args in inputs)
+
+
+def test_budget_returns_a_few_nodes_to_fp32_and_holds_on_unseen_inputs():
+    torch.manual_seed(0)
+    model = SharpSoftmax().eval()
+    calibration, unseen = _calibration(3, 1), _calibration(4, 2)
+    plain = fx16.cast_fp32_to_fp16(export(model, *calibration[0]), calibration=calibration)
+    assert _unseen_error(model, plain, unseen) > 2e-3  # the plain cast misses the budget
+
+    ep = fx16.cast_fp32_to_fp16(
+        export(model, *calibration[0]), calibration=calibration, max_rel_error=2e-3
+    )
+    check_program(ep)
+    search = report_of(ep).accuracy
+    assert search.met and search.error <= 2e-3
+    assert _unseen_error(model, ep, unseen) <= 2e-3
+    assert 0 < len(search.fp32_nodes) <= 6
+    assert search.evaluations == 3 * (1 + 2 * search.rounds - 1)
+    for name in search.fp32_nodes:
+        node = next((n for n in ep.graph_module.graph.nodes if n.name == name), None)
+        if node is not None and PRECISION in node.meta:
+            assert node.meta[PRECISION].reason == Reason.ACCURACY_FALLBACK
+    assert not {"p_v_weight", "linear_2"} & set(search.fp32_nodes)  # v is insensitive
+
+
+def test_budget_already_met_changes_nothing_more():
+    torch.manual_seed(0)
+    model = SharpSoftmax(scale=1.0).eval()
+    calibration = _calibration(2, 1)
+    ep = fx16.cast_fp32_to_fp16(
+        export(model, *calibration[0]), calibration=calibration, max_rel_error=5e-2
+    )
+    search = report_of(ep).accuracy
+    assert search.rounds == 1 and search.fp32_nodes == () and search.evaluations == 4
+
+
+def test_a_zero_budget_is_reached_by_returning_everything_that_matters():
+    torch.manual_seed(0)
+    model = SharpSoftmax().eval()
+    calibration = _calibration(1, 1)
+    ep = fx16.cast_fp32_to_fp16(
+        export(model, *calibration[0]), calibration=calibration, max_rel_error=0.0
+    )
+    check_program(ep)
+    assert report_of(ep).accuracy.met and report_of(ep).accuracy.error == 0.0
+
+
+def test_a_search_cut_short_warns_and_keeps_a_valid_program(monkeypatch):
+    monkeypatch.setattr(fx16.budget, "_MAX_ROUNDS", 1)
+    torch.manual_seed(0)
+    model = SharpSoftmax().eval()
+    calibration = _calibration(1, 1)
+    with pytest.warns(RuntimeWarning, match="budget"):
+        ep = fx16.cast_fp32_to_fp16(
+            export(model, *calibration[0]), calibration=calibration, max_rel_error=1e-6
+        )
+    check_program(ep)
+    assert not report_of(ep).accuracy.met
+
+
+def test_budget_needs_inputs():
+    ep = export(SharpSoftmax(), *_calibration(1, 1)[0])
+    ep.example_inputs = None
+    with pytest.raises(fx16.InvalidOptionError, match="max_rel_error needs inputs"):
+        fx16.cast_fp32_to_fp16(ep, max_rel_error=1e-2)
+
+
+def test_t5_encoder_meets_the_budget_on_unseen_inputs_with_at_most_half_fp32():
+    """A T5-style encoder from a transformers config (random weights, larger init so
+    fp16 misses the budget)."""
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=512,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        initializer_factor=2.0,
+    )
+    encoder = T5EncoderModel(config).eval()
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, input_ids):
+            return self.encoder(input_ids=input_ids).last_hidden_state
+
+    model = Encoder().eval()
+    generator = torch.Generator().manual_seed(3)
+    draw = lambda: (torch.randint(0, 512, (2, 12), generator=generator),)  # noqa: E731
+    calibration, unseen = [draw() for _ in range(4)], [draw() for _ in range(4)]
+    budget = 1e-2
+    plain = fx16.cast_fp32_to_fp16(export(model, *calibration[0]), calibration=calibration)
+    assert _unseen_error(model, plain, unseen) > budget
+    ep = fx16.cast_fp32_to_fp16(
+        export(model, *calibration[0]), calibration=calibration, max_rel_error=budget
+    )
+    check_program(ep)
+    assert _unseen_error(model, ep, unseen) <= budget
+    report = report_of(ep)
+    fallback = sum(row.rule == "accuracy_fallback" for row in report.rows)
+    assert fallback <= report.totals.float_ops // 2
+    assert report.totals.share_16bit >= 0.5
