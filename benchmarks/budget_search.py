@@ -1,0 +1,239 @@
+"""fx16's accuracy-budget search next to onnxconverter-common's auto_mixed_precision.
+
+    python -m benchmarks.budget_search
+
+Both get the same model (fx16 as an ExportedProgram, onnxconverter-common as the
+ONNX export of that program), the same single calibration input, and the same
+budget: max |fp32 - cast| / max |fp32| over the outputs. Reported per model: the
+error before any fallback, program evaluations used, ops kept in fp32, and the
+error reached on the calibration input and on unseen inputs.
+"""
+
+import copy
+import io
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import fx16
+from fx16.report import report_of
+from fx16.stats import relative_error
+
+
+class SharpAttention(torch.nn.Module):
+    """Attention without logit scaling: fp16 rounding of q and k moves the softmax."""
+
+    def __init__(self, width=32, scale=3.0):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(width, width) for _ in range(3))
+        with torch.no_grad():
+            self.q.weight.mul_(scale)
+            self.k.weight.mul_(scale)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return self.out(scores.softmax(-1) @ self.v(x))
+
+
+class HiddenState(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).last_hidden_state
+
+
+def t5_encoder(initializer_factor: float):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(
+        vocab_size=512,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        initializer_factor=initializer_factor,
+    )
+    return HiddenState(T5EncoderModel(config).eval())
+
+
+def bert(initializer_range: float):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        initializer_range=initializer_range,
+    )
+    return HiddenState(BertModel(config).eval())
+
+
+def cases():
+    generator = torch.Generator().manual_seed(7)
+    ids = lambda: (torch.randint(0, 512, (2, 12), generator=generator),)  # noqa: E731
+    floats = lambda: (torch.randn(2, 8, 32, generator=generator),)  # noqa: E731
+    torch.manual_seed(0)
+    yield "sharp attention", SharpAttention(scale=4.0).eval(), floats, 2e-3
+    torch.manual_seed(0)
+    yield "T5 encoder (init x2)", t5_encoder(2.0), ids, 1e-2
+    torch.manual_seed(0)
+    yield "BERT (init 0.2)", bert(0.2), ids, 1e-2
+
+
+@dataclass
+class Outcome:
+    evaluations: int
+    fp32_ops: int
+    ops: int
+    error: float
+    unseen: float
+
+
+def run_fx16(model, ep, calibration, unseen, budget) -> Outcome:
+    cast = fx16.cast_fp32_to_fp16(
+        copy.deepcopy(ep), calibration=calibration, max_rel_error=budget, progress=False
+    )
+    report = report_of(cast)
+    search = report.accuracy
+    fallback = sum(row.rule == "accuracy_fallback" for row in report.rows)
+    unseen_error = max(_error(model, cast.module(), args, cast) for args in unseen)
+    return Outcome(
+        search.evaluations, fallback, report.totals.float_ops, search.error, unseen_error
+    )
+
+
+def _error(model, module, args, ep=None) -> float:
+    with torch.no_grad():
+        expected = model(*args)
+        if ep is not None:
+            args = fx16.program.Program(ep).adapt_call(args)[0]
+        return relative_error(expected, module(*args).float())
+
+
+def run_onnxconverter(model, ep, calibration, unseen, budget) -> Outcome | str:
+    try:
+        import onnxruntime
+        from onnxconverter_common import auto_mixed_precision
+    except ImportError as error:
+        return f"not installed ({error.name})"
+    try:
+        onnx_program = torch.onnx.export(model, calibration[0], dynamo=True, verbose=False)
+    except Exception as error:  # the exporter's own failure: report it, go on
+        return f"torch.onnx.export failed: {str(error).splitlines()[-1][:60]}"
+    buffer = io.BytesIO()
+    onnx_program.save(buffer)
+    import onnx
+
+    model_proto = onnx.load_from_string(buffer.getvalue())
+    names = [i.name for i in model_proto.graph.input]
+    feed = {name: value.numpy() for name, value in zip(names, calibration[0])}
+    evaluations = 0
+    measure = auto_mixed_precision.get_tensor_values_using_ort
+
+    def counted(*args, **kwargs):
+        nonlocal evaluations
+        evaluations += 1
+        return measure(*args, **kwargs)
+
+    def within_budget(expected, got):
+        return all(
+            relative_error(
+                torch.from_numpy(np.asarray(e, dtype=np.float64)),
+                torch.from_numpy(np.asarray(g, dtype=np.float64)),
+            )
+            <= budget
+            for e, g in zip(expected, got)
+        )
+
+    auto_mixed_precision.get_tensor_values_using_ort = counted
+    try:
+        with warnings.catch_warnings(), _quiet():
+            warnings.simplefilter("ignore")
+            converted = auto_mixed_precision.auto_convert_mixed_precision(
+                model_proto, feed, validate_fn=within_budget, keep_io_types=True
+            )
+    finally:
+        auto_mixed_precision.get_tensor_values_using_ort = measure
+    ops = [n for n in converted.graph.node if n.op_type != "Cast"]
+    float16_ops = _ops_in_fp16(converted)
+    session = onnxruntime.InferenceSession(converted.SerializeToString())
+
+    def onnx_error(args):
+        got = session.run(None, {name: v.numpy() for name, v in zip(names, args)})[0]
+        with torch.no_grad():
+            return relative_error(model(*args), torch.from_numpy(got).float())
+
+    return Outcome(
+        evaluations,
+        len(ops) - float16_ops,
+        len(ops),
+        onnx_error(calibration[0]),
+        max(onnx_error(args) for args in unseen),
+    )
+
+
+def _ops_in_fp16(model_proto) -> int:
+    """Nodes whose outputs are float16 tensors, by ONNX shape inference."""
+    import onnx
+
+    inferred = onnx.shape_inference.infer_shapes(model_proto)
+    fp16 = {
+        v.name
+        for v in inferred.graph.value_info
+        if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    }
+    return sum(
+        1
+        for n in inferred.graph.node
+        if n.op_type != "Cast" and any(out in fp16 for out in n.output)
+    )
+
+
+class _quiet:
+    """auto_mixed_precision prints every attempt: keep stdout for the table."""
+
+    def __enter__(self):
+        import contextlib
+
+        self._redirect = contextlib.redirect_stdout(io.StringIO())
+        self._redirect.__enter__()
+
+    def __exit__(self, *exc):
+        return self._redirect.__exit__(*exc)
+
+
+def main() -> None:
+    warnings.simplefilter("ignore")
+    print(
+        "| model | budget | plain fp16 error | tool | evaluations | ops kept fp32 | "
+        "error (calibration) | error (unseen) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, model, draw, budget in cases():
+        calibration, unseen = [draw()], [draw() for _ in range(4)]
+        ep = torch.export.export(model, calibration[0])
+        plain = fx16.cast_fp32_to_fp16(copy.deepcopy(ep), calibration=calibration)
+        plain_error = max(_error(model, plain.module(), args, plain) for args in unseen)
+        for tool, runner in (("fx16", run_fx16), ("onnxconverter-common", run_onnxconverter)):
+            outcome = runner(model, ep, calibration, unseen, budget)
+            if isinstance(outcome, str):
+                print(f"| {name} | {budget:g} | {plain_error:.2e} | {tool} | {outcome} | | | |")
+                continue
+            print(
+                f"| {name} | {budget:g} | {plain_error:.2e} | {tool} | {outcome.evaluations} | "
+                f"{outcome.fp32_ops} of {outcome.ops} | {outcome.error:.2e} | "
+                f"{outcome.unseen:.2e} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
