@@ -156,3 +156,55 @@ def test_sentinels_stay_fp16_only_where_every_use_tolerates_saturation():
     got = run(ep, x)[0]
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), expected.double(), rtol=1e-2, atol=0)
+
+
+class LargeLogitsExp(torch.nn.Module):
+    """exp of logits around 12: e^12 = 162755 overflows fp16; normalised it is fine."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 16)
+        with torch.no_grad():
+            self.fc.bias.fill_(12.0)
+
+    def forward(self, x):
+        weights = self.fc(x).exp()
+        return weights / weights.sum(-1, keepdim=True)
+
+
+class BigScores(torch.nn.Module):
+    """Attention scores beyond 65504 (large q/k), softmax over them."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        with torch.no_grad():
+            self.q.weight.mul_(150.0)
+            self.k.weight.mul_(150.0)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return scores.softmax(-1) @ x
+
+
+def test_exp_of_large_logits_is_finite_and_accurate():
+    torch.manual_seed(0)
+    model, x = LargeLogitsExp(), torch.randn(3, 8) * 0.1
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    assert _by_target(ep, aten.exp.default).meta["val"].dtype == torch.float32
+    outputs = run(ep, x)
+    assert torch.isfinite(outputs[0]).all()
+    assert max_error(fp64_reference(model, x), outputs) < 1e-2
+
+
+def test_attention_scores_beyond_fp16_are_finite_and_accurate():
+    torch.manual_seed(0)
+    model, x = BigScores(), torch.randn(2, 6, 16)
+    with torch.no_grad():
+        assert (model.q(x) @ model.k(x).transpose(-1, -2)).abs().max() > 65504
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    outputs = run(ep, x)
+    assert torch.isfinite(outputs[0]).all()
+    assert max_error(fp64_reference(model, x), outputs) < 1e-2
