@@ -104,7 +104,7 @@ def run_fx16(model, ep, calibration, unseen, budget) -> Outcome:
     )
     report = report_of(cast)
     search = report.accuracy
-    fallback = sum(row.rule == "accuracy_fallback" for row in report.rows)
+    fallback = sum(row.rule == "accuracy_fallback" and row.op != row.node for row in report.rows)
     unseen_error = max(_error(model, cast.module(), args, cast) for args in unseen)
     return Outcome(
         search.evaluations, fallback, report.totals.float_ops, search.error, unseen_error
