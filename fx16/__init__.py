@@ -9,12 +9,16 @@ from fx16.errors import (
     PreconditionError,
 )
 from fx16.pipelines import fp16_passes, int16_passes
+from fx16.policy import OpKind, Precision, PrecisionPolicy
 
 __all__ = [
     "Fx16Error",
     "InvalidOptionError",
     "InvalidProgramError",
+    "OpKind",
     "PassFailedError",
+    "Precision",
+    "PrecisionPolicy",
     "PreconditionError",
     "cast_fp32_to_fp16",
     "cast_int32_to_int16",

@@ -9,6 +9,7 @@ from torch.export import ExportedProgram
 
 from fx16.budget import cast_fp16_within_budget
 from fx16.pipelines import fp16_passes, int16_passes, run_passes, split_options
+from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.progress import Progress
 from fx16.report import REPORT_KEY, build_report
@@ -18,7 +19,8 @@ from fx16.stats import program_stats
 def cast_fp32_to_fp16(
     ep: ExportedProgram,
     *,
-    keep_explicit_fp32: bool = True,
+    policy: PrecisionPolicy | str | None = None,
+    keep_explicit_fp32: bool | None = None,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
     max_rel_error: float | None = None,
@@ -30,9 +32,11 @@ def cast_fp32_to_fp16(
     exceeds the fp16 range; ops run in fp16 unless an input or scalar forces fp32.
     Callers pass fp16 tensors for converted inputs afterwards, and outputs may be fp16.
 
+    policy: a ``fx16.PrecisionPolicy`` or a preset name ("auto_mixed_bf16", ...);
+        default: everything in fp16 where safe (coreai-opt's behaviour, made safe).
     keep_explicit_fp32: keep the fp32 regions the model opens itself (``x.float()``,
         ``dtype=torch.float32``), such as the variance in an RMSNorm. False retargets
-        those casts to fp16, as coreai-opt does.
+        those casts to fp16, as coreai-opt does. None: the policy's setting (True).
     calibration: inputs to run the fp32 program on, a list of argument tuples (or
         ``(args, kwargs)`` pairs). Values that grow beyond the fp16 range on them
         (sums of squares, exp, attention scores) stay fp32. None: the example inputs
@@ -51,6 +55,7 @@ def cast_fp32_to_fp16(
     ``ep`` is left exactly as it was.
     """
     options = dict(
+        policy=policy,
         keep_explicit_fp32=keep_explicit_fp32,
         calibration=calibration,
         overflow_margin=overflow_margin,

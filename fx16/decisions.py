@@ -29,6 +29,9 @@ class Reason(str, enum.Enum):
     AUTOCAST_DISABLED = "inside a torch.autocast(enabled=False) region the model wrote"
     AUTOCAST_REGION = "inside a torch.autocast(enabled=True) region: follows its dtype"
     ACCURACY_FALLBACK = "returned to fp32 to meet the accuracy budget"
+    POLICY = "the precision policy asks for fp32"
+    POLICY_FOLLOW = "follows its inputs' dtype (the policy's follow/promote rule)"
+    KEEP_IO = "kept at its original dtype (keep_io_types)"
     # integers
     NOT_USER_REACHABLE = "does not depend on a user input (constant-foldable)"
     UNSAFE_INDEX = "flows into an index argument"

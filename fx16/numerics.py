@@ -1,9 +1,10 @@
-"""Number facts and conversions for 16-bit floats.
+"""Number facts and conversions for 16-bit floats (fp16 and bf16).
 
 fp16 holds finite magnitudes up to 65504 and nonzero magnitudes down to 2**-24
-(the smallest subnormal, about 5.96e-8). Everything here is about values, not
-graphs: whether a scalar or a tensor fits, and how to convert one so that
-nothing overflows and nothing small flushes to zero.
+(the smallest subnormal, about 5.96e-8); bf16 has fp32's range (up to about 3.39e38,
+down to 2**-133) with fewer significand bits. Everything here is about values, not
+graphs: whether a scalar or a tensor fits, and how to convert one so that nothing
+overflows and nothing small flushes to zero.
 """
 
 import math
@@ -14,54 +15,61 @@ FP16_MAX = 65504.0
 FP16_TINY = 2.0**-24  # smallest positive fp16 subnormal, ~5.96e-8
 
 # A finite scalar at least this large stands for "minus/plus infinity" (finfo(float32).min,
-# -1e38 attention masks...). It saturates to +-FP16_MAX instead of keeping the op in fp32.
+# -1e38 attention masks...). It saturates to the 16-bit maximum instead of keeping the op
+# in fp32.
 INF_LIKE = 1e38
 
 
-def round_scalar_to_fp16(value: float) -> float | None:
-    """The fp16 value to use in place of ``value``, or None when it does not fit.
+def largest(dtype: torch.dtype = torch.float16) -> float:
+    return float(torch.finfo(dtype).max)
 
-    - magnitudes in (FP16_MAX, INF_LIKE) cannot be represented: None;
-    - finite magnitudes >= INF_LIKE are infinity-like sentinels: +-FP16_MAX;
-    - nonzero magnitudes below FP16_TINY: +-FP16_TINY (no flush to zero);
-    - inf and nan are kept; everything else is rounded to the nearest fp16.
+
+def smallest_subnormal(dtype: torch.dtype = torch.float16) -> float:
+    info = torch.finfo(dtype)
+    return float(info.tiny * info.eps)
+
+
+def round_scalar_to_fp16(value: float, dtype: torch.dtype = torch.float16) -> float | None:
+    """The value of ``dtype`` (fp16 by default) to use in place of ``value``, or None.
+
+    - magnitudes above the dtype's maximum but below INF_LIKE cannot be represented: None;
+    - larger finite magnitudes (>= INF_LIKE) are infinity-like sentinels: +-maximum;
+    - nonzero magnitudes below the smallest subnormal: +-smallest subnormal (no flush);
+    - inf and nan are kept; everything else is rounded to the nearest value of ``dtype``.
     """
     if math.isnan(value) or math.isinf(value) or value == 0.0:
         return value
-    magnitude = abs(value)
-    if magnitude >= INF_LIKE:
-        return math.copysign(FP16_MAX, value)
-    if magnitude > FP16_MAX:
-        return None
-    if magnitude < FP16_TINY:
-        return math.copysign(FP16_TINY, value)
-    return float(torch.tensor(value, dtype=torch.float16))
+    magnitude, top, tiny = abs(value), largest(dtype), smallest_subnormal(dtype)
+    if magnitude > top:
+        return math.copysign(top, value) if magnitude >= INF_LIKE else None
+    if magnitude < tiny:
+        return math.copysign(tiny, value)
+    return float(torch.tensor(value, dtype=dtype))
 
 
-def scalar_overflows_fp16(value: float) -> bool:
-    """True for a finite magnitude that fp16 cannot hold and that is not an inf-like sentinel."""
-    return round_scalar_to_fp16(value) is None
+def scalar_overflows_fp16(value: float, dtype: torch.dtype = torch.float16) -> bool:
+    """True for a finite magnitude ``dtype`` cannot hold that is not an inf-like sentinel."""
+    return round_scalar_to_fp16(value, dtype) is None
 
 
-def tensor_overflows_fp16(tensor: torch.Tensor) -> bool:
-    """True when any finite element has a magnitude above FP16_MAX (inf and nan do not count)."""
+def tensor_overflows_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> bool:
+    """True when any finite element exceeds ``dtype``'s maximum (inf and nan do not count)."""
     if tensor.numel() == 0:
         return False
     magnitude = tensor.detach().abs()
     finite = torch.isfinite(magnitude)
-    return bool((magnitude[finite] > FP16_MAX).any())
+    return bool((magnitude[finite] > largest(dtype)).any())
 
 
-def tensor_to_fp16(tensor: torch.Tensor) -> torch.Tensor:
-    """Convert an fp32 tensor that fits to fp16, lifting tiny nonzero magnitudes to FP16_TINY.
-
-    The input is not modified. Call ``tensor_overflows_fp16`` first: values above
-    FP16_MAX would become inf here.
+def tensor_to_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Convert an fp32 tensor that fits to ``dtype``, lifting tiny nonzero magnitudes to
+    its smallest subnormal. The input is not modified. Call ``tensor_overflows_fp16``
+    first: values above the maximum would become inf here.
     """
     source = tensor.detach()
-    tiny = (source != 0) & (source.abs() < FP16_TINY)
+    tiny_value = smallest_subnormal(dtype)
+    tiny = (source != 0) & (source.abs() < tiny_value)
     if bool(tiny.any()):
-        source = torch.where(
-            tiny, torch.copysign(torch.full_like(source, FP16_TINY), source), source
-        )
-    return source.to(torch.float16)
+        lifted = torch.copysign(torch.full_like(source, tiny_value), source)
+        source = torch.where(tiny, lifted, source)
+    return source.to(dtype)

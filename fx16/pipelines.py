@@ -6,6 +6,7 @@ handed to ``torch.fx.passes.infra.pass_manager.PassManager`` as it is, or edited
 """
 
 import inspect
+from dataclasses import replace
 
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase
@@ -27,13 +28,15 @@ from fx16.passes import (
     InsertFP16CastsPass,
     InsertInt16CastsPass,
 )
+from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 
 
 def fp16_passes(
     ep,
     *,
-    keep_explicit_fp32: bool = True,
+    policy: PrecisionPolicy | str | None = None,
+    keep_explicit_fp32: bool | None = None,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
     force_fp32: frozenset[str] = frozenset(),
@@ -45,22 +48,43 @@ def fp16_passes(
     state tensors and user inputs, so the cast inserter sees every graph input in
     its final dtype; then the inserter walks the graph once; cleanup last, because
     it only removes casts and needs them all in place. Options: see
-    ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that must stay fp32.
+    ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that must stay fp32. A
+    policy that changes nothing (``always_fp32``) gives an empty list.
     """
     program = Program(ep)
+    policy = resolve_policy(policy, keep_explicit_fp32)
+    if policy.is_noop:
+        return []
     return [
         CalibrationAnalysis(program, calibration),
         UnsafeIndexAnalysis(),
-        ConvertParametersPass(program, force_fp32=force_fp32),
-        ConvertUserInputsPass(program, overflow_margin=overflow_margin, force_fp32=force_fp32),
+        ConvertParametersPass(program, policy=policy, force_fp32=force_fp32),
+        ConvertUserInputsPass(
+            program, policy=policy, overflow_margin=overflow_margin, force_fp32=force_fp32
+        ),
         InsertFP16CastsPass(
-            program,
-            keep_explicit_fp32=keep_explicit_fp32,
-            overflow_margin=overflow_margin,
-            force_fp32=force_fp32,
+            program, policy=policy, overflow_margin=overflow_margin, force_fp32=force_fp32
         ),
         CleanupCastsPass(program),
     ]
+
+
+def resolve_policy(
+    policy: PrecisionPolicy | str | None, keep_explicit_fp32: bool | None = None
+) -> PrecisionPolicy:
+    """The policy to use: a preset by name, the given one, or the default; with
+    ``keep_explicit_fp32`` overriding the policy's when given."""
+    if policy is None:
+        policy = PrecisionPolicy.default()
+    elif isinstance(policy, str):
+        policy = PrecisionPolicy.named(policy)
+    elif not isinstance(policy, PrecisionPolicy):
+        raise InvalidOptionError(
+            f"policy must be a PrecisionPolicy or a preset name, not {type(policy).__name__}"
+        )
+    if keep_explicit_fp32 is not None and keep_explicit_fp32 != policy.keep_explicit_fp32:
+        policy = replace(policy, keep_explicit_fp32=keep_explicit_fp32)
+    return policy
 
 
 def int16_passes(

@@ -12,6 +12,7 @@ from fx16.decisions import PRECISION, Reason
 from fx16.numerics import round_scalar_to_fp16
 from fx16.passes import ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass
 from fx16.pipelines import run_passes
+from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from helpers import check_program, export, fp64_reference, inserted_casts, max_error, run, targets
 from models import MLP, CreationOps, OverflowWeight
@@ -19,10 +20,11 @@ from models import MLP, CreationOps, OverflowWeight
 aten = torch.ops.aten
 
 
-def _insert(ep, **options):
+def _insert(ep, keep_explicit_fp32=True):
     program = Program(ep)
     run_passes([ConvertParametersPass(program), ConvertUserInputsPass(program)], ep.graph_module)
-    result = InsertFP16CastsPass(program, **options)(ep.graph_module)
+    policy = PrecisionPolicy.custom(keep_explicit_fp32=keep_explicit_fp32)
+    result = InsertFP16CastsPass(program, policy=policy)(ep.graph_module)
     ep.graph_module.recompile()
     return result
 

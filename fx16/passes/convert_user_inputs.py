@@ -5,15 +5,18 @@ from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
-from fx16.casts import retype_val
+from fx16.casts import WHY_NARROW, CastInserter, retype_val
 from fx16.decisions import Reason, decide
 from fx16.nodes import node_dtype
-from fx16.numerics import FP16_MAX
+from fx16.numerics import largest
+from fx16.policy import Precision, PrecisionPolicy
 from fx16.program import Program
 
 
 class ConvertUserInputsPass(PassBase):
-    """Declare every fp32 user input as fp16: callers pass fp16 tensors afterwards.
+    """Declare every fp32 user input 16-bit (the policy's dtype): callers pass 16-bit
+    tensors afterwards. With the policy's ``keep_io_types``, the input stays fp32 and a
+    cast right after it feeds the program instead.
 
     An input whose calibration values exceed ``65504 / overflow_margin``, or that is
     named in ``force_fp32``, stays fp32.
@@ -27,15 +30,18 @@ class ConvertUserInputsPass(PassBase):
         self,
         program: Program,
         *,
+        policy: PrecisionPolicy | None = None,
         overflow_margin: float = 2.0,
         force_fp32: frozenset[str] = frozenset(),
     ) -> None:
         self.program = program
-        self.limit = FP16_MAX / overflow_margin
+        self.policy = policy or PrecisionPolicy.default()
+        self.limit = largest(self.policy.low) / overflow_margin
         self.force_fp32 = frozenset(force_fp32)
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        converted = False
+        casts = CastInserter(graph_module.graph)
+        converted = modified = False
         for placeholder in self.program.user_input_placeholders():
             if node_dtype(placeholder) != torch.float32:
                 continue
@@ -45,9 +51,18 @@ class ConvertUserInputsPass(PassBase):
             if placeholder.meta.get(CalibrationAnalysis.META_KEY, 0.0) > self.limit:
                 decide(placeholder, torch.float32, Reason.ACTIVATION_OVERFLOW)
                 continue
-            placeholder.meta["val"] = retype_val(placeholder.meta["val"], torch.float16)
-            decide(placeholder, torch.float16, Reason.FITS)
+            low = self.policy.low
+            if self.policy.precision_for(placeholder) != Precision.LOW:
+                decide(placeholder, torch.float32, Reason.POLICY)
+                continue
+            if self.policy.keeps_io(placeholder.name):
+                decide(placeholder, torch.float32, Reason.KEEP_IO)
+                decide(casts.cast_after(placeholder, low, WHY_NARROW), low, Reason.FITS)
+                modified = True
+                continue
+            placeholder.meta["val"] = retype_val(placeholder.meta["val"], low)
+            decide(placeholder, low, Reason.FITS)
             converted = True
         if converted:
             self.program.adapt_example_inputs()
-        return PassResult(graph_module, converted)
+        return PassResult(graph_module, converted or modified)

@@ -14,6 +14,7 @@ from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.casts import (
     INSERTED,
     WHY_CAST_BACK,
+    WHY_NARROW,
     WHY_OUTPUT_DTYPE,
     WHY_RETARGETED,
     WHY_UPCAST,
@@ -36,12 +37,13 @@ from fx16.nodes import (
     tensor_inputs,
     value_scalars,
 )
-from fx16.numerics import FP16_MAX, round_scalar_to_fp16
+from fx16.numerics import largest, round_scalar_to_fp16
 from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
+from fx16.policy import Precision, PrecisionPolicy
 from fx16.program import Program
 from fx16.propagation import propagate_fake
 
-FP16, FP32 = torch.float16, torch.float32
+FP32 = torch.float32
 
 # In force_fp32: keep the program's fp32-computed outputs in fp32.
 OUTPUTS = "output"
@@ -81,28 +83,33 @@ class InsertFP16CastsPass(PassBase):
         self,
         program: Program,
         *,
-        keep_explicit_fp32: bool = True,
+        policy: PrecisionPolicy | None = None,
         overflow_margin: float = 2.0,
         force_fp32: frozenset[str] = frozenset(),
     ) -> None:
         self.program = program
-        self.keep_explicit_fp32 = keep_explicit_fp32
+        self.policy = policy or PrecisionPolicy.default()
         self.overflow_margin = overflow_margin
         self.force_fp32 = frozenset(force_fp32)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         graph = graph_module.graph
         nodes_before = len(graph.nodes)
+        kept_outputs = {
+            index: node_dtype(value)
+            for index, value in enumerate(graph.output_node().args[0])
+            if isinstance(value, Node) and self.policy.keeps_io(value.name)
+        }
         run = _Run(
             graph_module,
-            self.keep_explicit_fp32,
-            FP16_MAX / self.overflow_margin,
+            self.policy,
+            largest(self.policy.low) / self.overflow_margin,
             force_fp32=self.force_fp32,
         )
         run.walk()
         if OUTPUTS in self.force_fp32:
             run.return_fp32_outputs()
-        run.restore_required_output_dtypes(self.program.required_output_dtypes())
+        run.restore_output_dtypes({**kept_outputs, **self.program.required_output_dtypes()})
         self.program.sync_output_specs()
         modified = run.modified or len(graph.nodes) != nodes_before
         return PassResult(graph_module, modified)
@@ -137,6 +144,18 @@ def _is_island(node: Node) -> bool:
     return decision is not None and decision.reason == Reason.EXPLICIT_FP32
 
 
+def _float_rank(dtype: torch.dtype) -> int:
+    return {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}[dtype]
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _tensors(item)]
+    return []
+
+
 def _fp32_parts(val) -> bool:
     if isinstance(val, torch.Tensor):
         return val.dtype == FP32
@@ -151,7 +170,7 @@ class _Run:
     def __init__(
         self,
         graph_module: GraphModule,
-        keep_explicit_fp32: bool,
+        policy: PrecisionPolicy,
         limit: float,
         calibrated: bool = True,
         force_fp32: frozenset[str] = frozenset(),
@@ -159,7 +178,9 @@ class _Run:
         self.graph_module = graph_module
         self.force_fp32 = force_fp32
         self.casts = CastInserter(graph_module.graph)
-        self.keep_explicit_fp32 = keep_explicit_fp32
+        self.policy = policy
+        self.low = policy.low
+        self.keep_explicit_fp32 = policy.keep_explicit_fp32
         self.limit = limit
         # Calibration does not see inside subgraphs: there a value forced to fp32 stays
         # fp32 (no cast-back), since nothing shows that it fits fp16 again.
@@ -254,17 +275,19 @@ class _Run:
         source_dtype = node_dtype(source)
         if self.forced(node):
             decide(node, FP32, self.forced(node))
-        elif source_dtype == FP32 and _is_island(source):
+        elif source_dtype == FP32 and _is_island(source) and self.policy.cast_back:
             # The model's way back from its fp32 region: to the program's working dtype.
-            self.retarget(node, FP16)
+            self.retarget(node, self.low)
         elif source_dtype == FP32:
             decide(
                 node, FP32, decision_of(source).reason if decision_of(source) else Reason.FP32_INPUT
             )
-        elif source_dtype in (FP16, torch.bfloat16) and self.keep_explicit_fp32:
+        elif source_dtype in (torch.float16, torch.bfloat16) and self.keep_explicit_fp32:
             decide(node, FP32, Reason.EXPLICIT_FP32)
+        elif self.policy.precision_for(node) == Precision.LOW:
+            self.retarget(node, self.low)
         else:
-            self.retarget(node, FP16)
+            decide(node, FP32, Reason.POLICY)
 
     def visit_other_cast(self, node: Node) -> None:
         if cast_dtype(node) is None:
@@ -277,10 +300,15 @@ class _Run:
         self.modified = True
 
     def visit_creation(self, node: Node) -> None:
-        reason = self.forced(node)
+        precision = self.policy.precision_for(node)
+        if precision in (Precision.FOLLOW, Precision.PROMOTE):
+            if any(was_narrowed(arg) for arg in tensor_inputs(node)):  # *_like of a 16-bit value
+                self.follow(node, promote=False)
+            return
+        reason = self.forced(node) or (Reason.POLICY if precision == Precision.FP32 else None)
         rounded = []
         for location, value in value_scalars(node):
-            new_value = round_scalar_to_fp16(float(value))
+            new_value = round_scalar_to_fp16(float(value), self.low)
             if new_value is None:
                 reason = reason or Reason.SCALAR_OVERFLOW
             rounded.append((location, new_value if isinstance(value, float) else value))
@@ -293,9 +321,9 @@ class _Run:
             return
         for location, value in rounded:
             set_argument(node, location, value)
-        node.kwargs = {**node.kwargs, "dtype": FP16}
-        node.meta["val"] = retype_val(node.meta["val"], FP16)
-        decide(node, FP16, Reason.FITS)
+        node.kwargs = {**node.kwargs, "dtype": self.low}
+        node.meta["val"] = retype_val(node.meta["val"], self.low)
+        decide(node, self.low, Reason.FITS)
         self.modified = True
 
     def visit_opaque(self, node: Node) -> None:
@@ -344,13 +372,13 @@ class _Run:
                 placeholder.meta["val"] = retype_val(placeholder.meta["val"], node_dtype(operand))
                 if decision_of(operand) is not None:
                     placeholder.meta[PRECISION] = decision_of(operand)
-            inner = _Run(submodule, self.keep_explicit_fp32, self.limit, calibrated=False)
+            inner = _Run(submodule, self.policy, self.limit, calibrated=False)
             inner.walk()
             self.modified |= inner.modified
         outputs = _unify_outputs(submodules)
         node.meta["val"] = tuple(node_val(out) for out in outputs)
-        narrowed = any(node_dtype(out) == FP16 for out in outputs)
-        decide(node, FP16 if narrowed else FP32, Reason.FITS if narrowed else Reason.FP32_INPUT)
+        narrowed = any(node_dtype(out) == self.low for out in outputs)
+        decide(node, self.low if narrowed else FP32, Reason.FITS if narrowed else Reason.FP32_INPUT)
 
     def visit_in_place(self, node: Node) -> None:
         """An in-place op keeps the dtype of the tensor it writes to."""
@@ -370,10 +398,12 @@ class _Run:
                 decide(node, FP32, Reason.NO_FLOAT_INPUT)
             return
 
+        precision = self.policy.precision_for(node)
         scalars = value_scalars(node)
         explicit_fp32 = any(dtype == FP32 for _, dtype in dtype_arguments(node))
         fp32_inputs = [arg for arg in float_inputs if node_dtype(arg) == FP32]
-        other_float = any(node_dtype(arg) not in (FP16, FP32) for arg in float_inputs)
+        kept_fp32 = [arg for arg in fp32_inputs if not self.downcastable(arg)]
+        other_float = any(node_dtype(arg) not in (self.low, FP32) for arg in float_inputs)
 
         if explicit_fp32 and self.keep_explicit_fp32:
             decide(node, FP32, Reason.EXPLICIT_FP32)
@@ -381,42 +411,95 @@ class _Run:
             decide(node, FP32, Reason.EXPLICIT_FP32)
         elif self.forced(node):
             self.run_in_fp32(node, self.forced(node), produces_fp32)
-        elif fp32_inputs:
+        elif precision == Precision.FP32:
+            self.run_in_fp32(node, Reason.POLICY, produces_fp32, self.policy.cast_back)
+        elif precision in (Precision.FOLLOW, Precision.PROMOTE):
+            self.follow(node, promote=precision == Precision.PROMOTE)
+        elif kept_fp32:
             self.run_in_fp32(node, Reason.FP32_INPUT, produces_fp32)
-        elif any(round_scalar_to_fp16(float(value)) is None for _, value in scalars):
+        elif any(round_scalar_to_fp16(float(v), self.low) is None for _, v in scalars):
             self.run_in_fp32(node, Reason.SCALAR_OVERFLOW, produces_fp32)
         elif other_float and produces_fp32:
             self.run_in_fp32(node, Reason.MIXED_FLOAT_DTYPES, produces_fp32)
         else:
-            self.run_in_fp16(node, scalars, produces_fp32)
+            self.run_in_low(node, scalars, produces_fp32)
 
-    def run_in_fp16(self, node: Node, scalars, produces_fp32: bool) -> None:
+    def downcastable(self, value: Node) -> bool:
+        """An fp32 value the policy kept wide (not a safety rule) and that fits 16-bit:
+        a 16-bit op reading it may cast it down, as eager autocast does with weights."""
+        decision = decision_of(value)
+        return (
+            decision is not None
+            and decision.reason in (Reason.POLICY, Reason.POLICY_FOLLOW)
+            and not self.overflows(value)
+        )
+
+    def follow(self, node: Node, promote: bool) -> None:
+        """Run ``node`` in the dtype its inputs give it (``promote``: their widest first)."""
+        if promote:
+            inputs = [arg for arg in tensor_inputs(node) if node_dtype(arg) in FLOAT_DTYPES]
+            widest = max((node_dtype(arg) for arg in inputs), key=_float_rank, default=None)
+
+            def widen(arg: Node) -> Node:
+                if node_dtype(arg) in FLOAT_DTYPES and node_dtype(arg) != widest:
+                    return self.casts.cast(arg, widest, WHY_UPCAST)
+                return arg
+
+            node.args = map_arg(node.args, widen)
+            node.kwargs = map_arg(node.kwargs, widen)
+        result = propagate_fake(node)
+        dtypes = {leaf.dtype for leaf in _tensors(result) if leaf.is_floating_point()}
+        scalar_overflow = any(
+            round_scalar_to_fp16(float(v), self.low) is None for _, v in value_scalars(node)
+        )
+        if self.low in dtypes and scalar_overflow:  # safety first: the scalar needs fp32
+            self.run_in_fp32(node, Reason.SCALAR_OVERFLOW, True, self.policy.cast_back)
+            return
+        node.meta["val"] = result
+        decide(node, self.low if self.low in dtypes else FP32, Reason.POLICY_FOLLOW)
+        self.modified = True
+
+    def run_in_low(self, node: Node, scalars, produces_fp32: bool) -> None:
+        self.downcast_inputs(node)
         for location, value in scalars:
-            if isinstance(value, float) and round_scalar_to_fp16(value) != value:
-                set_argument(node, location, round_scalar_to_fp16(value))
+            rounded = round_scalar_to_fp16(value, self.low) if isinstance(value, float) else value
+            if rounded != value:
+                set_argument(node, location, rounded)
                 self.modified = True
         for location, dtype in dtype_arguments(node):
             if dtype == FP32:
-                set_argument(node, location, FP16)
+                set_argument(node, location, self.low)
                 self.modified = True
         val = node_val(node)
         if isinstance(val, torch.Tensor) and val.dtype == FP32:
-            node.meta["val"] = retype_val(val, FP16)
+            node.meta["val"] = retype_val(val, self.low)
             self.modified = True
         elif produces_fp32:
             node.meta["val"] = propagate_fake(node)
             self.modified = True
-        decide(node, FP16, Reason.FITS)
+        decide(node, self.low, Reason.FITS)
 
-    def run_in_fp32(self, node: Node, reason: Reason, produces_fp32: bool) -> None:
+    def downcast_inputs(self, node: Node) -> None:
+        def downcast(arg: Node) -> Node:
+            if node_dtype(arg) != FP32 or not self.downcastable(arg):
+                return arg
+            self.modified = True
+            return self.casts.cast(arg, self.low, WHY_NARROW)
+
+        node.args = map_arg(node.args, downcast)
+        node.kwargs = map_arg(node.kwargs, downcast)
+
+    def run_in_fp32(
+        self, node: Node, reason: Reason, produces_fp32: bool, cast_back: bool = True
+    ) -> None:
         self.upcast_inputs(node)
         decide(node, FP32, reason)
-        if isinstance(node_val(node), torch.Tensor) and produces_fp32:
+        if isinstance(node_val(node), torch.Tensor) and produces_fp32 and cast_back:
             self.cast_back(node, reason)
 
     def upcast_inputs(self, node: Node) -> None:
         def upcast(arg: Node) -> Node:
-            if not was_narrowed(arg) or node_dtype(arg) != FP16:
+            if not was_narrowed(arg) or node_dtype(arg) != self.low:
                 return arg
             self.modified = True
             # Reading a value we cast back from fp32 a moment ago: use the fp32 original.
@@ -432,8 +515,8 @@ class _Run:
         """
         if not self.calibrated or self.overflows(node) or all(is_cast(u) for u in node.users):
             return
-        back = self.casts.cast_after(node, FP16, WHY_CAST_BACK)
-        decide(back, FP16, reason)
+        back = self.casts.cast_after(node, self.low, WHY_CAST_BACK)
+        decide(back, self.low, reason)
         self.modified = True
 
     def return_fp32_outputs(self) -> None:
@@ -445,8 +528,10 @@ class _Run:
         ]
         output.args = (type(output.args[0])(returned), *output.args[1:])
 
-    def restore_required_output_dtypes(self, required: dict[int, torch.dtype]) -> None:
-        """Mutated buffers and inputs are written back in their own dtype."""
+    def restore_output_dtypes(self, required: dict[int, torch.dtype]) -> None:
+        """Outputs that keep a dtype get it back, through a cast that feeds only them:
+        mutated buffers and inputs (written back in their own dtype), and outputs kept
+        by ``keep_io_types``."""
         output = self.casts.graph.output_node()
         returned = list(output.args[0])
         for index, dtype in required.items():

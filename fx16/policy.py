@@ -1,0 +1,230 @@
+"""PrecisionPolicy: which precision each op asks for, as data.
+
+A policy maps every node to a ``Precision``. The most specific rule wins: a node
+name, then the predicate, then the longest matching module path (from
+``nn_module_stack``; for parameters, their own dotted name), then the ATen op, then
+the op's table entry (the autocast presets), then its kind. The safety rules come
+after the policy and always win: a value that overflows the 16-bit dtype, an
+explicit fp32 region the model wrote, a float that decides an index, an integer
+range that does not fit - those stay wide whatever the policy says.
+"""
+
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch.fx import Node
+
+from fx16.errors import InvalidOptionError
+from fx16.ops import AUTOCAST_CPU, AUTOCAST_CUDA, COMPUTE_OPS, DATA_MOVEMENT_OPS, REDUCTION_OPS
+
+
+class Precision(str, enum.Enum):
+    LOW = "16-bit"  # the policy's 16-bit dtype (fp16 or bf16)
+    FP32 = "fp32"
+    FOLLOW = "follow"  # run in the dtype the inputs have (autocast: ops in no list)
+    PROMOTE = "promote"  # cast float inputs to the widest of them, then follow
+
+
+class OpKind(str, enum.Enum):
+    COMPUTE = "compute"  # matmul, linear, conv, attention
+    REDUCTION = "reduction"  # softmax, norms, sum/mean/var, cumsum, losses
+    ELEMENTWISE = "elementwise"  # everything else that computes
+    DATA_MOVEMENT = "data_movement"  # view, permute, cat, slice, gather...
+    BOUNDARY = "boundary"  # user inputs and parameters/buffers/constants
+
+
+def op_name(node: Node) -> str | None:
+    """The overload packet name of a call's op ("linear" for aten.linear.default)."""
+    return getattr(node.target, "_opname", None) if node.op == "call_function" else None
+
+
+def op_kind(node: Node) -> OpKind:
+    if node.op == "placeholder":
+        return OpKind.BOUNDARY
+    name = op_name(node)
+    if name in COMPUTE_OPS:
+        return OpKind.COMPUTE
+    if name in REDUCTION_OPS:
+        return OpKind.REDUCTION
+    if name in DATA_MOVEMENT_OPS:
+        return OpKind.DATA_MOVEMENT
+    return OpKind.ELEMENTWISE
+
+
+def _as_precision(value) -> Precision:
+    aliases = {"fp16": Precision.LOW, "bf16": Precision.LOW, "16": Precision.LOW}
+    try:
+        return aliases.get(value) or Precision(value)
+    except ValueError:
+        choices = ", ".join(p.value for p in Precision)
+        raise InvalidOptionError(f"unknown precision {value!r}; use one of {choices}") from None
+
+
+def _precisions(mapping: Mapping | None) -> dict:
+    return {key: _as_precision(value) for key, value in (mapping or {}).items()}
+
+
+_ALL_LOW = {kind: Precision.LOW for kind in OpKind}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Which precision each node asks for. Build one with a preset or ``custom``.
+
+    low: the 16-bit dtype, torch.float16 or torch.bfloat16.
+    kinds / ops / modules / nodes: overrides by op kind, by ATen op name ("softmax"),
+        by module path prefix ("model.layers.0.mlp"), by node name; values are
+        Precision members or "fp16"/"bf16"/"16-bit"/"fp32"/"follow"/"promote".
+    predicate: a function node -> Precision (or None to defer), checked after names.
+    keep_io_types: keep user inputs and outputs at their original dtype (casts at the
+        boundary); True for all, or a collection of input/output node names.
+    keep_explicit_fp32: keep the fp32 regions the model opens itself (``x.float()``).
+    cast_back: return results computed in fp32 by policy to the 16-bit dtype (False:
+        later ops follow the fp32 result, as eager autocast does).
+    """
+
+    name: str = "default"
+    low: torch.dtype = torch.float16
+    kinds: Mapping[OpKind, Precision] = field(default_factory=lambda: dict(_ALL_LOW))
+    ops: Mapping[str, Precision] = field(default_factory=dict)
+    modules: Mapping[str, Precision] = field(default_factory=dict)
+    nodes: Mapping[str, Precision] = field(default_factory=dict)
+    predicate: Callable[[Node], Precision | None] | None = None
+    op_table: Mapping[str, Precision] = field(default_factory=dict)
+    keep_io_types: bool | frozenset[str] = False
+    keep_explicit_fp32: bool = True
+    cast_back: bool = True
+
+    def __post_init__(self) -> None:
+        if self.low not in (torch.float16, torch.bfloat16):
+            raise InvalidOptionError(f"low must be torch.float16 or torch.bfloat16, not {self.low}")
+        object.__setattr__(self, "kinds", {**_ALL_LOW, **_precisions(self.kinds)})
+        for name in ("ops", "modules", "nodes", "op_table"):
+            object.__setattr__(self, name, _precisions(getattr(self, name)))
+        if not isinstance(self.keep_io_types, bool):
+            object.__setattr__(self, "keep_io_types", frozenset(self.keep_io_types))
+
+    # ---- presets -----------------------------------------------------------------------
+
+    @classmethod
+    def default(cls) -> "PrecisionPolicy":
+        """coreai-opt's behaviour, with fx16's safety rules: everything in fp16."""
+        return cls()
+
+    @classmethod
+    def always_fp32(cls) -> "PrecisionPolicy":
+        """Nothing changes."""
+        return cls(name="always_fp32", kinds={kind: Precision.FP32 for kind in OpKind})
+
+    @classmethod
+    def always_fp16(cls) -> "PrecisionPolicy":
+        """Every op in fp16, the model's own fp32 casts included (safety rules still apply)."""
+        return cls(name="always_fp16", keep_explicit_fp32=False)
+
+    @classmethod
+    def auto_mixed_conservative(cls) -> "PrecisionPolicy":
+        """Reductions (softmax, norms, sums, cumsum, losses) in fp32, cast back after."""
+        return cls(
+            name="auto_mixed_conservative", kinds={**_ALL_LOW, OpKind.REDUCTION: Precision.FP32}
+        )
+
+    @classmethod
+    def auto_mixed(cls) -> "PrecisionPolicy":
+        """Reductions in 16-bit too: their kernels accumulate in fp32 internally."""
+        return cls(name="auto_mixed")
+
+    @classmethod
+    def auto_mixed_bf16(cls) -> "PrecisionPolicy":
+        """auto_mixed in bf16: bf16 has fp32's range, so only fp32-range overflow matters."""
+        return cls(name="auto_mixed_bf16", low=torch.bfloat16)
+
+    @classmethod
+    def autocast(cls, device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16):
+        """A static torch.autocast: each op gets the dtype eager autocast gives it.
+
+        Inputs and weights stay fp32; ops in autocast's lower-precision list run in
+        ``dtype``, ops in its fp32 list in fp32, "promote" ops in their widest input
+        dtype, and every other op follows its inputs. Tables: ``fx16.ops.AUTOCAST_*``.
+        """
+        tables = {"cpu": AUTOCAST_CPU, "cuda": AUTOCAST_CUDA}
+        if device_type not in tables:
+            raise InvalidOptionError(f"autocast device_type must be one of {sorted(tables)}")
+        table = tables[device_type]
+        op_table = {
+            **dict.fromkeys(table["lower_precision_fp"], Precision.LOW),
+            **dict.fromkeys(table["fp32"], Precision.FP32),
+            **dict.fromkeys(table["promote"], Precision.PROMOTE),
+        }
+        kinds = {kind: Precision.FOLLOW for kind in OpKind} | {OpKind.BOUNDARY: Precision.FP32}
+        return cls(
+            name=f"autocast({device_type}, {str(dtype).removeprefix('torch.')})",
+            low=dtype,
+            kinds=kinds,
+            op_table=op_table,
+            cast_back=False,
+        )
+
+    @classmethod
+    def custom(cls, base: "PrecisionPolicy | None" = None, **changes) -> "PrecisionPolicy":
+        """A policy from ``base`` (default: ``default()``) with ``changes`` to its fields."""
+        return replace(base or cls.default(), name=changes.pop("name", "custom"), **changes)
+
+    @classmethod
+    def named(cls, name: str) -> "PrecisionPolicy":
+        """A preset by name ("auto_mixed_bf16", "autocast" = autocast("cpu", bf16), ...)."""
+        presets = {
+            "default": cls.default,
+            "always_fp32": cls.always_fp32,
+            "always_fp16": cls.always_fp16,
+            "auto_mixed": cls.auto_mixed,
+            "auto_mixed_conservative": cls.auto_mixed_conservative,
+            "auto_mixed_bf16": cls.auto_mixed_bf16,
+            "autocast": cls.autocast,
+        }
+        if name not in presets:
+            raise InvalidOptionError(f"unknown policy {name!r}; presets: {', '.join(presets)}")
+        return presets[name]()
+
+    # ---- questions ---------------------------------------------------------------------
+
+    @property
+    def is_noop(self) -> bool:
+        return all(self.kinds[kind] == Precision.FP32 for kind in OpKind) and not (
+            self.ops or self.modules or self.nodes or self.predicate or self.op_table
+        )
+
+    def precision_for(self, node: Node, module_path: str | None = None) -> Precision:
+        """The precision ``node`` asks for (``module_path``: a parameter's dotted name)."""
+        if node.name in self.nodes:
+            return self.nodes[node.name]
+        if self.predicate is not None:
+            decided = self.predicate(node)
+            if decided is not None:
+                return _as_precision(decided)
+        path = module_path or _module_path(node)
+        if path is not None and self.modules:
+            matches = [p for p in self.modules if path == p or path.startswith(p + ".")]
+            if matches:
+                return self.modules[max(matches, key=len)]
+        name = op_name(node)
+        if name in self.ops:
+            return self.ops[name]
+        if name in self.op_table:
+            return self.op_table[name]
+        return self.kinds[op_kind(node)]
+
+    def keeps_io(self, name: str) -> bool:
+        return self.keep_io_types is True or (
+            isinstance(self.keep_io_types, frozenset) and name in self.keep_io_types
+        )
+
+
+def _module_path(node: Node) -> str | None:
+    """The innermost module path of a node ("layers.0.mlp.fc"), from nn_module_stack."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return path.removeprefix("L['self'].").removeprefix("L__self__.")
