@@ -60,7 +60,7 @@ def cast_fp32_to_fp16(
         calibration=calibration,
         overflow_margin=overflow_margin,
     )
-    return _cast(ep, options, {}, max_rel_error, progress)
+    return _cast(ep, options, None, max_rel_error, progress)
 
 
 def cast_int32_to_int16(

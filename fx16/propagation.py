@@ -2,9 +2,11 @@
 
 from typing import Any
 
+import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
+from fx16.casts import retype_val
 from fx16.nodes import node_val
 
 
@@ -27,3 +29,36 @@ def propagate_fake(node: Node, args: Any = None, kwargs: Any = None) -> Any:
         return node.target(*args, **kwargs)
     with fake_mode:
         return node.target(*args, **kwargs)
+
+
+def _concrete(size) -> int:
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def _real_like(value: Any) -> Any:
+    """A small real tensor with the dtype and (hinted) shape of a fake one."""
+    if isinstance(value, torch.Tensor):
+        shape = [_concrete(size) for size in value.shape]
+        return torch.ones(shape, dtype=value.dtype, device="cpu")
+    return value
+
+
+def output_dtypes_by_running(node: Node, fake_result: Any) -> Any:
+    """``fake_result`` with the dtypes a real run of the op gives.
+
+    Some CPU kernels disagree with their meta functions when inputs mix float dtypes
+    (layer_norm of a bf16 input with fp32 weights returns fp32 on the CPU, bf16 in
+    fake mode); running the op once on small real tensors settles it.
+    """
+    args = map_arg(node.args, lambda arg: _real_like(node_val(arg)))
+    kwargs = map_arg(node.kwargs, lambda arg: _real_like(node_val(arg)))
+    with torch.no_grad():
+        real = node.target(*args, **kwargs)
+    if isinstance(fake_result, torch.Tensor):
+        return retype_val(fake_result, real.dtype)
+    if isinstance(fake_result, (list, tuple)):
+        return type(fake_result)(
+            retype_val(f, r.dtype) if isinstance(f, torch.Tensor) else f
+            for f, r in zip(fake_result, real)
+        )
+    return fake_result

@@ -41,7 +41,7 @@ from fx16.numerics import largest, round_scalar_to_fp16
 from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
 from fx16.policy import Precision, PrecisionPolicy
 from fx16.program import Program
-from fx16.propagation import propagate_fake
+from fx16.propagation import output_dtypes_by_running, propagate_fake
 
 FP32 = torch.float32
 
@@ -448,6 +448,9 @@ class _Run:
             node.args = map_arg(node.args, widen)
             node.kwargs = map_arg(node.kwargs, widen)
         result = propagate_fake(node)
+        input_dtypes = {node_dtype(a) for a in tensor_inputs(node) if node_dtype(a) in FLOAT_DTYPES}
+        if len(input_dtypes) > 1:  # mixed float inputs: trust a real kernel, not the meta one
+            result = output_dtypes_by_running(node, result)
         dtypes = {leaf.dtype for leaf in _tensors(result) if leaf.is_floating_point()}
         scalar_overflow = any(
             round_scalar_to_fp16(float(v), self.low) is None for _, v in value_scalars(node)

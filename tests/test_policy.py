@@ -1,0 +1,209 @@
+"""PrecisionPolicy: presets, overrides, keep_io_types, and the static autocast."""
+
+import copy
+import operator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fx16
+from fx16 import OpKind, Precision, PrecisionPolicy
+from fx16.decisions import PRECISION, Reason
+from fx16.demo import DemoBlock
+from fx16.policy import op_kind
+from fx16.program import Program
+from fx16.report import report_of
+from helpers import casts, check_program, export, fp64_reference, max_error, run, state_snapshot
+from strategies import model_cases
+
+aten = torch.ops.aten
+
+
+def _block():
+    torch.manual_seed(0)
+    model = DemoBlock(vocab=64, width=32).eval()
+    return model, (torch.randint(0, 64, (2, 8)),)
+
+
+def _dtypes_by_kind(ep) -> dict:
+    found: dict = {}
+    for node in ep.graph_module.graph.nodes:
+        decision = node.meta.get(PRECISION)
+        if (
+            node.op == "call_function"
+            and decision is not None
+            and not node.meta.get("fx16.inserted")
+        ):
+            found.setdefault(op_kind(node), set()).add(decision.dtype)
+    return found
+
+
+def test_always_fp32_changes_nothing():
+    model, args = _block()
+    ep = export(model, *args)
+    before = state_snapshot(ep)
+    fx16.cast_fp32_to_fp16(ep, policy="always_fp32")
+    assert before[0] == ep.graph_module.code
+    assert all(t.dtype == torch.float32 for t in ep.state_dict.values())
+
+
+def test_always_fp16_puts_every_kind_in_fp16():
+    model, args = _block()
+    ep = fx16.cast_fp32_to_fp16(export(model, *args), policy=PrecisionPolicy.always_fp16())
+    check_program(ep)
+    for kind, dtypes in _dtypes_by_kind(ep).items():
+        assert dtypes == {torch.float16}, kind
+    assert max_error(fp64_reference(model, *args), run(ep, *args)) < 1e-2
+
+
+def test_conservative_keeps_reductions_fp32_and_costs_more_casts():
+    model, args = _block()
+    conservative = fx16.cast_fp32_to_fp16(export(model, *args), policy="auto_mixed_conservative")
+    mixed = fx16.cast_fp32_to_fp16(export(model, *args), policy="auto_mixed")
+    check_program(conservative)
+    kinds = _dtypes_by_kind(conservative)
+    assert kinds[OpKind.REDUCTION] == {torch.float32}
+    assert kinds[OpKind.COMPUTE] == {torch.float16}
+    softmax = next(n for n in conservative.graph_module.graph.nodes if n.target == aten.softmax.int)
+    assert softmax.meta[PRECISION].reason == Reason.POLICY
+    assert len(casts(mixed)) < len(casts(conservative))
+    assert max_error(fp64_reference(model, *args), run(conservative, *args)) < 1e-2
+
+
+def test_bf16_preset_casts_weights_beyond_65504():
+    class Big(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.full((4,), 1e5))
+
+        def forward(self, x):
+            return x * self.scale
+
+    x = torch.randn(2, 4)
+    ep = fx16.cast_fp32_to_fp16(export(Big(), x), policy="auto_mixed_bf16")
+    check_program(ep)
+    assert ep.state_dict["scale"].dtype == torch.bfloat16
+    assert run(ep, x)[0].dtype == torch.bfloat16
+    default = fx16.cast_fp32_to_fp16(export(Big(), x))
+    assert default.state_dict["scale"].dtype == torch.float32  # fp16 cannot hold it
+
+
+class Mix(torch.nn.Module):
+    """linear, softmax, layer_norm, sum, cat, exp and matmul."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        attention = h.softmax(-1)
+        total = self.norm(h).sum(-1, keepdim=True)
+        joined = torch.cat([attention, x], -1)
+        return joined.exp() @ joined.transpose(-1, -2) + total
+
+
+class _DtypeRecorder(torch.fx.Interpreter):
+    def __init__(self, graph_module):
+        super().__init__(graph_module)
+        self.dtypes = {}
+
+    def run_node(self, node):
+        result = super().run_node(node)
+        if isinstance(result, torch.Tensor):
+            self.dtypes[node.name] = result.dtype
+        return result
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_static_autocast_matches_eager_autocast_op_by_op(decompose):
+    torch.manual_seed(0)
+    model, x = Mix().eval(), torch.randn(2, 3, 8)
+    ep = export(model, x, decompose=decompose)
+    recorder = _DtypeRecorder(ep.graph_module)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = recorder.run(*Program(ep).graph_inputs((x,)))[0]
+    cast = fx16.cast_fp32_to_fp16(
+        copy.deepcopy(ep), policy=PrecisionPolicy.autocast("cpu", torch.bfloat16)
+    )
+    check_program(cast)
+    compared = 0
+    for node in cast.graph_module.graph.nodes:
+        if node.name in recorder.dtypes and not node.meta.get("fx16.inserted"):
+            assert node.meta["val"].dtype == recorder.dtypes[node.name], node.name
+            compared += 1
+    assert compared >= 10
+    got = run(cast, x)[0]
+    assert got.dtype == eager.dtype
+    torch.testing.assert_close(got.float(), eager.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_overrides_by_module_and_op_and_node():
+    model, args = _block()
+    policy = PrecisionPolicy.custom(
+        modules={"up": "fp32", "head": "fp32"}, ops={"gelu": "fp32"}, nodes={"linear": "fp32"}
+    )
+    ep = fx16.cast_fp32_to_fp16(export(model, *args), policy=policy)
+    check_program(ep)
+    assert ep.state_dict["up.weight"].dtype == torch.float32
+    assert ep.state_dict["head.weight"].dtype == torch.float32
+    assert ep.state_dict["down.weight"].dtype == torch.float16
+    by_name = {n.name: n for n in ep.graph_module.graph.nodes}
+    assert by_name["gelu"].meta[PRECISION].reason == Reason.POLICY
+    assert by_name["linear"].meta[PRECISION].reason == Reason.POLICY
+    up = next(n for n in ep.graph_module.graph.nodes if n.name == "linear_2")
+    assert up.meta["val"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+@pytest.mark.parametrize("keep", [True, ["x"]])
+def test_keep_io_types(decompose, keep):
+    torch.manual_seed(0)
+    model, x = Mix().eval(), torch.randn(2, 3, 8)
+    ep = export(model, x, decompose=decompose)
+    output_name = ep.graph_module.graph.output_node().args[0][0].name
+    names = keep if keep is True else [*keep, output_name]
+    ep = fx16.cast_fp32_to_fp16(ep, policy=PrecisionPolicy.custom(keep_io_types=names))
+    check_program(ep)
+    assert ep.example_inputs[0][0].dtype == torch.float32
+    assert run(ep, x)[0].dtype == torch.float32
+    assert report_of(ep).totals.float_ops_16bit > 0
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 1e-2
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(fx16.InvalidOptionError, match="unknown policy"):
+        PrecisionPolicy.named("fastest")
+    with pytest.raises(fx16.InvalidOptionError, match="unknown precision"):
+        PrecisionPolicy.custom(ops={"softmax": "fp8"})
+
+
+precisions = st.sampled_from(["16-bit", "fp32"])
+policies = st.builds(
+    lambda kinds, low: PrecisionPolicy.custom(kinds=kinds, low=low),
+    st.dictionaries(st.sampled_from(list(OpKind)), precisions),
+    st.sampled_from([torch.float16, torch.bfloat16]),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model_cases, policies)
+def test_random_policies_are_obeyed_where_safety_rules_do_not_claim_a_node(case, policy):
+    model, args = case
+    ep = fx16.cast_fp32_to_fp16(export(model, *args), policy=policy)
+    check_program(ep)
+    for node in ep.graph_module.graph.nodes:
+        decision = node.meta.get(PRECISION)
+        if decision is None or node.meta.get("fx16.inserted") or node.op != "call_function":
+            continue
+        if node.target is operator.getitem:  # an element follows the op that made it
+            continue
+        wanted = policy.precision_for(node)
+        if decision.reason == Reason.FITS:
+            assert wanted == Precision.LOW, node.name
+            assert decision.dtype == policy.low
+        if decision.reason == Reason.POLICY:
+            assert wanted == Precision.FP32, node.name
