@@ -71,13 +71,18 @@ class Program:
                 return value
         return None
 
-    def replace_state_tensor(self, target: str, tensor: torch.Tensor) -> None:
-        """Store ``tensor`` under ``target``, keeping the Parameter wrapper if there was one."""
+    def replace_state_tensor(self, target: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Store ``tensor`` under ``target``, keeping the Parameter wrapper if there was one.
+
+        Returns what was stored; storing that same object under another name keeps
+        the two names tied (one tensor, as tied weights were before).
+        """
         store = self.ep.state_dict if target in self.ep.state_dict else self.ep.constants
         old = store[target]
-        if isinstance(old, torch.nn.Parameter):
+        if isinstance(old, torch.nn.Parameter) and not isinstance(tensor, torch.nn.Parameter):
             tensor = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
         store[target] = tensor
+        return tensor
 
     def range_constraints(self) -> dict:
         """Bounds of the program's symbolic sizes (sympy symbol -> ValueRanges)."""

@@ -115,3 +115,20 @@ def test_conversion_is_exactly_rounding_or_nothing(values):
         nonzero = original != 0
         assert torch.all(table[nonzero] != 0)
         assert torch.all((table.float() - original).abs() <= original.abs() * 2**-11 + FP16_TINY)
+
+
+def test_tied_weights_stay_tied():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.embed(ids))
+
+    ep = export(Tied(), torch.tensor([1, 2]))
+    names = list(ep.state_dict)
+    _convert(ep)
+    assert ep.state_dict[names[0]] is ep.state_dict[names[-1]] or len(names) == 1

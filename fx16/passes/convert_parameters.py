@@ -55,9 +55,10 @@ class ConvertParametersPass(PassBase):
             if tensor_overflows_fp16(tensor, low):
                 decide(slot.placeholder, torch.float32, Reason.VALUE_OVERFLOW)
                 continue
-            if id(tensor) not in converted:
-                converted[id(tensor)] = tensor_to_fp16(tensor, low)
-            self.program.replace_state_tensor(slot.target, converted[id(tensor)])
+            stored = converted.get(id(tensor))
+            if stored is None:
+                stored = tensor_to_fp16(tensor, low)
+            converted[id(tensor)] = self.program.replace_state_tensor(slot.target, stored)
             placeholder = slot.placeholder
             placeholder.meta["val"] = retype_val(placeholder.meta["val"], low)
             decide(placeholder, low, Reason.FITS)
