@@ -63,7 +63,10 @@ def _as_precision(value) -> Precision:
 
 
 def _precisions(mapping: Mapping | None) -> dict:
-    return {key: _as_precision(value) for key, value in (mapping or {}).items()}
+    """Values as Precision; ATen op keys (torch.ops.aten.softmax.int) as their names."""
+    return {
+        getattr(key, "_opname", key): _as_precision(value) for key, value in (mapping or {}).items()
+    }
 
 
 _ALL_LOW = {kind: Precision.LOW for kind in OpKind}

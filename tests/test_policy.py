@@ -207,3 +207,35 @@ def test_random_policies_are_obeyed_where_safety_rules_do_not_claim_a_node(case,
             assert decision.dtype == policy.low
         if decision.reason == Reason.POLICY:
             assert wanted == Precision.FP32, node.name
+
+
+LOW16, FP32 = torch.float16, torch.float32
+EXPECTED_BY_KIND = {
+    "default": dict.fromkeys(OpKind, LOW16),
+    "auto_mixed": dict.fromkeys(OpKind, LOW16),
+    "auto_mixed_conservative": {**dict.fromkeys(OpKind, LOW16), OpKind.REDUCTION: FP32},
+    "auto_mixed_bf16": dict.fromkeys(OpKind, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED_BY_KIND))
+def test_each_preset_gives_each_op_kind_its_dtype(preset):
+    """Every op the policy decided (not a safety rule) has its kind's dtype."""
+    model, args = _block()
+    ep = fx16.cast_fp32_to_fp16(export(model, *args), policy=preset)
+    check_program(ep)
+    checked = 0
+    for node in ep.graph_module.graph.nodes:
+        decision = node.meta.get(PRECISION)
+        if node.op != "call_function" or node.meta.get("fx16.inserted") or decision is None:
+            continue
+        if decision.reason in (Reason.FITS, Reason.POLICY) and node.target is not operator.getitem:
+            assert decision.dtype == EXPECTED_BY_KIND[preset][op_kind(node)], node.name
+            checked += 1
+    assert checked > 10
+    assert max_error(fp64_reference(model, *args), run(ep, *args)) < 2e-2
+
+
+def test_op_keys_may_be_aten_ops():
+    policy = PrecisionPolicy.custom(ops={aten.softmax.int: "fp32"})
+    assert policy.ops == {"softmax": Precision.FP32}
