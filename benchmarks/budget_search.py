@@ -9,6 +9,7 @@ error before any fallback, program evaluations used, ops kept in fp32, and the
 error reached on the calibration input and on unseen inputs.
 """
 
+import contextlib
 import copy
 import io
 import warnings
@@ -18,63 +19,10 @@ import numpy as np
 import torch
 
 import fx16
+from benchmarks.zoo import ScaledAttention, bert, t5_encoder
+from fx16.program import Program
 from fx16.report import report_of
 from fx16.stats import relative_error
-
-
-class SharpAttention(torch.nn.Module):
-    """Attention without logit scaling: fp16 rounding of q and k moves the softmax."""
-
-    def __init__(self, width=32, scale=3.0):
-        super().__init__()
-        self.q, self.k, self.v = (torch.nn.Linear(width, width) for _ in range(3))
-        with torch.no_grad():
-            self.q.weight.mul_(scale)
-            self.k.weight.mul_(scale)
-        self.out = torch.nn.Linear(width, width)
-
-    def forward(self, x):
-        scores = self.q(x) @ self.k(x).transpose(-1, -2)
-        return self.out(scores.softmax(-1) @ self.v(x))
-
-
-class HiddenState(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).last_hidden_state
-
-
-def t5_encoder(initializer_factor: float):
-    from transformers import T5Config, T5EncoderModel
-
-    config = T5Config(
-        vocab_size=512,
-        d_model=64,
-        d_kv=16,
-        d_ff=128,
-        num_layers=2,
-        num_heads=4,
-        feed_forward_proj="gated-gelu",
-        initializer_factor=initializer_factor,
-    )
-    return HiddenState(T5EncoderModel(config).eval())
-
-
-def bert(initializer_range: float):
-    from transformers import BertConfig, BertModel
-
-    config = BertConfig(
-        vocab_size=512,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        initializer_range=initializer_range,
-    )
-    return HiddenState(BertModel(config).eval())
 
 
 def cases():
@@ -82,11 +30,11 @@ def cases():
     ids = lambda: (torch.randint(0, 512, (2, 12), generator=generator),)  # noqa: E731
     floats = lambda: (torch.randn(2, 8, 32, generator=generator),)  # noqa: E731
     torch.manual_seed(0)
-    yield "sharp attention", SharpAttention(scale=4.0).eval(), floats, 2e-3
+    yield "sharp attention", ScaledAttention(scale=4.0).eval(), floats, 2e-3
     torch.manual_seed(0)
     yield "T5 encoder (init x2)", t5_encoder(2.0), ids, 1e-2
     torch.manual_seed(0)
-    yield "BERT (init 0.2)", bert(0.2), ids, 1e-2
+    yield "BERT (init 0.2)", bert(initializer_range=0.2), ids, 1e-2
 
 
 @dataclass
@@ -115,7 +63,7 @@ def _error(model, module, args, ep=None) -> float:
     with torch.no_grad():
         expected = model(*args)
         if ep is not None:
-            args = fx16.program.Program(ep).adapt_call(args)[0]
+            args = Program(ep).adapt_call(args)[0]
         return relative_error(expected, module(*args).float())
 
 
@@ -198,17 +146,9 @@ def _ops_in_fp16(model_proto) -> int:
     )
 
 
-class _quiet:
+def _quiet():
     """auto_mixed_precision prints every attempt: keep stdout for the table."""
-
-    def __enter__(self):
-        import contextlib
-
-        self._redirect = contextlib.redirect_stdout(io.StringIO())
-        self._redirect.__enter__()
-
-    def __exit__(self, *exc):
-        return self._redirect.__exit__(*exc)
+    return contextlib.redirect_stdout(io.StringIO())
 
 
 def main() -> None:

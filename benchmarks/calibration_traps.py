@@ -13,77 +13,11 @@ import warnings
 
 import torch
 
-import fx16
+from benchmarks.peers import fp16_casts
+from benchmarks.zoo import ExpLogits, ScaledAttention, SquaredSum, gpt2
 from fx16.program import Program
 from fx16.report import report_of
 from fx16.stats import relative_error
-
-
-class SquaredSum(torch.nn.Module):
-    """A Linear whose outputs are squared and summed (an energy), then normalised."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(16, 256)
-        with torch.no_grad():
-            self.fc.weight.mul_(40.0)
-
-    def forward(self, x):
-        h = self.fc(x)
-        return h / h.pow(2).sum(-1, keepdim=True).sqrt()
-
-
-class ExpLogits(torch.nn.Module):
-    """exp of logits around 12 (e^12 > 65504), normalised by hand."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(16, 32)
-        with torch.no_grad():
-            self.fc.bias.fill_(12.0)
-
-    def forward(self, x):
-        weights = self.fc(x).exp()
-        return weights / weights.sum(-1, keepdim=True)
-
-
-class HugeScores(torch.nn.Module):
-    """Attention whose scores exceed 65504."""
-
-    def __init__(self, width=16):
-        super().__init__()
-        self.q, self.k = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
-        with torch.no_grad():
-            self.q.weight.mul_(150.0)
-            self.k.weight.mul_(150.0)
-
-    def forward(self, x):
-        return (self.q(x) @ self.k(x).transpose(-1, -2)).softmax(-1) @ x
-
-
-class Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).logits
-
-
-def gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        vocab_size=512,
-        n_positions=64,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return Logits(GPT2LMHeadModel(config).eval())
 
 
 def cases():
@@ -95,23 +29,9 @@ def cases():
     torch.manual_seed(0)
     yield "exp of large logits", ExpLogits().eval(), floats(4, 16)
     torch.manual_seed(0)
-    yield "attention scores > 65504", HugeScores().eval(), floats(2, 6, 16)
+    yield "attention scores > 65504", ScaledAttention(16, scale=150.0).eval(), floats(2, 6, 16)
     torch.manual_seed(0)
-    yield "GPT-2 (2 layers)", gpt2(), ids
-
-
-def tools():
-    found = {
-        "fx16": fx16.cast_fp32_to_fp16,
-        "fx16, calibration=[]": lambda ep: fx16.cast_fp32_to_fp16(ep, calibration=[]),
-    }
-    try:
-        from coreai_opt.casting import cast_fp32_to_fp16
-
-        found["coreai-opt 0.3.0"] = cast_fp32_to_fp16
-    except ImportError:
-        pass
-    return found
+    yield "GPT-2 (2 layers)", gpt2(2, width=64, vocab=512), ids
 
 
 def error_on(model, ep, args) -> tuple[float, bool]:
@@ -131,7 +51,7 @@ def main() -> None:
     for name, model, draw in cases():
         example, unseen = draw(), [draw() for _ in range(3)]
         ep = torch.export.export(model, example)
-        for tool, cast in tools().items():
+        for tool, cast in fp16_casts().items():
             try:
                 result = cast(copy.deepcopy(ep))
             except Exception as error:  # a peer's crash is a result too

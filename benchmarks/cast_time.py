@@ -15,52 +15,9 @@ import warnings
 
 import torch
 
-import fx16
+from benchmarks.peers import fp16_casts
+from benchmarks.zoo import gpt2
 from fx16.stats import relative_error
-
-
-def gpt2(layers: int, width: int = 128, heads: int = 4, vocab: int = 1024, length: int = 32):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=width,
-        n_head=heads,
-        vocab_size=vocab,
-        n_positions=128,
-        use_cache=False,
-        attn_implementation="eager",
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    model = GPT2LMHeadModel(config).eval()
-    input_ids = torch.randint(0, vocab, (1, length))
-    return model, (input_ids,)
-
-
-class LogitsOnly(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).logits
-
-
-def peers():
-    """name -> cast function, for the tools installed here."""
-    tools = {
-        "fx16": fx16.cast_fp32_to_fp16,
-        "fx16 (no calibration)": lambda ep: fx16.cast_fp32_to_fp16(ep, calibration=[]),
-    }
-    try:
-        from coreai_opt.casting import cast_fp32_to_fp16 as coreai_cast
-
-        tools["coreai-opt 0.3.0"] = coreai_cast
-    except ImportError:
-        pass
-    return tools
 
 
 def measure(ep, cast, repeats: int):
@@ -81,8 +38,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
 
-    model, inputs = gpt2(args.layers)
-    wrapped = LogitsOnly(model)
+    torch.manual_seed(0)
+    wrapped = gpt2(args.layers)
+    inputs = (torch.randint(0, 1024, (1, 32)),)
     start = time.perf_counter()
     ep = torch.export.export(wrapped, inputs)
     export_seconds = time.perf_counter() - start
@@ -96,7 +54,7 @@ def main(argv=None) -> None:
     )
     print(f"{'tool':24}{'cast time':>12}{'vs fx16':>10}{'max rel err':>14}")
     baseline = None
-    for name, cast in peers().items():
+    for name, cast in fp16_casts().items():
         seconds, result = measure(ep, cast, args.repeats)
         baseline = baseline or seconds
         with torch.no_grad():

@@ -14,73 +14,20 @@ import torch
 import torch.utils._pytree as pytree
 
 import fx16
+from benchmarks.zoo import BucketHash, RunningCount, bert, gpt2
 from fx16.program import Program
 from fx16.report import decision_rows, format_rows
 
 
-class BucketHash(torch.nn.Module):
-    """Hash ids into 97 buckets, plus a pairwise sum that fits int16."""
-
-    def forward(self, ids, other):
-        return (ids * 1000 + ids) % 97, ids + other
-
-
-class RunningCount(torch.nn.Module):
-    """Counts events along a sequence: the cumsum outgrows int16 for long sequences."""
-
-    def forward(self, events, weights):
-        return (events * weights).cumsum(-1), events - weights
-
-
-class LogitsOnly(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask):
-        output = self.model(input_ids=input_ids, attention_mask=attention_mask)
-        return output.logits if hasattr(output, "logits") else output.last_hidden_state
-
-
 def transformer(kind: str):
-    import transformers
-
-    architectures = {
-        "gpt2": (
-            "GPT2Config",
-            "GPT2LMHeadModel",
-            dict(
-                n_layer=2,
-                n_embd=64,
-                n_head=4,
-                n_positions=128,
-                use_cache=False,
-                bos_token_id=0,
-                eos_token_id=0,
-            ),
-        ),
-        "bert": (
-            "BertConfig",
-            "BertModel",
-            dict(
-                num_hidden_layers=2,
-                hidden_size=64,
-                num_attention_heads=4,
-                intermediate_size=128,
-                max_position_embeddings=128,
-            ),
-        ),
-    }
-    config_class, model_class, settings = architectures[kind]
     torch.manual_seed(0)
-    config = getattr(transformers, config_class)(vocab_size=1000, **settings)
-    model = getattr(transformers, model_class)(config)
-    ids = torch.randint(0, 1000, (2, 16))
+    model = gpt2(2, width=64) if kind == "gpt2" else bert(2)
+    ids = torch.randint(0, 512, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.int64)
     mask[1, 12:] = 0
     length = torch.export.Dim("length", max=128)
     dynamic_shapes = ({1: length}, {1: length})
-    return LogitsOnly(model.eval()), (ids, mask), dynamic_shapes, {"input_ids": (0, 999)}
+    return model, (ids, mask), dynamic_shapes, {"input_ids": (0, 511)}
 
 
 def cases():

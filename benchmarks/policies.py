@@ -10,6 +10,7 @@ import warnings
 import torch
 
 import fx16
+from benchmarks.zoo import gpt2
 from fx16.program import Program
 from fx16.report import report_of
 from fx16.stats import relative_error
@@ -25,37 +26,13 @@ PRESETS = [
 ]
 
 
-def gpt2(layers: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    class Logits(torch.nn.Module):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-
-        def forward(self, input_ids):
-            return self.model(input_ids=input_ids).logits
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=layers,
-        n_embd=128,
-        n_head=4,
-        vocab_size=1024,
-        n_positions=128,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return Logits(GPT2LMHeadModel(config).eval()), (torch.randint(0, 1024, (2, 32)),)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
-    model, inputs = gpt2(args.layers)
+    torch.manual_seed(0)
+    model, inputs = gpt2(args.layers), (torch.randint(0, 1024, (2, 32)),)
     ep = torch.export.export(model, inputs)
     with torch.no_grad():
         reference = copy.deepcopy(model).double()(*inputs)

@@ -5,25 +5,16 @@ import torch
 
 import fx16
 import fx16.budget
+from benchmarks.zoo import ScaledAttention, t5_encoder
 from fx16.decisions import PRECISION, Reason
 from fx16.report import report_of
 from fx16.stats import relative_error
 from helpers import check_program, export, run
 
 
-class SharpSoftmax(torch.nn.Module):
+def SharpSoftmax(scale=3.0):  # noqa: N802 - reads like the class it builds
     """Attention with unscaled, large logits: fp16 rounding of q and k moves the softmax."""
-
-    def __init__(self, width=32, scale=3.0):
-        super().__init__()
-        self.q, self.k, self.v = (torch.nn.Linear(width, width) for _ in range(3))
-        for layer in (self.q, self.k):
-            with torch.no_grad():
-                layer.weight.mul_(scale)
-
-    def forward(self, x):
-        scores = self.q(x) @ self.k(x).transpose(-1, -2)
-        return scores.softmax(-1) @ self.v(x)
+    return ScaledAttention(width=32, scale=scale)
 
 
 def _calibration(count, seed):
@@ -105,30 +96,9 @@ def test_budget_needs_inputs():
 def test_t5_encoder_meets_the_budget_on_unseen_inputs_with_at_most_half_fp32():
     """A T5-style encoder from a transformers config (random weights, larger init so
     fp16 misses the budget)."""
-    from transformers import T5Config, T5EncoderModel
-
     torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=512,
-        d_model=64,
-        d_kv=16,
-        d_ff=128,
-        num_layers=2,
-        num_heads=4,
-        feed_forward_proj="gated-gelu",
-        initializer_factor=2.0,
-    )
-    encoder = T5EncoderModel(config).eval()
+    model = t5_encoder(initializer_factor=2.0)
 
-    class Encoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.encoder = encoder
-
-        def forward(self, input_ids):
-            return self.encoder(input_ids=input_ids).last_hidden_state
-
-    model = Encoder().eval()
     generator = torch.Generator().manual_seed(3)
     draw = lambda: (torch.randint(0, 512, (2, 12), generator=generator),)  # noqa: E731
     calibration, unseen = [draw() for _ in range(4)], [draw() for _ in range(4)]

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fx16
+from benchmarks.zoo import ExpLogits, ScaledAttention, SquaredSum
 from fx16.analysis import CalibrationAnalysis
 from fx16.decisions import PRECISION, Reason
 from fx16.program import Program
@@ -15,19 +16,9 @@ aten = torch.ops.aten
 KEY = CalibrationAnalysis.META_KEY
 
 
-class SumOfSquares(torch.nn.Module):
+def SumOfSquares():  # noqa: N802 - reads like the class it builds
     """linear -> pow(2) -> sum -> x / sqrt(sum): the sum overflows fp16, the output does not."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 64)
-        with torch.no_grad():
-            self.fc.weight.mul_(60.0)
-
-    def forward(self, x):
-        h = self.fc(x)
-        energy = h.pow(2).sum(-1, keepdim=True)
-        return h / energy.sqrt()
+    return SquaredSum(width=8, features=64, scale=60.0)
 
 
 def _by_target(ep, target):
@@ -158,38 +149,9 @@ def test_sentinels_stay_fp16_only_where_every_use_tolerates_saturation():
     torch.testing.assert_close(got.double(), expected.double(), rtol=1e-2, atol=0)
 
 
-class LargeLogitsExp(torch.nn.Module):
-    """exp of logits around 12: e^12 = 162755 overflows fp16; normalised it is fine."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 16)
-        with torch.no_grad():
-            self.fc.bias.fill_(12.0)
-
-    def forward(self, x):
-        weights = self.fc(x).exp()
-        return weights / weights.sum(-1, keepdim=True)
-
-
-class BigScores(torch.nn.Module):
-    """Attention scores beyond 65504 (large q/k), softmax over them."""
-
-    def __init__(self, width=16):
-        super().__init__()
-        self.q, self.k = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
-        with torch.no_grad():
-            self.q.weight.mul_(150.0)
-            self.k.weight.mul_(150.0)
-
-    def forward(self, x):
-        scores = self.q(x) @ self.k(x).transpose(-1, -2)
-        return scores.softmax(-1) @ x
-
-
 def test_exp_of_large_logits_is_finite_and_accurate():
     torch.manual_seed(0)
-    model, x = LargeLogitsExp(), torch.randn(3, 8) * 0.1
+    model, x = ExpLogits(width=8, features=16), torch.randn(3, 8) * 0.1
     ep = fx16.cast_fp32_to_fp16(export(model, x))
     check_program(ep)
     assert _by_target(ep, aten.exp.default).meta["val"].dtype == torch.float32
@@ -200,7 +162,7 @@ def test_exp_of_large_logits_is_finite_and_accurate():
 
 def test_attention_scores_beyond_fp16_are_finite_and_accurate():
     torch.manual_seed(0)
-    model, x = BigScores(), torch.randn(2, 6, 16)
+    model, x = ScaledAttention(16, scale=150.0), torch.randn(2, 6, 16)
     with torch.no_grad():
         assert (model.q(x) @ model.k(x).transpose(-1, -2)).abs().max() > 65504
     ep = fx16.cast_fp32_to_fp16(export(model, x))
