@@ -1,9 +1,35 @@
-"""The ``fx16`` command."""
+"""The ``fx16`` command: cast, inspect and compare ``.pt2`` programs without writing Python.
+
+Every failure the user can cause (a missing or corrupt file, an output that would
+overwrite the input, an unknown policy) ends with one line on stderr and exit code 2;
+the input file is never written.
+"""
 
 import argparse
+import copy
+import logging
 import sys
+import warnings
+import zipfile
+from pathlib import Path
 
+import torch
+import torch.utils._pytree as pytree
+
+from fx16.casting import cast_to_16_bit_precision
 from fx16.demo import run_demo
+from fx16.errors import Fx16Error
+from fx16.narrowing import INT16_MODES
+from fx16.pipelines import resolve_policy
+from fx16.policy import PrecisionPolicy
+from fx16.program import Program
+from fx16.progress import Progress
+from fx16.report import report_of
+from fx16.stats import relative_error
+
+
+class CommandError(Exception):
+    """A problem with what the user asked for, reported as one line."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -11,15 +37,247 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fx16", description="Cast torch.export programs to 16-bit."
     )
     commands = parser.add_subparsers(dest="command", required=True)
+
+    cast = commands.add_parser("cast", help="cast IN.pt2 and write OUT.pt2")
+    cast.add_argument("input", type=Path, metavar="IN.pt2")
+    cast.add_argument("-o", "--output", type=Path, required=True, metavar="OUT.pt2")
+    cast.add_argument("--force", action="store_true", help="allow OUT to be IN")
+    _add_cast_options(cast)
+    cast.add_argument(
+        "--report", type=Path, metavar="REPORT.json", help="write the decision report"
+    )
+    cast.add_argument("--dry-run", action="store_true", help="cast and summarise, write nothing")
+
+    inspect = commands.add_parser("inspect", help="show what would be cast and why")
+    inspect.add_argument("input", type=Path, metavar="IN.pt2")
+    _add_cast_options(inspect)
+    inspect.add_argument("--all", action="store_true", help="list 16-bit values too")
+
+    compare = commands.add_parser("compare", help="run two programs and compare their outputs")
+    compare.add_argument("first", type=Path, metavar="A.pt2")
+    compare.add_argument("second", type=Path, metavar="B.pt2")
+    compare.add_argument("--inputs", type=Path, metavar="INPUTS.pt")
+
     commands.add_parser("demo", help="cast a built-in transformer block and show before/after")
     return parser
 
 
+def _add_cast_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--policy",
+        default="default",
+        metavar="NAME",
+        help="default, always_fp32, always_fp16, auto_mixed, "
+        "auto_mixed_conservative, auto_mixed_bf16, autocast",
+    )
+    parser.add_argument("--int16", choices=INT16_MODES, default="proven")
+    parser.add_argument("--keep-io-types", action="store_true")
+    parser.add_argument(
+        "--calibrate",
+        type=Path,
+        metavar="INPUTS.pt",
+        help="a list of input tuples saved with torch.save",
+    )
+    parser.add_argument("--max-rel-error", type=float, metavar="X")
+    parser.add_argument("--quiet", action="store_true", help="no progress line, no summary")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        run_demo()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return COMMANDS[args.command](args)
+    except (CommandError, Fx16Error) as error:
+        print(f"fx16: error: {error}", file=sys.stderr)
+        return 2
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+
+def cast_command(args) -> int:
+    source = _existing_program_path(args.input)
+    target = args.output.expanduser()
+    if target.resolve() == source.resolve() and not args.force:
+        raise CommandError(f"{target} is the input file; pass --force to overwrite it")
+    if not target.parent.is_dir():
+        raise CommandError(f"directory {target.parent} does not exist")
+    ep, report, error = _cast(source, args)
+    if not args.quiet:
+        _summarise(report, error, out=sys.stdout)
+    if args.report is not None:
+        args.report.write_text(report.to_json())
+    if not args.dry_run:
+        torch.export.save(ep, target)
+        if not args.quiet:
+            print(f"wrote {target}")
     return 0
+
+
+def inspect_command(args) -> int:
+    _, report, error = _cast(_existing_program_path(args.input), args)
+    rows = report.rows if args.all else report.kept_wide()
+    print(report.table(rows))
+    if error is not None:
+        print(f"max relative error vs fp32: {error:.3g}")
+    return 0
+
+
+def compare_command(args) -> int:
+    first = _load(_existing_program_path(args.first))
+    second = _load(_existing_program_path(args.second))
+    calls = _read_inputs(args.inputs) if args.inputs else _example_calls(first)
+    if not calls:
+        raise CommandError(f"{args.first} records no example inputs: pass --inputs INPUTS.pt")
+    columns = ("output", "shape", "A dtype", "B dtype", "max |A-B|", "rel. error")
+    print("{:>6} {:18} {:10} {:10} {:>12} {:>11}".format(*columns))
+    for call_args, call_kwargs in calls:
+        outputs = [_run(program, call_args, call_kwargs) for program in (first, second)]
+        for index, (a, b) in enumerate(zip(*outputs)):
+            if not isinstance(a, torch.Tensor):
+                continue
+            difference = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+            print(
+                f"{index:>6} {str(tuple(a.shape)):18} {_name(a.dtype):10} {_name(b.dtype):10} "
+                f"{difference:>12.4g} {relative_error(a, b):>11.3g}"
+            )
+    return 0
+
+
+def demo_command(args) -> int:
+    run_demo()
+    return 0
+
+
+COMMANDS = {
+    "cast": cast_command,
+    "inspect": inspect_command,
+    "compare": compare_command,
+    "demo": demo_command,
+}
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def _existing_program_path(path: Path) -> Path:
+    path = path.expanduser()
+    if not path.exists():
+        raise CommandError(f"{path} does not exist")
+    if not path.is_file():
+        raise CommandError(f"{path} is not a file")
+    if not zipfile.is_zipfile(path):
+        raise CommandError(f"{path} is not a .pt2 archive (torch.export.save writes a zip file)")
+    return path
+
+
+def _load(path: Path):
+    # torch logs a traceback of its own before raising on a damaged archive
+    export_log = logging.getLogger("torch.export")
+    level = export_log.level
+    export_log.setLevel(logging.ERROR)
+    try:
+        return torch.export.load(path)
+    except Exception as error:  # torch raises many kinds for a damaged archive
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise CommandError(f"cannot load {path}: {type(error).__name__}: {first_line}") from error
+    finally:
+        export_log.setLevel(level)
+
+
+def _read_inputs(path: Path) -> list[tuple[tuple, dict]]:
+    if not path.exists():
+        raise CommandError(f"{path} does not exist")
+    try:
+        loaded = torch.load(path, weights_only=False)
+    except Exception as error:
+        raise CommandError(f"cannot read inputs from {path}: {error}") from error
+    entries = loaded if isinstance(loaded, list) else [loaded]
+    calls = []
+    for entry in entries:
+        if isinstance(entry, torch.Tensor):
+            entry = (entry,)
+        if not isinstance(entry, (tuple, list)):
+            raise CommandError(
+                f"{path} must hold a list of input tuples, found {type(entry).__name__}"
+            )
+        calls.append((tuple(entry), {}))
+    return calls
+
+
+def _example_calls(ep) -> list[tuple[tuple, dict]]:
+    return [ep.example_inputs] if ep.example_inputs is not None else []
+
+
+def _cast(source: Path, args):
+    """Load, cast (a copy's outputs kept as the fp32 reference) and report."""
+    ep = _load(source)
+    policy = resolve_policy(args.policy)
+    if args.keep_io_types:
+        policy = PrecisionPolicy.custom(policy, name=policy.name, keep_io_types=True)
+    calls = _read_inputs(args.calibrate) if args.calibrate else _example_calls(ep)
+    progress = Progress(False if args.quiet else None)
+    if calls:
+        progress.update(f"fx16: running the fp32 program on {len(calls)} input(s)")
+    references = [_run(ep, a, k) for a, k in calls[:1]]
+    cast_to_16_bit_precision(
+        ep,
+        policy=policy,
+        int16=args.int16,
+        calibration=[(a, k) for a, k in calls] if args.calibrate else None,
+        max_rel_error=args.max_rel_error,
+        progress=False if args.quiet else None,
+    )
+    progress.done()
+    error = None
+    if references:
+        got = _run(ep, *calls[0])
+        error = max(
+            (
+                relative_error(r, g)
+                for r, g in zip(references[0], got)
+                if isinstance(r, torch.Tensor) and r.is_floating_point()
+            ),
+            default=None,
+        )
+    return ep, report_of(ep), error
+
+
+def _run(ep, args: tuple, kwargs: dict) -> list:
+    args, kwargs = Program(ep).adapt_call(args, kwargs)
+    with torch.no_grad():
+        return pytree.tree_leaves(copy.deepcopy(ep).module()(*args, **kwargs))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _summarise(report, error, out) -> None:
+    t = report.totals
+    print(
+        f"weight bytes: {t.weight_bytes_before} -> {t.weight_bytes_after} "
+        f"({t.weight_bytes_after / max(t.weight_bytes_before, 1):.2f}x)",
+        file=out,
+    )
+    print(f"casts: {t.casts_before} -> {t.casts_after} ({t.casts_inserted} inserted)", file=out)
+    by_dtype: dict[str, int] = {}
+    for row in report.rows:
+        if row.kind == "float" and row.op != row.node:
+            by_dtype[row.dtype] = by_dtype.get(row.dtype, 0) + 1
+    print("float ops: " + ", ".join(f"{n} {d}" for d, n in sorted(by_dtype.items())), file=out)
+    narrowed = sum(row.narrowed for row in report.rows if row.kind == "int")
+    print(f"integer values narrowed to int16: {narrowed}", file=out)
+    if error is not None:
+        print(f"max relative error vs fp32: {error:.3g}", file=out)
+    if report.accuracy is not None:
+        a = report.accuracy
+        print(
+            f"accuracy budget {a.budget:g}: error {a.error:.3g}, {a.evaluations} evaluations, "
+            f"{len(a.fp32_nodes)} node(s) back in fp32",
+            file=out,
+        )
 
 
 if __name__ == "__main__":
