@@ -56,9 +56,13 @@ def tensor_overflows_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float
     """True when any finite element exceeds ``dtype``'s maximum (inf and nan do not count)."""
     if tensor.numel() == 0:
         return False
+    low, high = tensor.detach().aminmax()
+    top = largest(dtype)
+    if -top <= float(low) and float(high) <= top:  # the common case, one pass, no copy
+        return False
     magnitude = tensor.detach().abs()
     finite = torch.isfinite(magnitude)
-    return bool((magnitude[finite] > largest(dtype)).any())
+    return bool((magnitude[finite] > top).any())
 
 
 def tensor_to_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:

@@ -7,6 +7,7 @@ This module is the only code that reads or writes an ExportedProgram's
 
 import contextlib
 import copy
+import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -188,6 +189,17 @@ class Program:
             raise PassFailedError(stage, error) from error
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class Snapshot:
     """The graphs (the program's and its subgraphs', with their code), state_dict,
     constants, graph signature and example inputs of a program at one moment."""
@@ -195,11 +207,12 @@ class Snapshot:
     def __init__(self, program: Program) -> None:
         ep = self._ep = program.ep
         self._graph_module = program.graph_module
-        self._graphs = {
-            name: copy.deepcopy(module.graph)
-            for name, module in self._graph_module.named_modules()
-            if isinstance(module, GraphModule)
-        }
+        with _collector_paused():  # copying thousands of nodes would trigger full collections
+            self._graphs = {
+                name: copy.deepcopy(module.graph)
+                for name, module in self._graph_module.named_modules()
+                if isinstance(module, GraphModule)
+            }
         self._state_dict, self._constants = dict(ep.state_dict), dict(ep.constants)
         self._signature = copy.deepcopy(ep.graph_signature)
         self._example_inputs = ep.example_inputs

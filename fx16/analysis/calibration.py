@@ -92,19 +92,25 @@ def largest_magnitude(value) -> float | None:
     largest = None
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel():
-            magnitude = leaf.detach().abs().float()
-            magnitude = magnitude[magnitude < INF_LIKE]  # also drops inf and nan
-            if magnitude.numel():
-                top = float(magnitude.max())
+            low, high = leaf.detach().aminmax()
+            top = max(-float(low), float(high))
+            if not top < INF_LIKE:  # sentinels, inf or nan inside: look closer
+                magnitude = leaf.detach().abs().float()
+                magnitude = magnitude[magnitude < INF_LIKE]  # also drops inf and nan
+                top = float(magnitude.max()) if magnitude.numel() else None
+            if top is not None:
                 largest = top if largest is None else max(largest, top)
     return largest
 
 
-def holds_sentinel(value) -> bool:
-    """Some float tensor in ``value`` holds a finite magnitude >= 1e38."""
+def holds_sentinel(value, largest: float | None) -> bool:
+    """Some float tensor in ``value`` holds a finite magnitude >= 1e38 (``largest``:
+    its largest ordinary magnitude, which rules that out cheaply when it is all)."""
     return any(
         isinstance(leaf, torch.Tensor)
         and leaf.is_floating_point()
+        and leaf.numel()
+        and not float(leaf.detach().abs().amax()) == largest
         and bool(((leaf.abs() >= INF_LIKE) & torch.isfinite(leaf)).any())
         for leaf in pytree.tree_leaves(value)
     )
@@ -149,7 +155,7 @@ class _MagnitudeRecorder(Interpreter):
             magnitude = largest_magnitude(result)
             if magnitude is not None and not math.isnan(magnitude):
                 self.magnitudes[node] = max(magnitude, self.magnitudes.get(node, 0.0))
-            if holds_sentinel(result):
+            if holds_sentinel(result, magnitude):
                 self.sentinels.add(node)
             extremes = integer_extremes(result)
             if extremes is not None:

@@ -191,8 +191,10 @@ class _Run:
         for node in list(self.graph_module.graph.nodes):
             if node.op == "call_function":
                 self.visit(node)
-        if self.modified:
-            self.graph_module.recompile()  # a subgraph's code must match before its HOP runs
+        if self.modified and not self.calibrated:
+            # a subgraph's code must match before its HOP runs (the root is recompiled
+            # once, by whoever runs the pipeline)
+            self.graph_module.recompile()
 
     def overflows(self, node: Node) -> bool:
         """Calibration saw this node hold values too large for fp16."""
