@@ -124,3 +124,103 @@ class RunningCount(nn.Module):
 
     def forward(self, events, weights):
         return (events * weights).cumsum(-1), events - weights
+
+
+def llama(layers: int = 2, vocab: int = 512) -> Logits:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        use_cache=False,
+    )
+    return Logits(LlamaForCausalLM(config).eval())
+
+
+class Features(nn.Module):
+    """A transformers encoder taking features (pixels, mel frames) -> last hidden state."""
+
+    def __init__(self, model: nn.Module, argument: str) -> None:
+        super().__init__()
+        self.model, self.argument = model, argument
+
+    def forward(self, features):
+        return self.model(**{self.argument: features}).last_hidden_state
+
+
+def vit() -> Features:
+    from transformers import ViTConfig, ViTModel
+
+    config = ViTConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        image_size=32,
+        patch_size=8,
+    )
+    return Features(ViTModel(config).eval(), "pixel_values")
+
+
+def whisper_encoder() -> Features:
+    from transformers import WhisperConfig
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    config = WhisperConfig(
+        d_model=64,
+        encoder_layers=2,
+        encoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        num_mel_bins=16,
+        max_source_positions=32,
+        vocab_size=512,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+        decoder_start_token_id=0,
+    )
+    return Features(WhisperEncoder(config).eval(), "input_features")
+
+
+class ResNetish(nn.Module):
+    """Two residual conv blocks with BatchNorm, pooling and a classifier."""
+
+    def __init__(self, channels: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.Conv2d(channels, channels, 3, padding=1),
+                nn.BatchNorm2d(channels),
+                nn.ReLU(),
+                nn.Conv2d(channels, channels, 3, padding=1),
+                nn.BatchNorm2d(channels),
+            )
+            for _ in range(2)
+        )
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        for block in self.blocks:
+            x = torch.relu(x + block(x))
+        return self.head(x.mean((2, 3)))
+
+
+class LSTMTagger(nn.Module):
+    """Embedding, a one-layer LSTM and a tag head."""
+
+    def __init__(self, vocab: int = 512, width: int = 32, tags: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, batch_first=True)
+        self.head = nn.Linear(width, tags)
+
+    def forward(self, ids):
+        hidden, _ = self.lstm(self.embed(ids))
+        return self.head(hidden)
