@@ -1,0 +1,91 @@
+"""How pass time grows with graph size: fx16 next to coreai-opt, in one process.
+
+    python -m benchmarks.scaling [--layers 2 8 32 96] [--big-nodes 20000]
+
+GPT-2-style stacks of growing depth, plus one synthetic graph of --big-nodes nodes
+(a chain of small elementwise ops around a Linear). Prints µs per node for each tool,
+the ratio, and the cast time as a share of ``torch.export.export`` time.
+"""
+
+import argparse
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+
+from benchmarks.peers import fp16_casts
+from benchmarks.zoo import gpt2
+
+
+class Chain(torch.nn.Module):
+    """A Linear, then ``steps`` rounds of scale-and-shift: two graph nodes per step."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+        self.steps = steps
+
+    def forward(self, x):
+        x = self.fc(x)
+        for step in range(self.steps):
+            x = x * 0.999 + 0.001 * (step % 7)
+        return x
+
+
+def _median_time(cast, ep, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        candidate = copy.deepcopy(ep)
+        start = time.perf_counter()
+        cast(candidate)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="*", default=[2, 8, 32, 96])
+    parser.add_argument("--big-nodes", type=int, default=20000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    casts = {name: cast for name, cast in fp16_casts().items() if "calibration" not in name}
+    cases = [
+        (f"GPT-2 x{n}", lambda n=n: (gpt2(n), (torch.randint(0, 1024, (1, 32)),)))
+        for n in args.layers
+    ]
+    if args.big_nodes:
+        cases.append(
+            (
+                f"chain {args.big_nodes}",
+                lambda: (Chain(args.big_nodes // 2).eval(), (torch.randn(4, 16),)),
+            )
+        )
+    names = list(casts)
+    print(
+        "| graph | nodes | export | "
+        + " | ".join(f"{n} µs/node" for n in names)
+        + " | ratio | fx16 / export |"
+    )
+    print("|---" * (5 + len(names)) + "|")
+    for label, build in cases:
+        torch.manual_seed(0)
+        model, inputs = build()
+        start = time.perf_counter()
+        ep = torch.export.export(model, inputs)
+        export_seconds = time.perf_counter() - start
+        nodes = len(ep.graph_module.graph.nodes)
+        seconds = {name: _median_time(cast, ep, args.repeats) for name, cast in casts.items()}
+        per_node = " | ".join(f"{seconds[n] / nodes * 1e6:.0f}" for n in names)
+        ratio = seconds[names[-1]] / seconds["fx16"] if len(names) > 1 else float("nan")
+        print(
+            f"| {label} | {nodes} | {export_seconds:.2f} s | {per_node} | {ratio:.2f}x | "
+            f"{seconds['fx16'] / export_seconds:.0%} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
