@@ -2,16 +2,16 @@
 
 import torch
 from torch.fx import GraphModule
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.casts import retype_val
 from fx16.decisions import Reason, decide
 from fx16.numerics import tensor_overflows_fp16, tensor_to_fp16
-from fx16.policy import Precision, PrecisionPolicy
-from fx16.program import Program
+from fx16.passes.policy_pass import PolicyPass
+from fx16.policy import Precision
 
 
-class ConvertParametersPass(PassBase):
+class ConvertParametersPass(PolicyPass):
     """Store every fp32 state tensor that fits the policy's 16-bit dtype in it (fp16 by default).
 
     Reads: the program's parameters, buffers and tensor constants (lifted ones too).
@@ -26,17 +26,6 @@ class ConvertParametersPass(PassBase):
     stored under several names is converted once and shared again. Placeholders named
     in ``force_fp32`` stay fp32 (the accuracy-budget search uses it).
     """
-
-    def __init__(
-        self,
-        program: Program,
-        *,
-        policy: PrecisionPolicy | None = None,
-        force_fp32: frozenset[str] = frozenset(),
-    ) -> None:
-        self.program = program
-        self.policy = policy or PrecisionPolicy.default()
-        self.force_fp32 = frozenset(force_fp32)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         converted: dict[int, torch.Tensor] = {}

@@ -2,18 +2,17 @@
 
 import torch
 from torch.fx import GraphModule
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.casts import WHY_NARROW, CastInserter, retype_val
 from fx16.decisions import Reason, decide
 from fx16.nodes import node_dtype
-from fx16.numerics import largest
-from fx16.policy import Precision, PrecisionPolicy
-from fx16.program import Program
+from fx16.passes.policy_pass import PolicyPass
+from fx16.policy import Precision
 
 
-class ConvertUserInputsPass(PassBase):
+class ConvertUserInputsPass(PolicyPass):
     """Declare every fp32 user input 16-bit (the policy's dtype): callers pass 16-bit
     tensors afterwards. With the policy's ``keep_io_types``, the input stays fp32 and a
     cast right after it feeds the program instead.
@@ -25,19 +24,6 @@ class ConvertUserInputsPass(PassBase):
     Writes: their ``meta["val"]`` and ``meta["fx16.precision"]``; the program's
     recorded example inputs, converted to match.
     """
-
-    def __init__(
-        self,
-        program: Program,
-        *,
-        policy: PrecisionPolicy | None = None,
-        overflow_margin: float = 2.0,
-        force_fp32: frozenset[str] = frozenset(),
-    ) -> None:
-        self.program = program
-        self.policy = policy or PrecisionPolicy.default()
-        self.limit = largest(self.policy.low) / overflow_margin
-        self.force_fp32 = frozenset(force_fp32)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         casts = CastInserter(graph_module.graph)

@@ -7,7 +7,7 @@ from torch._ops import HigherOrderOperator
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
@@ -37,10 +37,10 @@ from fx16.nodes import (
     tensor_inputs,
     value_scalars,
 )
-from fx16.numerics import largest, round_scalar_to_fp16
+from fx16.numerics import round_scalar_to_fp16
 from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
+from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision, PrecisionPolicy
-from fx16.program import Program
 from fx16.propagation import output_dtypes_by_running, propagate_fake
 
 FP32 = torch.float32
@@ -49,7 +49,7 @@ FP32 = torch.float32
 OUTPUTS = "output"
 
 
-class InsertFP16CastsPass(PassBase):
+class InsertFP16CastsPass(PolicyPass):
     """Walk the graph in order and give every float op a precision.
 
     Reads: ``meta["val"]`` and ``meta["fx16.precision"]`` of the inputs (run the
@@ -79,19 +79,6 @@ class InsertFP16CastsPass(PassBase):
     are, so casting twice equals casting once.
     """
 
-    def __init__(
-        self,
-        program: Program,
-        *,
-        policy: PrecisionPolicy | None = None,
-        overflow_margin: float = 2.0,
-        force_fp32: frozenset[str] = frozenset(),
-    ) -> None:
-        self.program = program
-        self.policy = policy or PrecisionPolicy.default()
-        self.overflow_margin = overflow_margin
-        self.force_fp32 = frozenset(force_fp32)
-
     def call(self, graph_module: GraphModule) -> PassResult:
         graph = graph_module.graph
         nodes_before = len(graph.nodes)
@@ -103,7 +90,7 @@ class InsertFP16CastsPass(PassBase):
         run = _Run(
             graph_module,
             self.policy,
-            largest(self.policy.low) / self.overflow_margin,
+            self.limit,
             force_fp32=self.force_fp32,
         )
         run.walk()
