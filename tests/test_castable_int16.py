@@ -2,12 +2,16 @@
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
 from fx16.analysis import CastableInt16Analysis, UnsafeIndexAnalysis, UserReachabilityAnalysis
+from fx16.analysis.castable_int16 import has_scalar_operand
 from fx16.errors import PreconditionError
+from fx16.ops import INT16_COMPUTE_OPS
 from fx16.program import Program
 from helpers import export
 from models import BucketHash, GatherComputedIndex, Int32Arithmetic, PositionsAndMask
+from strategies import integer_cases
 
 KEY = CastableInt16Analysis.META_KEY
 
@@ -58,3 +62,20 @@ def test_gather_index_path_is_excluded():
         export(GatherComputedIndex(), torch.randn(2, 5), torch.randint(0, 5, (2, 3)))
     )
     assert castable == {"add_1"}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(integer_cases())
+def test_castable_nodes_are_reachable_safe_wide_integers_joined_to_a_seed(case):
+    model, args, _, _ = case
+    ep = export(model, *args)
+    castable = _analyse(ep)
+    nodes = {n.name: n for n in ep.graph_module.graph.nodes}
+    for name in castable:
+        node = nodes[name]
+        assert node.meta["val"].dtype in (torch.int32, torch.int64)
+        assert node.meta[UserReachabilityAnalysis.META_KEY]
+        assert not node.meta[UnsafeIndexAnalysis.META_KEY]
+        assert not has_scalar_operand(node)
+    seeds = {n.name for n in nodes.values() if n.name in castable and n.target in INT16_COMPUTE_OPS}
+    assert bool(seeds) == bool(castable)

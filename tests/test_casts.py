@@ -49,9 +49,7 @@ class Casts(torch.nn.Module):
 
 def test_only_pure_dtype_casts_count():
     ep = export(Casts(), torch.randn(2))
-    conversions = [
-        n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.to.dtype
-    ]
+    conversions = [n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.to.dtype]
     assert [is_cast(n) for n in conversions] == [True, False, True]  # copy=True is a copy
 
 

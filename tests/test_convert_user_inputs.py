@@ -1,6 +1,8 @@
 """ConvertUserInputsPass: fp32 user inputs are declared fp16, other inputs untouched."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fx16.passes import ConvertUserInputsPass
 from fx16.program import Program
@@ -32,3 +34,25 @@ def test_no_float_inputs_means_not_modified():
 
     ep = export(Ids(), torch.tensor([1, 2]))
     assert not ConvertUserInputsPass(Program(ep))(ep.graph_module).modified
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    st.lists(
+        st.sampled_from([torch.float32, torch.float16, torch.int64, torch.bool]),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_exactly_the_fp32_inputs_change(dtypes):
+    class Many(torch.nn.Module):
+        def forward(self, *inputs):
+            return tuple(value.clone() for value in inputs)
+
+    args = tuple(torch.ones(3).to(dtype) for dtype in dtypes)
+    ep = export(Many(), *args)
+    ConvertUserInputsPass(Program(ep))(ep.graph_module)
+    placeholders = Program(ep).user_input_placeholders()
+    for dtype, placeholder in zip(dtypes, placeholders):
+        expected = torch.float16 if dtype == torch.float32 else dtype
+        assert placeholder.meta["val"].dtype == expected

@@ -3,6 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fx16.analysis import UnsafeIndexAnalysis
 from helpers import export
@@ -94,3 +96,41 @@ def test_every_index_taking_op(kind, decompose):
     ]
     assert integer_ops and all(found[n.name] for n in integer_ops)
     assert not found["x"]
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.sampled_from(["add", "mul", "clamp", "neg_abs"]), min_size=1, max_size=5))
+def test_every_node_on_the_way_to_an_index_is_marked(steps):
+    """ids -> random integer ops -> embedding: every step is unsafe; a side branch is not."""
+
+    class Path(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(100, 4)
+
+        def forward(self, ids):
+            side = ids * 3
+            index = ids
+            for step in steps:
+                if step == "add":
+                    index = index + 1
+                elif step == "mul":
+                    index = index * 1
+                elif step == "clamp":
+                    index = index.clamp(0, 90)
+                else:
+                    index = (-index).abs()
+            return self.embed(index.clamp(0, 99)), side
+
+    ep = export(Path(), torch.tensor([1, 2, 3]))
+    found = _analyse(ep)
+    embedding = next(
+        n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.embedding.default
+    )
+    index = embedding.args[1]
+    while index.op != "placeholder":
+        assert found[index.name], index.name
+        index = index.args[0]
+    assert found["ids"]
+    side = next(n for n in ep.graph_module.graph.nodes if n.op == "output").args[0][1]
+    assert not found[side.name]
