@@ -551,3 +551,24 @@ AUTOCAST_CUDA = {
         "vdot",
     ),
 }
+
+# Ops whose accuracy is why a model opens an fp32 region itself (x.float() before a variance,
+# a softmax, a rotary embedding): a region without any of them is not kept in fp32.
+PRECISION_SENSITIVE_OPS = REDUCTION_OPS | packets(
+    "pow",
+    "rsqrt",
+    "sqrt",
+    "reciprocal",
+    "exp",
+    "expm1",
+    "log",
+    "log1p",
+    "log2",
+    "log10",
+    "sin",
+    "cos",
+    "erf",
+    "erfinv",
+    "div",
+    "logsumexp",
+)

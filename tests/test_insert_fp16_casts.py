@@ -296,3 +296,30 @@ def test_any_scalar_keeps_the_program_valid(factor):
     else:
         assert mul.meta["val"].dtype == torch.float16
         assert mul.args[1] == round_scalar_to_fp16(factor)
+
+
+class TypeAsValue(torch.nn.Module):
+    """GPT-2's attention: softmax(scores).type(value.dtype) @ value - fp32 only at export."""
+
+    def forward(self, scores, value):
+        weights = scores.softmax(-1).type(value.dtype)
+        return torch.nn.functional.dropout(weights, 0.1, False) @ value
+
+
+def test_an_fp32_cast_before_nothing_sensitive_is_not_a_region():
+    """softmax -> to(f32) -> dropout -> matmul(value:f16): the cast becomes to(f16), all fp16."""
+    ep = export(TypeAsValue(), torch.randn(2, 4, 4), torch.randn(2, 4, 3))
+    _insert(ep)
+    check_program(ep)
+    cast = _only(ep, aten.to.dtype)
+    assert cast.args[1] == torch.float16
+    assert _only(ep, aten.matmul.default).meta["val"].dtype == torch.float16
+    assert not [n for n in inserted_casts(ep) if n.meta[INSERTED] == "upcast"]
+
+
+def test_an_fp32_cast_before_a_variance_is_a_region():
+    """RMSNorm: to(f32) -> pow -> mean: kept in fp32 (see Island above for the exit)."""
+    ep = export(Island(), torch.randn(2, 3))
+    _insert(ep)
+    first = [n for n in ep.graph_module.graph.nodes if n.target == aten.to.dtype][0]
+    assert first.meta[PRECISION].reason == Reason.EXPLICIT_FP32

@@ -38,7 +38,7 @@ from fx16.nodes import (
     value_scalars,
 )
 from fx16.numerics import round_scalar_to_fp16
-from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
+from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS, PRECISION_SENSITIVE_OPS
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision, PrecisionPolicy
 from fx16.propagation import output_dtypes_by_running, propagate_fake
@@ -65,7 +65,8 @@ class InsertFP16CastsPass(PolicyPass):
     when an input is fp32 or a scalar lies beyond 65504. Creation ops get
     ``dtype=torch.float16``. With ``keep_explicit_fp32`` (the default) a cast to
     fp32 that the model makes on a 16-bit value (``x.float()``), or an op given
-    ``dtype=torch.float32``, opens an fp32 region: ops fed only from it stay fp32
+    ``dtype=torch.float32``, opens an fp32 region when a precision-sensitive op (a
+    reduction, softmax, exp, pow, sin/cos) follows: ops fed only from it stay fp32
     with no cast-back, until the model casts to fp32 again (in the source, the
     cast back to the input dtype), which then becomes the cast to fp16.
 
@@ -129,6 +130,31 @@ def _unify_outputs(submodules: list[GraphModule]) -> list[Node]:
 def _is_island(node: Node) -> bool:
     decision = decision_of(node)
     return decision is not None and decision.reason == Reason.EXPLICIT_FP32
+
+
+# How far to look after a model's fp32 cast for a precision-sensitive op.
+_REGION_LOOKAHEAD = 32
+
+
+def _opens_sensitive_region(cast: Node) -> bool:
+    """The model's ``x.to(torch.float32)`` leads, before its next cast, to an op whose
+    accuracy needs fp32 (a variance, softmax, exp, rotary sin/cos). GPT-2's
+    ``attn_weights.type(value.dtype)`` - fp32 only because the model was fp32 at export -
+    leads to dropout and then a matmul with 16-bit values, and is not kept. The region
+    is what the inserter would keep in fp32: ops fed only by it."""
+    region, frontier = {cast}, list(cast.users)
+    while frontier and len(region) < _REGION_LOOKAHEAD:
+        node = frontier.pop(0)
+        if node in region or node.op != "call_function" or is_cast(node):
+            continue
+        floats = [a for a in tensor_inputs(node) if node_dtype(a) in FLOAT_DTYPES]
+        if not all(arg in region for arg in floats):
+            continue  # it mixes in values from outside: the region ends there
+        if getattr(node.target, "_opname", None) in PRECISION_SENSITIVE_OPS:
+            return True
+        region.add(node)
+        frontier.extend(node.users)
+    return False
 
 
 def _float_rank(dtype: torch.dtype) -> int:
@@ -271,7 +297,11 @@ class _Run:
             decide(
                 node, FP32, decision_of(source).reason if decision_of(source) else Reason.FP32_INPUT
             )
-        elif source_dtype in (torch.float16, torch.bfloat16) and self.keep_explicit_fp32:
+        elif (
+            source_dtype in (torch.float16, torch.bfloat16)
+            and self.keep_explicit_fp32
+            and _opens_sensitive_region(node)
+        ):
             decide(node, FP32, Reason.EXPLICIT_FP32)
         elif self.policy.precision_for(node) == Precision.LOW:
             self.retarget(node, self.low)
