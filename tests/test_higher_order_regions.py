@@ -110,3 +110,40 @@ def test_failure_restores_subgraphs_too(monkeypatch):
     with pytest.raises(fx16.PassFailedError):
         fx16.cast_fp32_to_fp16(ep)
     assert getattr(ep.graph_module, cond.args[1].target).code == code
+
+
+class BranchEnergy(torch.nn.Module):
+    """The taken branch squares large values (beyond fp16) and takes a root again."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            self.fc.bias.fill_(3.0)
+
+    def forward(self, x):
+        h = self.fc(x)
+
+        def energy(a):
+            return (a * 300).pow(2).sum(-1, keepdim=True).sqrt()
+
+        def plain(a):
+            return a.abs()
+
+        return torch.cond(h.sum() > 0, energy, plain, (h,))
+
+
+def test_calibration_looks_inside_the_branch_taken():
+    """pow inside the taken branch overflows fp16: it is observed and kept fp32 there."""
+    torch.manual_seed(0)
+    model, x = BranchEnergy(), torch.randn(2, 4)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    (cond,) = _hops(ep, torch.ops.higher_order.cond)
+    taken = getattr(ep.graph_module, cond.args[1].target)
+    power = next(n for n in taken.graph.nodes if n.target == aten.pow.Tensor_Scalar)
+    assert power.meta["fx16.observed_range"] > 65504
+    assert power.meta[PRECISION].reason == Reason.ACTIVATION_OVERFLOW
+    outputs = run(ep, x)
+    assert torch.isfinite(outputs[0]).all()
+    assert max_error(fp64_reference(model, x), outputs) < 1e-2

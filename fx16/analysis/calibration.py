@@ -143,11 +143,34 @@ def integer_extremes(value) -> tuple[int, int] | None:
 
 
 class _MagnitudeRecorder(Interpreter):
-    def __init__(self, graph_module: GraphModule) -> None:
+    """Runs a graph and records magnitudes, integer extremes and sentinels per node.
+
+    It steps into the bodies of cond (the branch taken), autocast and set_grad_enabled
+    regions, so their nodes are observed too; other higher-order ops run whole.
+    """
+
+    def __init__(self, graph_module: GraphModule, parent: "_MagnitudeRecorder | None" = None):
         super().__init__(graph_module)
-        self.magnitudes: dict[Node, float] = {}
-        self.int_ranges: dict[Node, tuple[int, int]] = {}
-        self.sentinels: set[Node] = set()
+        self.magnitudes: dict[Node, float] = parent.magnitudes if parent else {}
+        self.int_ranges: dict[Node, tuple[int, int]] = parent.int_ranges if parent else {}
+        self.sentinels: set[Node] = parent.sentinels if parent else set()
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.higher_order.cond:
+            predicate, true_body, false_body, operands = args
+            return self._inside(true_body if bool(predicate) else false_body, operands)
+        if target is torch.ops.higher_order.wrap_with_autocast:
+            device, dtype, enabled, cache, body, *operands = args
+            with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
+                return self._inside(body, operands)
+        if target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+            enabled, body, *operands = args
+            with torch.set_grad_enabled(enabled):
+                return self._inside(body, operands)
+        return super().call_function(target, args, kwargs)
+
+    def _inside(self, body: GraphModule, operands):
+        return tuple(_MagnitudeRecorder(body, parent=self).run(*operands))
 
     def run_node(self, node: Node):
         result = super().run_node(node)

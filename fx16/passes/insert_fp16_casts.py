@@ -187,16 +187,18 @@ class _Run:
         limit: float,
         calibrated: bool = True,
         force_fp32: frozenset[str] = frozenset(),
+        root: GraphModule | None = None,
     ) -> None:
         self.graph_module = graph_module
+        self.root = root or graph_module
         self.force_fp32 = force_fp32
         self.casts = CastInserter(graph_module.graph)
         self.policy = policy
         self.low = policy.low
         self.keep_explicit_fp32 = policy.keep_explicit_fp32
         self.limit = limit
-        # Calibration does not see inside subgraphs: there a value forced to fp32 stays
-        # fp32 (no cast-back), since nothing shows that it fits fp16 again.
+        # Without observations (a cond branch calibration did not take) a value forced to
+        # fp32 stays fp32 (no cast-back): nothing shows that it fits fp16 again.
         self.calibrated = calibrated
         self.modified = False
 
@@ -204,7 +206,7 @@ class _Run:
         for node in list(self.graph_module.graph.nodes):
             if node.op == "call_function":
                 self.visit(node)
-        if self.modified and not self.calibrated:
+        if self.modified and self.graph_module is not self.root:
             # a subgraph's code must match before its HOP runs (the root is recompiled
             # once, by whoever runs the pipeline)
             self.graph_module.recompile()
@@ -391,7 +393,8 @@ class _Run:
                 placeholder.meta["val"] = retype_val(placeholder.meta["val"], node_dtype(operand))
                 if decision_of(operand) is not None:
                     placeholder.meta[PRECISION] = decision_of(operand)
-            inner = _Run(submodule, self.policy, self.limit, calibrated=False)
+            observed = any(CalibrationAnalysis.META_KEY in n.meta for n in submodule.graph.nodes)
+            inner = _Run(submodule, self.policy, self.limit, calibrated=observed, root=self.root)
             inner.walk()
             self.modified |= inner.modified
         outputs = _unify_outputs(submodules)
