@@ -33,10 +33,6 @@ def node_dtype(node: Any) -> torch.dtype | None:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
-def is_float_node(node: Any) -> bool:
-    return node_dtype(node) in FLOAT_DTYPES
-
-
 def tensor_inputs(node: Node) -> list[Node]:
     """The distinct input nodes whose value is a tensor, in argument order."""
     return [arg for arg in node.all_input_nodes if isinstance(node_val(arg), torch.Tensor)]
@@ -95,11 +91,6 @@ def accepts_keyword(node: Node, name: str) -> bool:
         and name not in node.kwargs
         and any(arg.name == name and arg.kwarg_only for arg in schema.arguments)
     )
-
-
-def get_argument(node: Node, location: Location) -> Any:
-    kind, key = location
-    return node.args[key] if kind == "args" else node.kwargs[key]
 
 
 def set_argument(node: Node, location: Location, value: Any) -> None:

@@ -47,11 +47,6 @@ def round_scalar_to_fp16(value: float, dtype: torch.dtype = torch.float16) -> fl
     return float(torch.tensor(value, dtype=dtype))
 
 
-def scalar_overflows_fp16(value: float, dtype: torch.dtype = torch.float16) -> bool:
-    """True for a finite magnitude ``dtype`` cannot hold that is not an inf-like sentinel."""
-    return round_scalar_to_fp16(value, dtype) is None
-
-
 def tensor_overflows_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> bool:
     """True when any finite element exceeds ``dtype``'s maximum (inf and nan do not count)."""
     if tensor.numel() == 0:
