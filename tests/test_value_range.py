@@ -124,3 +124,21 @@ def test_calibration_ranges_are_marked_observed():
     assert ranges["ids"] == ValueRange(4, 10, Source.OBSERVED)
     assert ranges["mul"] == ValueRange(4000, 10000, Source.OBSERVED)
     assert ranges["remainder"].source == Source.PROVEN
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_arange_in_every_overload(decompose):
+    """arange(n), arange(a, b) and the decomposed arange.start_step with its default step."""
+
+    class Ranges(torch.nn.Module):
+        def forward(self, x):
+            n = x.shape[0]
+            return torch.arange(n) + torch.arange(2, n + 2) + x
+
+    length = torch.export.Dim("length", max=100)
+    ep = export(Ranges(), torch.arange(4), dynamic_shapes=({0: length},), decompose=decompose)
+    ranges = _analyse(ep)
+    found = sorted(
+        (r.low, r.high) for n, r in ranges.items() if n.startswith("arange") and r is not None
+    )
+    assert found == [(0, 99), (2, 101)]

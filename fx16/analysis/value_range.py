@@ -328,13 +328,13 @@ class _Rules:
         return None if size is None else _span(0, size.high, size)
 
     def arange(self, node: Node) -> ValueRange | None:
-        bounds = [self.of_arg(arg) for arg in node.args[:3]]
-        if node.target == aten.arange.default:
-            start, end, step = _constant(0), bounds[0], _constant(1)
-        elif node.target == aten.arange.start:
-            start, end, step = bounds[0], bounds[1], _constant(1)
-        else:
-            start, end, step = bounds
+        """arange(start=0, end, step=1) with step > 0: [start, end - 1]."""
+        start, end, step = (
+            self.of_arg(named_argument(node, name))
+            if named_argument(node, name) is not None
+            else _constant(default)
+            for name, default in (("start", 0), ("end", None), ("step", 1))
+        )
         if start is None or end is None or step is None or step.low <= 0:
             return None
         return _span(start.low, max(end.high - 1, start.low), start, end, step)
