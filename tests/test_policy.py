@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fx16
+from benchmarks.zoo import ResNetish
 from fx16 import OpKind, Precision, PrecisionPolicy
 from fx16.decisions import PRECISION, Reason
 from fx16.demo import DemoBlock
@@ -239,3 +240,16 @@ def test_each_preset_gives_each_op_kind_its_dtype(preset):
 def test_op_keys_may_be_aten_ops():
     policy = PrecisionPolicy.custom(ops={aten.softmax.int: "fp32"})
     assert policy.ops == {"softmax": Precision.FP32}
+
+
+def test_static_autocast_on_a_decomposed_cnn():
+    """Decomposed, conv2d is aten.convolution, which no CPU autocast list names: it follows
+    its inputs, and as a convolution cannot mix bf16 input with fp32 weights it runs in the
+    wider dtype."""
+    torch.manual_seed(0)
+    model, x = ResNetish().eval(), torch.randn(1, 3, 16, 16)
+    ep = fx16.cast_fp32_to_fp16(
+        export(model, x, decompose=True), policy=PrecisionPolicy.autocast("cpu", torch.bfloat16)
+    )
+    check_program(ep)
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 5e-2

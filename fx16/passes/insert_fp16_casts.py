@@ -469,10 +469,18 @@ class _Run:
 
             node.args = map_arg(node.args, widen)
             node.kwargs = map_arg(node.kwargs, widen)
-        result = propagate_fake(node)
         input_dtypes = {node_dtype(a) for a in tensor_inputs(node) if node_dtype(a) in FLOAT_DTYPES}
-        if len(input_dtypes) > 1:  # mixed float inputs: trust a real kernel, not the meta one
-            result = output_dtypes_by_running(node, result)
+        try:
+            result = propagate_fake(node)
+            if len(input_dtypes) > 1:  # mixed float inputs: trust a real kernel, not the meta one
+                result = output_dtypes_by_running(node, result)
+        except RuntimeError:
+            if promote or len(input_dtypes) < 2:
+                raise
+            # the op cannot mix float dtypes (a convolution with bf16 input, fp32 weight):
+            # it runs in the widest of them
+            self.follow(node, promote=True)
+            return
         dtypes = {leaf.dtype for leaf in _tensors(result) if leaf.is_floating_point()}
         scalar_overflow = any(
             round_scalar_to_fp16(float(v), self.low) is None for _, v in value_scalars(node)
