@@ -1,0 +1,30 @@
+"""Every benchmark-zoo model, in the training IR and decomposed, under the main policies:
+the cast program stays valid (lint, validate, save/load, decompositions, meta dtypes)."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+import fx16
+from benchmarks.compare import models
+from helpers import check_program
+
+FULL = os.environ.get("FX16_FUZZ") == "full"
+CASES = [(name, build, draw) for name, build, draw in models()]
+POLICIES = ["default", "auto_mixed_bf16", "autocast"]
+IRS = ["training", "aten"] if FULL else ["aten"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, build, draw", CASES, ids=[name for name, _, _ in CASES])
+def test_zoo_model_casts_to_a_valid_program(name, build, draw):
+    torch.manual_seed(0)
+    model, args = build(), draw()
+    exported = torch.export.export(model, args)
+    for ir in IRS:
+        program = exported.run_decompositions() if ir == "aten" else exported
+        for policy in POLICIES:
+            cast = fx16.cast_to_16_bit_precision(copy.deepcopy(program), policy=policy)
+            check_program(cast)
