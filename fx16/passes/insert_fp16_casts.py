@@ -50,7 +50,8 @@ OUTPUTS = "output"
 
 
 class InsertFP16CastsPass(PolicyPass):
-    """Walk the graph in order and give every float op a precision.
+    """Walk the graph in order and give every float op a precision (fp16, or the
+    policy's 16-bit dtype; the policy can ask for fp32, or to follow the inputs).
 
     Reads: ``meta["val"]`` and ``meta["fx16.precision"]`` of the inputs (run the
     parameter and user-input converters first), and ``meta["fx16.observed_range"]``
@@ -75,7 +76,7 @@ class InsertFP16CastsPass(PolicyPass):
     fp32 too, until one produces values that fit and casts back to fp16.
 
     Nodes named in ``force_fp32`` run in fp32 (the accuracy-budget search uses it);
-    the name ``OUTPUTS`` there keeps results computed in fp32 fp32 at the outputs.
+    the name ``OUTPUTS`` there returns outputs computed in fp32 as fp32.
     Nodes that already carry a decision (from an earlier run) are left as they
     are, so casting twice equals casting once.
     """
