@@ -7,8 +7,10 @@ marked with ``meta[INSERTED]`` so that cleanup can tell them from the model's
 own casts; a model cast whose dtype fx16 retargets is marked the same way.
 """
 
+import weakref
+
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, Node
 
 from fx16.nodes import node_dtype, node_val
@@ -87,18 +89,36 @@ def set_cast_dtype(node: Node, dtype: torch.dtype) -> None:
     node.meta["val"] = retype_val(node.meta["val"], dtype)
 
 
+# Retyped fake values per fake mode, by (shape, strides, device, dtype): a transformer's
+# layers repeat the same few, and building a FakeTensor costs ~100 µs. Node metadata is
+# read-only, so nodes with equal metadata may share one value (torch.export itself shares
+# them between a multi-output op and its getitems).
+_RETYPED: "weakref.WeakKeyDictionary[FakeTensorMode, dict]" = weakref.WeakKeyDictionary()
+
+
 def retype_val(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The same fake tensor (shape, strides, device) with another dtype.
 
-    Builds the FakeTensor directly from a meta tensor: several times cheaper than
-    ``val.to(dtype)``, which dispatches a real ``_to_copy`` through fake mode.
+    Builds the FakeTensor directly from a meta tensor, once per distinct metadata:
+    many times cheaper than ``val.to(dtype)``, which dispatches a real ``_to_copy``.
     """
     if val.dtype == dtype:
         return val
-    if isinstance(val, FakeTensor):
+    if not isinstance(val, FakeTensor):
+        return val.to(dtype)
+    key = (
+        tuple(map(str, val.shape)),
+        tuple(map(str, val.stride())),
+        str(val.storage_offset()),
+        val.device,
+        dtype,
+    )
+    cache = _RETYPED.setdefault(val.fake_mode, {})
+    found = cache.get(key)
+    if found is None:
         meta = torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
-        return FakeTensor(val.fake_mode, meta, val.device)
-    return val.to(dtype)
+        found = cache[key] = FakeTensor(val.fake_mode, meta, val.device)
+    return found
 
 
 class CastInserter:
