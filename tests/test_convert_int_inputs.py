@@ -1,6 +1,8 @@
 """ConvertIntInputsPass: castable integer inputs with a fitting range become int16."""
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from int16_helpers import int_decisions, run_int16_stages
 
 from fx16.casts import INSERTED
@@ -80,3 +82,24 @@ def test_assume_safe_narrows_without_ranges():
     ep = export(Int32Arithmetic(), *ARGS)
     run_int16_stages(ep, ConvertIntInputsPass, int16="assume_safe")
     assert int_decisions(ep)["a"].reason == Reason.ASSUMED_SAFE
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(-40000, 40000), st.integers(0, 40000), st.integers(-40000, 40000))
+def test_an_input_is_int16_exactly_when_its_range_fits_and_an_int16_op_reads_it(low, span, b_low):
+    ranges = {"a": (low, low + span), "b": (b_low, b_low)}
+    args = (torch.tensor([low], dtype=torch.int32), torch.tensor([b_low], dtype=torch.int32))
+    ep = export(Int32Arithmetic(), *args)
+    run_int16_stages(ep, ConvertIntInputsPass, input_ranges=ranges)
+    decisions = int_decisions(ep)
+    a_fits = -32768 <= low and low + span <= 32767
+    narrowed_ops = [
+        n for n, d in decisions.items() if d.dtype == torch.int16 and n not in ("a", "b")
+    ]
+    assert (decisions["a"].dtype == torch.int16) == (a_fits and bool(narrowed_ops))
+    for name, decision in decisions.items():
+        if decision.dtype == torch.int16:
+            assert decision.reason == Reason.FITS, name
+    check_program(ep)
+    for got, want in zip(run(ep, *args), Int32Arithmetic()(*args)):
+        assert got.dtype == want.dtype and torch.equal(got, want)

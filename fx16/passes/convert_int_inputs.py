@@ -2,17 +2,17 @@
 
 import torch
 from torch.fx import GraphModule
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.casts import INSERTED, WHY_CAST_BACK, WHY_NARROW, CastInserter, retype_val
 from fx16.decisions import INT_PRECISION, Reason, decide
-from fx16.narrowing import check_mode, int16_verdict, may_narrow
+from fx16.narrowing import int16_verdict, may_narrow
 from fx16.nodes import node_dtype
 from fx16.ops import WIDE_INT_DTYPES
-from fx16.program import Program
+from fx16.passes.int16_pass import Int16Pass
 
 
-class ConvertIntInputsPass(PassBase):
+class ConvertIntInputsPass(Int16Pass):
     """Make a user input int16 when it is castable, fits, and an int16 op reads it.
 
     Runs after InsertInt16CastsPass: the narrowing casts it put on an input are
@@ -24,10 +24,6 @@ class ConvertIntInputsPass(PassBase):
     Writes: the placeholders' ``meta["val"]``, ``meta["fx16.int16"]`` on every wide
     integer input, a cast-back where wide consumers remain, the example inputs.
     """
-
-    def __init__(self, program: Program, *, mode: str = "proven") -> None:
-        self.program = program
-        self.mode = check_mode(mode)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         casts = CastInserter(graph_module.graph)

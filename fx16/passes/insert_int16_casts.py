@@ -3,7 +3,7 @@
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.casts import (
     INSERTED,
@@ -18,7 +18,7 @@ from fx16.casts import (
     set_cast_dtype,
 )
 from fx16.decisions import INT_PRECISION, Reason, decide
-from fx16.narrowing import check_mode, int16_verdict, may_narrow
+from fx16.narrowing import int16_verdict, may_narrow
 from fx16.nodes import (
     accepts_keyword,
     dtype_arguments,
@@ -28,13 +28,13 @@ from fx16.nodes import (
     set_argument,
 )
 from fx16.ops import CREATION_OPS, WIDE_INT_DTYPES
-from fx16.program import Program
+from fx16.passes.int16_pass import Int16Pass
 from fx16.propagation import propagate_fake
 
 INT16 = torch.int16
 
 
-class InsertInt16CastsPass(PassBase):
+class InsertInt16CastsPass(Int16Pass):
     """Walk the graph in order and move castable int32/int64 ops to int16.
 
     A node is narrowed when ``fx16.narrowing.int16_verdict`` allows it: castable,
@@ -48,10 +48,6 @@ class InsertInt16CastsPass(PassBase):
     ``meta["val"]``, inserted casts (``meta["fx16.inserted"]``), ``meta["fx16.int16"]``
     on every wide integer op, the output specs. Nodes already decided are kept.
     """
-
-    def __init__(self, program: Program, *, mode: str = "proven") -> None:
-        self.program = program
-        self.mode = check_mode(mode)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         casts = CastInserter(graph_module.graph)
