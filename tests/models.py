@@ -213,3 +213,21 @@ class CumsumCounter(torch.nn.Module):
 
     def forward(self, steps, offset):
         return (steps + offset).cumsum(-1)
+
+
+class AutocastRegions(torch.nn.Module):
+    """A disabled-autocast region (fp32 on purpose) and an fp16 autocast region."""
+
+    def __init__(self, enabled_dtype=torch.float16):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.inner = torch.nn.Linear(8, 8)
+        self.enabled_dtype = enabled_dtype
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.autocast("cpu", enabled=False):
+            energy = h.float().pow(2).sum(-1, keepdim=True)
+        with torch.autocast("cpu", dtype=self.enabled_dtype):
+            g = self.inner(h).relu()
+        return h / energy.sqrt() + g.float()

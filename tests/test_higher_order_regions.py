@@ -7,26 +7,9 @@ import fx16
 from fx16.decisions import PRECISION, Reason
 from fx16.passes import CleanupCastsPass
 from helpers import check_program, export, fp64_reference, max_error, run
+from models import AutocastRegions
 
 aten = torch.ops.aten
-
-
-class AutocastRegions(torch.nn.Module):
-    """A disabled-autocast region (fp32 on purpose) and an fp16 autocast region."""
-
-    def __init__(self, enabled_dtype=torch.float16):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
-        self.inner = torch.nn.Linear(8, 8)
-        self.enabled_dtype = enabled_dtype
-
-    def forward(self, x):
-        h = self.fc(x)
-        with torch.autocast("cpu", enabled=False):
-            energy = h.float().pow(2).sum(-1, keepdim=True)
-        with torch.autocast("cpu", dtype=self.enabled_dtype):
-            g = self.inner(h).relu()
-        return h / energy.sqrt() + g.float()
 
 
 class Branches(torch.nn.Module):

@@ -173,6 +173,50 @@ def test_explicit_fp32_region_and_its_exit():
     assert inserted_casts(ep) == [second]
 
 
+@pytest.mark.parametrize("cast_again", [False, True])
+def test_decomposed_region_is_read_from_its_assertions(cast_again):
+    """run_decompositions drops Island's no-op to(f32) casts and leaves their
+    _assert_tensor_metadata checks: the region and its exit are rebuilt from those."""
+    ep = export(Island(), torch.randn(2, 3), decompose=True)
+    assert not [n for n in ep.graph_module.graph.nodes if n.target in (aten.to.dtype,)]
+    _insert(ep)
+    if cast_again:
+        assert not _insert(ep).modified
+    check_program(ep)
+    opening, closing = inserted_casts(ep)
+    assert opening.kwargs["dtype"] == torch.float32 and opening.meta[INSERTED] == "upcast"
+    assert opening.meta[PRECISION].reason == Reason.EXPLICIT_FP32
+    assert closing.kwargs["dtype"] == torch.float16
+    for target in (aten.exp.default, aten.div.Tensor, aten.sum.dim_IntList):
+        for node in (n for n in ep.graph_module.graph.nodes if n.target == target):
+            assert node.meta[PRECISION].reason == Reason.EXPLICIT_FP32
+    assert _only(ep, aten.mul.Tensor).meta["val"].dtype == torch.float16
+    assert _only(ep, aten.relu.default).meta["val"].dtype == torch.float16
+    x = torch.randn(2, 3)
+    assert max_error(fp64_reference(Island(), x), run(ep, x)) < 2e-3
+
+
+class NotARegion(torch.nn.Module):
+    """GPT-2's ``attn_weights.type(value.dtype)`` with fp32 values: no sensitive op follows."""
+
+    def forward(self, x, v):
+        weights = x.softmax(-1).type(v.dtype)
+        return weights @ v
+
+
+def test_decomposed_assertion_without_a_sensitive_op_adds_nothing():
+    ep = export(NotARegion(), torch.randn(2, 3, 3), torch.randn(2, 3, 3), decompose=True)
+    assert targets(ep)[aten._assert_tensor_metadata.default] == 1
+    _insert(ep)
+    check_program(ep)
+    assert not inserted_casts(ep)
+    assert all(
+        n.meta["val"].dtype == torch.float16
+        for n in ep.graph_module.graph.nodes
+        if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
+    )
+
+
 class IntToFloat(torch.nn.Module):
     def forward(self, x, ids):
         return x + ids.to(torch.float32)

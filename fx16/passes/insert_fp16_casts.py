@@ -158,6 +158,14 @@ def _opens_sensitive_region(cast: Node) -> bool:
     return False
 
 
+def _asserted_dtype(assertion: Node) -> torch.dtype | None:
+    """The dtype an ``_assert_tensor_metadata`` node checks for, if it checks one."""
+    if len(assertion.args) > 3 and isinstance(assertion.args[3], torch.dtype):
+        return assertion.args[3]
+    dtype = assertion.kwargs.get("dtype")
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def _float_rank(dtype: torch.dtype) -> int:
     return {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}[dtype]
 
@@ -202,9 +210,12 @@ class _Run:
         # fp32 stays fp32 (no cast-back): nothing shows that it fits fp16 again.
         self.calibrated = calibrated
         self.modified = False
+        self.nodes: list[Node] = []
+        self.positions: dict[Node, int] | None = None  # built on first need
 
     def walk(self) -> None:
-        for node in list(self.graph_module.graph.nodes):
+        self.nodes = list(self.graph_module.graph.nodes)
+        for node in self.nodes:
             if node.op == "call_function":
                 self.visit(node)
         if self.modified and self.graph_module is not self.root:
@@ -273,7 +284,14 @@ class _Run:
             self.cast_back(node, decision.reason)
 
     def visit_assert(self, node: Node) -> None:
-        """``_assert_tensor_metadata`` checks the dtype of the value as it is now."""
+        """``_assert_tensor_metadata`` checks the dtype of the value as it is now.
+
+        After ``run_decompositions`` the assertion is all that is left of a model's
+        ``x.float()`` on a value that was fp32 at export (the cast itself was a no-op),
+        so an assertion of fp32 with no cast after it marks the model's fp32 region,
+        as the cast would."""
+        if _asserted_dtype(node) == FP32 and isinstance(node.args[0], Node):
+            self.restore_explicit_cast(node)
         dtype = node_dtype(node.args[0])
         if dtype is None:
             return
@@ -287,6 +305,42 @@ class _Run:
         elif isinstance(node.kwargs.get("dtype"), torch.dtype) and node.kwargs["dtype"] != dtype:
             set_argument(node, ("kwargs", "dtype"), dtype)
             self.modified = True
+
+    def restore_explicit_cast(self, assertion: Node) -> None:
+        """Put back, after ``assertion``, the model's fp32 cast that decomposition
+        dropped, when fx16's decisions make it matter: it opens an fp32 region of a
+        16-bit value, or (``_is_island``) is the way back from one. Consumers of the
+        value after the assertion read the cast; it is removed again when it opens no
+        precision-sensitive region."""
+        value = assertion.args[0]
+        dtype = node_dtype(value)
+        opens = dtype == self.low and self.keep_explicit_fp32
+        closes = dtype == FP32 and _is_island(value) and self.policy.cast_back
+        later = self.later_users(value, assertion)
+        if not (opens or closes) or not later or any(is_cast(user) for user in later):
+            return  # nothing to do, or the cast is still there (not decomposed, or cast before)
+        with self.graph_module.graph.inserting_after(assertion):
+            cast = self.graph_module.graph.call_function(
+                torch.ops.aten._to_copy.default, (value,), {"dtype": FP32 if opens else self.low}
+            )
+        cast.meta["val"] = retype_val(value.meta["val"], cast.kwargs["dtype"])
+        cast.meta[INSERTED] = WHY_UPCAST if opens else WHY_CAST_BACK
+        for user in later:
+            user.replace_input_with(value, cast)
+        if opens and not _opens_sensitive_region(cast):
+            cast.replace_all_uses_with(value)
+            self.graph_module.graph.erase_node(cast)
+            return
+        decide(cast, *((FP32, Reason.EXPLICIT_FP32) if opens else (self.low, Reason.FITS)))
+        self.modified = True
+
+    def later_users(self, value: Node, anchor: Node) -> list[Node]:
+        """The users of ``value`` that come after ``anchor`` in the graph as the walk
+        found it (nodes inserted since then are left alone)."""
+        if self.positions is None:
+            self.positions = {node: index for index, node in enumerate(self.nodes)}
+        after = self.positions[anchor]
+        return [user for user in value.users if self.positions.get(user, -1) > after]
 
     def visit_cast_to_fp32(self, node: Node) -> None:
         source = node.args[0]
