@@ -31,6 +31,20 @@ class StateSlot:
     kind: InputKind
 
 
+def _register_missing_users(graph_module: GraphModule) -> None:
+    """List every node among the users of the nodes it reads.
+
+    torch.export can leave a dead node of an autocast-split graph out of its input's
+    ``users`` (seen with torch 2.13); rewriting that node's arguments then fails inside
+    FX with a SystemError. Registering it restores the invariant FX relies on."""
+    for module in graph_module.modules():
+        if isinstance(module, GraphModule):
+            for node in module.graph.nodes:
+                for arg in node.all_input_nodes:
+                    if node not in arg.users:
+                        arg.users[node] = None
+
+
 class Program:
     """Reads and updates one ExportedProgram's state on behalf of the passes."""
 
@@ -45,6 +59,7 @@ class Program:
                 )
             )
         self.ep = ep
+        _register_missing_users(ep.graph_module)
 
     @property
     def graph_module(self) -> GraphModule:

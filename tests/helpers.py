@@ -122,7 +122,11 @@ def apply_passes_and_check(ep, passes, model, args, tolerance: float = 1e-2):
 def state_snapshot(ep):
     """Everything a cast may change, in comparable form."""
     return (
-        ep.graph_module.code,
+        {
+            name: module.code
+            for name, module in ep.graph_module.named_modules()
+            if isinstance(module, torch.fx.GraphModule)
+        },
         {k: (v.dtype, v.clone()) for k, v in ep.state_dict.items()},
         {k: (v.dtype, v.clone()) for k, v in ep.constants.items() if isinstance(v, torch.Tensor)},
         str(ep.graph_signature),

@@ -1,16 +1,28 @@
 """Hypothesis strategies that build small random, valid exported programs."""
 
 import os
+from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 from torch import nn
 
+from random_programs import MENU, VOCAB, WELL_CONDITIONED, RandomProgram
+
 FP32 = torch.finfo(torch.float32)
 
-# Tests marked slow run this many examples: a bounded number by default (and in CI),
-# hundreds with FX16_FUZZ=full.
-SLOW_EXAMPLES = 400 if os.environ.get("FX16_FUZZ") == "full" else 25
+# The hypothesis profile (see conftest.py): "ci" by default, "long" with FX16_FUZZ=long.
+LONG = os.environ.get("FX16_FUZZ") == "long"
+LONG_EXAMPLES = 10_000
+
+
+def examples(ci: int) -> int:
+    """Examples per property: ``ci`` in the ci profile, LONG_EXAMPLES in the long one."""
+    return LONG_EXAMPLES if LONG else ci
+
+
+# Tests marked slow run this many examples: a bounded number by default (and in CI).
+SLOW_EXAMPLES = examples(25)
 
 # Scalars that stress the rules: below the fp16 subnormal, just past fp16's max,
 # infinity-like sentinels, infinities, fp32's extremes.
@@ -216,3 +228,63 @@ def integer_cases(draw):
         )
 
     return RandomIntegerProgram(steps), inputs(0), ranges, inputs
+
+
+# ---- programs from the whole op menu (random_programs.py) ------------------------------
+
+# Weight entries that stress the converters: past fp16's range, at its edge, below its
+# subnormals.
+EXTREME_WEIGHTS = [1e5, 7e4, -7e4, 65504.0, 1e-8, -1e-30, 3e38]
+
+
+@dataclass
+class ProgramCase:
+    """A random program with its inputs; ``export()`` gives a fresh ExportedProgram."""
+
+    model: nn.Module
+    args: tuple
+    dynamic: bool
+    decompose: bool
+    input_scale: float
+
+    @property
+    def input_ranges(self) -> dict:
+        return {"ids": (0, VOCAB - 1)}
+
+    def export(self) -> torch.export.ExportedProgram:
+        shapes = None
+        if self.dynamic:
+            batch = torch.export.Dim("batch", min=2, max=16)
+            shapes = ({0: batch}, {0: batch})
+        ep = torch.export.export(self.model, self.args, dynamic_shapes=shapes)
+        return ep.run_decompositions() if self.decompose else ep
+
+    def inputs(self, seed: int) -> tuple:
+        """Other inputs inside the declared ranges (same shapes)."""
+        generator = torch.Generator().manual_seed(seed)
+        x, ids = self.args
+        return (
+            torch.randn(x.shape, generator=generator) * self.input_scale,
+            torch.randint(0, VOCAB, ids.shape, generator=generator),
+        )
+
+
+@st.composite
+def programs(draw, menu=tuple(MENU), max_steps: int = 8, extreme: bool = True):
+    """Random programs over ``menu`` (default: every op), from default export or after
+    ``run_decompositions()``, with a static or a dynamic batch dimension."""
+    width = draw(st.integers(2, 6))
+    step = st.tuples(
+        st.sampled_from(menu), st.integers(0, 20), st.integers(0, 20), scalars
+    )
+    steps = draw(st.lists(step, min_size=1, max_size=max_steps))
+    weights = draw(st.lists(st.sampled_from(EXTREME_WEIGHTS), max_size=3)) if extreme else []
+    scale = draw(st.sampled_from([1.0, 30.0, 1e3])) if extreme else 1.0
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    model = RandomProgram(width, steps, weights).eval()
+    batch = draw(st.integers(2, 4))
+    args = (torch.randn(batch, width) * scale, torch.randint(0, VOCAB, (batch, width)))
+    return ProgramCase(model, args, draw(st.booleans()), draw(st.booleans()), scale)
+
+
+well_conditioned_programs = programs(menu=WELL_CONDITIONED, max_steps=6, extreme=False)

@@ -4,9 +4,10 @@ import pytest
 import torch
 from torch.export.graph_signature import InputKind
 
+import fx16
 from fx16.errors import InvalidProgramError, PassFailedError
 from fx16.program import Program
-from helpers import assert_same_state, export, state_snapshot
+from helpers import assert_same_state, check_program, export, state_snapshot
 from models import BufferUpdate, MixedBuffers
 
 
@@ -66,3 +67,28 @@ def test_transaction_passes_fx16_errors_through():
 def test_not_a_program():
     with pytest.raises(InvalidProgramError, match="ExportedProgram"):
         Program(torch.nn.Linear(2, 2))
+
+
+class DeadBeforeAutocast(torch.nn.Module):
+    """The shape the fuzzer found: a dead op, then an autocast region."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = x.abs()
+        h.abs()  # dead
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            g = self.fc(x).relu()
+        return g.float() + h, x.abs() * 1.0
+
+
+def test_a_node_missing_from_its_inputs_users_is_registered():
+    ep = export(DeadBeforeAutocast(), torch.randn(2, 2))
+    graph = ep.graph_module.graph
+    dead = next(n for n in graph.nodes if n.target == torch.ops.aten.abs.default and not n.users)
+    dead.args[0].users.pop(dead, None)  # what torch.export 2.13 leaves (and a guard if fixed)
+    fx16.cast_fp32_to_fp16(ep)
+    check_program(ep)
+    assert all(n in arg.users for n in graph.nodes for arg in n.all_input_nodes)

@@ -40,5 +40,5 @@ def test_cast_is_valid_idempotent_and_adds_no_inf_or_nan(case, decompose):
 @settings(max_examples=SLOW_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model_cases, st.booleans())
 def test_many_more_random_programs(case, decompose):
-    """The same property on more programs (FX16_FUZZ=full for a long run)."""
+    """The same property on more programs (FX16_FUZZ=long for a long run)."""
     test_cast_is_valid_idempotent_and_adds_no_inf_or_nan.hypothesis.inner_test(case, decompose)

@@ -11,7 +11,7 @@ import fx16
 from benchmarks.compare import models
 from helpers import check_program
 
-FULL = os.environ.get("FX16_FUZZ") == "full"
+FULL = os.environ.get("FX16_FUZZ") == "long"
 CASES = [(name, build, draw) for name, build, draw in models()]
 POLICIES = ["default", "auto_mixed_bf16", "autocast"]
 IRS = ["training", "aten"] if FULL else ["aten"]

@@ -1,0 +1,161 @@
+"""Properties every entry point and the main policies keep on random programs drawn from
+the whole op menu (tests/random_programs.py). Examples per property: the hypothesis
+profile's (conftest.py); ``FX16_FUZZ=long`` runs 10,000 each."""
+
+import copy
+from unittest import mock
+
+import torch
+import torch.utils._pytree as pytree
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fx16
+from fx16.passes import (
+    BypassBranchingCastsPass,
+    DeduplicateCastsPass,
+    FuseCastChainsPass,
+    RemoveNoopCastsPass,
+    RemoveUnusedCastsPass,
+)
+from fx16.report import report_of
+from helpers import assert_same_state, check_program, run, state_snapshot
+from strategies import examples, programs, well_conditioned_programs
+
+
+def _policy(name):
+    return lambda ep, case: fx16.cast_to_16_bit_precision(
+        ep, policy=name, input_ranges=case.input_ranges
+    )
+
+
+ENTRY_POINTS = {
+    "cast_fp32_to_fp16": lambda ep, case: fx16.cast_fp32_to_fp16(ep),
+    "cast_int32_to_int16": lambda ep, case: fx16.cast_int32_to_int16(
+        ep, input_ranges=case.input_ranges
+    ),
+    "cast_to_16_bit_precision": lambda ep, case: fx16.cast_to_16_bit_precision(
+        ep, input_ranges=case.input_ranges
+    ),
+    "auto_mixed_conservative": _policy("auto_mixed_conservative"),
+    "auto_mixed_bf16": _policy("auto_mixed_bf16"),
+    "always_fp16": _policy("always_fp16"),
+    "autocast": _policy("autocast"),
+}
+entry_points = st.sampled_from(sorted(ENTRY_POINTS))
+
+# Property 5's bound: max |error| / max |fp64 output| on well-conditioned programs
+# (tests/random_programs.py WELL_CONDITIONED) when no fallback rule kept an op in fp32.
+ERROR_BOUND = {torch.float16: 1e-2, torch.bfloat16: 6e-2}
+
+CLEANUP_RULES = [
+    DeduplicateCastsPass,
+    FuseCastChainsPass,
+    BypassBranchingCastsPass,
+    RemoveNoopCastsPass,
+    RemoveUnusedCastsPass,
+]
+
+
+def _cast(case, entry):
+    ep = case.export()
+    ENTRY_POINTS[entry](ep, case)
+    return ep
+
+
+def _outputs(ep, args):
+    with torch.no_grad():
+        return pytree.tree_leaves(ep.module()(*args))
+
+
+@settings(max_examples=examples(30))
+@given(programs(), entry_points)
+def test_1_2_cast_never_raises_and_leaves_a_valid_program(case, entry):
+    """No exception at all on a valid program; the result lints, validates, runs,
+    saves and loads, decomposes, and every node's recorded dtype is the computed one."""
+    check_program(_cast(case, entry))
+
+
+@settings(max_examples=examples(25))
+@given(programs(), entry_points, st.integers(0, 2**16))
+def test_3_integer_outputs_are_bit_exact_inside_the_declared_ranges(case, entry, seed):
+    inputs = case.inputs(seed)
+    expected = _outputs(case.export(), inputs)
+    got = run(_cast(case, entry), *inputs)
+    for want, have in zip(expected, got):
+        if not want.is_floating_point():
+            assert have.dtype == want.dtype
+            assert torch.equal(have, want)
+
+
+@settings(max_examples=examples(30))
+@given(programs(), entry_points)
+def test_4_no_inf_or_nan_that_fp32_does_not_have_on_the_calibration_inputs(case, entry):
+    expected = _outputs(case.export(), case.args)
+    got = run(_cast(case, entry), *case.args)
+    for want, have in zip(expected, got):
+        if want.is_floating_point():
+            # values fp32 holds as infinity-like sentinels (|v| >= 1e38) may saturate
+            ordinary = torch.isfinite(want) & (want.abs() < 1e38)
+            assert torch.isfinite(have[ordinary]).all(), "the cast introduced inf/nan"
+
+
+@settings(max_examples=examples(25))
+@given(
+    well_conditioned_programs,
+    st.sampled_from(["cast_fp32_to_fp16", "cast_to_16_bit_precision", "auto_mixed_bf16"]),
+)
+def test_5_float_error_is_bounded_when_no_fallback_fired(case, entry):
+    model64 = copy.deepcopy(case.model).double()
+    x, ids = case.args
+    with torch.no_grad():
+        reference = pytree.tree_leaves(model64(x.double(), ids))
+    ep = _cast(case, entry)
+    rows = [row for row in report_of(ep).rows if row.kind == "float"]
+    if any(row.dtype == "float32" for row in rows):
+        return  # a rule kept something in fp32: the bound does not apply
+    low = torch.bfloat16 if entry == "auto_mixed_bf16" else torch.float16
+    for want, have in zip(reference, run(ep, *case.args)):
+        if want.is_floating_point():
+            scale = want.abs().max().clamp_min(1e-6)
+            assert (have.double() - want).abs().max() / scale <= ERROR_BOUND[low]
+
+
+@settings(max_examples=examples(25))
+@given(programs(), entry_points)
+def test_6_casting_twice_equals_casting_once(case, entry):
+    ep = _cast(case, entry)
+    once = state_snapshot(ep)
+    ENTRY_POINTS[entry](ep, case)
+    assert_same_state(once, state_snapshot(ep))
+
+
+def _stages(ep, entry):
+    passes = fx16.fp16_passes(ep) + fx16.int16_passes(ep)
+    return sorted({type(p) for p in passes} | set(CLEANUP_RULES), key=lambda c: c.__name__)
+
+
+@settings(max_examples=examples(25))
+@given(programs(), entry_points, st.data())
+def test_7_a_failing_stage_leaves_the_program_as_it_was(case, entry, data):
+    ep = case.export()
+    stage = data.draw(st.sampled_from(_stages(ep, entry)), label="stage")
+    before = state_snapshot(ep)
+    input_dtypes = [t.dtype for t in pytree.tree_leaves(ep.example_inputs)]
+    original, calls = stage.call, []
+
+    def half_done_then_fail(self, graph_module):
+        calls.append(stage)
+        original(self, graph_module)
+        raise RuntimeError("injected failure")
+
+    with mock.patch.object(stage, "call", half_done_then_fail):
+        try:
+            ENTRY_POINTS[entry](ep, case)
+        except fx16.PassFailedError as error:
+            assert calls and "injected failure" in str(error)
+        else:
+            assert not calls, f"{stage.__name__} failed but the cast went on"
+            return
+    assert_same_state(before, state_snapshot(ep))
+    assert [t.dtype for t in pytree.tree_leaves(ep.example_inputs)] == input_dtypes
