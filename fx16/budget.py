@@ -66,7 +66,11 @@ def cast_fp16_within_budget(
     if not calls:
         raise InvalidOptionError(
             "max_rel_error needs inputs to measure on: pass calibration=[(args...), ...] "
-            "(this program has no example inputs)"
+            + (
+                "(calibration=[] gives none)"
+                if calibration is not None
+                else "(this program has no example inputs)"
+            )
         )
     CalibrationAnalysis(program, calibration)(ep.graph_module)
     inputs = [program.graph_inputs(args, kwargs, copy_buffers=True) for args, kwargs in calls]

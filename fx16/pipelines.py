@@ -100,6 +100,8 @@ def int16_passes(
     """
     program = Program(ep)
     if check_mode(int16) == "off":
+        if input_ranges:
+            raise InvalidOptionError("input_ranges has no effect with int16='off'; drop one")
         return []
     observe = [CalibrationAnalysis(program, calibration)] if int16 == "observed" else []
     return [

@@ -50,11 +50,16 @@ class Program:
 
     def __init__(self, ep: ExportedProgram) -> None:
         if not isinstance(ep, ExportedProgram):
+            got = (
+                f"a torch.fx.GraphModule ({type(ep).__name__}) without export metadata"
+                if isinstance(ep, GraphModule)
+                else type(ep).__name__
+            )
             raise InvalidProgramError(
-                f"fx16 expects a torch.export.ExportedProgram, got {type(ep).__name__}"
+                f"fx16 expects a torch.export.ExportedProgram, got {got}"
                 + (
                     "; export it first with torch.export.export(model, args)"
-                    if isinstance(ep, (torch.nn.Module, GraphModule))
+                    if isinstance(ep, torch.nn.Module)
                     else ""
                 )
             )

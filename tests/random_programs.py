@@ -166,6 +166,7 @@ FLOAT_OPS_WITH_IDS = {
     "int_to_float": lambda m, x, y, ids, c: x + ids.float() * c,
 }
 
+
 def _count(c: float, limit: int) -> int:
     """A positive integer from the drawn float scalar (which may be inf or 1e38)."""
     magnitude = abs(c)

@@ -274,9 +274,7 @@ def programs(draw, menu=tuple(MENU), max_steps: int = 8, extreme: bool = True):
     """Random programs over ``menu`` (default: every op), from default export or after
     ``run_decompositions()``, with a static or a dynamic batch dimension."""
     width = draw(st.integers(2, 6))
-    step = st.tuples(
-        st.sampled_from(menu), st.integers(0, 20), st.integers(0, 20), scalars
-    )
+    step = st.tuples(st.sampled_from(menu), st.integers(0, 20), st.integers(0, 20), scalars)
     steps = draw(st.lists(step, min_size=1, max_size=max_steps))
     weights = draw(st.lists(st.sampled_from(EXTREME_WEIGHTS), max_size=3)) if extreme else []
     scale = draw(st.sampled_from([1.0, 30.0, 1e3])) if extreme else 1.0

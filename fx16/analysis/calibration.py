@@ -8,6 +8,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from fx16.errors import InvalidOptionError
 from fx16.numerics import INF_LIKE
 from fx16.ops import INT_DTYPES, SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS
 from fx16.program import Program
@@ -71,11 +72,32 @@ class CalibrationAnalysis(PassBase):
 
 
 def calibration_calls(program: Program, calibration: list | None) -> list[tuple[tuple, dict]]:
-    """The (args, kwargs) calls to calibrate on: ``calibration``, or the example inputs."""
+    """The (args, kwargs) calls to calibrate on: ``calibration``, or the example inputs.
+
+    Each entry of ``calibration`` is an argument tuple, an (args, kwargs) pair, or a
+    tensor for a program with one input; an entry that does not supply the
+    program's user inputs raises ``InvalidOptionError``."""
     if calibration is None:
         example = program.ep.example_inputs
         return [example] if example is not None else []
-    return [entry if _is_args_kwargs(entry) else (tuple(entry), {}) for entry in calibration]
+    if not isinstance(calibration, (list, tuple)):
+        raise InvalidOptionError(
+            f"calibration must be a list of argument tuples, got {type(calibration).__name__}"
+        )
+    expected = len(program.user_input_placeholders())
+    calls = []
+    for index, entry in enumerate(calibration):
+        if isinstance(entry, torch.Tensor):
+            entry = (entry,)
+        call = entry if _is_args_kwargs(entry) else (tuple(entry), {})
+        supplied = len(pytree.tree_leaves(call))
+        if supplied != expected:
+            raise InvalidOptionError(
+                f"calibration[{index}] supplies {supplied} input value(s); "
+                f"the program takes {expected}"
+            )
+        calls.append(call)
+    return calls
 
 
 def _is_args_kwargs(entry) -> bool:

@@ -83,6 +83,26 @@ def _constant(value: float) -> ValueRange:
     return ValueRange(value, value, Source.PROVEN)
 
 
+def _checked_ranges(input_ranges) -> dict[str, tuple[int, int]]:
+    """``input_ranges`` as given, once each entry is shown to be (low, high) integers."""
+    if not isinstance(input_ranges, dict):
+        raise InvalidOptionError(
+            f"input_ranges must be a dict of name -> (low, high), got {type(input_ranges).__name__}"
+        )
+    for name, bounds in input_ranges.items():
+        if not (
+            isinstance(bounds, (tuple, list))
+            and len(bounds) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
+            and bounds[0] <= bounds[1]
+        ):
+            raise InvalidOptionError(
+                f"input_ranges[{name!r}] must be (low, high) integers with low <= high, "
+                f"got {bounds!r}"
+            )
+    return dict(input_ranges)
+
+
 class ValueRangeAnalysis(PassBase):
     """Give every integer (and bool) value an interval, with its source.
 
@@ -104,7 +124,7 @@ class ValueRangeAnalysis(PassBase):
 
     def __init__(self, program: Program, input_ranges: dict | None = None) -> None:
         self.program = program
-        self.input_ranges = dict(input_ranges or {})
+        self.input_ranges = _checked_ranges(input_ranges or {})
 
     def call(self, graph_module: GraphModule) -> PassResult:
         user_inputs = {node.name: node for node in self.program.user_input_placeholders()}

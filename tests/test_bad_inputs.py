@@ -1,0 +1,220 @@
+"""A catalogue of unusual and bad inputs: each gets the exact error type and message, or
+is cast as documented; an error always leaves the caller's program as it was."""
+
+import re
+
+import pytest
+import torch
+
+import fx16
+from helpers import assert_same_state, check_program, export, state_snapshot
+from models import MLP, BufferUpdate, MixedBuffers
+
+ENTRY_POINTS = [fx16.cast_fp32_to_fp16, fx16.cast_int32_to_int16, fx16.cast_to_16_bit_precision]
+
+
+def _raises(error_type, message, call, *args, **kwargs):
+    """``call`` raises exactly ``error_type`` with exactly ``message``."""
+    with pytest.raises(error_type, match=f"^{re.escape(message)}$"):
+        call(*args, **kwargs)
+
+
+# ---- not a program -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_module_is_not_a_program(entry):
+    _raises(
+        fx16.InvalidProgramError,
+        "fx16 expects a torch.export.ExportedProgram, got MLP; "
+        "export it first with torch.export.export(model, args)",
+        entry,
+        MLP(),
+    )
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_bare_graph_module_is_not_a_program(entry):
+    _raises(
+        fx16.InvalidProgramError,
+        "fx16 expects a torch.export.ExportedProgram, got a torch.fx.GraphModule (MLP) "
+        "without export metadata; export it first with torch.export.export(model, args)",
+        entry,
+        torch.fx.symbolic_trace(MLP()),
+    )
+
+
+@pytest.mark.parametrize("argument, name", [(None, "NoneType"), ("model.pt2", "str")])
+def test_other_objects_are_named(argument, name):
+    _raises(
+        fx16.InvalidProgramError,
+        f"fx16 expects a torch.export.ExportedProgram, got {name}",
+        fx16.cast_to_16_bit_precision,
+        argument,
+    )
+
+
+# ---- programs with nothing (or nothing more) to cast -----------------------------------
+
+
+class Identity(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+class IntegersOnly(torch.nn.Module):
+    def forward(self, a, b):
+        return a * b + 1
+
+
+class Dequantize(torch.nn.Module):
+    """An int8 weight with an fp32 scale, dequantized in the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("qweight", torch.randint(-127, 128, (4, 4), dtype=torch.int8))
+        self.register_buffer("scale", torch.tensor(0.05))
+
+    def forward(self, x):
+        return x @ (self.qweight.float() * self.scale)
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_an_empty_graph_is_returned_as_it_was(entry):
+    ep = export(Identity(), torch.randn(2, 3))
+    code = ep.graph_module.code
+    entry(ep)
+    assert ep.graph_module.code == code
+    totals = fx16.report.report_of(ep).totals
+    assert (totals.float_ops, totals.casts_inserted) == (0, 0)
+
+
+def test_a_program_without_floats_gets_only_the_int16_stage():
+    ep = export(IntegersOnly(), torch.arange(4), torch.arange(4))
+    before = state_snapshot(ep)
+    fx16.cast_fp32_to_fp16(ep)
+    assert_same_state(before, state_snapshot(ep))
+    fx16.cast_to_16_bit_precision(ep, input_ranges={"a": (0, 9), "b": (0, 9)})
+    check_program(ep)
+    assert ep.example_inputs[0][0].dtype == torch.int16
+
+
+def test_an_fp16_program_is_left_as_it_is():
+    model = MLP().half()
+    ep = export(model, torch.randn(3, 8).half())
+    before = state_snapshot(ep)
+    fx16.cast_to_16_bit_precision(ep)
+    assert_same_state(before, state_snapshot(ep))
+
+
+def test_int8_weights_stay_untouched():
+    ep = export(Dequantize(), torch.randn(2, 4))
+    qweight = ep.state_dict["qweight"].clone()
+    fx16.cast_to_16_bit_precision(ep)
+    check_program(ep)
+    assert torch.equal(ep.state_dict["qweight"], qweight)
+    assert ep.state_dict["scale"].dtype == torch.float16
+
+
+def test_mixed_buffers_keep_their_own_dtypes():
+    ep = export(MixedBuffers(), torch.randn(2, 8))
+    dtypes = {k: v.dtype for k, v in ep.state_dict.items() if v.dtype != torch.float32}
+    assert set(dtypes.values()) == {torch.float16, torch.int8, torch.float64}
+    fx16.cast_to_16_bit_precision(ep)
+    check_program(ep)
+    assert {k: ep.state_dict[k].dtype for k in dtypes} == dtypes
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["training IR", "ATen dialect"])
+def test_buffer_mutations_in_both_dialects(decompose):
+    ep = export(BufferUpdate(), torch.randn(3, 4), decompose=decompose)
+    kinds = {spec.kind.name for spec in ep.graph_signature.output_specs}
+    assert ("BUFFER_MUTATION" in kinds) == decompose
+    fx16.cast_fp32_to_fp16(ep)
+    check_program(ep)
+    assert ep.state_dict["running"].dtype == torch.float16
+
+
+# ---- options -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mlp():
+    return export(MLP(), torch.randn(3, 8))
+
+
+OPTION_ERRORS = [
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(policy="fastest"),
+        "unknown policy 'fastest'; presets: default, always_fp32, always_fp16, auto_mixed, "
+        "auto_mixed_conservative, auto_mixed_bf16, autocast",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(policy=3),
+        "policy must be a PrecisionPolicy or a preset name, not int",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(max_rel_error=-1),
+        "max_rel_error must be a number >= 0, got -1",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(max_rel_error=1e-3, calibration=[]),
+        "max_rel_error needs inputs to measure on: pass calibration=[(args...), ...] "
+        "(calibration=[] gives none)",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(calibration=torch.randn(3, 8)),
+        "calibration must be a list of argument tuples, got Tensor",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(calibration=[(torch.randn(3, 8), torch.randn(3, 8))]),
+        "calibration[0] supplies 2 input value(s); the program takes 1",
+    ),
+    (
+        fx16.cast_int32_to_int16,
+        dict(int16="maybe"),
+        "int16='maybe' is not one of off, proven, observed, assume_safe",
+    ),
+    (
+        fx16.cast_int32_to_int16,
+        dict(input_ranges={"ids": (0, 9)}),
+        "input_ranges names ['ids'], which are not user inputs; the program's user inputs "
+        "are ['x']",
+    ),
+    (
+        fx16.cast_int32_to_int16,
+        dict(input_ranges={"x": (5, 1)}),
+        "input_ranges['x'] must be (low, high) integers with low <= high, got (5, 1)",
+    ),
+    (
+        fx16.cast_to_16_bit_precision,
+        dict(int16="off", input_ranges={"x": (0, 1)}),
+        "input_ranges has no effect with int16='off'; drop one",
+    ),
+    (
+        fx16.cast_to_16_bit_precision,
+        dict(input_range={"x": (0, 1)}),
+        "unknown option(s) ['input_range']; accepted: ['calibration', 'force_fp32', "
+        "'input_ranges', 'int16', 'keep_explicit_fp32', 'overflow_margin', 'policy']",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "entry, options, message", OPTION_ERRORS, ids=[m.split(" ")[0] for *_, m in OPTION_ERRORS]
+)
+def test_bad_options_are_named_and_change_nothing(mlp, entry, options, message):
+    before = state_snapshot(mlp)
+    _raises(fx16.InvalidOptionError, message, entry, mlp, **options)
+    assert_same_state(before, state_snapshot(mlp))
+
+
+def test_a_single_tensor_is_one_calibration_input(mlp):
+    fx16.cast_fp32_to_fp16(mlp, calibration=[torch.randn(3, 8), torch.randn(5, 8)])
+    assert mlp.graph_module.meta["fx16.calibration"] == "observed on 2 input(s)"
