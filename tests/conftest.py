@@ -1,6 +1,7 @@
 """Make the repository root importable, so tests can share benchmarks.zoo's models, and
 register the hypothesis profiles: "ci" (the default; every property, bounded) and "long"
-(``FX16_FUZZ=long``: 10,000 examples per property, see strategies.examples)."""
+(``FX16_FUZZ=long``: 10,000 examples per property, or ``FX16_FUZZ_EXAMPLES``; see
+strategies.examples)."""
 
 import os
 import sys
@@ -12,5 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 _COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 settings.register_profile("ci", **_COMMON)
-settings.register_profile("long", max_examples=10_000, **_COMMON)
+settings.register_profile(
+    "long", max_examples=int(os.environ.get("FX16_FUZZ_EXAMPLES", 10_000)), **_COMMON
+)
 settings.load_profile("long" if os.environ.get("FX16_FUZZ") == "long" else "ci")

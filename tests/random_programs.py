@@ -190,7 +190,8 @@ INT_OPS = {
 MENU = sorted(FLOAT_OPS) + sorted(FLOAT_OPS_WITH_IDS) + sorted(INT_OPS)
 
 # Ops whose fp16 result stays within a few roundings of the fp32 one relative to the
-# output's scale, on inputs of moderate size (no cancellation-prone or exponential ops).
+# output's scale, on inputs of moderate size: no cancellation-prone ops (sub, var,
+# layer_norm of nearly constant rows), no exponential ones.
 WELL_CONDITIONED = (
     "add",
     "mul",
@@ -199,7 +200,6 @@ WELL_CONDITIONED = (
     "conv1d",
     "avg_pool",
     "max_pool",
-    "layer_norm",
     "softmax",
     "mean",
     "tanh",
@@ -253,4 +253,5 @@ class RandomProgram(nn.Module):
                 floats.append(FLOAT_OPS_WITH_IDS[op](self, a, b, ints[j % len(ints)], c))
             else:
                 ints.append(INT_OPS[op](ints[i % len(ints)], ints[j % len(ints)], c))
-        return floats[-1] * 1.0, *floats[1:-1][-1:], ints[-1] + 0
+        # every register is an output, so no step is dead code
+        return (*(floats[1:] or [x * 1.0]), *(ints[1:] or [ids + 0]))

@@ -11,9 +11,10 @@ from random_programs import MENU, VOCAB, WELL_CONDITIONED, RandomProgram
 
 FP32 = torch.finfo(torch.float32)
 
-# The hypothesis profile (see conftest.py): "ci" by default, "long" with FX16_FUZZ=long.
+# The hypothesis profile (see conftest.py): "ci" by default, "long" with FX16_FUZZ=long:
+# 10,000 examples per property, or FX16_FUZZ_EXAMPLES.
 LONG = os.environ.get("FX16_FUZZ") == "long"
-LONG_EXAMPLES = 10_000
+LONG_EXAMPLES = int(os.environ.get("FX16_FUZZ_EXAMPLES", 10_000))
 
 
 def examples(ci: int) -> int:
