@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 
 import fx16
 from benchmarks import zoo
+from benchmarks.markdown import table_row, write_results
 from fx16.program import Program
 from fx16.stats import program_stats, relative_error
 
@@ -169,6 +170,7 @@ def tools():
     return found
 
 
+COMMAND = "python -m benchmarks.compare"
 HEADER = (
     "| model | tool | ok | max rel. error | ints exact | new inf/nan | weight bytes | "
     "casts added | fp32 ops | time |"
@@ -214,16 +216,13 @@ def main(argv=None) -> None:
                 row.fp32_ops,
                 row.seconds,
             ]
-            lines.append("| " + " | ".join(cells) + " |")
+            lines.append(table_row(cells))
             print(lines[-1], flush=True)
-    text = (
-        "# Benchmark results\n\nProduced by `python -m benchmarks.compare` (torch "
-        f"{torch.__version__}, CPU). Weight bytes are relative to fp32; errors are against "
-        'fp64; "new inf/nan" counts values that are finite in fp32 but not after the '
-        'cast. "-": does not apply to that tool.\n\n' + "\n".join(lines) + "\n"
+    notes = (
+        'Weight bytes are relative to fp32; errors are against fp64; "new inf/nan" counts '
+        'values that are finite in fp32 but not after the cast. "-": does not apply.'
     )
-    options.output.write_text(text)
-    print(f"wrote {options.output}")
+    write_results(options.output, "Benchmark results", COMMAND, notes, lines)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from torch import nn
 
 import fx16
 from benchmarks import zoo
+from benchmarks.markdown import table_row, write_results
 from fx16.report import decision_rows
 
 # Element types of the tensor types in Core AI's textual IR: tensor<1x16xf32>, tensor<si16>.
@@ -170,7 +171,7 @@ def main(argv=None) -> None:
     options = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     header = ["model"] + list(casts(None)) + ["si16 (fx16 16-bit)", "why fx16 keeps more f32"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [table_row(header), "|" + "---|" * len(header)]
     for name, build, args, input_ranges in models():
         results = measure(build, args, input_ranges)
         cells = [name] + [_cell(result) for result in results.values()]
@@ -181,17 +182,15 @@ def main(argv=None) -> None:
         more = typed and not isinstance(peer_types, str) and peer_types
         more = more and f32_share(fx16_types) > f32_share(peer_types)
         cells.append(fp32_rules(fx16_ep) if more else "-")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(table_row(cells))
         print(lines[-1], flush=True)
-    text = (
-        "# Core AI conversion\n\nProduced by `python -m benchmarks.coreai` (torch "
-        f"{torch.__version__}, coreai-torch 0.4.3). Each cell: whether the program converts "
-        "with `coreai_torch.TorchConverter` and saves as an asset, then the f32 share of "
-        "the float tensor types in the converted IR. The programs are decomposed with "
-        "`coreai_torch.get_decomp_table()` before the cast.\n\n" + "\n".join(lines) + "\n"
+    notes = (
+        "coreai-torch 0.4.3. Each cell: whether the program converts with "
+        "`coreai_torch.TorchConverter` and saves as an asset, then the f32 share of the float "
+        "tensor types in the converted IR. Programs are decomposed with "
+        "`coreai_torch.get_decomp_table()` before the cast."
     )
-    options.output.write_text(text)
-    print(f"wrote {options.output}")
+    write_results(options.output, "Core AI conversion", "python -m benchmarks.coreai", notes, lines)
 
 
 if __name__ == "__main__":
