@@ -9,6 +9,7 @@ together form connected fp32 regions, joined by casts only at their edges.
 """
 
 import copy
+import gc
 import warnings
 from dataclasses import dataclass
 
@@ -84,6 +85,7 @@ def cast_fp16_within_budget(
         rounds += 1
         if rounds > 1:
             pristine.restore()
+            gc.collect()  # the last round's graph (the transaction pauses the collector)
         passes = fp16_passes(ep, calibration=calibration, force_fp32=frozenset(forced), **options)
         run_passes([p for p in passes if not isinstance(p, CalibrationAnalysis)], ep.graph_module)
         observed = [

@@ -196,11 +196,15 @@ class Program:
         """Run a block that rewrites the program; if it raises, put everything back.
 
         Restores what ``snapshot`` saves, then raises the error as an ``Fx16Error``
-        (a ``PassFailedError`` naming the stage when it was not one already).
+        (a ``PassFailedError`` naming the stage when it was not one already). The
+        cyclic garbage collector waits until the block ends: the passes create many
+        small objects, and each full collection would walk the whole graph again,
+        which made the cast's time grow with the square of the graph's size.
         """
         saved = self.snapshot()
         try:
-            yield
+            with _collector_paused():
+                yield
         except BaseException as error:
             saved.restore()
             if isinstance(error, Fx16Error) or not isinstance(error, Exception):
