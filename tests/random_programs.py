@@ -159,7 +159,7 @@ FLOAT_OPS = {
 
 # Ops that also read the integer register ``ids``.
 FLOAT_OPS_WITH_IDS = {
-    "embedding": lambda m, x, y, ids, c: m.embed(ids).mean(-1) + x,
+    "embedding": lambda m, x, y, ids, c: m.embed(ids % VOCAB).mean(-1) + x,
     "gather": lambda m, x, y, ids, c: x.gather(-1, ids % x.shape[1]),
     "index_select": lambda m, x, y, ids, c: x.index_select(-1, ids[0] % x.shape[1]),
     "index_put": _index_put,

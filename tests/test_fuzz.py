@@ -20,7 +20,8 @@ from fx16.passes import (
 )
 from fx16.report import report_of
 from helpers import assert_same_state, check_program, run, state_snapshot
-from strategies import examples, programs, well_conditioned_programs
+from random_programs import RandomProgram
+from strategies import ProgramCase, examples, programs, well_conditioned_programs
 
 
 def _policy(name):
@@ -159,3 +160,32 @@ def test_7_a_failing_stage_leaves_the_program_as_it_was(case, entry, data):
             return
     assert_same_state(before, state_snapshot(ep))
     assert [t.dtype for t in pytree.tree_leaves(ep.example_inputs)] == input_dtypes
+
+
+# ---- the shrunk examples of bugs the fuzzer found ---------------------------------------
+
+
+def _shrunk(steps) -> ProgramCase:
+    torch.manual_seed(0)
+    model = RandomProgram(2, steps, []).eval()
+    x = torch.tensor([[0.6577, 0.9387], [1.1317, -0.6455]])
+    ids = torch.tensor([[4, 1], [15, 4]])
+    return ProgramCase(model, (x, ids), dynamic=False, decompose=False, input_scale=1.0)
+
+
+def test_found_a_dead_node_before_an_autocast_region():
+    """torch.export left the dead ``abs`` out of its input's users (fixed in Program)."""
+    steps = [("abs", 0, 0, 1.0), ("abs", 1, 0, 1.0), ("autocast_bf16", 0, 1, 1.0)]
+    steps.append(("abs", 0, 0, 1.0))
+    test_1_2_cast_never_raises_and_leaves_a_valid_program.hypothesis.inner_test(
+        _shrunk(steps), "always_fp16"
+    )
+
+
+def test_found_an_assertion_between_two_explicit_regions_cast_twice():
+    """The way out of one region's assertion was rebuilt on the second cast (fixed in
+    InsertFP16CastsPass: nodes decided on an earlier run keep their inputs)."""
+    steps = [("explicit_fp32_norm", 0, 0, 1e-09), ("explicit_fp32_norm", 5, 0, 1e-09)]
+    test_6_casting_twice_equals_casting_once.hypothesis.inner_test(
+        _shrunk(steps), "auto_mixed_bf16"
+    )

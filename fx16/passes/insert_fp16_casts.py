@@ -319,6 +319,8 @@ class _Run:
         later = self.later_users(value, assertion)
         if not (opens or closes) or not later or any(is_cast(user) for user in later):
             return  # nothing to do, or the cast is still there (not decomposed, or cast before)
+        if any(decision_of(user) is not None for user in later):
+            return  # decided on an earlier run: casting twice equals casting once
         with self.graph_module.graph.inserting_after(assertion):
             cast = self.graph_module.graph.call_function(
                 torch.ops.aten._to_copy.default, (value,), {"dtype": FP32 if opens else self.low}
