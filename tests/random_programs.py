@@ -70,8 +70,10 @@ def _bucketed(m, x, y, c):
 
 
 def _cond(m, x, y, c):
+    # operands must not alias each other (y may be x, or a view of it)
+    operands = (x, y * 1.0)
     return torch.cond(
-        x.sum() > 0, lambda a, b: a * 2.0 + b, lambda a, b: (a - b).exp().clamp(max=1e3), (x, y)
+        x.sum() > 0, lambda a, b: a * 2.0 + b, lambda a, b: (a - b).exp().clamp(max=1e3), operands
     )
 
 

@@ -189,3 +189,16 @@ def test_found_an_assertion_between_two_explicit_regions_cast_twice():
     test_6_casting_twice_equals_casting_once.hypothesis.inner_test(
         _shrunk(steps), "auto_mixed_bf16"
     )
+
+
+def test_generator_keeps_cond_operands_apart_and_batches_above_two():
+    """Invalid programs the fuzzer drew at first (fixed in the generator): cond operands
+    aliasing each other, and a dynamic batch of 2 that export specializes around cond."""
+    x, ids = torch.randn(3, 2), torch.randint(0, 16, (3, 2))
+    for steps, dynamic in (
+        ([("transpose", 0, 0, 1.0), ("cond", 0, 1, 1.0)], False),
+        ([("cond", 0, 0, 1.0)], True),
+    ):
+        torch.manual_seed(0)
+        case = ProgramCase(RandomProgram(2, steps, []).eval(), (x, ids), dynamic, False, 1.0)
+        test_6_casting_twice_equals_casting_once.hypothesis.inner_test(case, "always_fp16")
