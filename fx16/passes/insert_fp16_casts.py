@@ -69,7 +69,10 @@ class InsertFP16CastsPass(PolicyPass):
     ``dtype=torch.float32``, opens an fp32 region when a precision-sensitive op (a
     reduction, softmax, exp, pow, sin/cos) follows: ops fed only from it stay fp32
     with no cast-back, until the model casts to fp32 again (in the source, the
-    cast back to the input dtype), which then becomes the cast to fp16.
+    cast back to the input dtype), which then becomes the cast to fp16. After
+    ``run_decompositions`` those no-op casts are gone and only their
+    ``_assert_tensor_metadata(dtype=torch.float32)`` checks remain: the pass reads
+    the region from them and inserts the casts the model's own would have been.
 
     A value observed above ``65504 / overflow_margin`` on calibration inputs is
     computed in fp32 and handed on in fp32: no cast-back, so its consumers run in
