@@ -150,7 +150,11 @@ class CastInserter:
         return cast
 
     def _insert(self, source: Node, dtype: torch.dtype, why: str) -> Node:
-        with self.graph.inserting_after(self._anchor(source)):
+        return self.cast_placed_after(self._anchor(source), source, dtype, why)
+
+    def cast_placed_after(self, anchor: Node, source: Node, dtype: torch.dtype, why: str) -> Node:
+        """A new cast of ``source`` right after ``anchor`` (not cached, no user moved)."""
+        with self.graph.inserting_after(anchor):
             cast = self.graph.call_function(aten._to_copy.default, (source,), {"dtype": dtype})
         cast.meta["val"] = retype_val(source.meta["val"], dtype)
         for key in _PROVENANCE_KEYS:

@@ -324,12 +324,12 @@ class _Run:
             return  # nothing to do, or the cast is still there (not decomposed, or cast before)
         if any(decision_of(user) is not None for user in later):
             return  # decided on an earlier run: casting twice equals casting once
-        with self.graph_module.graph.inserting_after(assertion):
-            cast = self.graph_module.graph.call_function(
-                torch.ops.aten._to_copy.default, (value,), {"dtype": FP32 if opens else self.low}
-            )
-        cast.meta["val"] = retype_val(value.meta["val"], cast.kwargs["dtype"])
-        cast.meta[INSERTED] = WHY_UPCAST if opens else WHY_CAST_BACK
+        cast = self.casts.cast_placed_after(
+            assertion,
+            value,
+            FP32 if opens else self.low,
+            WHY_UPCAST if opens else WHY_CAST_BACK,
+        )
         for user in later:
             user.replace_input_with(value, cast)
         if opens and not _opens_sensitive_region(cast):
