@@ -32,6 +32,30 @@ _PROVENANCE_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_
 _PRESERVE = (None, torch.preserve_format)
 
 
+def substitute_inputs(node: Node, replace) -> bool:
+    """Make ``node`` read ``replace(arg)`` instead of each input node ``arg``.
+
+    The node is only touched where an input changes: every assignment to a node's
+    arguments updates the graph's lookup tables, which adds up over a large graph."""
+    replacements = {}
+    for arg in node.all_input_nodes:
+        new = replace(arg)
+        if new is not arg:
+            replacements[arg] = new
+    for old, new in replacements.items():
+        node.replace_input_with(old, new)
+    return bool(replacements)
+
+
+def cast_op_nodes(graph: Graph) -> list[Node]:
+    """The nodes calling a cast op (casts or not, see ``is_cast``), in graph order,
+    found through the graph's lookup table instead of a walk over every node."""
+    found = []
+    for target in CAST_OPS:
+        found.extend(graph.find_nodes(op="call_function", target=target, sort=False))
+    return sorted(found)
+
+
 def is_cast(node: Node) -> bool:
     """True for a node that changes only the dtype of its first argument."""
     if node.op != "call_function" or node.target not in CAST_OPS:

@@ -6,6 +6,7 @@ range); ``int`` arguments are sizes, dims or indices and are never touched.
 """
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,25 +39,67 @@ def tensor_inputs(node: Node) -> list[Node]:
     return [arg for arg in node.all_input_nodes if isinstance(node_val(arg), torch.Tensor)]
 
 
-def schema_arguments(node: Node) -> Iterator[tuple[Location, Any, Any]]:
+@dataclass(frozen=True)
+class SchemaArgument:
+    """What fx16 reads of one argument of an op schema (read once per op, then cached:
+    ``FunctionSchema.arguments`` builds fresh objects on every access)."""
+
+    name: str
+    type: str
+    kwarg_only: bool
+    writes: bool  # an in-place op's output aliases this argument
+    has_default: bool
+    default: Any
+
+
+_SCHEMA_CACHE: dict[Any, tuple[SchemaArgument, ...] | None] = {}
+
+
+def op_arguments(target: Any) -> tuple[SchemaArgument, ...] | None:
+    """The schema arguments of an op, or None for a target without a schema."""
+    try:
+        return _SCHEMA_CACHE[target]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable target: not an op
+        return None
+    schema = getattr(target, "_schema", None)
+    arguments = None
+    if schema is not None:
+        arguments = tuple(
+            SchemaArgument(
+                name=argument.name,
+                type=str(argument.type),
+                kwarg_only=argument.kwarg_only,
+                writes=argument.alias_info is not None and argument.alias_info.is_write,
+                has_default=argument.has_default_value(),
+                default=argument.default_value if argument.has_default_value() else None,
+            )
+            for argument in schema.arguments
+        )
+    _SCHEMA_CACHE[target] = arguments
+    return arguments
+
+
+def schema_arguments(node: Node) -> Iterator[tuple[Location, SchemaArgument, Any]]:
     """(location, schema argument, value) for every argument the node passes explicitly."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
+    arguments = op_arguments(node.target)
+    if arguments is None:
         return
-    by_name = {arg.name: arg for arg in schema.arguments}
-    for index, value in enumerate(node.args):
-        if index < len(schema.arguments):
-            yield ("args", index), schema.arguments[index], value
-    for name, value in node.kwargs.items():
-        if name in by_name:
-            yield ("kwargs", name), by_name[name], value
+    for index, value in enumerate(node.args[: len(arguments)]):
+        yield ("args", index), arguments[index], value
+    if node.kwargs:
+        by_name = {argument.name: argument for argument in arguments}
+        for name, value in node.kwargs.items():
+            if name in by_name:
+                yield ("kwargs", name), by_name[name], value
 
 
 def value_scalars(node: Node) -> list[tuple[Location, int | float]]:
     """Numbers passed in ``Scalar``, ``float`` or ``Tensor`` arguments (bools excluded)."""
     found = []
     for location, argument, value in schema_arguments(node):
-        if str(argument.type) in _SCALAR_TYPES and isinstance(value, (int, float)):
+        if argument.type in _SCALAR_TYPES and isinstance(value, (int, float)):
             if not isinstance(value, bool):
                 found.append((location, value))
     return found
@@ -76,20 +119,17 @@ def named_argument(node: Node, name: str) -> Any:
     for _, argument, value in schema_arguments(node):
         if argument.name == name:
             return value
-    schema = getattr(node.target, "_schema", None)
-    for argument in schema.arguments if schema is not None else ():
-        if argument.name == name and argument.has_default_value():
-            return argument.default_value
+    for argument in op_arguments(node.target) or ():
+        if argument.name == name and argument.has_default:
+            return argument.default
     return None
 
 
 def accepts_keyword(node: Node, name: str) -> bool:
     """The op takes a keyword-only argument ``name`` that the node does not pass yet."""
-    schema = getattr(node.target, "_schema", None)
-    return (
-        schema is not None
-        and name not in node.kwargs
-        and any(arg.name == name and arg.kwarg_only for arg in schema.arguments)
+    return name not in node.kwargs and any(
+        argument.name == name and argument.kwarg_only
+        for argument in op_arguments(node.target) or ()
     )
 
 
@@ -106,6 +146,6 @@ def set_argument(node: Node, location: Location, value: Any) -> None:
 def mutated_argument(node: Node) -> Node | None:
     """The input an in-place op writes to (``add_``'s self, ``copy_``'s dst), if any."""
     for _, argument, value in schema_arguments(node):
-        if argument.alias_info is not None and argument.alias_info.is_write:
+        if argument.writes:
             return value if isinstance(value, Node) else None
     return None

@@ -109,33 +109,24 @@ def _is_args_kwargs(entry) -> bool:
     )
 
 
-def largest_magnitude(value) -> float | None:
-    """Largest finite, non-sentinel magnitude among the float tensors in ``value``."""
-    largest = None
+def observe_floats(value) -> tuple[float | None, bool]:
+    """(largest finite non-sentinel magnitude, whether a finite magnitude >= 1e38
+    occurs) over the float tensors in ``value``; one reduction per ordinary tensor."""
+    largest, sentinel = None, False
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel():
             low, high = leaf.detach().aminmax()
             top = max(-float(low), float(high))
             if not top < INF_LIKE:  # sentinels, inf or nan inside: look closer
                 magnitude = leaf.detach().abs().float()
+                sentinel = sentinel or bool(
+                    ((magnitude >= INF_LIKE) & torch.isfinite(magnitude)).any()
+                )
                 magnitude = magnitude[magnitude < INF_LIKE]  # also drops inf and nan
                 top = float(magnitude.max()) if magnitude.numel() else None
             if top is not None:
                 largest = top if largest is None else max(largest, top)
-    return largest
-
-
-def holds_sentinel(value, largest: float | None) -> bool:
-    """Some float tensor in ``value`` holds a finite magnitude >= 1e38 (``largest``:
-    its largest ordinary magnitude, which rules that out cheaply when it is all)."""
-    return any(
-        isinstance(leaf, torch.Tensor)
-        and leaf.is_floating_point()
-        and leaf.numel()
-        and not float(leaf.detach().abs().amax()) == largest
-        and bool(((leaf.abs() >= INF_LIKE) & torch.isfinite(leaf)).any())
-        for leaf in pytree.tree_leaves(value)
-    )
+    return largest, sentinel
 
 
 def _sentinels_fp16_cannot_carry(graph_module: GraphModule, sentinels: set[Node]) -> set[Node]:
@@ -197,10 +188,10 @@ class _MagnitudeRecorder(Interpreter):
     def run_node(self, node: Node):
         result = super().run_node(node)
         if node.op in ("placeholder", "call_function"):
-            magnitude = largest_magnitude(result)
+            magnitude, sentinel = observe_floats(result)
             if magnitude is not None and not math.isnan(magnitude):
                 self.magnitudes[node] = max(magnitude, self.magnitudes.get(node, 0.0))
-            if holds_sentinel(result, magnitude):
+            if sentinel:
                 self.sentinels.add(node)
             extremes = integer_extremes(result)
             if extremes is not None:

@@ -1,10 +1,17 @@
 """CastRule: the shape every cast-cleanup rule shares (match, refusal, rewrite)."""
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fx16.casts import cast_dtype, is_cast, is_inserted, represents_exactly, source_dtype
+from fx16.casts import (
+    cast_dtype,
+    cast_op_nodes,
+    is_cast,
+    is_inserted,
+    represents_exactly,
+    source_dtype,
+)
 from fx16.nodes import mutated_argument
 from fx16.ops import ASSERT_METADATA_OPS
 from fx16.program import Program
@@ -14,7 +21,7 @@ KEPT_CAST = "fx16.kept_cast"
 
 
 class CastRule(PassBase):
-    """A cleanup rule: one linear walk over the graph, rewriting each node it matches.
+    """A cleanup rule: one walk over its candidate nodes, rewriting each one it matches.
 
     Subclasses define ``match`` (is this node the rule's pattern?), ``refusal``
     (a reason not to rewrite it, or None) and ``rewrite``. A refusal is recorded in
@@ -23,6 +30,11 @@ class CastRule(PassBase):
 
     def __init__(self, program: Program) -> None:
         self.program = program
+
+    def candidates(self, graph: Graph) -> list[Node]:
+        """The nodes ``match`` may accept, in graph order: by default the cast-op nodes
+        (every rule's pattern starts at a cast), so a walk costs the number of casts."""
+        return cast_op_nodes(graph)
 
     def match(self, node: Node) -> bool:
         raise NotImplementedError
@@ -35,7 +47,7 @@ class CastRule(PassBase):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         modified = False
-        for node in list(graph_module.graph.nodes):
+        for node in self.candidates(graph_module.graph):
             if node.graph is not graph_module.graph or not self.match(node):
                 continue
             reason = self.refusal(node)

@@ -1,6 +1,6 @@
 """DeduplicateCastsPass: one cast per (value, dtype)."""
 
-from torch.fx import Node
+from torch.fx import Graph, Node
 
 from fx16.casts import INSERTED, is_cast, is_inserted
 from fx16.passes.cast_rule import CastRule, dtype_groups, is_written_in_place
@@ -15,6 +15,11 @@ class DeduplicateCastsPass(CastRule):
     The survivor counts as the model's own cast if any merged cast was, so later
     rules stay as strict with it. Casts whose result is written in place are not merged.
     """
+
+    def candidates(self, graph: Graph) -> list[Node]:
+        """The values some cast reads (the pattern starts at the value, not a cast)."""
+        casts = super().candidates(graph)
+        return sorted({cast.args[0] for cast in casts if isinstance(cast.args[0], Node)})
 
     def match(self, node: Node) -> bool:
         return any(len(group) > 1 for group in dtype_groups(self._casts_of(node)).values())

@@ -5,7 +5,6 @@ import operator
 import torch
 from torch._ops import HigherOrderOperator
 from torch.fx import GraphModule, Node
-from torch.fx.node import map_arg
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.infra.pass_base import PassResult
 
@@ -25,6 +24,7 @@ from fx16.casts import (
     is_inserted,
     retype_val,
     set_cast_dtype,
+    substitute_inputs,
 )
 from fx16.decisions import PRECISION, Reason, decide, decision_of, was_narrowed
 from fx16.nodes import (
@@ -527,8 +527,7 @@ class _Run:
                     return self.casts.cast(arg, widest, WHY_UPCAST)
                 return arg
 
-            node.args = map_arg(node.args, widen)
-            node.kwargs = map_arg(node.kwargs, widen)
+            substitute_inputs(node, widen)
         input_dtypes = {node_dtype(a) for a in tensor_inputs(node) if node_dtype(a) in FLOAT_DTYPES}
         try:
             result = propagate_fake(node)
@@ -579,8 +578,7 @@ class _Run:
             self.modified = True
             return self.casts.cast(arg, self.low, WHY_NARROW)
 
-        node.args = map_arg(node.args, downcast)
-        node.kwargs = map_arg(node.kwargs, downcast)
+        substitute_inputs(node, downcast)
 
     def run_in_fp32(
         self, node: Node, reason: Reason, produces_fp32: bool, cast_back: bool = True
@@ -598,8 +596,7 @@ class _Run:
             # Reading a value we cast back from fp32 a moment ago: use the fp32 original.
             return cast_back_source(arg, FP32) or self.casts.cast(arg, FP32, WHY_UPCAST)
 
-        node.args = map_arg(node.args, upcast)
-        node.kwargs = map_arg(node.kwargs, upcast)
+        substitute_inputs(node, upcast)
 
     def cast_back(self, node: Node, reason: Reason) -> None:
         """Give the consumers of an fp32 result an fp16 value, unless it does not fit.
