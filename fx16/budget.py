@@ -1,11 +1,12 @@
 """The accuracy budget: return the fewest ops to fp32 until the outputs are close enough.
 
-The search compares the cast program with the fp32 program on calibration inputs,
-value by value. Each round it runs the cast program once per input, measures every
-node's relative error against fp32, and returns to fp32 the nodes that add the most
-error themselves (their error minus the largest error of their inputs: the first
-divergence, not the nodes that merely carry it on). Neighbouring nodes returned
-together form connected fp32 regions, joined by casts only at their edges.
+The search compares the cast program with the fp32 program on calibration inputs.
+Each round it runs the cast program once per input and measures the output error;
+while over budget, one backward run of the fp32 program tells, for every use of
+every value the cast program holds in 16-bit, how much that use's rounding can
+move the outputs along the current error. The worst uses return to fp32 (the
+consumer, reading its producer in fp32), so fp32 regions grow as connected pieces,
+joined by casts only at their edges, and the other uses of a value stay 16-bit.
 """
 
 import copy
@@ -16,11 +17,13 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 from torch.fx import Interpreter, Node
+from torch.fx.node import map_arg
 
 from fx16.analysis.calibration import CalibrationAnalysis, calibration_calls
-from fx16.casts import before_inserted_casts, cast_back_source, is_inserted
+from fx16.casts import before_inserted_casts, is_cast, is_inserted
 from fx16.decisions import was_narrowed
 from fx16.errors import InvalidOptionError
+from fx16.nodes import node_dtype
 from fx16.ops import ASSERT_METADATA_OPS
 from fx16.passes.insert_fp16_casts import OUTPUTS
 from fx16.pipelines import fp16_passes, run_passes
@@ -33,6 +36,7 @@ from fx16.stats import relative_error
 _TAKE_ALONG = 0.5
 _MOST_PER_ROUND = 4
 _MAX_ROUNDS = 64
+_LOW = (torch.float16, torch.bfloat16)
 # The search stops below this share of the budget on the calibration inputs, so the
 # budget still holds on inputs it has not seen.
 _TARGET = 0.8
@@ -126,18 +130,37 @@ class _Record:
 
 
 class _Recorder(Interpreter):
-    """Runs a graph and keeps every float value by node name (detached unless asked)."""
+    """Runs a graph and keeps every float value by node name (detached unless asked).
+
+    With ``keep_graph`` it also hands each consumer its own view of every float
+    input, kept in ``edges`` by (producer name, consumer name), so that gradients
+    tell apart how much a value matters through each of its uses."""
 
     def __init__(self, graph_module, keep_graph: bool = False) -> None:
         super().__init__(graph_module)
         self.keep_graph = keep_graph
         self.values: dict[str, torch.Tensor] = {}
+        self.edges: dict[tuple[str, str], torch.Tensor] = {}
 
     def run_node(self, node: Node):
         result = super().run_node(node)
         if _is_float(result):
             self.values[node.name] = result if self.keep_graph else result.detach()
         return result
+
+    def fetch_args_kwargs_from_env(self, node: Node):
+        args, kwargs = super().fetch_args_kwargs_from_env(node)
+        if not self.keep_graph:
+            return args, kwargs
+        views = {}
+        for source in node.all_input_nodes:
+            value = self.env.get(source)
+            if _is_float(value) and value.requires_grad:
+                views[source] = self.edges[(source.name, node.name)] = value.view_as(value)
+        if views:
+            args = map_arg(node.args, lambda source: views.get(source, self.env[source]))
+            kwargs = map_arg(node.kwargs, lambda source: views.get(source, self.env[source]))
+        return args, kwargs
 
 
 def _record(graph_module, inputs: list) -> _Record:
@@ -165,10 +188,11 @@ def _output_error(reference: _Record, observed: _Record) -> float:
     return max(errors, default=0.0)
 
 
-def _gradients(reference, errors: list[list]) -> list[dict[str, torch.Tensor]]:
-    """d L / d value for every float value of the fp32 program, per calibration input,
-    where L = sum over outputs of <fp32 output - cast output, output>: how much each
-    value moves the outputs along the error the cast program makes now."""
+def _gradients(reference, errors: list[list]) -> list[dict[tuple[str, str], torch.Tensor]]:
+    """d L / d (value as one consumer reads it), by (producer, consumer) name, for
+    every use of a float value in the fp32 program, per calibration input; with
+    L = sum over outputs of <fp32 output - cast output, output>: how much each use of
+    each value moves the outputs along the error the cast program makes now."""
     found = []
     for inputs, output_errors in zip(reference.inputs, errors):
         recorder = _Recorder(reference.graph_module, keep_graph=True)
@@ -180,10 +204,10 @@ def _gradients(reference, errors: list[list]) -> list[dict[str, torch.Tensor]]:
                 for out, error in zip(outputs, output_errors)
                 if error is not None and _is_float(out) and out.requires_grad
             )
-            names = [n for n, v in recorder.values.items() if v.requires_grad]
-            values = [recorder.values[n] for n in names]
-            grads = torch.autograd.grad(loss, values, allow_unused=True) if values else []
-        found.append({n: g for n, g in zip(names, grads) if g is not None})
+            edges = list(recorder.edges)
+            views = [recorder.edges[edge] for edge in edges]
+            grads = torch.autograd.grad(loss, views, allow_unused=True) if views else []
+        found.append({edge: g for edge, g in zip(edges, grads) if g is not None})
     return found
 
 
@@ -196,12 +220,19 @@ def _culprits(
 ) -> set[str]:
     """What to return to fp32 next (never a node in ``forced`` again).
 
-    Each value stored in 16-bit (a 16-bit op's result, or an fp32 result cast back)
-    is scored by the first-order effect of its rounding on the output error:
-    |sum dL/dv * (v - fp16(v))| on the fp32 program, with L the outputs projected on
-    the current error (see ``_gradients``). Removing that rounding takes its producer
-    and its consumers in fp32 (``OUTPUTS`` for the program outputs): the worst
-    values' remedies are returned, so fp32 regions grow as connected pieces.
+    Each use of a value stored in 16-bit (a 16-bit op's result, a 16-bit parameter or
+    input, or an fp32 result cast down) is scored by the first-order effect of its
+    rounding on the output error, elementwise and without cancellation:
+    sum |dL/du * (v - fp16(v))| on the fp32 program, with u that consumer's view of v
+    and L the outputs projected on the current error (see ``_gradients``). Summing
+    signed terms instead let roundings that happen to cancel on the calibration
+    inputs look harmless, and the budget then failed on other inputs.
+
+    Removing that rounding for that use takes the consumer in fp32 (``OUTPUTS`` for a
+    program output), reading the value's producer in fp32 (the producer too, when it
+    computes in 16-bit); its other consumers keep reading 16-bit. The worst uses'
+    remedies are returned, so fp32 regions grow as connected pieces and stop where
+    the error does.
     """
     errors = [
         [
@@ -212,41 +243,64 @@ def _culprits(
     ]
     gradients = _gradients(reference, errors)
 
-    def impact(name: str) -> float:
+    def impact(producer: str, consumer: str) -> float:
         total = 0.0
         for record, grads in zip(reference.records, gradients):
-            value, grad = record.values.get(name), grads.get(name)
+            value, grad = record.values.get(producer), grads.get((producer, consumer))
             if value is not None and grad is not None:
                 rounding = value - value.to(torch.float16).to(value.dtype)
-                total += abs(float((grad * rounding).sum()))
+                total += float((grad * rounding).abs().sum())
         return total
 
-    # Every value stored in 16-bit, with what removing its rounding takes: its producer
-    # (if that computes in 16-bit) and its consumers must all run in fp32.
-    remedies: dict[str, tuple[float, set[str]]] = {}
+    remedies: list[tuple[float, set[str]]] = []
     for node in graph_module.graph.nodes:
-        if node.op not in ("placeholder", "call_function"):
+        stored = _stored_in_16_bit(node)
+        if stored is None:
             continue
-        if is_inserted(node) and cast_back_source(node, torch.float32) is not None:
-            producer, fix = before_inserted_casts(node), set()
-        elif was_narrowed(node) and not is_inserted(node):
-            producer, fix = node, {node.name}
-        else:
-            continue
-        fix |= {
-            OUTPUTS if user.op == "output" else user.name
-            for user in node.users
-            if user.target not in ASSERT_METADATA_OPS and not is_inserted(user)
-        }
-        fix -= forced
-        if fix:
-            remedies[node.name] = (impact(producer.name), fix)
-    worst = max((score for score, _ in remedies.values()), default=0.0)
+        producer, computes_in_16_bit = stored
+        for consumer in _readers(node):
+            fix = {OUTPUTS if consumer.op == "output" else consumer.name}
+            if computes_in_16_bit:
+                fix.add(producer.name)
+            fix -= forced
+            if fix:
+                remedies.append((impact(producer.name, consumer.name), fix))
+    worst = max((score for score, _ in remedies), default=0.0)
     if worst <= 0.0:
         return set()
-    ranked = sorted(remedies.values(), key=lambda remedy: remedy[0], reverse=True)
+    remedies.sort(key=lambda remedy: remedy[0], reverse=True)
     chosen: set[str] = set()
-    for score, fix in ranked[:most]:
+    for score, fix in remedies[:most]:
         if score >= _TAKE_ALONG * worst:
             chosen |= fix
     return chosen
+
+
+def _stored_in_16_bit(node: Node) -> tuple[Node, bool] | None:
+    """(producer, whether the producer itself computes in 16-bit) for a value the
+    cast program holds in 16-bit where the fp32 program held fp32; None otherwise."""
+    if node.op not in ("placeholder", "call_function"):
+        return None
+    if is_inserted(node) and is_cast(node):
+        source = before_inserted_casts(node)
+        if node_dtype(node) in _LOW and node_dtype(source) == torch.float32:
+            return source, False
+        return None
+    if was_narrowed(node):
+        return node, True
+    return None
+
+
+def _readers(node: Node) -> list[Node]:
+    """The original nodes (or the output) that read ``node``'s value, through any
+    casts fx16 inserted after it; ``_assert_tensor_metadata`` checks left out."""
+    readers, pending = [], list(node.users)
+    while pending:
+        user = pending.pop()
+        if user.target in ASSERT_METADATA_OPS:
+            continue
+        if is_inserted(user) and is_cast(user):
+            pending.extend(user.users)
+        elif user not in readers:
+            readers.append(user)
+    return readers

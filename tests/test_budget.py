@@ -51,6 +51,35 @@ def test_budget_returns_a_few_nodes_to_fp32_and_holds_on_unseen_inputs():
     assert report_of(ep).totals.float_ops_16bit > 0
 
 
+def test_one_calibration_input_is_enough_for_unseen_inputs():
+    # Rounding errors that cancel on the one input the search sees must not look harmless.
+    torch.manual_seed(0)
+    model = SharpSoftmax(scale=4.0).eval()
+    calibration, unseen = _calibration(1, 7), _calibration(4, 8)
+    ep = fx16.cast_fp32_to_fp16(
+        export(model, *calibration[0]), calibration=calibration, max_rel_error=2e-3
+    )
+    assert report_of(ep).accuracy.met
+    assert _unseen_error(model, ep, unseen) <= 2e-3
+
+
+def test_a_value_returned_to_fp32_for_one_use_stays_16_bit_for_the_others():
+    torch.manual_seed(0)
+    model = SharpSoftmax().eval()
+    calibration = _calibration(2, 1)
+    ep = fx16.cast_fp32_to_fp16(
+        export(model, *calibration[0]), calibration=calibration, max_rel_error=2e-3
+    )
+    search = report_of(ep).accuracy
+    assert "x" in search.fp32_nodes  # the q/k path reads the input unrounded...
+    nodes = {node.name: node for node in ep.graph_module.graph.nodes}
+    assert nodes["x"].meta["val"].dtype == torch.float32
+    assert "linear_2" not in search.fp32_nodes  # ...the value path reads it in fp16
+    (value_input,) = [arg for arg in nodes["linear_2"].args if arg.op != "placeholder"]
+    assert value_input.args[0] is nodes["x"]
+    assert nodes["linear_2"].meta["val"].dtype == torch.float16
+
+
 def test_budget_already_met_changes_nothing_more():
     torch.manual_seed(0)
     model = SharpSoftmax(scale=1.0).eval()

@@ -367,3 +367,32 @@ def test_an_fp32_cast_before_a_variance_is_a_region():
     _insert(ep)
     first = [n for n in ep.graph_module.graph.nodes if n.target == aten.to.dtype][0]
     assert first.meta[PRECISION].reason == Reason.EXPLICIT_FP32
+
+
+class TwoReaders(torch.nn.Module):
+    def forward(self, x):
+        return x.exp(), x.sin()
+
+
+def test_an_input_kept_fp32_by_the_budget_is_read_in_fp16_by_its_other_consumers():
+    ep = export(TwoReaders(), torch.randn(4, 8))
+    program = Program(ep)
+    forced = frozenset({"x", "exp"})
+    policy = PrecisionPolicy.default()
+    run_passes(
+        [
+            ConvertUserInputsPass(program, policy=policy, force_fp32=forced),
+            InsertFP16CastsPass(program, policy=policy, force_fp32=forced),
+        ],
+        ep.graph_module,
+    )
+    check_program(ep)
+    exp, sin = _only(ep, aten.exp.default), _only(ep, aten.sin.default)
+    assert exp.args[0].op == "placeholder"  # the forced use reads the unrounded input
+    assert exp.meta[PRECISION].reason == Reason.ACCURACY_FALLBACK
+    assert sin.args[0].meta[INSERTED] and sin.args[0].meta["val"].dtype == torch.float16
+    assert sin.meta[PRECISION].dtype == torch.float16
+    x = torch.randn(4, 8)
+    got_exp, got_sin = run(ep, x)
+    assert torch.equal(got_exp, x.exp().half())  # computed in fp32, then rounded once
+    assert torch.allclose(got_sin.float(), x.sin(), atol=2e-3)

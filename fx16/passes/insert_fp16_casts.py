@@ -507,12 +507,13 @@ class _Run:
             self.run_in_low(node, scalars, produces_fp32)
 
     def downcastable(self, value: Node) -> bool:
-        """An fp32 value the policy kept wide (not a safety rule) and that fits 16-bit:
-        a 16-bit op reading it may cast it down, as eager autocast does with weights."""
+        """An fp32 value kept wide for precision (by the policy, or the accuracy budget
+        for some of its uses), not by a safety rule, and that fits 16-bit: a 16-bit op
+        reading it may cast it down, as eager autocast does with weights."""
         decision = decision_of(value)
         return (
             decision is not None
-            and decision.reason in (Reason.POLICY, Reason.POLICY_FOLLOW)
+            and decision.reason in (Reason.POLICY, Reason.POLICY_FOLLOW, Reason.ACCURACY_FALLBACK)
             and not self.overflows(value)
         )
 
