@@ -3,6 +3,7 @@
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.fx import Node
 from torch.fx.node import map_arg
 
@@ -29,6 +30,58 @@ def propagate_fake(node: Node, args: Any = None, kwargs: Any = None) -> Any:
         return node.target(*args, **kwargs)
     with fake_mode:
         return node.target(*args, **kwargs)
+
+
+# (op, input dtypes and other arguments) -> output dtypes, filled by retyped_result.
+_OUTPUT_DTYPES: dict[tuple, tuple] = {}
+_MOST_REMEMBERED = 4096
+
+
+def retyped_result(node: Node) -> Any:
+    """``node``'s recorded value with the dtypes its op gives on the inputs' current dtypes.
+
+    The op is fake-run once per (op, input dtypes, other arguments) and the output
+    dtypes remembered: the twelve layer norms of a transformer, or the same model cast
+    again, reuse them instead of dispatching again (an LSTM's fake run alone costs
+    milliseconds). Shapes come from the recorded value, which already has them.
+    """
+    key = _signature(node)
+    dtypes = _OUTPUT_DTYPES.get(key) if key is not None else None
+    if dtypes is None:
+        result = propagate_fake(node)
+        if key is not None:
+            if len(_OUTPUT_DTYPES) >= _MOST_REMEMBERED:
+                _OUTPUT_DTYPES.clear()
+            _OUTPUT_DTYPES[key] = tuple(
+                leaf.dtype if isinstance(leaf, torch.Tensor) else None
+                for leaf in pytree.tree_leaves(result)
+            )
+        return result
+    leaves, spec = pytree.tree_flatten(node_val(node))
+    if len(leaves) != len(dtypes):
+        return propagate_fake(node)
+    return pytree.tree_unflatten(
+        [
+            retype_val(leaf, dtype) if isinstance(leaf, torch.Tensor) and dtype else leaf
+            for leaf, dtype in zip(leaves, dtypes)
+        ],
+        spec,
+    )
+
+
+def _signature(node: Node) -> tuple | None:
+    """The op and what decides its output dtypes: input dtypes and the other arguments
+    (None when an argument has no plain description)."""
+    described = []
+    for leaf in pytree.tree_leaves((node.args, node.kwargs)):
+        value = node_val(leaf) if isinstance(leaf, Node) else leaf
+        if isinstance(value, torch.Tensor):
+            described.append(value.dtype)
+        elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+            described.append((type(value), value))
+        else:
+            return None
+    return (node.target, tuple(described))
 
 
 def _concrete(size) -> int:

@@ -41,7 +41,7 @@ from fx16.numerics import round_scalar_to_fp16
 from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS, PRECISION_SENSITIVE_OPS
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision, PrecisionPolicy
-from fx16.propagation import output_dtypes_by_running, propagate_fake
+from fx16.propagation import output_dtypes_by_running, propagate_fake, retyped_result
 
 FP32 = torch.float32
 
@@ -568,7 +568,7 @@ class _Run:
             node.meta["val"] = retype_val(val, self.low)
             self.modified = True
         elif produces_fp32:
-            node.meta["val"] = propagate_fake(node)
+            node.meta["val"] = retyped_result(node)
             self.modified = True
         decide(node, self.low, Reason.FITS)
 
