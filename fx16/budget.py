@@ -17,13 +17,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
-from torch.fx import Interpreter, Node
+from torch.fx import Node
 from torch.fx.node import map_arg
 
 from fx16.analysis.calibration import CalibrationAnalysis, calibration_calls
 from fx16.casts import before_inserted_casts, is_cast, is_inserted
 from fx16.decisions import was_narrowed
 from fx16.errors import InvalidOptionError
+from fx16.interpreter import LeanInterpreter
 from fx16.nodes import node_dtype
 from fx16.ops import ASSERT_METADATA_OPS
 from fx16.passes.insert_fp16_casts import OUTPUTS
@@ -138,7 +139,7 @@ class _Record:
     outputs: list
 
 
-class _Recorder(Interpreter):
+class _Recorder(LeanInterpreter):
     """Runs a graph and keeps every float value by node name (detached unless asked).
 
     With ``keep_graph`` it also hands each consumer its own view of every float

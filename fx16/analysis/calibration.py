@@ -5,10 +5,11 @@ import warnings
 
 import torch
 import torch.utils._pytree as pytree
-from torch.fx import GraphModule, Interpreter, Node
+from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.errors import InvalidOptionError
+from fx16.interpreter import LeanInterpreter
 from fx16.numerics import INF_LIKE
 from fx16.ops import INT_DTYPES, SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS
 from fx16.program import Program
@@ -155,7 +156,7 @@ def integer_extremes(value) -> tuple[int, int] | None:
     return int(value.min()), int(value.max())
 
 
-class _MagnitudeRecorder(Interpreter):
+class _MagnitudeRecorder(LeanInterpreter):
     """Runs a graph and records magnitudes, integer extremes and sentinels per node.
 
     It steps into the bodies of cond (the branch taken), autocast and set_grad_enabled
