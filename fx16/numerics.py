@@ -66,9 +66,12 @@ def tensor_to_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> 
     first: values above the maximum would become inf here.
     """
     source = tensor.detach()
+    converted = source.to(dtype)
+    # Magnitudes below the smallest subnormal either round up to it (as lifting would)
+    # or flush to zero; only a flush changes the count of nonzeros.
+    if int(torch.count_nonzero(converted)) == int(torch.count_nonzero(source)):
+        return converted
     tiny_value = smallest_subnormal(dtype)
     tiny = (source != 0) & (source.abs() < tiny_value)
-    if bool(tiny.any()):
-        lifted = torch.copysign(torch.full_like(source, tiny_value), source)
-        source = torch.where(tiny, lifted, source)
-    return source.to(dtype)
+    lifted = torch.copysign(torch.full_like(source, tiny_value), source)
+    return torch.where(tiny, lifted, source).to(dtype)
