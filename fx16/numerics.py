@@ -7,6 +7,7 @@ graphs: whether a scalar or a tensor fits, and how to convert one so that nothin
 overflows and nothing small flushes to zero.
 """
 
+import functools
 import math
 
 import torch
@@ -20,10 +21,12 @@ FP16_TINY = 2.0**-24  # smallest positive fp16 subnormal, ~5.96e-8
 INF_LIKE = 1e38
 
 
+@functools.cache
 def largest(dtype: torch.dtype = torch.float16) -> float:
     return float(torch.finfo(dtype).max)
 
 
+@functools.cache
 def smallest_subnormal(dtype: torch.dtype = torch.float16) -> float:
     info = torch.finfo(dtype)
     return float(info.tiny * info.eps)
@@ -44,6 +47,13 @@ def round_scalar_to_fp16(value: float, dtype: torch.dtype = torch.float16) -> fl
         return math.copysign(top, value) if magnitude >= INF_LIKE else None
     if magnitude < tiny:
         return math.copysign(tiny, value)
+    return _nearest(float(value), dtype)
+
+
+@functools.lru_cache(maxsize=65536)
+def _nearest(value: float, dtype: torch.dtype) -> float:
+    """The nearest ``dtype`` value to a finite nonzero ``value`` (models repeat their
+    scalars: each is rounded once, not once per op)."""
     return float(torch.tensor(value, dtype=dtype))
 
 

@@ -482,7 +482,8 @@ class _Run:
 
         precision = self.policy.precision_for(node)
         scalars = value_scalars(node)
-        explicit_fp32 = any(dtype == FP32 for _, dtype in dtype_arguments(node))
+        dtype_args = dtype_arguments(node)
+        explicit_fp32 = any(dtype == FP32 for _, dtype in dtype_args)
         fp32_inputs = [arg for arg in float_inputs if node_dtype(arg) == FP32]
         kept_fp32 = [arg for arg in fp32_inputs if not self.downcastable(arg)]
         other_float = any(node_dtype(arg) not in (self.low, FP32) for arg in float_inputs)
@@ -504,7 +505,7 @@ class _Run:
         elif other_float and produces_fp32:
             self.run_in_fp32(node, Reason.MIXED_FLOAT_DTYPES, produces_fp32)
         else:
-            self.run_in_low(node, scalars, produces_fp32)
+            self.run_in_low(node, scalars, dtype_args, produces_fp32)
 
     def downcastable(self, value: Node) -> bool:
         """An fp32 value kept wide for precision (by the policy, or the accuracy budget
@@ -552,14 +553,14 @@ class _Run:
         decide(node, self.low if self.low in dtypes else FP32, Reason.POLICY_FOLLOW)
         self.modified = True
 
-    def run_in_low(self, node: Node, scalars, produces_fp32: bool) -> None:
+    def run_in_low(self, node: Node, scalars, dtype_args, produces_fp32: bool) -> None:
         self.downcast_inputs(node)
         for location, value in scalars:
             rounded = round_scalar_to_fp16(value, self.low) if isinstance(value, float) else value
             if rounded != value:
                 set_argument(node, location, rounded)
                 self.modified = True
-        for location, dtype in dtype_arguments(node):
+        for location, dtype in dtype_args:
             if dtype == FP32:
                 set_argument(node, location, self.low)
                 self.modified = True
