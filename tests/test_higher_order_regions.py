@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from torch._higher_order_ops.map import map as hop_map
+from torch._higher_order_ops.while_loop import while_loop
 
 import fx16
 from fx16.decisions import PRECISION, Reason
@@ -130,3 +132,66 @@ def test_calibration_looks_inside_the_branch_taken():
     outputs = run(ep, x)
     assert torch.isfinite(outputs[0]).all()
     assert max_error(fp64_reference(model, x), outputs) < 1e-2
+
+
+class GrowingLoop(torch.nn.Module):
+    """A while_loop whose body applies a layer and scales its state by 40 per step:
+    after three steps the scaled values pass fp16's range."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        def condition(step, state):
+            return step < 3
+
+        def body(step, state):
+            return step + 1, torch.tanh(self.fc(state)) * (state.abs() * 40 + 1)
+
+        return while_loop(condition, body, (torch.tensor(0), x))[1]
+
+
+class MappedLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, xs):
+        return hop_map(lambda x: self.fc(x).relu(), xs)
+
+
+def _body(ep, hop, position):
+    (node,) = _hops(ep, hop)
+    return node, getattr(ep.graph_module, node.args[position].target)
+
+
+def test_a_while_loop_body_is_cast_and_its_state_keeps_its_dtype():
+    torch.manual_seed(0)
+    model, x = GrowingLoop().eval(), torch.randn(2, 8)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    loop, body = _body(ep, torch.ops.higher_order.while_loop, 1)
+    linear = next(n for n in body.graph.nodes if n.target == aten.linear.default)
+    assert linear.meta["val"].dtype == torch.float16  # the layer runs in fp16 inside
+    assert "fx16.observed_range" in linear.meta  # calibration stepped into the loop
+    grown = [n for n in body.graph.nodes if n.meta.get("fx16.observed_range", 0) > 65504 / 2]
+    assert grown and all(n.meta[PRECISION].reason != Reason.FITS for n in grown)
+    carried = [out.meta["val"].dtype for out in body.graph.output_node().args[0]]
+    assert carried[1] == torch.float32  # the loop state enters and leaves as exported
+    assert loop.args[2][1].meta["val"].dtype == torch.float32
+    outputs = run(ep, x)
+    assert torch.isfinite(outputs[0]).all()
+    assert max_error(fp64_reference(model, x), outputs) < 1e-2
+
+
+def test_a_map_body_is_cast():
+    torch.manual_seed(0)
+    model, xs = MappedLayer().eval(), torch.randn(3, 2, 8)
+    ep = fx16.cast_fp32_to_fp16(export(model, xs))
+    check_program(ep)
+    mapped, body = _body(ep, torch.ops.higher_order.map_impl, 0)
+    linear = next(n for n in body.graph.nodes if n.target == aten.linear.default)
+    assert linear.meta["val"].dtype == torch.float16
+    assert mapped.meta["val"][0].dtype == torch.float16
+    assert max_error(fp64_reference(model, xs), run(ep, xs)) < 1e-2

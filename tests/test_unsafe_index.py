@@ -134,3 +134,34 @@ def test_every_node_on_the_way_to_an_index_is_marked(steps):
     assert found["ids"]
     side = next(n for n in ep.graph_module.graph.nodes if n.op == "output").args[0][1]
     assert not found[side.name]
+
+
+class BucketsInsideCond(torch.nn.Module):
+    """Float positions become bucket ids inside a cond branch; the other branch returns
+    a float result that only computes."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(16, 4)
+
+    def forward(self, x):
+        def buckets(a):
+            ids = (a.abs() * 3).floor().clamp(max=15).long()
+            return self.table(ids).sum(-1)
+
+        def plain(a):
+            return a * 2
+
+        return torch.cond(x.sum() > 0, buckets, plain, (x * 5,))
+
+
+def test_an_index_inside_a_branch_is_unsafe_on_both_sides_of_the_boundary():
+    ep = export(BucketsInsideCond(), torch.rand(2, 3))
+    found = _analyse(ep)
+    assert found["mul"]  # x * 5 feeds the branch operand that becomes ids
+    assert not found["cond"]
+    (cond,) = [n for n in ep.graph_module.graph.nodes if n.target is torch.ops.higher_order.cond]
+    taken = getattr(ep.graph_module, cond.args[1].target)
+    inside = {n.name: n.meta[KEY] for n in taken.graph.nodes}
+    assert all(inside[n] for n in ("mul", "abs_1", "mul_1", "floor", "clamp", "to"))
+    assert not inside["sum_1"]

@@ -13,6 +13,7 @@ from fx16.interpreter import LeanInterpreter
 from fx16.numerics import INF_LIKE
 from fx16.ops import INT_DTYPES, SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS
 from fx16.program import Program
+from fx16.subgraphs import AUTOCAST, COND, MAP, SET_GRAD, WHILE_LOOP
 
 
 class CalibrationAnalysis(PassBase):
@@ -159,8 +160,9 @@ def integer_extremes(value) -> tuple[int, int] | None:
 class _MagnitudeRecorder(LeanInterpreter):
     """Runs a graph and records magnitudes, integer extremes and sentinels per node.
 
-    It steps into the bodies of cond (the branch taken), autocast and set_grad_enabled
-    regions, so their nodes are observed too; other higher-order ops run whole.
+    It steps into the bodies of cond (the branch taken), while_loop (every iteration),
+    map (every slice), autocast and set_grad_enabled regions, so their nodes are
+    observed too (over all iterations); other higher-order ops run whole.
     """
 
     def __init__(self, graph_module: GraphModule, parent: "_MagnitudeRecorder | None" = None):
@@ -170,21 +172,35 @@ class _MagnitudeRecorder(LeanInterpreter):
         self.sentinels: set[Node] = parent.sentinels if parent else set()
 
     def call_function(self, target, args, kwargs):
-        if target is torch.ops.higher_order.cond:
+        if target is COND:
             predicate, true_body, false_body, operands = args
-            return self._inside(true_body if bool(predicate) else false_body, operands)
-        if target is torch.ops.higher_order.wrap_with_autocast:
+            return tuple(self._inside(true_body if bool(predicate) else false_body, operands))
+        if target is WHILE_LOOP:
+            condition, body, carried, additional = args
+            carried = tuple(carried)
+            while bool(pytree.tree_leaves(self._inside(condition, (*carried, *additional)))[0]):
+                carried = tuple(self._inside(body, (*carried, *additional)))
+            return carried
+        if target is MAP and args[1][0].shape[0] > 0:
+            body, mapped, others = args
+            slices = [
+                self._inside(body, (*(tensor[index] for tensor in mapped), *others))
+                for index in range(mapped[0].shape[0])
+            ]
+            return [torch.stack(parts) for parts in zip(*slices)]
+        if target is AUTOCAST:
             device, dtype, enabled, cache, body, *operands = args
             with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
-                return self._inside(body, operands)
-        if target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+                return tuple(self._inside(body, operands))
+        if target is SET_GRAD:
             enabled, body, *operands = args
             with torch.set_grad_enabled(enabled):
-                return self._inside(body, operands)
+                return tuple(self._inside(body, operands))
         return super().call_function(target, args, kwargs)
 
     def _inside(self, body: GraphModule, operands):
-        return tuple(_MagnitudeRecorder(body, parent=self).run(*operands))
+        """What ``body`` returns when run on ``operands``, observing its nodes."""
+        return _MagnitudeRecorder(body, parent=self).run(*operands)
 
     def run_node(self, node: Node):
         result = super().run_node(node)

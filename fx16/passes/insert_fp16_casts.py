@@ -42,6 +42,15 @@ from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS, PRECISION_SENSITIVE_OPS
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision, PrecisionPolicy
 from fx16.propagation import output_dtypes_by_running, propagate_fake, retyped_result
+from fx16.subgraphs import (
+    AUTOCAST,
+    COND,
+    MAP,
+    SET_GRAD,
+    WHILE_LOOP,
+    bodies_and_operands,
+    carried_count,
+)
 
 FP32 = torch.float32
 
@@ -107,9 +116,10 @@ class InsertFP16CastsPass(PolicyPass):
         return PassResult(graph_module, modified)
 
 
-_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
-_COND = torch.ops.higher_order.cond
-_SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+# Reasons an fp32 value may have that still let a 16-bit op read it through a cast.
+_DOWNCASTABLE = frozenset(
+    {Reason.POLICY, Reason.POLICY_FOLLOW, Reason.ACCURACY_FALLBACK, Reason.LOOP_CARRIED}
+)
 
 
 def _unify_outputs(submodules: list[GraphModule]) -> list[Node]:
@@ -252,9 +262,9 @@ class _Run:
             self.visit_other_cast(node)
         elif node.target in CREATION_OPS and node_dtype(node) == FP32:
             self.visit_creation(node)
-        elif node.target is _AUTOCAST and node.args[2]:
+        elif node.target is AUTOCAST and node.args[2]:
             self.visit_autocast_region(node)
-        elif node.target in (_COND, _SET_GRAD):
+        elif node.target in (COND, SET_GRAD, WHILE_LOOP, MAP):
             self.visit_subgraphs(node)
         elif isinstance(node.target, HigherOrderOperator):
             self.visit_opaque(node)
@@ -409,11 +419,11 @@ class _Run:
 
     def visit_opaque(self, node: Node) -> None:
         """Run a region as exported, fed fp32: ``torch.autocast(enabled=False)`` regions
-        the model wrote, and loops (while_loop, map), whose carried values must keep
-        their dtypes."""
+        the model wrote, and higher-order ops fx16 does not look inside (scan,
+        invoke_subgraph, ...)."""
         if any(was_narrowed(arg) for arg in tensor_inputs(node)):
             self.upcast_inputs(node)
-            disabled_autocast = node.target is _AUTOCAST
+            disabled_autocast = node.target is AUTOCAST
             decide(
                 node,
                 FP32,
@@ -437,30 +447,55 @@ class _Run:
         self.modified = True
 
     def visit_subgraphs(self, node: Node) -> None:
-        """cond branches and set_grad_enabled bodies: cast inside them like anywhere else.
+        """cond branches, set_grad_enabled bodies, while_loop and map bodies: cast
+        inside them like anywhere else.
 
-        Each body sees the operands in their current dtypes. Where cond's branches
-        return different dtypes, both return fp32 for that output.
+        Each body sees the operands in their current dtypes, except the values a
+        while_loop carries from one iteration to the next: they enter and leave the
+        body in their exported dtype, so the loop's state keeps its precision over
+        every iteration, and ops inside read them through casts where they fit.
+        Where cond's branches return different dtypes, both return fp32 for that output.
         """
-        if node.target is _COND:
-            bodies, operands = node.args[1:3], list(node.args[3])
-        else:
-            bodies, operands = node.args[1:2], list(node.args[2:])
-        submodules = [getattr(self.graph_module, body.target) for body in bodies]
+        carried = carried_count(node)
+        if carried:
+            self.upcast_carried(node)
+        body_nodes, operands = bodies_and_operands(node)
+        submodules = [getattr(self.graph_module, body.target) for body in body_nodes]
         for submodule in submodules:
             placeholders = submodule.graph.find_nodes(op="placeholder")
-            for placeholder, operand in zip(placeholders, operands):
-                placeholder.meta["val"] = retype_val(placeholder.meta["val"], node_dtype(operand))
-                if decision_of(operand) is not None:
+            for index, (placeholder, operand) in enumerate(zip(placeholders, operands)):
+                dtype = node_dtype(operand)
+                placeholder.meta["val"] = retype_val(placeholder.meta["val"], dtype)
+                if index < carried and dtype == FP32:
+                    decide(placeholder, FP32, Reason.LOOP_CARRIED)
+                elif decision_of(operand) is not None:
                     placeholder.meta[PRECISION] = decision_of(operand)
             observed = any(CalibrationAnalysis.META_KEY in n.meta for n in submodule.graph.nodes)
             inner = _Run(submodule, self.policy, self.limit, calibrated=observed, root=self.root)
             inner.walk()
+            if carried and submodule is submodules[-1]:  # the loop body returns the state
+                inner.restore_output_dtypes({i: node_dtype(operands[i]) for i in range(carried)})
+                submodule.recompile()
             self.modified |= inner.modified
+        if node.target is WHILE_LOOP:
+            decide(node, FP32, Reason.LOOP_CARRIED)
+            return
         outputs = _unify_outputs(submodules)
-        node.meta["val"] = tuple(node_val(out) for out in outputs)
+        if node.target is MAP:  # each output stacks the body's results
+            node.meta["val"] = type(node.meta["val"])(
+                retype_val(val, node_dtype(out)) for val, out in zip(node.meta["val"], outputs)
+            )
+        else:
+            node.meta["val"] = tuple(node_val(out) for out in outputs)
         narrowed = any(node_dtype(out) == self.low for out in outputs)
         decide(node, self.low if narrowed else FP32, Reason.FITS if narrowed else Reason.FP32_INPUT)
+
+    def upcast_carried(self, node: Node) -> None:
+        """A while_loop's carried operands that fx16 narrowed go back to fp32."""
+        condition, body, carried, additional = node.args
+        widened = tuple(self.widened(arg) if isinstance(arg, Node) else arg for arg in carried)
+        if any(new is not old for new, old in zip(widened, carried)):
+            node.args = (condition, body, widened, additional)
 
     def visit_in_place(self, node: Node) -> None:
         """An in-place op keeps the dtype of the tensor it writes to."""
@@ -508,14 +543,13 @@ class _Run:
             self.run_in_low(node, scalars, dtype_args, produces_fp32)
 
     def downcastable(self, value: Node) -> bool:
-        """An fp32 value kept wide for precision (by the policy, or the accuracy budget
-        for some of its uses), not by a safety rule, and that fits 16-bit: a 16-bit op
-        reading it may cast it down, as eager autocast does with weights."""
+        """An fp32 value kept wide for precision (by the policy, the accuracy budget for
+        some of its uses, or a loop carrying it), not by a safety rule, and that fits
+        16-bit: a 16-bit op reading it may cast it down, as eager autocast does with
+        weights."""
         decision = decision_of(value)
         return (
-            decision is not None
-            and decision.reason in (Reason.POLICY, Reason.POLICY_FOLLOW, Reason.ACCURACY_FALLBACK)
-            and not self.overflows(value)
+            decision is not None and decision.reason in _DOWNCASTABLE and not self.overflows(value)
         )
 
     def follow(self, node: Node, promote: bool) -> None:
@@ -591,14 +625,15 @@ class _Run:
             self.cast_back(node, reason)
 
     def upcast_inputs(self, node: Node) -> None:
-        def upcast(arg: Node) -> Node:
-            if not was_narrowed(arg) or node_dtype(arg) != self.low:
-                return arg
-            self.modified = True
-            # Reading a value we cast back from fp32 a moment ago: use the fp32 original.
-            return cast_back_source(arg, FP32) or self.casts.cast(arg, FP32, WHY_UPCAST)
+        substitute_inputs(node, self.widened)
 
-        substitute_inputs(node, upcast)
+    def widened(self, arg: Node) -> Node:
+        """``arg`` in fp32 if fx16 narrowed it (through a cast), else ``arg`` itself."""
+        if not was_narrowed(arg) or node_dtype(arg) != self.low:
+            return arg
+        self.modified = True
+        # Reading a value we cast back from fp32 a moment ago: use the fp32 original.
+        return cast_back_source(arg, FP32) or self.casts.cast(arg, FP32, WHY_UPCAST)
 
     def cast_back(self, node: Node, reason: Reason) -> None:
         """Give the consumers of an fp32 result an fp16 value, unless it does not fit.

@@ -1,0 +1,39 @@
+"""Where the higher-order ops of an exported program keep their bodies, and what feeds them.
+
+torch.export represents control flow and regions as ops that take GraphModules
+(``get_attr`` nodes) plus operands; each op lays its arguments out differently.
+"""
+
+import torch
+from torch.fx import Node
+
+hop = torch.ops.higher_order
+COND = hop.cond
+WHILE_LOOP = hop.while_loop
+MAP = hop.map_impl
+AUTOCAST = hop.wrap_with_autocast
+SET_GRAD = hop.wrap_with_set_grad_enabled
+
+
+def bodies_and_operands(node: Node) -> tuple[list[Node], list]:
+    """The ``get_attr`` nodes of ``node``'s bodies, and the values fed to each body's
+    placeholders in order (every body of one op takes the same operands: cond's
+    branches, while_loop's condition and body). ``([], [])`` for any other node."""
+    args = node.args
+    if node.target is COND:
+        return [args[1], args[2]], list(args[3])
+    if node.target is WHILE_LOOP:  # (cond, body, carried inputs, additional inputs)
+        return [args[0], args[1]], [*args[2], *args[3]]
+    if node.target is MAP:  # (body, mapped tensors, other inputs)
+        return [args[0]], [*args[1], *args[2]]
+    if node.target is SET_GRAD:  # (enabled, body, *operands)
+        return [args[1]], list(args[2:])
+    if node.target is AUTOCAST:  # (device, dtype, enabled, cache, body, *operands)
+        return [args[4]], list(args[5:])
+    return [], []
+
+
+def carried_count(node: Node) -> int:
+    """How many of a while_loop's operands are carried from iteration to iteration
+    (its body returns them, in the same dtypes); 0 for other nodes."""
+    return len(node.args[2]) if node.target is WHILE_LOOP else 0
