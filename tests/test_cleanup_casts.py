@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fx16.casts import is_cast
 from fx16.passes import CleanupCastsPass
 from fx16.program import Program
 from helpers import casts, check_program, eager, export, run
@@ -59,3 +60,30 @@ def test_any_chain_of_the_models_casts_keeps_its_values_exactly(dtypes):
     got = run(ep, x)[0]
     assert got.dtype == expected.dtype
     assert torch.equal(got, expected)
+
+
+class WideningInBranches(torch.nn.Module):
+    """The round trip of ``Widening`` inside both branches of a cond."""
+
+    def forward(self, x):
+        def up(a):
+            return a.float().half().relu()
+
+        def down(a):
+            return a.float().half().neg()
+
+        return torch.cond(x.sum() > 0, up, down, (x,))
+
+
+def test_cond_branches_are_cleaned_too():
+    ep = export(WideningInBranches(), HALF)
+    bodies = [m for name, m in ep.graph_module.named_children() if "graph" in name]
+    body_casts = lambda body: [n for n in body.graph.nodes if is_cast(n)]  # noqa: E731
+    assert len(bodies) == 2 and all(body_casts(body) for body in bodies)
+    assert CleanupCastsPass(Program(ep))(ep.graph_module).modified
+    ep.graph_module.recompile()
+    check_program(ep)
+    assert all(body_casts(body) == [] for body in bodies)
+    for sign in (1.0, -1.0):
+        x = HALF.abs() * sign
+        torch.testing.assert_close(run(ep, x)[0], eager(WideningInBranches(), x))

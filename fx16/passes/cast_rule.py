@@ -56,7 +56,7 @@ class CastRule(PassBase):
                 modified = True
             else:
                 node.meta[KEPT_CAST] = reason
-        if modified:
+        if modified and graph_module is self.program.graph_module:
             self.program.sync_output_specs()
         return PassResult(graph_module, modified)
 

@@ -22,6 +22,8 @@ class CleanupCastsPass(PassBase):
 
     Default order: dedupe first (fewer nodes for the others), then fuse chains,
     bypass shared casts, and drop the no-ops and unused casts those rewrites leave.
+    Runs on the program's graph and on the body of every higher-order op (each rule
+    keeps the dtype of every value, so what a body returns keeps its dtype).
     Reads and writes what its rules do (casts, ``meta["fx16.kept_cast"]``, output specs).
     """
 
@@ -36,10 +38,19 @@ class CleanupCastsPass(PassBase):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         modified = False
+        for module in graph_module.modules():  # the program's graph, then every body
+            if isinstance(module, GraphModule) and self._to_fixed_point(module):
+                modified = True
+                if module is not graph_module:
+                    module.recompile()  # a body's code must match before its op runs
+        return PassResult(graph_module, modified)
+
+    def _to_fixed_point(self, graph_module: GraphModule) -> bool:
+        modified = False
         for _ in range(_MAX_ROUNDS):
             changed = [rule(graph_module).modified for rule in self.rules]
             if not any(changed):
-                return PassResult(graph_module, modified)
+                return modified
             modified = True
         raise PassFailedError(
             type(self).__name__, RuntimeError(f"no fixed point after {_MAX_ROUNDS} rounds")
