@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._higher_order_ops.map import map as hop_map
+from torch._higher_order_ops.while_loop import while_loop
 
 from fx16.demo import RMSNorm
 
@@ -231,3 +233,47 @@ class AutocastRegions(torch.nn.Module):
         with torch.autocast("cpu", dtype=self.enabled_dtype):
             g = self.inner(h).relu()
         return h / energy.sqrt() + g.float()
+
+
+class Branches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+
+        def positive(a):
+            return a.exp() * 0.5
+
+        def negative(a):
+            return a * 1e5  # does not fit fp16: this branch must return fp32
+
+        return torch.cond(h.sum() > 0, positive, negative, (h,)) + 1
+
+
+class GrowingLoop(torch.nn.Module):
+    """A while_loop whose body applies a layer and scales its state by 40 per step:
+    after three steps the scaled values pass fp16's range."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        def condition(step, state):
+            return step < 3
+
+        def body(step, state):
+            return step + 1, torch.tanh(self.fc(state)) * (state.abs() * 40 + 1)
+
+        return while_loop(condition, body, (torch.tensor(0), x))[1]
+
+
+class MappedLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, xs):
+        return hop_map(lambda x: self.fc(x).relu(), xs)

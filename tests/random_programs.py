@@ -6,9 +6,9 @@ to registers it picks by index, with a drawn scalar, and appends the result. The
 covers arithmetic, matmul, conv and pooling, norms, softmax, reductions,
 exp/log/pow/rsqrt, comparisons with where/masked_fill, cat/stack/reshape/permute/slice,
 embedding/gather/index_select/index_put, creation ops, explicit casts, integer
-arithmetic with cumsum and remainder, ``torch.cond`` and autocast regions, and reads
-fp16, bf16, int8 and int32 buffers and weights holding values beyond fp16's range or
-below its subnormals. ``tests/strategies.py`` draws programs from it.
+arithmetic with cumsum and remainder, ``torch.cond``, ``while_loop``, ``map`` and
+autocast regions, and reads fp16, bf16, int8 and int32 buffers and weights holding
+values beyond fp16's range or below its subnormals. ``tests/strategies.py`` draws programs from it.
 
 Integer registers only ever hold values computed from integer inputs (a float turned
 into an index is used at once), so integer outputs must stay bit-exact after a cast.
@@ -17,6 +17,8 @@ into an index is used at once), so integer outputs must stay bit-exact after a c
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._higher_order_ops.map import map as hop_map
+from torch._higher_order_ops.while_loop import while_loop
 
 VOCAB = 16
 
@@ -75,6 +77,25 @@ def _cond(m, x, y, c):
     return torch.cond(
         x.sum() > 0, lambda a, b: a * 2.0 + b, lambda a, b: (a - b).exp().clamp(max=1e3), operands
     )
+
+
+def _while_loop(m, x, y, c):
+    """A loop of 1 to 4 steps carrying a layer's state (the state must not alias x)."""
+    steps = _count(c, 4)
+
+    def condition(step, state):
+        return step < steps
+
+    def body(step, state):
+        return step + 1, torch.tanh(m.linears[1](state)) * 2.0 + state * 0.5
+
+    return while_loop(condition, body, (torch.tensor(0), x * 1.0))[1]
+
+
+def _map(m, x, y, c):
+    """A layer mapped over the rows of x, with a fresh tensor from y as the other operand.
+    (x * 1.0: torch 2.13's export fails to map over a while_loop's result directly.)"""
+    return hop_map(lambda row, other: m.linears[0](row).relu() * other, x * 1.0, y.mean(0) + 1.0)
 
 
 def _autocast_off(m, x, y, c):
@@ -155,6 +176,8 @@ FLOAT_OPS = {
     "bf16_buffer": lambda m, x, y, c: x * m.bf16_scale,
     "int32_buffer": lambda m, x, y, c: x + m.offsets,
     "cond": _cond,
+    "while_loop": _while_loop,
+    "map": _map,
     "autocast_off": _autocast_off,
     "autocast_bf16": _autocast_bf16,
 }

@@ -257,8 +257,8 @@ class ProgramCase:
         if self.dynamic:
             batch = torch.export.Dim("batch", min=2, max=16)
             shapes = ({0: batch}, {0: batch})
-        if any(step[0] == "cond" for step in self.model.steps):
-            torch._dynamo.reset()  # export compiles cond branches: start each from a clean cache
+        if any(step[0] in ("cond", "while_loop", "map") for step in self.model.steps):
+            torch._dynamo.reset()  # export compiles their bodies: start each from a clean cache
         ep = torch.export.export(self.model, self.args, dynamic_shapes=shapes)
         return ep.run_decompositions() if self.decompose else ep
 

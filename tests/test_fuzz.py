@@ -202,3 +202,17 @@ def test_generator_keeps_cond_operands_apart_and_batches_above_two():
         torch.manual_seed(0)
         case = ProgramCase(RandomProgram(2, steps, []).eval(), (x, ids), dynamic, False, 1.0)
         test_6_casting_twice_equals_casting_once.hypothesis.inner_test(case, "always_fp16")
+
+
+def test_generator_maps_over_a_fresh_tensor_after_a_loop():
+    """torch 2.13's export fails to map over a while_loop's result directly (the
+    generator maps over a copy); the loop and the map are cast inside."""
+    x, ids = torch.randn(3, 4), torch.randint(0, 16, (3, 4))
+    steps = [("linear", 0, 0, 1.0), ("while_loop", 1, 0, 2.0), ("map", 2, 1, 1.0)]
+    for dynamic in (False, True):
+        torch.manual_seed(0)
+        case = ProgramCase(RandomProgram(4, steps, []).eval(), (x, ids), dynamic, False, 1.0)
+        test_1_2_cast_never_raises_and_leaves_a_valid_program.hypothesis.inner_test(
+            case, "cast_fp32_to_fp16"
+        )
+        test_6_casting_twice_equals_casting_once.hypothesis.inner_test(case, "auto_mixed_bf16")

@@ -2,33 +2,14 @@
 
 import pytest
 import torch
-from torch._higher_order_ops.map import map as hop_map
-from torch._higher_order_ops.while_loop import while_loop
 
 import fx16
 from fx16.decisions import PRECISION, Reason
 from fx16.passes import CleanupCastsPass
 from helpers import check_program, export, fp64_reference, max_error, run
-from models import AutocastRegions
+from models import AutocastRegions, Branches, GrowingLoop, MappedLayer
 
 aten = torch.ops.aten
-
-
-class Branches(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(4, 4)
-
-    def forward(self, x):
-        h = self.fc(x)
-
-        def positive(a):
-            return a.exp() * 0.5
-
-        def negative(a):
-            return a * 1e5  # does not fit fp16: this branch must return fp32
-
-        return torch.cond(h.sum() > 0, positive, negative, (h,)) + 1
 
 
 def _hops(ep, target):
@@ -132,33 +113,6 @@ def test_calibration_looks_inside_the_branch_taken():
     outputs = run(ep, x)
     assert torch.isfinite(outputs[0]).all()
     assert max_error(fp64_reference(model, x), outputs) < 1e-2
-
-
-class GrowingLoop(torch.nn.Module):
-    """A while_loop whose body applies a layer and scales its state by 40 per step:
-    after three steps the scaled values pass fp16's range."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        def condition(step, state):
-            return step < 3
-
-        def body(step, state):
-            return step + 1, torch.tanh(self.fc(state)) * (state.abs() * 40 + 1)
-
-        return while_loop(condition, body, (torch.tensor(0), x))[1]
-
-
-class MappedLayer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = torch.nn.Linear(8, 8)
-
-    def forward(self, xs):
-        return hop_map(lambda x: self.fc(x).relu(), xs)
 
 
 def _body(ep, hop, position):
