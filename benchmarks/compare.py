@@ -134,7 +134,10 @@ def _onnxconverter(model, args, ep, reference, fp32_outputs):
     from onnxconverter_common import float16
 
     buffer = io.BytesIO()
-    torch.onnx.export(model, args, dynamo=True, verbose=False).save(buffer)
+    # Weights that require grad make the CPU SDPA pick a kernel whose output layout the
+    # exporter's decomposition cannot view (T5); inference needs no grad.
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    torch.onnx.export(frozen, args, dynamo=True, verbose=False).save(buffer)
     proto = onnx.load_from_string(buffer.getvalue())
     start = time.perf_counter()
     converted = float16.convert_float_to_float16(proto, keep_io_types=True)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch.export import ExportedProgram
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from fx16.analysis.value_range import ValueRangeAnalysis
 from fx16.budget import AccuracySearch
@@ -97,11 +97,12 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _row(node: Node, kind: str, decision: Decision | None) -> Row:
+def _row(node: Node, kind: str, decision: Decision | None, body: str = "") -> Row:
+    name = f"{body}.{node.name}" if body else node.name
     if decision is None:
         dtype = node_dtype(node)
         return Row(
-            node.name,
+            name,
             _op_name(node),
             kind,
             _dtype_name(dtype),
@@ -114,7 +115,7 @@ def _row(node: Node, kind: str, decision: Decision | None) -> Row:
     if not detail and kind == "int" and node.meta.get(ValueRangeAnalysis.META_KEY):
         detail = str(node.meta[ValueRangeAnalysis.META_KEY])
     return Row(
-        node.name,
+        name,
         _op_name(node),
         kind,
         _dtype_name(decision.dtype),
@@ -126,24 +127,32 @@ def _row(node: Node, kind: str, decision: Decision | None) -> Row:
 
 
 def decision_rows(ep: ExportedProgram) -> list[Row]:
-    """One row per float value, then per integer value the int16 pipeline looked at.
+    """One row per float value, then per integer value the int16 pipeline looked at;
+    each in the program's graph first, then in the body of each higher-order op (rows
+    named ``body.node``, e.g. ``true_graph_0.exp``).
 
     Casts fx16 inserted are not listed (the totals count them).
     """
+    graphs = [
+        (name, module)
+        for name, module in ep.graph_module.named_modules()
+        if isinstance(module, GraphModule)
+    ]
     nodes = [
-        n
-        for n in ep.graph_module.graph.nodes
+        (body, n)
+        for body, module in graphs
+        for n in module.graph.nodes
         if n.op in ("placeholder", "call_function") and not is_inserted(n)
     ]
-    int16_ran = any(INT_PRECISION in n.meta for n in nodes)
+    int16_ran = any(INT_PRECISION in n.meta for _, n in nodes)
     rows = [
-        _row(n, "float", n.meta.get(PRECISION))
-        for n in nodes
+        _row(n, "float", n.meta.get(PRECISION), body)
+        for body, n in nodes
         if PRECISION in n.meta or getattr(node_dtype(n), "is_floating_point", False)
     ]
     rows += [
-        _row(n, "int", n.meta.get(INT_PRECISION))
-        for n in nodes
+        _row(n, "int", n.meta.get(INT_PRECISION), body)
+        for body, n in nodes
         if INT_PRECISION in n.meta or (int16_ran and node_dtype(n) in WIDE_INT_DTYPES)
     ]
     return rows

@@ -7,7 +7,7 @@ import torch
 import fx16
 from fx16.report import decision_rows, format_rows, report_of
 from helpers import export
-from models import BucketHash, OverflowWeight
+from models import BucketHash, GrowingLoop, OverflowWeight
 
 
 def test_rows_name_every_decision_with_its_reason():
@@ -63,3 +63,13 @@ def test_every_cast_stores_a_report_whose_json_has_a_reason_for_every_wide_node(
 
 def test_report_of_an_uncast_program_is_none():
     assert report_of(export(OverflowWeight(), torch.randn(2, 4))) is None
+
+
+def test_bodies_of_higher_order_ops_have_rows_too():
+    torch.manual_seed(0)
+    ep = fx16.cast_fp32_to_fp16(export(GrowingLoop().eval(), torch.randn(2, 8)))
+    rows = {row.node: row for row in report_of(ep).rows}
+    linear = rows["while_loop_body_graph_0.linear"]
+    assert linear.dtype == "float16" and linear.rule == "fits"
+    assert rows["while_loop_body_graph_0.arg1_1"].rule == "loop_carried"
+    assert all(row.rule != "left_as_is" for row in rows.values() if row.kind == "float")
