@@ -72,8 +72,9 @@ def _bucketed(m, x, y, c):
 
 
 def _cond(m, x, y, c):
-    # operands must not alias each other (y may be x, or a view of it)
-    operands = (x, y * 1.0)
+    # operands must not alias each other (y may be x, or a view of it), and torch 2.13's
+    # export fails on a cond whose operand is a while_loop's result: both are copies
+    operands = (x * 1.0, y * 1.0)
     return torch.cond(
         x.sum() > 0, lambda a, b: a * 2.0 + b, lambda a, b: (a - b).exp().clamp(max=1e3), operands
     )

@@ -3,6 +3,7 @@ the whole op menu (tests/random_programs.py). Examples per property: the hypothe
 profile's (conftest.py); ``FX16_FUZZ=long`` runs 10,000 each."""
 
 import copy
+import itertools
 from unittest import mock
 
 import torch
@@ -204,12 +205,13 @@ def test_generator_keeps_cond_operands_apart_and_batches_above_two():
         test_6_casting_twice_equals_casting_once.hypothesis.inner_test(case, "always_fp16")
 
 
-def test_generator_maps_over_a_fresh_tensor_after_a_loop():
-    """torch 2.13's export fails to map over a while_loop's result directly (the
-    generator maps over a copy); the loop and the map are cast inside."""
+def test_generator_feeds_copies_of_a_loop_result_to_map_and_cond():
+    """torch 2.13's export fails to map over, or cond on, a while_loop's result directly
+    (the generator passes copies); the loop and the map or cond are cast inside."""
     x, ids = torch.randn(3, 4), torch.randint(0, 16, (3, 4))
-    steps = [("linear", 0, 0, 1.0), ("while_loop", 1, 0, 2.0), ("map", 2, 1, 1.0)]
-    for dynamic in (False, True):
+    loop_then_map = [("linear", 0, 0, 1.0), ("while_loop", 1, 0, 2.0), ("map", 2, 1, 1.0)]
+    loop_then_cond = [("abs", 0, 0, 1e-09), ("while_loop", 0, 0, 1e-09), ("cond", 2, 0, 1e-09)]
+    for steps, dynamic in itertools.product((loop_then_map, loop_then_cond), (False, True)):
         torch.manual_seed(0)
         case = ProgramCase(RandomProgram(4, steps, []).eval(), (x, ids), dynamic, False, 1.0)
         test_1_2_cast_never_raises_and_leaves_a_valid_program.hypothesis.inner_test(
