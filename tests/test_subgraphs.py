@@ -51,9 +51,12 @@ def test_map_feeds_the_mapped_tensors_then_the_others():
 
 def test_autocast_regions_and_other_nodes():
     ep = torch.export.export(AutocastRegions(), (torch.randn(3, 8),))
+    regions = 0
     for node in ep.graph_module.graph.nodes:
         if node.target is torch.ops.higher_order.wrap_with_autocast:
+            regions += 1
             _, operands = _check(ep, node)
             assert operands == list(node.args[5:])
         elif node.op == "call_function":
             assert bodies_and_operands(node) == ([], [])
+    assert regions == 2  # the disabled and the enabled region
