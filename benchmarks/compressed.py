@@ -19,8 +19,6 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 import fx16
 from benchmarks.compression import (
     COMPRESSIONS,

@@ -170,11 +170,11 @@ def _pruned(model: nn.Module, example: torch.Tensor) -> nn.Module:
 # ---- torchao -------------------------------------------------------------------------
 
 
-def _torchao(config_name: str) -> Callable:
+def _torchao(config_name: str, **options) -> Callable:
     def compress(model: nn.Module, example: torch.Tensor) -> nn.Module:
         import torchao.quantization as quantization
 
-        quantization.quantize_(model, getattr(quantization, config_name)())
+        quantization.quantize_(model, getattr(quantization, config_name)(**options))
         return model
 
     return compress
@@ -192,6 +192,8 @@ COMPRESSIONS: dict[str, Callable[[nn.Module, torch.Tensor], nn.Module]] = {
     "coreai-opt 50% pruning": _pruned,
     "torchao int8 weight-only": _torchao("Int8WeightOnlyConfig"),
     "torchao int8 dynamic activations": _torchao("Int8DynamicActivationInt8WeightConfig"),
+    # Int4WeightOnlyConfig needs a GPU kernel package to export; the Intx layout runs on CPU.
+    "torchao int4 weight-only": _torchao("IntxWeightOnlyConfig", weight_dtype=torch.int4),
 }
 
 

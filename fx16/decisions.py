@@ -25,6 +25,11 @@ class Reason(str, enum.Enum):
     EXPLICIT_FP32 = "inside an fp32 region the model asks for explicitly"
     MIXED_FLOAT_DTYPES = "mixes 16-bit values with another float dtype"
     NO_FLOAT_INPUT = "computed from non-float inputs"
+    NO_FAKE_KERNEL = (
+        "a custom op whose fake kernel does not take 16-bit inputs: they stay as exported"
+    )
+    FIXED_OUTPUT_DTYPE = "a custom op that returns fp32 whatever its inputs' dtype"
+    SUBCLASS_KEPT = "a tensor subclass that cannot be rebuilt with 16-bit parts: left as it is"
     OPAQUE_SUBGRAPH = "a higher-order op fx16 does not look inside runs as exported, in fp32"
     LOOP_CARRIED = "carried by a while_loop from one iteration to the next in its exported dtype"
     AUTOCAST_DISABLED = "inside a torch.autocast(enabled=False) region the model wrote"

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from fx16.ops import is_custom_op
+
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 # Tensor-typed arguments count too: torch.export passes ``x * 2.0`` as mul.Tensor(x, 2.0).
@@ -112,6 +114,18 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
         for location, _, value in schema_arguments(node)
         if isinstance(value, torch.dtype)
     ]
+
+
+def requested_dtypes(node: Node) -> list[torch.dtype]:
+    """The dtypes an op is explicitly asked to compute in (``sum(dtype=torch.float32)``).
+
+    A custom op's dtype argument is not such a request: it names the type of its output
+    (``coreai.dequantize(..., output_dtype=torch.float32)``), which follows the
+    precision the op runs in, as coreai-opt treats it.
+    """
+    if is_custom_op(node.target):
+        return []
+    return [dtype for _, dtype in dtype_arguments(node)]
 
 
 def named_argument(node: Node, name: str) -> Any:

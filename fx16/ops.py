@@ -24,6 +24,17 @@ def overloads(*names: str) -> frozenset:
     return frozenset(found)
 
 
+# Namespaces whose ops fx16 knows by their ATen semantics. Ops from any other
+# namespace (coreai, quantized_decomposed, torchao, a user's torch.library ops) are
+# custom: fx16 learns what they compute only from their fake kernels.
+BUILTIN_NAMESPACES = frozenset({"aten", "prims"})
+
+
+def is_custom_op(target) -> bool:
+    """``target`` is an op outside aten/prims (``torch.ops.coreai.dequantize``...)."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace not in BUILTIN_NAMESPACES
+
+
 # Ops that only change a tensor's dtype (and possibly copy it).
 CAST_OPS = overloads("_to_copy.default", "to.dtype", "to.dtype_layout")
 

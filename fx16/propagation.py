@@ -1,5 +1,6 @@
 """Recompute a node's fake value from (possibly changed) input values."""
 
+import logging
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ from torch.fx.node import map_arg
 
 from fx16.casts import retype_val
 from fx16.nodes import node_val
+from fx16.ops import is_custom_op
 
 
 def propagate_fake(node: Node, args: Any = None, kwargs: Any = None) -> Any:
@@ -115,3 +117,44 @@ def output_dtypes_by_running(node: Node, fake_result: Any) -> Any:
             for f, r in zip(fake_result, real)
         )
     return fake_result
+
+
+def narrowed_result(node: Node, low: torch.dtype, produces_fp32: bool) -> Any:
+    """The value ``node`` computes now that its inputs are ``low``.
+
+    A single fp32 tensor result of an ATen op becomes ``low`` (ATen's float ops follow
+    their inputs); other results that held fp32 are recomputed per output. A custom op
+    is always asked through its fake kernel: it may compute any dtype (a dequantize
+    returns its scale's dtype, whatever its ``output_dtype`` argument says).
+    """
+    val = node_val(node)
+    if is_custom_op(node.target):  # its result may depend on more than dtypes: no cache
+        return propagate_fake(node)
+    if isinstance(val, torch.Tensor) and val.dtype == torch.float32:
+        return retype_val(val, low)
+    return retyped_result(node) if produces_fp32 else val
+
+
+def runs_narrowed(node: Node, low: torch.dtype) -> bool:
+    """The op's fake kernel accepts the node's fp32 tensors and fp32 dtype arguments in
+    ``low``: the state ``run_in_low`` would leave it in. False when the kernel raises, or
+    the op has none (a custom op registered without a fake or meta kernel)."""
+
+    def narrowed(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+            return retype_val(value, low)
+        return low if value is torch.float32 else value
+
+    args, kwargs = pytree.tree_map(narrowed, map_arg((node.args, node.kwargs), node_val))
+    # FakeTensorMode logs a kernel's exception as an error before raising it; here a
+    # refusal is an answer, not an error.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        propagate_fake(node, args, kwargs)
+    except Exception:  # whatever the kernel raises, it cannot run narrowed
+        return False
+    finally:
+        fake_log.setLevel(level)
+    return True

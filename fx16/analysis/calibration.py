@@ -14,6 +14,7 @@ from fx16.numerics import INF_LIKE
 from fx16.ops import INT_DTYPES, SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS
 from fx16.program import Program
 from fx16.subgraphs import AUTOCAST, COND, MAP, SET_GRAD, WHILE_LOOP
+from fx16.tensor_subclasses import inner_tensors
 
 
 class CalibrationAnalysis(PassBase):
@@ -113,10 +114,18 @@ def _is_args_kwargs(entry) -> bool:
 
 def observe_floats(value) -> tuple[float | None, bool]:
     """(largest finite non-sentinel magnitude, whether a finite magnitude >= 1e38
-    occurs) over the float tensors in ``value``; one reduction per ordinary tensor."""
+    occurs) over the float tensors in ``value``; one reduction per ordinary tensor.
+    A tensor subclass (a torchao quantized weight) is observed through its plain inner
+    tensors: its own ops may not include a reduction."""
     largest, sentinel = None, False
-    for leaf in pytree.tree_leaves(value):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel():
+    leaves = [
+        inner
+        for leaf in pytree.tree_leaves(value)
+        if isinstance(leaf, torch.Tensor)
+        for inner in inner_tensors(leaf).values()
+    ]
+    for leaf in leaves:
+        if leaf.is_floating_point() and leaf.numel():
             low, high = leaf.detach().aminmax()
             top = max(-float(low), float(high))
             if not top < INF_LIKE:  # sentinels, inf or nan inside: look closer

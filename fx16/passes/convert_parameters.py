@@ -4,11 +4,10 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fx16.casts import retype_val
 from fx16.decisions import Reason, decide
-from fx16.numerics import tensor_overflows_fp16, tensor_to_fp16
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision
+from fx16.tensor_subclasses import narrowed_state, narrowed_val, state_overflows
 
 
 class ConvertParametersPass(PolicyPass):
@@ -25,6 +24,10 @@ class ConvertParametersPass(PolicyPass):
     other dtypes (int8 quantized weights, fp64, bf16, fp16) are left alone. A tensor
     stored under several names is converted once and shared again. Placeholders named
     in ``force_fp32`` stay fp32 (the accuracy-budget search uses it).
+
+    A tensor subclass of dtype fp32 (torchao's ``Int8Tensor``) is rebuilt with its fp32
+    inner tensors (scales) in 16-bit and its quantized data untouched, where the
+    subclass can be rebuilt so; otherwise it stays as it is (``subclass_kept``).
     """
 
     def call(self, graph_module: GraphModule) -> PassResult:
@@ -41,15 +44,19 @@ class ConvertParametersPass(PolicyPass):
             if self.policy.precision_for(slot.placeholder, slot.target) != Precision.LOW:
                 decide(slot.placeholder, torch.float32, Reason.POLICY)
                 continue
-            if tensor_overflows_fp16(tensor, low):
+            if state_overflows(tensor, low):
                 decide(slot.placeholder, torch.float32, Reason.VALUE_OVERFLOW)
                 continue
             stored = converted.get(id(tensor))
             if stored is None:
-                stored = tensor_to_fp16(tensor, low)
+                stored = narrowed_state(tensor, low)
+            val = narrowed_val(slot.placeholder.meta["val"], low)
+            if stored is None or val is None:
+                decide(slot.placeholder, torch.float32, Reason.SUBCLASS_KEPT)
+                continue
             converted[id(tensor)] = self.program.replace_state_tensor(slot.target, stored)
             placeholder = slot.placeholder
-            placeholder.meta["val"] = retype_val(placeholder.meta["val"], low)
+            placeholder.meta["val"] = val
             decide(placeholder, low, Reason.FITS)
             modified = True
         return PassResult(graph_module, modified)

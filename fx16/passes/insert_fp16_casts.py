@@ -33,15 +33,26 @@ from fx16.nodes import (
     mutated_argument,
     node_dtype,
     node_val,
+    requested_dtypes,
     set_argument,
     tensor_inputs,
     value_scalars,
 )
 from fx16.numerics import round_scalar_to_fp16
-from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS, PRECISION_SENSITIVE_OPS
+from fx16.ops import (
+    ASSERT_METADATA_OPS,
+    CREATION_OPS,
+    PRECISION_SENSITIVE_OPS,
+    is_custom_op,
+)
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision, PrecisionPolicy
-from fx16.propagation import output_dtypes_by_running, propagate_fake, retyped_result
+from fx16.propagation import (
+    narrowed_result,
+    output_dtypes_by_running,
+    propagate_fake,
+    runs_narrowed,
+)
 from fx16.subgraphs import (
     AUTOCAST,
     COND,
@@ -118,7 +129,13 @@ class InsertFP16CastsPass(PolicyPass):
 
 # Reasons an fp32 value may have that still let a 16-bit op read it through a cast.
 _DOWNCASTABLE = frozenset(
-    {Reason.POLICY, Reason.POLICY_FOLLOW, Reason.ACCURACY_FALLBACK, Reason.LOOP_CARRIED}
+    {
+        Reason.POLICY,
+        Reason.POLICY_FOLLOW,
+        Reason.ACCURACY_FALLBACK,
+        Reason.LOOP_CARRIED,
+        Reason.FIXED_OUTPUT_DTYPE,
+    }
 )
 
 
@@ -242,12 +259,17 @@ class _Run:
 
     def forced(self, node: Node) -> Reason | None:
         """Why ``node`` must stay fp32 whatever its inputs: it decides an index (float
-        positions turned into bucket ids), observed overflow, or the accuracy budget."""
+        positions turned into bucket ids), observed overflow, the accuracy budget, or a
+        custom op whose fake kernel cannot say what it computes on 16-bit inputs."""
         if node.meta.get(UnsafeIndexAnalysis.META_KEY):
             return Reason.UNSAFE_INDEX
         if node.name in self.force_fp32:
             return Reason.ACCURACY_FALLBACK
-        return Reason.ACTIVATION_OVERFLOW if self.overflows(node) else None
+        if self.overflows(node):
+            return Reason.ACTIVATION_OVERFLOW
+        if is_custom_op(node.target) and not runs_narrowed(node, self.low):
+            return Reason.NO_FAKE_KERNEL
+        return None
 
     def visit(self, node: Node) -> None:
         if is_inserted(node) or decision_of(node) is not None:
@@ -518,7 +540,7 @@ class _Run:
         precision = self.policy.precision_for(node)
         scalars = value_scalars(node)
         dtype_args = dtype_arguments(node)
-        explicit_fp32 = any(dtype == FP32 for _, dtype in dtype_args)
+        explicit_fp32 = FP32 in requested_dtypes(node)
         fp32_inputs = [arg for arg in float_inputs if node_dtype(arg) == FP32]
         kept_fp32 = [arg for arg in fp32_inputs if not self.downcastable(arg)]
         other_float = any(node_dtype(arg) not in (self.low, FP32) for arg in float_inputs)
@@ -598,14 +620,14 @@ class _Run:
             if dtype == FP32:
                 set_argument(node, location, self.low)
                 self.modified = True
-        val = node_val(node)
-        if isinstance(val, torch.Tensor) and val.dtype == FP32:
-            node.meta["val"] = retype_val(val, self.low)
+        result = narrowed_result(node, self.low, produces_fp32)
+        if result is not node_val(node):
+            node.meta["val"] = result
             self.modified = True
-        elif produces_fp32:
-            node.meta["val"] = retyped_result(node)
-            self.modified = True
-        decide(node, self.low, Reason.FITS)
+        if is_custom_op(node.target) and _fp32_parts(result):
+            decide(node, FP32, Reason.FIXED_OUTPUT_DTYPE)
+        else:
+            decide(node, self.low, Reason.FITS)
 
     def downcast_inputs(self, node: Node) -> None:
         def downcast(arg: Node) -> Node:
