@@ -262,7 +262,7 @@ def share_16bit(ep: torch.export.ExportedProgram) -> float:
 
 
 def converts(ep: torch.export.ExportedProgram) -> str:
-    """"yes", or why coreai_torch's TorchConverter does not take the program (it converts
+    """ "yes", or why coreai_torch's TorchConverter does not take the program (it converts
     a copy: the converter rewrites the state of the program it is given)."""
     import copy
 

@@ -5,7 +5,8 @@ of the same shape. Each step applies one operation from ``FLOAT_OPS`` or ``INT_O
 to registers it picks by index, with a drawn scalar, and appends the result. The menu
 covers arithmetic, matmul, conv and pooling, norms, softmax, reductions,
 exp/log/pow/rsqrt, comparisons with where/masked_fill, cat/stack/reshape/permute/slice,
-embedding/gather/index_select/index_put, creation ops, explicit casts, integer
+embedding/gather/index_select/index_put, creation ops, explicit casts, custom ops (an
+activation quantize/dequantize pair, an op with a dtype argument), integer
 arithmetic with cumsum and remainder, ``torch.cond``, ``while_loop``, ``map`` and
 autocast regions, and reads fp16, bf16, int8 and int32 buffers and weights holding
 values beyond fp16's range or below its subnormals. ``tests/strategies.py`` draws programs from it.
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._higher_order_ops.map import map as hop_map
 from torch._higher_order_ops.while_loop import while_loop
+
+import custom_ops  # noqa: F401  (registers the fx16_test ops the menu calls)
 
 VOCAB = 16
 
@@ -41,6 +44,17 @@ def _extreme_weight(m, x, y, c):
 
 def _dequantized(m, x, y, c):
     return x @ (m.qweight.float() * m.qscale).t()
+
+
+def _quantize_dequantize(m, x, y, c):
+    """Activation quantization by custom ops: int8 codes, back in the scale's dtype."""
+    codes = torch.ops.fx16_test.quantize(x, m.act_scale, torch.int8)
+    return torch.ops.fx16_test.dequantize(codes, m.act_scale, torch.float32) + y
+
+
+def _custom_dtype_argument(m, x, y, c):
+    """A user's custom op whose dtype argument names its output type."""
+    return torch.ops.fx16_test.scaled_to(x, c, torch.float32)
 
 
 def _conv(m, x, y, c):
@@ -131,6 +145,8 @@ FLOAT_OPS = {
     "matmul": _matmul,
     "extreme_weight": _extreme_weight,
     "dequantized_int8": _dequantized,
+    "quantize_dequantize": _quantize_dequantize,
+    "custom_dtype_argument": _custom_dtype_argument,
     "conv1d": _conv,
     "avg_pool": _avg_pool,
     "max_pool": _max_pool,
@@ -265,6 +281,7 @@ class RandomProgram(nn.Module):
         self.register_buffer("offsets", torch.arange(width, dtype=torch.int32))
         self.register_buffer("qweight", torch.randint(-127, 128, (width, width), dtype=torch.int8))
         self.register_buffer("qscale", torch.tensor(0.01))
+        self.register_buffer("act_scale", torch.tensor(0.05))
 
     def extra_repr(self) -> str:
         return f"steps={self.steps}"

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 import fx16
+from custom_ops import QuantizedLinear, UserOps
+from fx16.report import report_of
 from helpers import assert_same_state, check_program, export, state_snapshot
 from models import MLP, BufferUpdate, MixedBuffers
 
@@ -133,6 +135,40 @@ def test_buffer_mutations_in_both_dialects(decompose):
     fx16.cast_fp32_to_fp16(ep)
     check_program(ep)
     assert ep.state_dict["running"].dtype == torch.float16
+
+
+# ---- compressed programs and custom ops --------------------------------------------------
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["training IR", "ATen dialect"])
+def test_custom_quantization_ops_are_cast_with_their_real_dtypes(decompose):
+    """dequantize(int8, scale, output_dtype=float32) computes in its scale's dtype: fp16
+    once the scale is, which the program records; the int8 weight is untouched."""
+    ep = export(QuantizedLinear(), torch.randn(3, 8), decompose=decompose)
+    qweight = ep.state_dict["qweight"].clone()
+    fx16.cast_to_16_bit_precision(ep)
+    check_program(ep)
+    assert torch.equal(ep.state_dict["qweight"], qweight)
+
+
+def test_a_custom_op_refusing_16_bit_is_a_decision_not_an_error():
+    ep = export(UserOps(), torch.randn(3, 8))
+    fx16.cast_to_16_bit_precision(ep)
+    check_program(ep)
+    rules = {row.rule for row in report_of(ep).rows}
+    assert {"no_fake_kernel", "fixed_output_dtype"} <= rules
+
+
+def test_a_torchao_subclass_weight_is_cast_not_a_crash():
+    """torchao's Int8Tensor has no aminmax: fx16 reads its inner tensors instead."""
+    pytest.importorskip("torchao")
+    from benchmarks.compression import compressed_program
+
+    ep, example = compressed_program("torchao int8 weight-only", "gated MLP")
+    reference = ep.module()(example)
+    fx16.cast_to_16_bit_precision(ep)
+    check_program(ep)
+    torch.testing.assert_close(ep.module()(example.half()).float(), reference, atol=2e-2, rtol=0)
 
 
 # ---- options -------------------------------------------------------------------------

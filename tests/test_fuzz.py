@@ -218,3 +218,25 @@ def test_generator_feeds_copies_of_a_loop_result_to_map_and_cond():
             case, "cast_fp32_to_fp16"
         )
         test_6_casting_twice_equals_casting_once.hypothesis.inner_test(case, "auto_mixed_bf16")
+
+
+def test_generator_draws_custom_ops_through_every_property():
+    """The menu's custom ops (activation quantize/dequantize, an op with a dtype argument,
+    one given a scalar beyond fp16's range) keep properties 1, 2, 4 and 6 in both dialects."""
+    x, ids = torch.randn(3, 4), torch.randint(0, 16, (3, 4))
+    steps = [
+        ("quantize_dequantize", 0, 0, 1.0),
+        ("custom_dtype_argument", 1, 0, 0.5),
+        ("custom_dtype_argument", 2, 0, 1e6),
+        ("linear", 3, 0, 1.0),
+    ]
+    entries = ("cast_to_16_bit_precision", "auto_mixed_bf16", "always_fp16")
+    for decompose, entry in itertools.product((False, True), entries):
+        torch.manual_seed(0)
+        case = ProgramCase(RandomProgram(4, steps, []).eval(), (x, ids), False, decompose, 1.0)
+        for prop in (
+            test_1_2_cast_never_raises_and_leaves_a_valid_program,
+            test_4_no_inf_or_nan_that_fp32_does_not_have_on_the_calibration_inputs,
+            test_6_casting_twice_equals_casting_once,
+        ):
+            prop.hypothesis.inner_test(case, entry)
