@@ -27,7 +27,6 @@ from fx16.tensor_subclasses import inner_tensors, is_subclass  # noqa: E402
 from helpers import assert_meta_matches_runtime, check_program  # noqa: E402
 
 COREAI_OPT = [name for name in COMPRESSIONS if name.startswith("coreai-opt")]
-TORCHAO = [name for name in COMPRESSIONS if name.startswith("torchao")]
 EXPORTS = ["default", "decomposed"]
 
 
@@ -46,16 +45,19 @@ def _cast(compression, model, export):
 @pytest.mark.slow
 @pytest.mark.parametrize("export", EXPORTS)
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("compression", COREAI_OPT)
-def test_coreai_opt_compressions_cast_correctly(compression, model, export):
+@pytest.mark.parametrize("compression", list(COMPRESSIONS))
+def test_every_compression_casts_correctly(compression, model, export):
+    """Runs on 16-bit inputs, > 30 dB from the uncast program, int8/uint8 untouched,
+    converts wherever the uncast program converts; coreai-opt's compressions keep >= 95%
+    of float ops 16-bit (dynamic activation quantization has its own test below)."""
     ep, example = _program(compression, model, export)
     outcome = cast_and_assess(ep, example, fx16.cast_to_16_bit_precision, convert=False)
     assert not outcome.error, outcome.error
     assert outcome.snr_db > 30
-    assert outcome.share_16bit >= 0.95
     assert outcome.quantized_untouched
-    if export == "decomposed":
-        assert converts(ep) == "yes"
+    if compression in COREAI_OPT:
+        assert outcome.share_16bit >= 0.95
+    if converts(ep) == "yes":
         _, cast, _ = _cast(compression, model, export)
         assert converts(cast) == "yes"
 
@@ -107,18 +109,6 @@ def test_activation_quantization_stays_16_bit_around_the_quantize_ops():
         assert node.meta["val"].dtype == torch.float16
         assert node.args[6] == torch.float16
     assert not [row for row in report_of(cast).kept_wide() if row.rule == "explicit_fp32"]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("export", EXPORTS)
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("compression", TORCHAO)
-def test_torchao_programs_cast_within_fp16_tolerance(compression, model, export):
-    ep, example = _program(compression, model, export)
-    outcome = cast_and_assess(ep, example, fx16.cast_to_16_bit_precision, convert=False)
-    assert not outcome.error, outcome.error
-    assert outcome.snr_db > 30
-    assert outcome.quantized_untouched
 
 
 @pytest.mark.parametrize("compression", ["torchao int8 weight-only", "torchao int4 weight-only"])
