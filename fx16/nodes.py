@@ -52,6 +52,7 @@ class SchemaArgument:
     writes: bool  # an in-place op's output aliases this argument
     has_default: bool
     default: Any
+    is_dtype: bool  # declared ScalarType (the schema's ``type`` then reads "int")
 
 
 _SCHEMA_CACHE: dict[Any, tuple[SchemaArgument, ...] | None] = {}
@@ -76,6 +77,7 @@ def op_arguments(target: Any) -> tuple[SchemaArgument, ...] | None:
                 writes=argument.alias_info is not None and argument.alias_info.is_write,
                 has_default=argument.has_default_value(),
                 default=argument.default_value if argument.has_default_value() else None,
+                is_dtype=str(argument.real_type).removeprefix("Optional[").startswith("ScalarType"),
             )
             for argument in schema.arguments
         )
@@ -107,13 +109,32 @@ def value_scalars(node: Node) -> list[tuple[Location, int | float]]:
     return found
 
 
+# How a schema stores a ScalarType default of float32 (c10::ScalarType::Float).
+_FLOAT32_CODE = 6
+
+
 def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
-    """Arguments that pass a dtype (``dtype=torch.float32`` and the like)."""
-    return [
+    """Arguments that pass a dtype (``dtype=torch.float32`` and the like).
+
+    For a custom op, a dtype argument left to a float32 default counts too, as the
+    keyword that would pass it (torchao's ``dequantize_affine(..., output_dtype=float32)``):
+    its dtype arguments name its output type, which follows the cast."""
+    found = [
         (location, value)
         for location, _, value in schema_arguments(node)
         if isinstance(value, torch.dtype)
     ]
+    if is_custom_op(node.target):
+        passed = {argument.name for _, argument, _ in schema_arguments(node)}
+        found += [
+            (("kwargs", argument.name), torch.float32)
+            for argument in op_arguments(node.target) or ()
+            if argument.is_dtype
+            and argument.has_default
+            and argument.default in (_FLOAT32_CODE, torch.float32)
+            and argument.name not in passed
+        ]
+    return found
 
 
 def requested_dtypes(node: Node) -> list[torch.dtype]:

@@ -9,7 +9,7 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from fx16.casts import retype_val
-from fx16.nodes import node_val
+from fx16.nodes import dtype_arguments, node_val
 from fx16.ops import is_custom_op
 
 
@@ -145,7 +145,11 @@ def runs_narrowed(node: Node, low: torch.dtype) -> bool:
             return retype_val(value, low)
         return low if value is torch.float32 else value
 
-    args, kwargs = pytree.tree_map(narrowed, map_arg((node.args, node.kwargs), node_val))
+    args, kwargs = pytree.tree_map(narrowed, map_arg((node.args, dict(node.kwargs)), node_val))
+    kwargs = dict(kwargs)
+    for (kind, name), dtype in dtype_arguments(node):
+        if kind == "kwargs" and dtype is torch.float32:
+            kwargs[name] = low  # a custom op's float32 default follows too
     # FakeTensorMode logs a kernel's exception as an error before raising it; here a
     # refusal is an answer, not an error.
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")

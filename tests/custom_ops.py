@@ -17,6 +17,20 @@ def _(quantized, scale, output_dtype):
     return torch.empty(quantized.shape, dtype=scale.dtype)
 
 
+@torch.library.custom_op("fx16_test::dequantize_to", mutates_args=())
+def dequantize_to(
+    quantized: Tensor, scale: Tensor, output_dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """``quantized * scale`` returned in ``output_dtype``, float32 unless passed (as
+    torchao's dequantize_affine)."""
+    return (quantized.to(scale.dtype) * scale).to(output_dtype)
+
+
+@dequantize_to.register_fake
+def _(quantized, scale, output_dtype=torch.float32):
+    return torch.empty(quantized.shape, dtype=output_dtype)
+
+
 @torch.library.custom_op("fx16_test::quantize", mutates_args=())
 def quantize(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """Round ``x / scale`` to the integer ``dtype``."""
@@ -85,6 +99,18 @@ class QuantizedLinear(nn.Module):
         q = torch.ops.fx16_test.quantize(x, self.input_scale, torch.int8)
         x = torch.ops.fx16_test.dequantize(q, self.input_scale, torch.float32)
         return nn.functional.linear(x, weight, self.bias).relu()
+
+
+class DefaultDtypeDequantize(nn.Module):
+    """An int8 weight dequantized by an op that returns its default dtype, float32."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.register_buffer("qweight", torch.randint(-127, 128, (width, width), dtype=torch.int8))
+        self.register_buffer("scale", torch.full((width, 1), 0.01))
+
+    def forward(self, x):
+        return x @ torch.ops.fx16_test.dequantize_to(self.qweight, self.scale).t()
 
 
 class UserOps(nn.Module):

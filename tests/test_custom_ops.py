@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fx16
-from custom_ops import QuantizedLinear, UserOps
+from custom_ops import DefaultDtypeDequantize, QuantizedLinear, UserOps
 from fx16.decisions import Reason, decision_of
 from fx16.nodes import requested_dtypes
 from fx16.propagation import narrowed_result, runs_narrowed
@@ -123,3 +123,16 @@ def test_narrowed_result_asks_the_fake_kernel():
     scale = node.args[1]
     scale.meta["val"] = scale.meta["val"].to(torch.float16)
     assert narrowed_result(node, torch.float16, produces_fp32=True).dtype == torch.float16
+
+
+@DIALECTS
+def test_a_defaulted_output_dtype_follows_the_cast_too(decompose):
+    """Input graph: dequantize_to(int8 w, scale) (output_dtype defaults to float32) -> mm.
+    Output graph: dequantize_to(.., output_dtype=float16) -> mm, all fp16."""
+    ep = export(DefaultDtypeDequantize(), torch.randn(3, 8), decompose=decompose)
+    fx16.cast_fp32_to_fp16(ep)
+    check_program(ep)
+    (node,) = _custom_nodes(ep, "fx16_test.dequantize_to")
+    assert node.kwargs["output_dtype"] == torch.float16
+    assert node.meta["val"].dtype == torch.float16
+    assert not report_of(ep).kept_wide()
