@@ -215,27 +215,15 @@ def compressed_program(
 # ---- what a cast of a compressed program must keep -------------------------------------
 
 
-def _leaves(tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A state tensor's plain tensors: itself, or a tensor subclass's inner tensors."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if not is_traceable_wrapper_subclass(tensor):
-        return {"": tensor}
-    names, _ = tensor.__tensor_flatten__()
-    return {
-        f".{name}{inner_name}": leaf
-        for name in names
-        for inner_name, leaf in _leaves(getattr(tensor, name)).items()
-    }
-
-
 def quantized_bytes(ep: torch.export.ExportedProgram) -> dict[str, bytes]:
     """Every int8/uint8 tensor of the program's state (subclasses' inner ones too), as bytes."""
+    from fx16.tensor_subclasses import inner_tensors
+
     found = {}
     for name, tensor in (*ep.state_dict.items(), *ep.constants.items()):
         if not isinstance(tensor, torch.Tensor):
             continue
-        for inner, leaf in _leaves(tensor).items():
+        for inner, leaf in inner_tensors(tensor).items():
             if leaf.dtype in (torch.int8, torch.uint8):
                 found[name + inner] = leaf.detach().contiguous().view(torch.uint8).numpy().tobytes()
     return found

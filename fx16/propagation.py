@@ -127,9 +127,9 @@ def narrowed_result(node: Node, low: torch.dtype, produces_fp32: bool) -> Any:
     is always asked through its fake kernel: it may compute any dtype (a dequantize
     returns its scale's dtype, whatever its ``output_dtype`` argument says).
     """
-    val = node_val(node)
     if is_custom_op(node.target):  # its result may depend on more than dtypes: no cache
         return propagate_fake(node)
+    val = node_val(node)
     if isinstance(val, torch.Tensor) and val.dtype == torch.float32:
         return retype_val(val, low)
     return retyped_result(node) if produces_fp32 else val

@@ -10,6 +10,7 @@ from torch.export import ExportedProgram
 from fx16.casts import INSERTED, WHY_RETARGETED, is_cast, is_inserted
 from fx16.nodes import node_val
 from fx16.ops import ASSERT_METADATA_OPS
+from fx16.tensor_subclasses import inner_tensors
 
 _BOOKKEEPING = {"getitem"}
 
@@ -32,8 +33,11 @@ class ProgramStats:
 def program_stats(ep: ExportedProgram) -> ProgramStats:
     """Count what a cast changed: state bytes, cast nodes, float ops per dtype."""
     tensors = {id(t): t for t in (*ep.state_dict.values(), *ep.constants.values())}
-    weight_bytes = sum(
-        t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor)
+    weight_bytes = sum(  # a tensor subclass (torchao's Int8Tensor) by its stored parts
+        part.numel() * part.element_size()
+        for t in tensors.values()
+        if isinstance(t, torch.Tensor)
+        for part in inner_tensors(t).values()
     )
     casts = inserted = 0
     ops: Counter[str] = Counter()

@@ -23,6 +23,7 @@ from benchmarks.compression import (  # noqa: E402
     quantized_bytes,
 )
 from fx16.report import report_of  # noqa: E402
+from fx16.stats import program_stats  # noqa: E402
 from fx16.tensor_subclasses import inner_tensors, is_subclass  # noqa: E402
 from helpers import assert_meta_matches_runtime, check_program  # noqa: E402
 
@@ -130,6 +131,14 @@ def test_torchao_subclass_weights_get_16_bit_scales_and_keep_their_data(compress
             else:
                 assert torch.equal(parts_after[part], tensor)
     assert quantized_bytes(cast) == quantized_bytes(ep)
+    # weight bytes count what a subclass stores (int8 data, scales), not 4 bytes an element
+    stored = sum(
+        part.numel() * part.element_size()
+        for tensor in ep.state_dict.values()
+        for part in inner_tensors(tensor).values()
+    )
+    assert program_stats(ep).weight_bytes == stored
+    assert program_stats(cast).weight_bytes < stored
     check_program(cast)
     buffer = io.BytesIO()
     torch.export.save(cast, buffer)

@@ -114,12 +114,13 @@ def test_an_op_without_any_fake_kernel_keeps_its_inputs():
 
 
 def test_narrowed_result_asks_the_fake_kernel():
-    """dequantize's fake kernel returns its scale's dtype: once the scale is fp16 the
-    recorded result is fp16 although output_dtype still says float32."""
+    """dequantize's fake kernel returns its scale's dtype, not its input's: with the scale
+    still fp32 the result is fp32 (ATen's follow-the-inputs rule would say fp16); once the
+    scale is fp16 it is fp16, although output_dtype still says float32."""
     ep = export(QuantizedLinear(), torch.randn(3, 8))
-    fx16.cast_fp32_to_fp16(ep, policy="always_fp32")
     node = _custom_nodes(ep, "fx16_test.dequantize")[0]
-    assert node.meta["val"].dtype == torch.float32
+    assert node.args[2] == torch.float32
+    assert narrowed_result(node, torch.float16, produces_fp32=True).dtype == torch.float32
     scale = node.args[1]
     scale.meta["val"] = scale.meta["val"].to(torch.float16)
     assert narrowed_result(node, torch.float16, produces_fp32=True).dtype == torch.float16

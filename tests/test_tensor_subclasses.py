@@ -3,6 +3,8 @@ inner tensors; its 16-bit version converts the fp32 parts and passes the rest on
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.testing._internal.two_tensor import TwoTensor
 
 from fx16.numerics import tensor_to_fp16
@@ -52,6 +54,36 @@ def test_a_subclass_is_rebuilt_with_16_bit_parts():
     assert type(rebuilt) is TwoTensor and rebuilt.dtype == torch.float16
     assert torch.equal(rebuilt.b, tensor_to_fp16(b))  # the tiny value is lifted, not flushed
     assert pair.a.dtype == torch.float32  # the input is not modified
+
+
+# fp32 values across fp16's range: subnormal flushes, overflow, inf, nan, signed zeros.
+_values = st.lists(
+    st.one_of(
+        st.floats(width=32, allow_nan=True, allow_infinity=True),
+        st.sampled_from([0.0, -0.0, 1e-9, -3e-8, 65504.0, 65520.0, -7e4]),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@given(_values, _values)
+def test_parts_convert_as_plain_tensors_do(a_values, b_values):
+    """Each part of the rebuilt subclass equals tensor_to_fp16 of that part, bit for bit,
+    and the overflow check flags exactly the pairs a part of which overflows."""
+    size = min(len(a_values), len(b_values))
+    a = torch.tensor(a_values[:size], dtype=torch.float32)
+    b = torch.tensor(b_values[:size], dtype=torch.float32)
+    pair = _pair(a, b)
+    overflows = state_overflows(pair, torch.float16)
+    finite = [t[torch.isfinite(t)] for t in (a, b)]
+    assert overflows == any(bool((t.abs() > 65504).any()) for t in finite)
+    if overflows:
+        return
+    rebuilt = narrowed_state(pair, torch.float16)
+    for part, plain in ((rebuilt.a, a), (rebuilt.b, b)):
+        expected = tensor_to_fp16(plain)
+        assert torch.equal(part.view(torch.int16), expected.view(torch.int16))
 
 
 def test_overflow_is_checked_in_every_fp32_part():
