@@ -1,18 +1,27 @@
 """The accuracy budget: return the fewest ops to fp32 until the outputs are close enough.
 
 The search compares the cast program with the fp32 program on calibration inputs.
-Each round it runs the cast program once per input and measures the output error;
-while over budget, one backward run of the fp32 program tells, for every use of
-every value the cast program holds in 16-bit, how much that use's rounding can
-move the outputs along the current error. The worst uses return to fp32 (the
-consumer, reading its producer in fp32), so fp32 regions grow as connected pieces,
-joined by casts only at their edges, and the other uses of a value stay 16-bit.
+Each evaluation runs the cast program once on every input and measures the output
+error; while over budget, one backward run of the fp32 program (its autograd graph
+kept from the first one) tells, for every use of every value the cast program
+holds in 16-bit, how much that use's rounding can move the outputs along the
+current error. The worst uses return to fp32 (the consumer, reading its producer in
+fp32), so fp32 regions grow as connected pieces, joined by casts only at their
+edges, and the other uses of a value stay 16-bit.
+
+How many: the first round takes the single worst remedy; a round that does not
+halve the excess over the budget doubles the count for the next one, which scores
+again from where the last left off, so the fp32 set grows geometrically when the
+scores stall, and evaluations grow with the log of the count needed. Once within
+budget, a bisection over the last round's remedies keeps the shortest prefix of
+them that still meets it. After ``_MOST_EVALUATIONS`` every node returns to fp32,
+where the error is zero: the search always ends within budget, or raises
+``AccuracyBudgetError`` when even all-fp32 misses it.
 """
 
 import copy
 import gc
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +32,7 @@ from torch.fx.node import map_arg
 from fx16.analysis.calibration import CalibrationAnalysis, calibration_calls
 from fx16.casts import before_inserted_casts, is_cast, is_inserted
 from fx16.decisions import was_narrowed
-from fx16.errors import InvalidOptionError
+from fx16.errors import AccuracyBudgetError, InvalidOptionError
 from fx16.interpreter import LeanInterpreter
 from fx16.nodes import node_dtype
 from fx16.ops import ASSERT_METADATA_OPS
@@ -33,12 +42,9 @@ from fx16.program import Program
 from fx16.progress import Progress
 from fx16.stats import relative_error
 
-# Far over budget, a round takes the worst node and, up to _MOST_PER_ROUND in all, the
-# nodes scoring at least _TAKE_ALONG of the worst one's: fewer rounds, few extra fp32 ops.
-_TAKE_ALONG = 0.5
-_MOST_PER_ROUND = 4
-_MAX_ROUNDS = 64
 _LOW = (torch.float16, torch.bfloat16)
+# Evaluations after which the search returns every node to fp32 at once.
+_MOST_EVALUATIONS = 36
 
 
 def stopping_share(inputs: int) -> float:
@@ -56,7 +62,7 @@ class AccuracySearch:
 
     budget: float
     error: float
-    evaluations: int  # runs of a program on one calibration input, the fp32 runs included
+    evaluations: int  # runs of the cast program over the calibration inputs
     rounds: int
     fp32_nodes: tuple[str, ...]
 
@@ -72,8 +78,9 @@ def cast_fp16_within_budget(
 
     The search stops once the calibration error is below a share of ``budget`` (see
     ``stopping_share``), a margin for inputs it has not seen. ``options`` are those
-    of ``fx16.fp16_passes``. Warns when the last round still misses the budget (the
-    round limit was reached).
+    of ``fx16.fp16_passes``. Raises ``AccuracyBudgetError`` when every remedy is
+    taken and the error is still over that share (the caller's transaction then
+    restores the program).
     """
     program = Program(ep)
     calls = calibration_calls(program, calibration)
@@ -87,50 +94,121 @@ def cast_fp16_within_budget(
             )
         )
     CalibrationAnalysis(program, calibration)(ep.graph_module)
-    inputs = [program.graph_inputs(args, kwargs, copy_buffers=True) for args, kwargs in calls]
-    reference_module = copy.deepcopy(ep.graph_module)
-    reference = _Reference(
-        reference_module, inputs, [_record(reference_module, each) for each in inputs]
-    )
-    evaluations, forced, rounds = len(calls), set(), 0
-    target = stopping_share(len(calls)) * budget
-    pristine = program.snapshot()
-    while True:
-        rounds += 1
-        if rounds > 1:
-            pristine.restore()
+    search = _Search(program, calls, calibration, budget, progress, options)
+    return search.run()
+
+
+class _Search:
+    """One budget search: the reference, the current fp32 set, and the counts."""
+
+    def __init__(self, program, calls, calibration, budget, progress, options) -> None:
+        self.program, self.calls, self.calibration = program, calls, calibration
+        self.budget, self.progress, self.options = budget, progress, options
+        self.target = stopping_share(len(calls)) * budget
+        inputs = [program.graph_inputs(args, kwargs, copy_buffers=True) for args, kwargs in calls]
+        reference_module = copy.deepcopy(program.ep.graph_module)
+        self.reference = _Reference(
+            reference_module, inputs, [_record(reference_module, each) for each in inputs]
+        )
+        self.pristine = program.snapshot()
+        self.names = {
+            node.name
+            for node in program.ep.graph_module.graph.nodes
+            if node.op in ("placeholder", "call_function")
+        }
+        self.evaluations = self.rounds = 0
+        self.holds: set[str] | None = None  # the fp32 set the program is cast with now
+
+    def cast(self, forced: set[str]) -> None:
+        """Cast the pristine program with ``forced`` kept in fp32."""
+        ep = self.program.ep
+        if self.holds is not None:
+            self.pristine.restore()
             gc.collect()  # the last round's graph (the transaction pauses the collector)
-        passes = fp16_passes(ep, calibration=calibration, force_fp32=frozenset(forced), **options)
+        self.holds = set(forced)
+        passes = fp16_passes(
+            ep, calibration=self.calibration, force_fp32=frozenset(forced), **self.options
+        )
         run_passes([p for p in passes if not isinstance(p, CalibrationAnalysis)], ep.graph_module)
-        observed = [
-            _record(ep.graph_module, program.graph_inputs(*program.adapt_call(args, kwargs)))
-            for args, kwargs in calls
-        ]
-        evaluations += len(calls)
-        error = max(_output_error(ref, obs) for ref, obs in zip(reference.records, observed))
-        progress.update(
-            f"fx16 accuracy search: round {rounds}, error {error:.3g} (budget {budget:.3g}), "
-            f"{len(forced)} node(s) back in fp32"
+
+    def measure(self, forced: set[str]) -> tuple[float, list]:
+        """Cast with ``forced`` in fp32 and run it on every input: (error, outputs)."""
+        self.cast(forced)
+        self.evaluations += 1
+        graph_module = self.program.ep.graph_module
+        outputs = []
+        with torch.no_grad():
+            for args, kwargs in self.calls:
+                inputs = self.program.graph_inputs(*self.program.adapt_call(args, kwargs))
+                outputs.append(pytree.tree_leaves(graph_module(*inputs)))
+        error = max(
+            _output_error(ref.outputs, obs) for ref, obs in zip(self.reference.records, outputs)
         )
-        culprits = set()
-        if error > target and rounds < _MAX_ROUNDS:
-            # far over budget: take several nodes a round; close to it: one at a time
-            most = _MOST_PER_ROUND if error > 2 * target else 1
-            culprits = _culprits(ep.graph_module, reference, observed, forced, most)
-            evaluations += len(calls)  # the gradient run of the fp32 program
-        if not culprits:
-            break
-        forced |= culprits
-    progress.done()
-    result = AccuracySearch(budget, error, evaluations, rounds, tuple(sorted(forced)))
-    if not result.met:
-        warnings.warn(
-            f"fx16: the accuracy budget {budget:.3g} was not met (error {error:.3g}): "
-            f"the search stopped after {rounds} rounds",
-            RuntimeWarning,
-            stacklevel=3,
+        self.progress.update(
+            f"fx16 accuracy search: evaluation {self.evaluations}, error {error:.3g} "
+            f"(budget {self.budget:.3g}), {len(forced)} node(s) back in fp32"
         )
-    return result
+        return error, outputs
+
+    def run(self) -> AccuracySearch:
+        forced: set[str] = set()
+        error, outputs = self.measure(forced)
+        count, last_round = 1, []
+        while error > self.target:
+            self.rounds += 1
+            remedies = _remedies(self.program.ep.graph_module, self.reference, outputs, forced)
+            if not remedies or self.evaluations >= _MOST_EVALUATIONS:
+                forced, error = self.everything(forced, error)
+                last_round = []
+                break
+            last_round = remedies[:count]
+            new_error, outputs = self.measure(forced | _names(last_round))
+            if new_error - self.target > 0.5 * (error - self.target):
+                count *= 2  # fell short: take twice as many next round
+            forced, error = forced | _names(last_round), new_error
+        if len(last_round) > 1:
+            forced, error = self.shortest_prefix(last_round, forced - _names(last_round), error)
+        self.progress.done()
+        return AccuracySearch(
+            self.budget, error, self.evaluations, self.rounds, tuple(sorted(forced))
+        )
+
+    def shortest_prefix(self, remedies: list, before: set[str], error: float):
+        """The last round took ``remedies`` at once (adding them to ``before`` gave
+        ``error``): bisect for the shortest prefix of them that still meets the
+        target, to within an eighth. Returns (fp32 set, error); the program is left
+        cast with that set."""
+        failed, found = 0, len(remedies)
+        while found - failed > max(1, found // 8):
+            middle = (failed + found) // 2
+            trial_error, _ = self.measure(before | _names(remedies[:middle]))
+            if trial_error <= self.target:
+                found, error = middle, trial_error
+            else:
+                failed = middle
+        best = before | _names(remedies[:found])
+        if self.holds != best:
+            self.cast(best)
+        return best, error
+
+    def everything(self, forced: set[str], error: float) -> tuple[set[str], float]:
+        """Every node in fp32, the last resort; raises when even that misses the target
+        (the caller's constraints keep something 16-bit, or the budget is below the
+        fp32 program's own run-to-run noise)."""
+        everything = forced | self.names | {OUTPUTS}
+        if everything != forced:
+            error, _ = self.measure(everything)
+        if error > self.target:
+            raise AccuracyBudgetError(
+                f"the accuracy budget {self.budget:.3g} cannot be met: with every node "
+                f"fx16 may return to fp32 in fp32, the error is {error:.3g} (over "
+                f"{self.target:.3g}, the share of the budget kept for unseen inputs)"
+            )
+        return everything, error
+
+
+def _names(remedies: list) -> set[str]:
+    return set().union(*(fix for _, fix in remedies))
 
 
 @dataclass
@@ -180,78 +258,89 @@ def _record(graph_module, inputs: list) -> _Record:
     return _Record(recorder.values, pytree.tree_leaves(outputs))
 
 
-@dataclass
 class _Reference:
-    """The fp32 program, kept aside: its graph, inputs per call, and recorded values."""
+    """The fp32 program, kept aside: its graph, inputs per call, recorded values, and
+    (built on first need, then kept) an autograd graph per input, so that each round
+    costs one backward run, not a forward and a backward."""
 
-    graph_module: object
-    inputs: list[list]
-    records: list[_Record]
+    def __init__(self, graph_module, inputs: list[list], records: list[_Record]) -> None:
+        self.graph_module, self.inputs, self.records = graph_module, inputs, records
+        self.tapes: list[tuple[list, list, list]] | None = None
 
+    def gradients(self, errors: list[list]) -> list[dict[tuple[str, str], torch.Tensor]]:
+        """d L / d (value as one consumer reads it), by (producer, consumer) name, for
+        every use of a float value in the fp32 program, per calibration input; with
+        L = sum over outputs of <fp32 output - cast output, output>: how much each use
+        of each value moves the outputs along the error the cast program makes now."""
+        if self.tapes is None:
+            self.tapes = [self._tape(inputs) for inputs in self.inputs]
+        found = []
+        for (outputs, edges, views), output_errors in zip(self.tapes, errors):
+            pairs = [
+                (out, error)
+                for out, error in zip(outputs, output_errors)
+                if error is not None and _is_float(out) and out.requires_grad
+            ]
+            if not pairs or not views:
+                found.append({})
+                continue
+            grads = torch.autograd.grad(
+                [out for out, _ in pairs],
+                views,
+                grad_outputs=[error.to(out.dtype) for out, error in pairs],
+                allow_unused=True,
+                retain_graph=True,
+            )
+            found.append({edge: g for edge, g in zip(edges, grads) if g is not None})
+        return found
 
-def _output_error(reference: _Record, observed: _Record) -> float:
-    errors = [
-        relative_error(ref, obs)
-        for ref, obs in zip(reference.outputs, observed.outputs)
-        if isinstance(ref, torch.Tensor) and ref.is_floating_point()
-    ]
-    return max(errors, default=0.0)
-
-
-def _gradients(reference, errors: list[list]) -> list[dict[tuple[str, str], torch.Tensor]]:
-    """d L / d (value as one consumer reads it), by (producer, consumer) name, for
-    every use of a float value in the fp32 program, per calibration input; with
-    L = sum over outputs of <fp32 output - cast output, output>: how much each use of
-    each value moves the outputs along the error the cast program makes now."""
-    found = []
-    for inputs, output_errors in zip(reference.inputs, errors):
-        recorder = _Recorder(reference.graph_module, keep_graph=True)
+    def _tape(self, inputs: list) -> tuple[list, list, list]:
+        recorder = _Recorder(self.graph_module, keep_graph=True)
         with torch.enable_grad():
             leaves = [x.detach().clone().requires_grad_() if _is_float(x) else x for x in inputs]
             outputs = pytree.tree_leaves(recorder.run(*leaves))
-            loss = sum(
-                (out * error).sum()
-                for out, error in zip(outputs, output_errors)
-                if error is not None and _is_float(out) and out.requires_grad
-            )
-            edges = list(recorder.edges)
-            views = [recorder.edges[edge] for edge in edges]
-            grads = torch.autograd.grad(loss, views, allow_unused=True) if views else []
-        found.append({edge: g for edge, g in zip(edges, grads) if g is not None})
-    return found
+        edges = list(recorder.edges)
+        return outputs, edges, [recorder.edges[edge] for edge in edges]
+
+
+def _output_error(reference: list, observed: list) -> float:
+    errors = [
+        relative_error(ref, obs)
+        for ref, obs in zip(reference, observed)
+        if isinstance(ref, torch.Tensor) and ref.is_floating_point()
+    ]
+    return max(errors, default=0.0)
 
 
 def _is_float(value) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
-def _culprits(
-    graph_module, reference, observed: list[_Record], forced: set[str], most: int
-) -> set[str]:
-    """What to return to fp32 next (never a node in ``forced`` again).
+def _remedies(graph_module, reference: _Reference, observed: list[list], forced: set[str]):
+    """What could return to fp32 next, with its score, highest first: a list of
+    (score, names), none of them in ``forced``, with a positive score.
 
     Each use of a value stored in 16-bit (a 16-bit op's result, a 16-bit parameter or
     input, or an fp32 result cast down) is scored by the first-order effect of its
     rounding on the output error, elementwise and without cancellation:
     sum |dL/du * (v - fp16(v))| on the fp32 program, with u that consumer's view of v
-    and L the outputs projected on the current error (see ``_gradients``). Summing
-    signed terms instead let roundings that happen to cancel on the calibration
-    inputs look harmless, and the budget then failed on other inputs.
+    and L the outputs projected on the current error (see ``_Reference.gradients``).
+    Summing signed terms instead let roundings that happen to cancel on the
+    calibration inputs look harmless, and the budget then failed on other inputs.
 
     Removing that rounding for that use takes the consumer in fp32 (``OUTPUTS`` for a
     program output), reading the value's producer in fp32 (the producer too, when it
-    computes in 16-bit); its other consumers keep reading 16-bit. The worst uses'
-    remedies are returned, so fp32 regions grow as connected pieces and stop where
-    the error does.
+    computes in 16-bit); its other consumers keep reading 16-bit. So fp32 regions grow
+    as connected pieces and stop where the error does.
     """
     errors = [
         [
             (ref - obs.to(ref.dtype)).detach() if _is_float(ref) and _is_float(obs) else None
-            for ref, obs in zip(ref_record.outputs, obs_record.outputs)
+            for ref, obs in zip(record.outputs, outputs)
         ]
-        for ref_record, obs_record in zip(reference.records, observed)
+        for record, outputs in zip(reference.records, observed)
     ]
-    gradients = _gradients(reference, errors)
+    gradients = reference.gradients(errors)
 
     def impact(producer: str, consumer: str) -> float:
         total = 0.0
@@ -262,7 +351,7 @@ def _culprits(
                 total += float((grad * rounding).abs().sum())
         return total
 
-    remedies: list[tuple[float, set[str]]] = []
+    best: dict[frozenset, float] = {}
     for node in graph_module.graph.nodes:
         stored = _stored_in_16_bit(node)
         if stored is None:
@@ -272,18 +361,11 @@ def _culprits(
             fix = {OUTPUTS if consumer.op == "output" else consumer.name}
             if computes_in_16_bit:
                 fix.add(producer.name)
-            fix -= forced
+            fix = frozenset(fix - forced)
             if fix:
-                remedies.append((impact(producer.name, consumer.name), fix))
-    worst = max((score for score, _ in remedies), default=0.0)
-    if worst <= 0.0:
-        return set()
-    remedies.sort(key=lambda remedy: remedy[0], reverse=True)
-    chosen: set[str] = set()
-    for score, fix in remedies[:most]:
-        if score >= _TAKE_ALONG * worst:
-            chosen |= fix
-    return chosen
+                best[fix] = max(best.get(fix, 0.0), impact(producer.name, consumer.name))
+    remedies = [(score, fix) for fix, score in best.items() if score > 0.0]
+    return sorted(remedies, key=lambda remedy: remedy[0], reverse=True)
 
 
 def _stored_in_16_bit(node: Node) -> tuple[Node, bool] | None:

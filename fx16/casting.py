@@ -26,6 +26,7 @@ def cast_fp32_to_fp16(
     keep_explicit_fp32: bool | None = None,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
+    input_ranges: dict | None = None,
     max_rel_error: float | None = None,
     progress: bool | None = None,
 ) -> ExportedProgram:
@@ -46,6 +47,10 @@ def cast_fp32_to_fp16(
         torch.export recorded; []: no calibration.
     overflow_margin: a value counts as overflowing above ``65504 / overflow_margin``,
         since calibration inputs rarely show the largest values a model will see.
+    input_ranges: declared value ranges of integer user inputs, by name
+        (``{"timestep": (0, 999)}``), as in ``cast_int32_to_int16``: floats made
+        from them (``t.float()``) take their range from these, so the conditioning
+        rule can tell a sin/cos of them is safe in fp16.
     max_rel_error: an accuracy budget. After casting, outputs are compared with fp32
         on the calibration inputs (max |diff| / max |fp32| per output); while over
         budget, the nodes that add the most error return to fp32 (see fx16.budget).
@@ -62,6 +67,7 @@ def cast_fp32_to_fp16(
         keep_explicit_fp32=keep_explicit_fp32,
         calibration=calibration,
         overflow_margin=overflow_margin,
+        input_ranges=input_ranges,
     )
     return _cast(ep, options, None, max_rel_error, progress)
 

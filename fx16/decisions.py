@@ -34,6 +34,10 @@ class Reason(str, enum.Enum):
     LOOP_CARRIED = "carried by a while_loop from one iteration to the next in its exported dtype"
     AUTOCAST_DISABLED = "inside a torch.autocast(enabled=False) region the model wrote"
     AUTOCAST_REGION = "inside a torch.autocast(enabled=True) region: follows its dtype"
+    ILL_CONDITIONED = (
+        "ill-conditioned: 16-bit rounding of its input, amplified by the op, exceeds the "
+        "policy's precision tolerance (or it feeds such an op)"
+    )
     ACCURACY_FALLBACK = "returned to fp32 to meet the accuracy budget"
     POLICY = "the precision policy asks for fp32"
     POLICY_FOLLOW = "follows its inputs' dtype (the policy's follow/promote rule)"

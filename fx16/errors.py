@@ -22,6 +22,12 @@ class PreconditionError(Fx16Error):
     """A pass was run on a graph that lacks what it needs (named in the message)."""
 
 
+class AccuracyBudgetError(Fx16Error):
+    """The accuracy budget cannot be met: even with every value fx16 may return to
+    fp32 back in fp32, the outputs differ from fp32 by more than the budget. The
+    message gives the error reached and what kept it there."""
+
+
 class PassFailedError(Fx16Error):
     """A stage of a pipeline raised; the message names the stage.
 

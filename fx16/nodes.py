@@ -184,3 +184,21 @@ def mutated_argument(node: Node) -> Node | None:
         if argument.writes:
             return value if isinstance(value, Node) else None
     return None
+
+
+def float_rank(dtype: torch.dtype) -> int:
+    """Float dtypes ordered by width: 16-bit < fp32 < fp64."""
+    return {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}[dtype]
+
+
+def tensor_leaves(value) -> list[torch.Tensor]:
+    """The tensors in a value, a list or tuple of them, or nested ones."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in tensor_leaves(item)]
+    return []
+
+
+def has_fp32_part(value) -> bool:
+    return any(leaf.dtype == torch.float32 for leaf in tensor_leaves(value))

@@ -14,6 +14,8 @@ from torch.fx.passes.infra.pass_base import PassBase
 from fx16.analysis import (
     CalibrationAnalysis,
     CastableInt16Analysis,
+    ConditioningAnalysis,
+    Fp32RulesAnalysis,
     UnsafeIndexAnalysis,
     UserReachabilityAnalysis,
     ValueRangeAnalysis,
@@ -28,6 +30,7 @@ from fx16.passes import (
     InsertFP16CastsPass,
     InsertInt16CastsPass,
 )
+from fx16.passes.policy_pass import overflow_limit
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 
@@ -39,25 +42,31 @@ def fp16_passes(
     keep_explicit_fp32: bool | None = None,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
+    input_ranges: dict | None = None,
     force_fp32: frozenset[str] = frozenset(),
 ) -> list[PassBase]:
     """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
 
-    Order: calibration first, while the program still computes in fp32; the
-    unsafe-index analysis, so float values that become indices stay fp32; then
-    state tensors and user inputs, so the cast inserter sees every graph input in
-    its final dtype; then the inserter walks the graph once; cleanup last, because
-    it only removes casts and needs them all in place. Options: see
-    ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that must stay fp32. A
-    policy that changes nothing (``always_fp32``) gives an empty list.
+    Order: the analyses first, while the program still computes in fp32:
+    calibration, unsafe indices, integer ranges (``input_ranges``; floats made from
+    integers take their range from it), conditioning, and the safety rules that read
+    them all (``Fp32RulesAnalysis``); then state tensors and user inputs, so the cast
+    inserter sees every graph input in its final dtype; then the inserter walks the
+    graph once; cleanup last, because it only removes casts and needs them all in
+    place. Options: see ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that
+    must stay fp32. A policy that changes nothing (``always_fp32``) gives an empty list.
     """
     program = Program(ep)
     policy = resolve_policy(policy, keep_explicit_fp32)
     if policy.is_noop:
         return []
+    limit = overflow_limit(policy, overflow_margin)
     return [
         CalibrationAnalysis(program, calibration),
         UnsafeIndexAnalysis(),
+        ValueRangeAnalysis(program, input_ranges),
+        ConditioningAnalysis(program, policy),
+        Fp32RulesAnalysis.standard(policy.low, limit, force_fp32),
         ConvertParametersPass(program, policy=policy, force_fp32=force_fp32),
         ConvertUserInputsPass(
             program, policy=policy, overflow_margin=overflow_margin, force_fp32=force_fp32

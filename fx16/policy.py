@@ -86,6 +86,10 @@ class PrecisionPolicy:
     keep_explicit_fp32: keep the fp32 regions the model opens itself (``x.float()``).
     cast_back: return results computed in fp32 by policy to the 16-bit dtype (False:
         later ops follow the fp32 result, as eager autocast does).
+    precision_tolerance: the relative output error 16-bit rounding of an op's input
+        may cause through the op's condition number before the op stays fp32
+        (``fx16.analysis.conditioning``); None: four roundings of ``low`` (about
+        2e-3 for fp16, 1.6e-2 for bf16); ``math.inf`` turns the rule off.
     """
 
     name: str = "default"
@@ -99,6 +103,7 @@ class PrecisionPolicy:
     keep_io_types: bool | frozenset[str] = False
     keep_explicit_fp32: bool = True
     cast_back: bool = True
+    precision_tolerance: float | None = None
 
     def __post_init__(self) -> None:
         if self.low not in (torch.float16, torch.bfloat16):
@@ -108,6 +113,12 @@ class PrecisionPolicy:
             object.__setattr__(self, name, _precisions(getattr(self, name)))
         if not isinstance(self.keep_io_types, bool):
             object.__setattr__(self, "keep_io_types", frozenset(self.keep_io_types))
+        tolerance = self.precision_tolerance
+        is_number = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)
+        if tolerance is not None and not (is_number and tolerance > 0):
+            raise InvalidOptionError(
+                f"precision_tolerance must be a number > 0 (or None), got {tolerance!r}"
+            )
 
     # ---- presets -----------------------------------------------------------------------
 
@@ -191,6 +202,13 @@ class PrecisionPolicy:
         return presets[name]()
 
     # ---- questions ---------------------------------------------------------------------
+
+    @property
+    def resolved_precision_tolerance(self) -> float:
+        """``precision_tolerance``, or four roundings of the 16-bit dtype (2 * eps)."""
+        if self.precision_tolerance is not None:
+            return float(self.precision_tolerance)
+        return 2 * torch.finfo(self.low).eps
 
     @property
     def is_noop(self) -> bool:

@@ -33,6 +33,17 @@ def bodies_and_operands(node: Node) -> tuple[list[Node], list]:
     return [], []
 
 
+def nested_graph_modules(graph_module) -> list:
+    """``graph_module`` and the bodies of its higher-order ops, nested ones too."""
+    found, pending = [], [graph_module]
+    while pending:
+        module = pending.pop()
+        found.append(module)
+        for node in module.graph.nodes:
+            pending.extend(getattr(module, body.target) for body in bodies_and_operands(node)[0])
+    return found
+
+
 def carried_count(node: Node) -> int:
     """How many of a while_loop's operands are carried from iteration to iteration
     (its body returns them, in the same dtypes); 0 for other nodes."""

@@ -8,7 +8,13 @@ from int16_helpers import int_decisions
 from torch.fx.passes.infra.pass_manager import PassManager
 
 import fx16
-from fx16.analysis import CalibrationAnalysis, UnsafeIndexAnalysis
+from fx16.analysis import (
+    CalibrationAnalysis,
+    ConditioningAnalysis,
+    Fp32RulesAnalysis,
+    UnsafeIndexAnalysis,
+    ValueRangeAnalysis,
+)
 from fx16.passes import (
     CleanupCastsPass,
     ConvertIntInputsPass,

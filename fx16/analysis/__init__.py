@@ -2,6 +2,8 @@
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.castable_int16 import CastableInt16Analysis
+from fx16.analysis.conditioning import ConditioningAnalysis
+from fx16.analysis.fp32_rules import Fp32RulesAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.user_reachability import UserReachabilityAnalysis
 from fx16.analysis.value_range import Source, ValueRange, ValueRangeAnalysis
@@ -9,6 +11,8 @@ from fx16.analysis.value_range import Source, ValueRange, ValueRangeAnalysis
 __all__ = [
     "CalibrationAnalysis",
     "CastableInt16Analysis",
+    "ConditioningAnalysis",
+    "Fp32RulesAnalysis",
     "Source",
     "UnsafeIndexAnalysis",
     "UserReachabilityAnalysis",

@@ -31,6 +31,9 @@ class CalibrationAnalysis(PassBase):
     ``node.meta["fx16.observed_int_range"]``, the (min, max) an integer tensor held
     (seen, not proven: ValueRangeAnalysis marks it observed). When there is nothing
     to run on, writes nothing and says so in ``graph_module.meta["fx16.calibration"]``.
+    And ``node.meta["fx16.observed_interval"]``, the signed (min, max) of the finite
+    values a float tensor held, sentinels included (for the conditioning of exp and
+    log, which depends on sign and distance from 1).
 
     Run it before anything converts the program: it observes the values the
     original precision computes. Buffers the program updates in place are copied
@@ -40,6 +43,7 @@ class CalibrationAnalysis(PassBase):
     """
 
     META_KEY = "fx16.observed_range"
+    INTERVAL_KEY = "fx16.observed_interval"
     INT_RANGE_KEY = "fx16.observed_int_range"
     STATUS_KEY = "fx16.calibration"
 
@@ -70,6 +74,8 @@ class CalibrationAnalysis(PassBase):
             node.meta[self.META_KEY] = math.inf
         for node, extremes in recorder.int_ranges.items():
             node.meta[self.INT_RANGE_KEY] = extremes
+        for node, interval in recorder.intervals.items():
+            node.meta[self.INTERVAL_KEY] = interval
         graph_module.meta[self.STATUS_KEY] = f"observed on {len(calls)} input(s)"
         return PassResult(graph_module, False)
 
@@ -112,12 +118,13 @@ def _is_args_kwargs(entry) -> bool:
     )
 
 
-def observe_floats(value) -> tuple[float | None, bool]:
+def observe_floats(value) -> tuple[float | None, bool, tuple[float, float] | None]:
     """(largest finite non-sentinel magnitude, whether a finite magnitude >= 1e38
-    occurs) over the float tensors in ``value``; one reduction per ordinary tensor.
+    occurs, (min, max) of the finite values) over the float tensors in ``value``;
+    one reduction per ordinary tensor.
     A tensor subclass (a torchao quantized weight) is observed through its plain inner
     tensors: its own ops may not include a reduction."""
-    largest, sentinel = None, False
+    largest, sentinel, interval = None, False, None
     leaves = [
         inner
         for leaf in pytree.tree_leaves(value)
@@ -126,9 +133,11 @@ def observe_floats(value) -> tuple[float | None, bool]:
     ]
     for leaf in leaves:
         if leaf.is_floating_point() and leaf.numel():
-            low, high = leaf.detach().aminmax()
-            top = max(-float(low), float(high))
+            low, high = (float(bound) for bound in leaf.detach().aminmax())
+            top = max(-low, high)
             if not top < INF_LIKE:  # sentinels, inf or nan inside: look closer
+                finite = leaf.detach()[torch.isfinite(leaf.detach())]
+                low, high = (float(finite.min()), float(finite.max())) if finite.numel() else (0, 0)
                 magnitude = leaf.detach().abs().float()
                 sentinel = sentinel or bool(
                     ((magnitude >= INF_LIKE) & torch.isfinite(magnitude)).any()
@@ -137,7 +146,12 @@ def observe_floats(value) -> tuple[float | None, bool]:
                 top = float(magnitude.max()) if magnitude.numel() else None
             if top is not None:
                 largest = top if largest is None else max(largest, top)
-    return largest, sentinel
+            interval = (low, high) if interval is None else _hull(interval, (low, high))
+    return largest, sentinel, interval
+
+
+def _hull(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return min(a[0], b[0]), max(a[1], b[1])
 
 
 def _sentinels_fp16_cannot_carry(graph_module: GraphModule, sentinels: set[Node]) -> set[Node]:
@@ -179,6 +193,7 @@ class _MagnitudeRecorder(LeanInterpreter):
         self.magnitudes: dict[Node, float] = parent.magnitudes if parent else {}
         self.int_ranges: dict[Node, tuple[int, int]] = parent.int_ranges if parent else {}
         self.sentinels: set[Node] = parent.sentinels if parent else set()
+        self.intervals: dict[Node, tuple[float, float]] = parent.intervals if parent else {}
 
     def call_function(self, target, args, kwargs):
         if target is COND:
@@ -214,9 +229,12 @@ class _MagnitudeRecorder(LeanInterpreter):
     def run_node(self, node: Node):
         result = super().run_node(node)
         if node.op in ("placeholder", "call_function"):
-            magnitude, sentinel = observe_floats(result)
+            magnitude, sentinel, interval = observe_floats(result)
             if magnitude is not None and not math.isnan(magnitude):
                 self.magnitudes[node] = max(magnitude, self.magnitudes.get(node, 0.0))
+            if interval is not None and not any(math.isnan(bound) for bound in interval):
+                seen = self.intervals.get(node)
+                self.intervals[node] = interval if seen is None else _hull(seen, interval)
             if sentinel:
                 self.sentinels.add(node)
             extremes = integer_extremes(result)

@@ -12,6 +12,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from torch.utils._sympy.value_ranges import bound_sympy
 
 from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.index_bounds import index_bounds
 from fx16.errors import InvalidOptionError
 from fx16.nodes import named_argument, node_val
 from fx16.ops import CAST_OPS, INT_DTYPES, POSITION_OPS, VALUE_PRESERVING_OPS, overloads
@@ -110,7 +111,10 @@ class ValueRangeAnalysis(PassBase):
     ``range_constraints``, ``arange``, ops with bounded results (remainder by a
     constant, clamp, comparisons, argmax/argmin/topk/sort indices, bucketize),
     interval arithmetic through add/sub/mul/neg/abs/cumsum/sum, data movement, and
-    the user's ``input_ranges={"input_ids": (0, 999)}`` (source: declared). Where
+    the user's ``input_ranges={"input_ids": (0, 999)}`` (source: declared). A value
+    used as an index into a dimension of size N, or copied or shifted into one, lies
+    in [-N, N-1] in every valid call (``fx16.analysis.index_bounds``): proven, where
+    nothing tighter is known (a cache position writing a static cache). Where
     none of these gives a range and CalibrationAnalysis saw the value, its observed
     (min, max) is used, marked observed.
 
@@ -140,6 +144,17 @@ class ValueRangeAnalysis(PassBase):
         }
         state = {slot.placeholder: slot.target for slot in self.program.state_slots()}
         rules = _Rules(self.program.range_constraints())
+        forward = self._forward(graph_module, declared, state, rules, {})
+        bounds = index_bounds(graph_module.graph, _known(forward), rules.size_bound)
+        if bounds:
+            confined = {node: ValueRange(*bound, Source.PROVEN) for node, bound in bounds.items()}
+            self._forward(graph_module, declared, state, rules, confined)
+        return PassResult(graph_module, False)
+
+    def _forward(self, graph_module, declared, state, rules, confined) -> dict:
+        """One walk in graph order; ``confined``: ranges proven by use as an index,
+        intersected with what the walk finds."""
+        found_by_node = {}
         for node in graph_module.graph.nodes:
             if node.op == "placeholder" and node in state:
                 found = rules.of_state(self.program.state_tensor(state[node]))
@@ -149,14 +164,32 @@ class ValueRangeAnalysis(PassBase):
                 found = _within_dtype(node, rules.of(node))
             else:
                 continue
+            found = _intersect(found, confined.get(node))
             observed = node.meta.get(CalibrationAnalysis.INT_RANGE_KEY)
             if found is None and observed is not None:
                 found = ValueRange(*observed, Source.OBSERVED)
             if found is None:
                 node.meta.pop(self.META_KEY, None)
             else:
-                node.meta[self.META_KEY] = found
-        return PassResult(graph_module, False)
+                found_by_node[node] = found
+                node.meta[self.META_KEY] = found  # later rules read their inputs' ranges
+        return found_by_node
+
+
+def _intersect(found, bound: ValueRange | None):
+    if bound is None or isinstance(found, tuple):
+        return found
+    if found is None:
+        return bound
+    return ValueRange(max(found.low, bound.low), min(found.high, bound.high), found.source)
+
+
+def _known(ranges: dict):
+    def known(arg) -> tuple[float, float] | None:
+        found = ranges.get(arg) if isinstance(arg, Node) else value_range(arg)
+        return (found.low, found.high) if isinstance(found, ValueRange) else None
+
+    return known
 
 
 def _within_dtype(node: Node, found: ValueRange | tuple | None) -> ValueRange | tuple | None:
@@ -200,6 +233,11 @@ class _Rules:
     def of_arg(self, arg: Any) -> ValueRange | None:
         """Range of an argument: a node's recorded range, or an int/SymInt's bounds."""
         return value_range(arg) if isinstance(arg, Node) else self.of_size(arg)
+
+    def size_bound(self, size: Any) -> float | None:
+        """The largest value a size can take, if finite."""
+        found = self.of_size(size)
+        return found.high if found is not None and math.isfinite(found.high) else None
 
     def of_size(self, size: Any) -> ValueRange | None:
         """Range of an int or SymInt size, bounded by the program's range constraints."""

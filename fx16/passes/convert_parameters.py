@@ -4,7 +4,7 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fx16.decisions import Reason, decide
+from fx16.decisions import PRECISION, Reason, decide
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision
 from fx16.tensor_subclasses import narrowed_state, narrowed_val, state_overflows
@@ -23,7 +23,8 @@ class ConvertParametersPass(PolicyPass):
     below the smallest fp16 subnormal become +-2**-24 instead of zero. Tensors of
     other dtypes (int8 quantized weights, fp64, bf16, fp16) are left alone. A tensor
     stored under several names is converted once and shared again. Placeholders named
-    in ``force_fp32`` stay fp32 (the accuracy-budget search uses it).
+    in ``force_fp32``, or that a safety rule keeps in fp32 (``meta["fx16.fp32_rule"]``:
+    a buffer such as a rotary ``inv_freq`` feeding an ill-conditioned sin), stay fp32.
 
     A tensor subclass of dtype fp32 (torchao's ``Int8Tensor``) is rebuilt with its fp32
     inner tensors (scales) in 16-bit and its quantized data untouched, where the
@@ -38,8 +39,9 @@ class ConvertParametersPass(PolicyPass):
             if tensor is None or tensor.dtype != torch.float32:
                 continue
             low = self.policy.low
-            if slot.placeholder.name in self.force_fp32:
-                decide(slot.placeholder, torch.float32, Reason.ACCURACY_FALLBACK)
+            rule = self.kept_fp32(slot.placeholder)
+            if rule is not None:
+                slot.placeholder.meta[PRECISION] = rule
                 continue
             if self.policy.precision_for(slot.placeholder, slot.target) != Precision.LOW:
                 decide(slot.placeholder, torch.float32, Reason.POLICY)

@@ -6,7 +6,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.casts import WHY_NARROW, CastInserter, retype_val
-from fx16.decisions import Reason, decide
+from fx16.decisions import PRECISION, Reason, decide
 from fx16.nodes import node_dtype
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision
@@ -17,8 +17,9 @@ class ConvertUserInputsPass(PolicyPass):
     tensors afterwards. With the policy's ``keep_io_types``, the input stays fp32 and a
     cast right after it feeds the program instead.
 
-    An input whose calibration values exceed ``65504 / overflow_margin``, or that is
-    named in ``force_fp32``, stays fp32.
+    An input whose calibration values exceed ``65504 / overflow_margin``, that is
+    named in ``force_fp32``, or that a safety rule keeps in fp32
+    (``meta["fx16.fp32_rule"]``: a timestep feeding an ill-conditioned sin), stays fp32.
 
     Reads: the user-input placeholders and their ``meta["fx16.observed_range"]``.
     Writes: their ``meta["val"]`` and ``meta["fx16.precision"]``; the program's
@@ -31,8 +32,9 @@ class ConvertUserInputsPass(PolicyPass):
         for placeholder in self.program.user_input_placeholders():
             if node_dtype(placeholder) != torch.float32:
                 continue
-            if placeholder.name in self.force_fp32:
-                decide(placeholder, torch.float32, Reason.ACCURACY_FALLBACK)
+            rule = self.kept_fp32(placeholder)
+            if rule is not None:
+                placeholder.meta[PRECISION] = rule
                 continue
             if placeholder.meta.get(CalibrationAnalysis.META_KEY, 0.0) > self.limit:
                 decide(placeholder, torch.float32, Reason.ACTIVATION_OVERFLOW)

@@ -9,7 +9,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
-from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
+from fx16.analysis.fp32_rules import Fp32RulesAnalysis, fp32_rule
 from fx16.casts import (
     INSERTED,
     WHY_CAST_BACK,
@@ -27,22 +27,25 @@ from fx16.casts import (
     substitute_inputs,
 )
 from fx16.decisions import PRECISION, Reason, decide, decision_of, was_narrowed
+from fx16.islands import asserted_dtype, is_island, opens_sensitive_region
 from fx16.nodes import (
     FLOAT_DTYPES,
     dtype_arguments,
+    float_rank,
+    has_fp32_part,
     mutated_argument,
     node_dtype,
     node_val,
     requested_dtypes,
     set_argument,
     tensor_inputs,
+    tensor_leaves,
     value_scalars,
 )
 from fx16.numerics import round_scalar_to_fp16
 from fx16.ops import (
     ASSERT_METADATA_OPS,
     CREATION_OPS,
-    PRECISION_SENSITIVE_OPS,
     is_custom_op,
 )
 from fx16.passes.policy_pass import PolicyPass
@@ -51,7 +54,6 @@ from fx16.propagation import (
     narrowed_result,
     output_dtypes_by_running,
     propagate_fake,
-    runs_narrowed,
 )
 from fx16.subgraphs import (
     AUTOCAST,
@@ -74,9 +76,10 @@ class InsertFP16CastsPass(PolicyPass):
     policy's 16-bit dtype; the policy can ask for fp32, or to follow the inputs).
 
     Reads: ``meta["val"]`` and ``meta["fx16.precision"]`` of the inputs (run the
-    parameter and user-input converters first), and ``meta["fx16.observed_range"]``
-    and ``meta["fx16.unsafe_index"]`` when CalibrationAnalysis and
-    UnsafeIndexAnalysis ran: a float value that decides an index stays fp32.
+    parameter and user-input converters first), ``meta["fx16.fp32_rule"]``: the
+    safety rules' verdicts (``fx16.analysis.fp32_rules``: index, budget, observed
+    overflow, custom ops, conditioning; the pass runs the standard rules itself
+    when no Fp32RulesAnalysis ran), and ``meta["fx16.observed_range"]``.
     Writes: op ``meta["val"]`` dtypes, rounded scalars, ``dtype=`` arguments,
     inserted ``_to_copy`` casts (marked ``meta["fx16.inserted"]``) and
     ``meta["fx16.precision"]`` on every op it considers; the output specs.
@@ -94,12 +97,11 @@ class InsertFP16CastsPass(PolicyPass):
     ``_assert_tensor_metadata(dtype=torch.float32)`` checks remain: the pass reads
     the region from them and inserts the casts the model's own would have been.
 
-    A value observed above ``65504 / overflow_margin`` on calibration inputs is
-    computed in fp32 and handed on in fp32: no cast-back, so its consumers run in
-    fp32 too, until one produces values that fit and casts back to fp16.
-
-    Nodes named in ``force_fp32`` run in fp32 (the accuracy-budget search uses it);
-    the name ``OUTPUTS`` there returns outputs computed in fp32 as fp32.
+    A node a rule keeps in fp32 computes in fp32 from upcast inputs. A value observed
+    above ``65504 / overflow_margin`` on calibration inputs is handed on in fp32: no
+    cast-back, so its consumers run in fp32 too, until one produces values that fit
+    and casts back to fp16. The name ``OUTPUTS`` in ``force_fp32`` returns outputs
+    computed in fp32 as fp32.
     Nodes that already carry a decision (from an earlier run) are left as they
     are, so casting twice equals casting once.
     """
@@ -112,11 +114,13 @@ class InsertFP16CastsPass(PolicyPass):
             for index, value in enumerate(graph.output_node().args[0])
             if isinstance(value, Node) and self.policy.keeps_io(value.name)
         }
+        if Fp32RulesAnalysis.RAN_KEY not in graph_module.meta:  # used on its own
+            rules = Fp32RulesAnalysis.standard(self.policy.low, self.limit, self.force_fp32)
+            rules(graph_module)
         run = _Run(
             graph_module,
             self.policy,
             self.limit,
-            force_fp32=self.force_fp32,
         )
         run.walk()
         if OUTPUTS in self.force_fp32:
@@ -135,6 +139,7 @@ _DOWNCASTABLE = frozenset(
         Reason.ACCURACY_FALLBACK,
         Reason.LOOP_CARRIED,
         Reason.FIXED_OUTPUT_DTYPE,
+        Reason.ILL_CONDITIONED,
     }
 )
 
@@ -158,64 +163,6 @@ def _unify_outputs(submodules: list[GraphModule]) -> list[Node]:
     return outputs[0]
 
 
-def _is_island(node: Node) -> bool:
-    decision = decision_of(node)
-    return decision is not None and decision.reason == Reason.EXPLICIT_FP32
-
-
-# How far to look after a model's fp32 cast for a precision-sensitive op.
-_REGION_LOOKAHEAD = 32
-
-
-def _opens_sensitive_region(cast: Node) -> bool:
-    """The model's ``x.to(torch.float32)`` leads, before its next cast, to an op whose
-    accuracy needs fp32 (a variance, softmax, exp, rotary sin/cos). GPT-2's
-    ``attn_weights.type(value.dtype)`` - fp32 only because the model was fp32 at export -
-    leads to dropout and then a matmul with 16-bit values, and is not kept. The region
-    is what the inserter would keep in fp32: ops fed only by it."""
-    region, frontier = {cast}, list(cast.users)
-    while frontier and len(region) < _REGION_LOOKAHEAD:
-        node = frontier.pop(0)
-        if node in region or node.op != "call_function" or is_cast(node):
-            continue
-        floats = [a for a in tensor_inputs(node) if node_dtype(a) in FLOAT_DTYPES]
-        if not all(arg in region for arg in floats):
-            continue  # it mixes in values from outside: the region ends there
-        if getattr(node.target, "_opname", None) in PRECISION_SENSITIVE_OPS:
-            return True
-        region.add(node)
-        frontier.extend(node.users)
-    return False
-
-
-def _asserted_dtype(assertion: Node) -> torch.dtype | None:
-    """The dtype an ``_assert_tensor_metadata`` node checks for, if it checks one."""
-    if len(assertion.args) > 3 and isinstance(assertion.args[3], torch.dtype):
-        return assertion.args[3]
-    dtype = assertion.kwargs.get("dtype")
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
-def _float_rank(dtype: torch.dtype) -> int:
-    return {torch.float16: 1, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}[dtype]
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _tensors(item)]
-    return []
-
-
-def _fp32_parts(val) -> bool:
-    if isinstance(val, torch.Tensor):
-        return val.dtype == FP32
-    if isinstance(val, (list, tuple)):
-        return any(_fp32_parts(item) for item in val)
-    return False
-
-
 class _Run:
     """State of one walk over one graph."""
 
@@ -225,12 +172,10 @@ class _Run:
         policy: PrecisionPolicy,
         limit: float,
         calibrated: bool = True,
-        force_fp32: frozenset[str] = frozenset(),
         root: GraphModule | None = None,
     ) -> None:
         self.graph_module = graph_module
         self.root = root or graph_module
-        self.force_fp32 = force_fp32
         self.casts = CastInserter(graph_module.graph)
         self.policy = policy
         self.low = policy.low
@@ -258,18 +203,9 @@ class _Run:
         return node.meta.get(CalibrationAnalysis.META_KEY, 0.0) > self.limit
 
     def forced(self, node: Node) -> Reason | None:
-        """Why ``node`` must stay fp32 whatever its inputs: it decides an index (float
-        positions turned into bucket ids), observed overflow, the accuracy budget, or a
-        custom op whose fake kernel cannot say what it computes on 16-bit inputs."""
-        if node.meta.get(UnsafeIndexAnalysis.META_KEY):
-            return Reason.UNSAFE_INDEX
-        if node.name in self.force_fp32:
-            return Reason.ACCURACY_FALLBACK
-        if self.overflows(node):
-            return Reason.ACTIVATION_OVERFLOW
-        if is_custom_op(node.target) and not runs_narrowed(node, self.low):
-            return Reason.NO_FAKE_KERNEL
-        return None
+        """Why ``node`` must stay fp32 whatever its inputs, as Fp32RulesAnalysis found."""
+        rule = fp32_rule(node)
+        return rule.reason if rule is not None else None
 
     def visit(self, node: Node) -> None:
         if is_inserted(node) or decision_of(node) is not None:
@@ -315,7 +251,7 @@ class _Run:
             element.dtype if element.dtype in FLOAT_DTYPES else decision.dtype,
             decision.reason,
         )
-        if original == FP32 and element.dtype == FP32 and not _is_island(node):
+        if original == FP32 and element.dtype == FP32 and not is_island(node):
             self.cast_back(node, decision.reason)
 
     def visit_assert(self, node: Node) -> None:
@@ -325,7 +261,7 @@ class _Run:
         ``x.float()`` on a value that was fp32 at export (the cast itself was a no-op),
         so an assertion of fp32 with no cast after it marks the model's fp32 region,
         as the cast would."""
-        if _asserted_dtype(node) == FP32 and isinstance(node.args[0], Node):
+        if asserted_dtype(node) == FP32 and isinstance(node.args[0], Node):
             self.restore_explicit_cast(node)
         dtype = node_dtype(node.args[0])
         if dtype is None:
@@ -350,7 +286,7 @@ class _Run:
         value = assertion.args[0]
         dtype = node_dtype(value)
         opens = dtype == self.low and self.keep_explicit_fp32
-        closes = dtype == FP32 and _is_island(value) and self.policy.cast_back
+        closes = dtype == FP32 and is_island(value) and self.policy.cast_back
         later = self.later_users(value, assertion)
         if not (opens or closes) or not later or any(is_cast(user) for user in later):
             return  # nothing to do, or the cast is still there (not decomposed, or cast before)
@@ -364,7 +300,7 @@ class _Run:
         )
         for user in later:
             user.replace_input_with(value, cast)
-        if opens and not _opens_sensitive_region(cast):
+        if opens and not opens_sensitive_region(cast):
             cast.replace_all_uses_with(value)
             self.graph_module.graph.erase_node(cast)
             return
@@ -383,8 +319,8 @@ class _Run:
         source = node.args[0]
         source_dtype = node_dtype(source)
         if self.forced(node):
-            decide(node, FP32, self.forced(node))
-        elif source_dtype == FP32 and _is_island(source) and self.policy.cast_back:
+            self.decide_fp32(node, self.forced(node))
+        elif source_dtype == FP32 and is_island(source) and self.policy.cast_back:
             # The model's way back from its fp32 region: to the program's working dtype.
             self.retarget(node, self.low)
         elif source_dtype == FP32:
@@ -394,7 +330,7 @@ class _Run:
         elif (
             source_dtype in (torch.float16, torch.bfloat16)
             and self.keep_explicit_fp32
-            and _opens_sensitive_region(node)
+            and opens_sensitive_region(node)
         ):
             decide(node, FP32, Reason.EXPLICIT_FP32)
         elif self.policy.precision_for(node) == Precision.LOW:
@@ -430,7 +366,7 @@ class _Run:
             if node.kwargs.get("dtype") != FP32:
                 node.kwargs = {**node.kwargs, "dtype": FP32}
                 self.modified = True
-            decide(node, FP32, reason)
+            self.decide_fp32(node, reason)
             return
         for location, value in rounded:
             set_argument(node, location, value)
@@ -520,18 +456,22 @@ class _Run:
             node.args = (condition, body, widened, additional)
 
     def visit_in_place(self, node: Node) -> None:
-        """An in-place op keeps the dtype of the tensor it writes to."""
-        target_dtype = node_dtype(mutated_argument(node))
+        """An in-place op keeps the dtype of the tensor it writes to, and its decision:
+        consumers of a cache written in place read it as the 16-bit tensor it now is."""
+        written = mutated_argument(node)
+        target_dtype = node_dtype(written)
         val = node_val(node)
         if isinstance(val, torch.Tensor) and target_dtype is not None and val.dtype != target_dtype:
             node.meta["val"] = retype_val(val, target_dtype)
             self.modified = True
+        if was_narrowed(written):
+            node.meta[PRECISION] = decision_of(written)
 
     # ---- ordinary ops --------------------------------------------------------------
 
     def visit_compute(self, node: Node) -> None:
         float_inputs = [arg for arg in tensor_inputs(node) if node_dtype(arg) in FLOAT_DTYPES]
-        produces_fp32 = _fp32_parts(node_val(node))
+        produces_fp32 = has_fp32_part(node_val(node))
         if not any(was_narrowed(arg) or node_dtype(arg) == FP32 for arg in float_inputs):
             if produces_fp32 and not float_inputs:
                 decide(node, FP32, Reason.NO_FLOAT_INPUT)
@@ -547,7 +487,7 @@ class _Run:
 
         if explicit_fp32 and self.keep_explicit_fp32:
             decide(node, FP32, Reason.EXPLICIT_FP32)
-        elif fp32_inputs and all(_is_island(arg) for arg in float_inputs):
+        elif fp32_inputs and all(is_island(arg) for arg in float_inputs):
             decide(node, FP32, Reason.EXPLICIT_FP32)
         elif self.forced(node):
             self.run_in_fp32(node, self.forced(node), produces_fp32)
@@ -578,7 +518,7 @@ class _Run:
         """Run ``node`` in the dtype its inputs give it (``promote``: their widest first)."""
         if promote:
             inputs = [arg for arg in tensor_inputs(node) if node_dtype(arg) in FLOAT_DTYPES]
-            widest = max((node_dtype(arg) for arg in inputs), key=_float_rank, default=None)
+            widest = max((node_dtype(arg) for arg in inputs), key=float_rank, default=None)
 
             def widen(arg: Node) -> Node:
                 if node_dtype(arg) in FLOAT_DTYPES and node_dtype(arg) != widest:
@@ -598,7 +538,7 @@ class _Run:
             # it runs in the widest of them
             self.follow(node, promote=True)
             return
-        dtypes = {leaf.dtype for leaf in _tensors(result) if leaf.is_floating_point()}
+        dtypes = {leaf.dtype for leaf in tensor_leaves(result) if leaf.is_floating_point()}
         scalar_overflow = any(
             round_scalar_to_fp16(float(v), self.low) is None for _, v in value_scalars(node)
         )
@@ -624,7 +564,7 @@ class _Run:
         if result is not node_val(node):
             node.meta["val"] = result
             self.modified = True
-        if is_custom_op(node.target) and _fp32_parts(result):
+        if is_custom_op(node.target) and has_fp32_part(result):
             decide(node, FP32, Reason.FIXED_OUTPUT_DTYPE)
         else:
             decide(node, self.low, Reason.FITS)
@@ -642,9 +582,14 @@ class _Run:
         self, node: Node, reason: Reason, produces_fp32: bool, cast_back: bool = True
     ) -> None:
         self.upcast_inputs(node)
-        decide(node, FP32, reason)
+        self.decide_fp32(node, reason)
         if isinstance(node_val(node), torch.Tensor) and produces_fp32 and cast_back:
             self.cast_back(node, reason)
+
+    def decide_fp32(self, node: Node, reason: Reason) -> None:
+        """fp32 for ``reason``, with the rule's detail when a rule gave that reason."""
+        rule = fp32_rule(node)
+        decide(node, FP32, reason, detail=rule.detail if rule and rule.reason == reason else "")
 
     def upcast_inputs(self, node: Node) -> None:
         substitute_inputs(node, self.widened)

@@ -1,7 +1,11 @@
 """PolicyPass: what the fp16 stages share: the program, the policy and the fp32 overrides."""
 
+import torch
+from torch.fx import Node
 from torch.fx.passes.infra.pass_base import PassBase
 
+from fx16.analysis.fp32_rules import fp32_rule
+from fx16.decisions import Decision, Reason
 from fx16.numerics import largest
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
@@ -31,4 +35,17 @@ class PolicyPass(PassBase):
     @property
     def limit(self) -> float:
         """Largest calibrated magnitude still taken to fit the policy's 16-bit dtype."""
-        return largest(self.policy.low) / self.overflow_margin
+        return overflow_limit(self.policy, self.overflow_margin)
+
+    def kept_fp32(self, node: Node) -> Decision | None:
+        """The safety rule keeping ``node`` in fp32 (``meta["fx16.fp32_rule"]``), or,
+        where no Fp32RulesAnalysis ran, a name in ``force_fp32``."""
+        rule = fp32_rule(node)
+        if rule is None and node.name in self.force_fp32:
+            return Decision(torch.float32, Reason.ACCURACY_FALLBACK)
+        return rule
+
+
+def overflow_limit(policy: PrecisionPolicy, overflow_margin: float) -> float:
+    """Largest calibrated magnitude still taken to fit the policy's 16-bit dtype."""
+    return largest(policy.low) / overflow_margin

@@ -1,0 +1,204 @@
+"""ConditioningAnalysis: ops whose output 16-bit rounding of their input would spoil.
+
+Rounding an input x to a 16-bit float moves it by up to u|x| (u = 2**-11 for fp16,
+2**-8 for bf16). An op f turns that into a relative output error of about
+kappa * u, with kappa = |x f'(x)| / |f(x)| its condition number. Taken normwise over
+the range x takes (error against the largest output, as fx16's budget measures it):
+
+- sin, cos, tan: kappa ~ max |x|. A rotary angle at position 1500 (fp16 spacing
+  1 rad) or a timestep embedding at t = 999 comes out as noise.
+- exp, exp2, expm1 over [lo, hi]: max |x| e^x / e^hi (large positive arguments).
+- pow(b, x): max |x ln b|; pow(x, p): |p|.
+- log over [lo, hi], lo > 0: 1 / max |ln x| (arguments near 1).
+- a - b and a + b of tensors: (max|a| + max|b|) / max|a -/+ b| (cancellation).
+
+Ranges: proven ones first (``fx16.analysis.float_range``: from integers, sizes,
+constants, state), else what calibration observed. A periodic op whose argument
+has no proven range is ill-conditioned: positions and timesteps grow past any
+example, and sin/cos are a negligible share of a model's compute.
+
+An op is ill-conditioned when kappa * u exceeds the policy's
+``precision_tolerance``. Keeping it in fp32 helps only if its input arrives with
+fp32 accuracy, so the values it reads are marked too, and their inputs, up to a
+matrix product or reduction with no proven range: that one computes in fp32 from
+the 16-bit values it reads (upstream of it is the model's real work). Placeholders
+reached (a
+buffer such as ``inv_freq``, a timestep input) are marked: the converters keep them
+fp32.
+
+Reads: ``meta["val"]``, ``meta["fx16.value_range"]`` (run ValueRangeAnalysis
+first), ``meta["fx16.observed_interval"]`` and ``meta["fx16.observed_range"]``
+(CalibrationAnalysis), the program's state. Writes:
+``node.meta["fx16.ill_conditioned"]``: why (a string), on every node to keep fp32
+for that reason; absent elsewhere.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.float_range import FloatRanges
+from fx16.nodes import node_val
+from fx16.ops import COMPUTE_OPS, REDUCTION_OPS, overloads
+from fx16.policy import PrecisionPolicy
+from fx16.program import Program
+from fx16.subgraphs import nested_graph_modules
+
+aten = torch.ops.aten
+
+_PERIODIC = overloads("sin.default", "cos.default", "tan.default")
+_EXPONENTIAL = {
+    **dict.fromkeys(overloads("exp.default", "expm1.default"), 1.0),
+    **dict.fromkeys(overloads("exp2.default"), math.log(2.0)),
+}
+_LOGARITHMS = overloads("log.default", "log2.default", "log10.default")
+_POWER_OF_SCALAR = overloads("pow.Scalar")
+_POWER_BY_SCALAR = overloads("pow.Tensor_Scalar")
+_SUMS = overloads("add.Tensor", "sub.Tensor")
+
+# the most nodes one ill-conditioned op marks upstream (its position or timestep chain)
+_CHAIN_LIMIT = 256
+
+Interval = tuple[float, float]
+
+
+class ConditioningAnalysis(PassBase):
+    """Mark the ops whose condition number amplifies 16-bit input rounding past the
+    policy's ``precision_tolerance``, with the values they read (see the module)."""
+
+    META_KEY = "fx16.ill_conditioned"
+
+    def __init__(self, program: Program, policy: PrecisionPolicy | None = None) -> None:
+        self.program = program
+        self.policy = policy or PrecisionPolicy.default()
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        ranges = FloatRanges(self.program)
+        roundoff = torch.finfo(self.policy.low).eps / 2
+        tolerance = self.policy.resolved_precision_tolerance
+        for submodule in nested_graph_modules(graph_module):
+            for node in submodule.graph.nodes:
+                node.meta.pop(self.META_KEY, None)
+            marked: set[Node] = set()
+            for node in submodule.graph.nodes:
+                found = _condition(node, _Ranges(ranges)) if node.op == "call_function" else None
+                if found is None:
+                    continue
+                kappa, why = found
+                if kappa * roundoff > tolerance:
+                    node.meta[self.META_KEY] = (
+                        f"{why}: condition number {kappa:.3g}, so 16-bit rounding of its input "
+                        f"moves it by {kappa * roundoff:.2g} (tolerance {tolerance:.2g})"
+                    )
+                    _mark_inputs(node, ranges, marked)
+        return PassResult(graph_module, False)
+
+
+class _Ranges:
+    """The interval a rule reads for a value: proven, else observed."""
+
+    def __init__(self, proven: FloatRanges) -> None:
+        self.proven = proven
+
+    def interval(self, arg) -> Interval | None:
+        found = self.proven.of(arg)
+        if found is not None:
+            return found.low, found.high
+        if isinstance(arg, Node):
+            return arg.meta.get(CalibrationAnalysis.INTERVAL_KEY)
+        return None
+
+    def magnitude(self, arg) -> float | None:
+        found = self.interval(arg)
+        if found is not None:
+            return max(abs(found[0]), abs(found[1]))
+        return arg.meta.get(CalibrationAnalysis.META_KEY) if isinstance(arg, Node) else None
+
+
+def _condition(node: Node, ranges: _Ranges) -> tuple[float, str] | None:
+    """(condition number, what it is about) for the ops listed in the module, or None."""
+    target, args = node.target, node.args
+    name = getattr(target, "_opname", "")
+    val = node_val(node)
+    if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+        return None
+    if target in _PERIODIC:
+        proven = ranges.proven.of(args[0])
+        if proven is None:
+            return math.inf, f"{name} of a value with no proven range"
+        largest = max(abs(proven.low), abs(proven.high))
+        return max(largest, 1.0), f"{name} of values up to {largest:.4g}"
+    if target in _EXPONENTIAL:
+        return _with_interval(ranges.interval(args[0]), name, _exponential(_EXPONENTIAL[target]))
+    if target in _LOGARITHMS:
+        return _with_interval(ranges.interval(args[0]), name, _logarithm)
+    if target in _POWER_OF_SCALAR and isinstance(args[0], (int, float)) and args[0] > 0:
+        scale = abs(math.log(args[0]))
+        return _with_interval(
+            ranges.interval(args[1]),
+            f"{args[0]:g} ** x",
+            lambda low, high: max(abs(low), abs(high)) * scale,
+        )
+    if target in _POWER_BY_SCALAR and isinstance(args[1], (int, float)):
+        return abs(args[1]), f"x ** {args[1]:g}"
+    if target in _SUMS and all(isinstance(arg, Node) for arg in args[:2]):
+        return _cancellation(node, ranges)
+    return None
+
+
+def _with_interval(interval: Interval | None, name: str, kappa: Callable) -> tuple | None:
+    if interval is None or not all(math.isfinite(bound) for bound in interval):
+        return None
+    return kappa(*interval), f"{name} of values in [{interval[0]:.4g}, {interval[1]:.4g}]"
+
+
+def _exponential(scale: float) -> Callable[[float, float], float]:
+    """max |x f'(x)| / max |f(x)| for f = e^(scale x) on [low, high]."""
+
+    def kappa(low: float, high: float) -> float:
+        candidates = [low, high] + ([-1.0 / scale] if low < -1.0 / scale < high else [])
+        # |scale x| e^(scale (x - high)), in logs so that large arguments do not overflow
+        return max(
+            math.exp(math.log(abs(scale * x)) + scale * (x - high)) if x else 0.0
+            for x in candidates
+        )
+
+    return kappa
+
+
+def _logarithm(low: float, high: float) -> float:
+    if low <= 0:
+        return 0.0  # outside log's domain: not a rounding question
+    largest = max(abs(math.log(low)), abs(math.log(high)))
+    return math.inf if largest == 0 else 1.0 / largest
+
+
+def _cancellation(node: Node, ranges: _Ranges) -> tuple[float, str] | None:
+    a, b, result = (ranges.magnitude(arg) for arg in (node.args[0], node.args[1], node))
+    if a is None or b is None or not result:
+        return None
+    operation = "a - b" if node.target._opname == "sub" else "a + b"
+    return (a + b) / result, f"{operation} with |a| ~ {a:.3g}, |b| ~ {b:.3g}, result {result:.3g}"
+
+
+def _mark_inputs(seed: Node, ranges: FloatRanges, marked: set[Node]) -> None:
+    """Mark what ``seed`` reads, upstream, so that it arrives at fp32 accuracy."""
+    pending, count = list(seed.all_input_nodes), 0
+    while pending and count < _CHAIN_LIMIT:
+        node = pending.pop()
+        val = node_val(node)
+        if node in marked or not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+            continue
+        marked.add(node)
+        count += 1
+        node.meta.setdefault(ConditioningAnalysis.META_KEY, f"feeds {seed.name}, kept in fp32")
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "_opname", None)
+        if name in COMPUTE_OPS | REDUCTION_OPS and ranges.of(node) is None:
+            continue  # the model's real work: read as it is
+        pending.extend(node.all_input_nodes)

@@ -1,0 +1,136 @@
+"""Fp32RulesAnalysis: the safety rules that keep a node in fp32, as data on the node.
+
+Each rule is a small object that looks at one node and its meta and says whether,
+and why, the node must stay fp32 whatever the policy asks. The analysis asks the
+rules in order and publishes the first answer; InsertFP16CastsPass and the
+parameter and input converters apply it. A new rule is a new object in the list
+(``Fp32RulesAnalysis.rules``), with no change to the pass that rewrites the graph.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.conditioning import ConditioningAnalysis
+from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
+from fx16.decisions import Decision, Reason
+from fx16.ops import is_custom_op
+from fx16.propagation import runs_narrowed
+from fx16.subgraphs import nested_graph_modules
+
+FP32 = torch.float32
+
+
+@dataclass(frozen=True)
+class UnsafeIndexRule:
+    """A float value that decides an index (positions turned into bucket ids) stays
+    fp32: rounding would pick another element. Reads ``meta["fx16.unsafe_index"]``."""
+
+    reason = Reason.UNSAFE_INDEX
+
+    def applies(self, node: Node) -> str | None:
+        return "" if node.meta.get(UnsafeIndexAnalysis.META_KEY) else None
+
+
+@dataclass(frozen=True)
+class AccuracyBudgetRule:
+    """The nodes the accuracy-budget search returned to fp32, by name."""
+
+    names: frozenset[str]
+    reason = Reason.ACCURACY_FALLBACK
+
+    def applies(self, node: Node) -> str | None:
+        return "" if node.name in self.names else None
+
+
+@dataclass(frozen=True)
+class ObservedOverflowRule:
+    """An op whose values on the calibration inputs exceed ``limit`` (the 16-bit
+    maximum over the overflow margin) computes in fp32. Reads
+    ``meta["fx16.observed_range"]``."""
+
+    limit: float
+    reason = Reason.ACTIVATION_OVERFLOW
+
+    def applies(self, node: Node) -> str | None:
+        if node.op != "call_function":
+            return None
+        observed = node.meta.get(CalibrationAnalysis.META_KEY, 0.0)
+        return f"observed {observed:.4g}" if observed > self.limit else None
+
+
+@dataclass(frozen=True)
+class FakeKernelRule:
+    """A custom op whose fake kernel refuses ``low`` inputs (or that has none) keeps
+    its inputs as exported: nothing can say what it computes on 16-bit values."""
+
+    low: torch.dtype
+    reason = Reason.NO_FAKE_KERNEL
+
+    def applies(self, node: Node) -> str | None:
+        custom = node.op == "call_function" and is_custom_op(node.target)
+        return "" if custom and not runs_narrowed(node, self.low) else None
+
+
+@dataclass(frozen=True)
+class ConditioningRule:
+    """An op the conditioning analysis found ill-conditioned, and the values it reads.
+    Reads ``meta["fx16.ill_conditioned"]``."""
+
+    reason = Reason.ILL_CONDITIONED
+
+    def applies(self, node: Node) -> str | None:
+        return node.meta.get(ConditioningAnalysis.META_KEY)
+
+
+class Fp32RulesAnalysis(PassBase):
+    """Ask each rule about every node (nested bodies too); publish the first answer.
+
+    Writes: ``node.meta["fx16.fp32_rule"]``, a ``Decision(torch.float32, reason,
+    detail)``, on each node a rule keeps in fp32; absent elsewhere. Also
+    ``graph_module.meta["fx16.fp32_rules"]``: the rules' class names, in order.
+    """
+
+    META_KEY = "fx16.fp32_rule"
+    RAN_KEY = "fx16.fp32_rules"
+
+    def __init__(self, rules: list) -> None:
+        self.rules = list(rules)
+
+    @classmethod
+    def standard(
+        cls, low: torch.dtype, limit: float, force_fp32: frozenset[str] = frozenset()
+    ) -> "Fp32RulesAnalysis":
+        """fx16's rules, safety first: index, accuracy budget, observed overflow, custom
+        ops without a 16-bit fake kernel, conditioning."""
+        return cls(
+            [
+                UnsafeIndexRule(),
+                AccuracyBudgetRule(frozenset(force_fp32)),
+                ObservedOverflowRule(limit),
+                FakeKernelRule(low),
+                ConditioningRule(),
+            ]
+        )
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        for submodule in nested_graph_modules(graph_module):
+            for node in submodule.graph.nodes:
+                node.meta.pop(self.META_KEY, None)
+                if node.op not in ("placeholder", "call_function"):
+                    continue
+                for rule in self.rules:
+                    detail = rule.applies(node)
+                    if detail is not None:
+                        node.meta[self.META_KEY] = Decision(FP32, rule.reason, detail)
+                        break
+        graph_module.meta[self.RAN_KEY] = [type(rule).__name__ for rule in self.rules]
+        return PassResult(graph_module, False)
+
+
+def fp32_rule(node: Node) -> Decision | None:
+    """The rule keeping ``node`` in fp32, as Fp32RulesAnalysis published it."""
+    return node.meta.get(Fp32RulesAnalysis.META_KEY)
