@@ -88,8 +88,8 @@ class PrecisionPolicy:
         later ops follow the fp32 result, as eager autocast does).
     precision_tolerance: the relative output error 16-bit rounding of an op's input
         may cause through the op's condition number before the op stays fp32
-        (``fx16.analysis.conditioning``); None: four roundings of ``low`` (about
-        2e-3 for fp16, 1.6e-2 for bf16); ``math.inf`` turns the rule off.
+        (``fx16.analysis.conditioning``); None: two roundings of ``low`` (its eps:
+        about 1e-3 for fp16, 7.8e-3 for bf16); ``math.inf`` turns the rule off.
     """
 
     name: str = "default"
@@ -205,10 +205,11 @@ class PrecisionPolicy:
 
     @property
     def resolved_precision_tolerance(self) -> float:
-        """``precision_tolerance``, or four roundings of the 16-bit dtype (2 * eps)."""
+        """``precision_tolerance``, or two roundings of the 16-bit dtype (its eps): the
+        input of an ill-conditioned op has been rounded more than once on its way."""
         if self.precision_tolerance is not None:
             return float(self.precision_tolerance)
-        return 2 * torch.finfo(self.low).eps
+        return torch.finfo(self.low).eps
 
     @property
     def is_noop(self) -> bool:

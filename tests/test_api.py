@@ -10,10 +10,7 @@ from torch.fx.passes.infra.pass_manager import PassManager
 import fx16
 from fx16.analysis import (
     CalibrationAnalysis,
-    ConditioningAnalysis,
-    Fp32RulesAnalysis,
     UnsafeIndexAnalysis,
-    ValueRangeAnalysis,
 )
 from fx16.passes import (
     CleanupCastsPass,

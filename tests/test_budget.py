@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fx16
 import fx16.budget
@@ -10,6 +12,7 @@ from fx16.decisions import PRECISION, Reason
 from fx16.report import report_of
 from fx16.stats import relative_error
 from helpers import check_program, export, run
+from strategies import examples, programs
 
 
 def SharpSoftmax(scale=3.0):  # noqa: N802 - reads like the class it builds
@@ -156,3 +159,22 @@ def test_t5_encoder_meets_the_budget_on_unseen_inputs_with_at_most_half_fp32():
     fallback = sum(row.rule == "accuracy_fallback" for row in report.rows)
     assert fallback <= report.totals.float_ops // 2
     assert report.totals.share_16bit >= 0.5
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(programs(), st.sampled_from([0.0, 1e-4, 1e-2]))
+def test_property_a_budget_is_met_on_the_calibration_inputs_or_refused(case, budget):
+    ep = case.export()
+    before = str(ep.graph_module.graph)
+    expected = run(case.export(), *case.args)
+    try:
+        fx16.cast_fp32_to_fp16(ep, calibration=[case.args], max_rel_error=budget)
+    except fx16.AccuracyBudgetError:
+        assert str(ep.graph_module.graph) == before  # refused: the program is as it was
+        return
+    check_program(ep)
+    search = report_of(ep).accuracy
+    assert search.met and search.evaluations <= 40
+    for want, have in zip(expected, run(ep, *case.args)):
+        if want.is_floating_point() and torch.isfinite(want).all():
+            assert relative_error(want, have.to(want.dtype)) <= budget

@@ -1,0 +1,100 @@
+"""Fp32RulesAnalysis: each safety rule decides alone, the first one wins, and a new rule
+needs no change to the pass that applies them."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fx16.analysis import CalibrationAnalysis, Fp32RulesAnalysis, UnsafeIndexAnalysis
+from fx16.analysis.fp32_rules import (
+    AccuracyBudgetRule,
+    ConditioningRule,
+    ObservedOverflowRule,
+    UnsafeIndexRule,
+    fp32_rule,
+)
+from fx16.decisions import PRECISION, Reason
+from fx16.passes import ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass
+from fx16.pipelines import run_passes
+from fx16.program import Program
+from helpers import check_program, export
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.table = nn.Embedding(8, 4)
+
+    def forward(self, x):
+        big = self.fc(x) * 1e5
+        looked_up = self.table((x.tanh() * 3 + 4).long())  # a float that decides an index
+        return big, looked_up, torch.relu(self.fc(x))
+
+
+def _rules(ep, rules):
+    Fp32RulesAnalysis(rules)(ep.graph_module)
+    return {n.name: fp32_rule(n) for n in ep.graph_module.graph.nodes}
+
+
+def test_each_rule_alone():
+    ep = export(Model(), torch.randn(2, 8))
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    UnsafeIndexAnalysis()(ep.graph_module)
+    overflow = _rules(ep, [ObservedOverflowRule(65504 / 2)])
+    assert (
+        overflow["mul"].reason == Reason.ACTIVATION_OVERFLOW
+        and "observed" in overflow["mul"].detail
+    )
+    assert overflow["linear"] is None
+    index = _rules(ep, [UnsafeIndexRule()])
+    assert index["tanh"].reason == Reason.UNSAFE_INDEX and index["mul"] is None
+    budget = _rules(ep, [AccuracyBudgetRule(frozenset({"relu"}))])
+    assert [name for name, rule in budget.items() if rule] == ["relu"]
+    assert not any(_rules(ep, [ConditioningRule()]).values())  # nothing ill-conditioned here
+
+
+def test_the_first_rule_that_applies_wins():
+    ep = export(Model(), torch.randn(2, 8))
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    rules = _rules(ep, [AccuracyBudgetRule(frozenset({"mul"})), ObservedOverflowRule(1.0)])
+    assert rules["mul"].reason == Reason.ACCURACY_FALLBACK
+
+
+@dataclass(frozen=True)
+class KeepRelu:
+    """A user's own rule: every relu stays fp32."""
+
+    reason = Reason.POLICY
+
+    def applies(self, node):
+        return "the user's rule" if getattr(node.target, "_opname", None) == "relu" else None
+
+
+def test_a_new_rule_is_applied_by_the_pass_without_changing_it():
+    ep = export(Model(), torch.randn(2, 8))
+    program = Program(ep)
+    run_passes(
+        [
+            Fp32RulesAnalysis([KeepRelu()]),
+            ConvertParametersPass(program),
+            ConvertUserInputsPass(program),
+            InsertFP16CastsPass(program),
+        ],
+        ep.graph_module,
+    )
+    nodes = {n.name: n for n in ep.graph_module.graph.nodes}
+    assert nodes["relu"].meta[PRECISION].detail == "the user's rule"
+    assert nodes["relu"].meta["val"].dtype == torch.float32
+    assert nodes["linear_1"].meta["val"].dtype == torch.float16
+    check_program(ep)
+
+
+def test_the_pass_used_alone_runs_the_standard_rules():
+    ep = export(Model(), torch.randn(2, 8))
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    InsertFP16CastsPass(Program(ep))(ep.graph_module)
+    assert Fp32RulesAnalysis.RAN_KEY in ep.graph_module.meta
+    fx16_reason = next(n for n in ep.graph_module.graph.nodes if n.name == "mul").meta[PRECISION]
+    assert fx16_reason.reason == Reason.ACTIVATION_OVERFLOW
