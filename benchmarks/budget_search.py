@@ -70,7 +70,13 @@ def run_fx16(model, ep, calibration, unseen, budget) -> Outcome:
     )
     report = report_of(cast)
     search = report.accuracy
-    fallback = sum(row.dtype == "float32" and row.op != row.node for row in report.rows)
+    fallback = sum(
+        row.kind == "float"
+        and row.dtype == "float32"
+        and row.op != row.node
+        and row.op not in ("_to_copy.default", "to.dtype", "to.dtype_layout")
+        for row in report.rows
+    )
     unseen_error = max(_error(model, cast.module(), args, cast) for args in unseen)
     return Outcome(
         search.evaluations, fallback, report.totals.float_ops, search.error, unseen_error
