@@ -70,16 +70,10 @@ def run_fx16(model, ep, calibration, unseen, budget) -> Outcome:
     )
     report = report_of(cast)
     search = report.accuracy
-    fallback = sum(
-        row.kind == "float"
-        and row.dtype == "float32"
-        and row.op != row.node
-        and row.op not in ("_to_copy.default", "to.dtype", "to.dtype_layout")
-        for row in report.rows
-    )
+    fp32_ops = report.totals.float_ops - report.totals.float_ops_16bit
     unseen_error = max(_error(model, cast.module(), args, cast) for args in unseen)
     return Outcome(
-        search.evaluations, fallback, report.totals.float_ops, search.error, unseen_error
+        search.evaluations, fp32_ops, report.totals.float_ops, search.error, unseen_error
     )
 
 

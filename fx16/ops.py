@@ -5,6 +5,8 @@ behaviour changes data, not pass code. Overloads missing from the installed
 torch are skipped, so the tables work across the supported torch versions.
 """
 
+import math
+
 import torch
 
 aten = torch.ops.aten
@@ -184,6 +186,43 @@ POSITION_OPS = {
     **{op: 1 for op in overloads("topk.default", "sort.default", "sort.stable")},
     **{op: 1 for op in overloads("max.dim", "min.dim")},
 }
+
+# Which dimension an index argument indexes (fx16.analysis.index_bounds): op -> (position
+# of the indexed tensor, name of the dim argument or the fixed dim, position of the
+# index, lowest valid index as a multiple of -N: 1 if negative ones count).
+INDEXED_DIMENSIONS = {
+    **dict.fromkeys(
+        overloads(
+            "index_fill.int_Scalar",
+            "index_fill.int_Tensor",
+            "index_fill_.int_Scalar",
+            "index_fill_.int_Tensor",
+        ),
+        (0, "dim", 2, 1),
+    ),
+    **dict.fromkeys(
+        overloads(
+            "index_copy.default",
+            "index_copy_.default",
+            "index_add.default",
+            "index_add_.default",
+            "index_select.default",
+            "gather.default",
+            "scatter.src",
+            "scatter.value",
+            "scatter_.src",
+            "scatter_.value",
+            "scatter_add.default",
+            "scatter_add_.default",
+        ),
+        (0, "dim", 2, 0),
+    ),
+    **dict.fromkeys(overloads("embedding.default"), (0, 0, 1, 0)),
+}
+# ops taking a list of index tensors, one per leading dimension (None: the whole dim)
+INDEX_LIST_OPS = overloads(
+    "index.Tensor", "_unsafe_index.Tensor", "index_put.default", "index_put_.default"
+)
 
 # Integer dtypes fx16 narrows to int16.
 WIDE_INT_DTYPES = frozenset({torch.int32, torch.int64})
@@ -591,3 +630,18 @@ PRECISION_SENSITIVE_OPS = REDUCTION_OPS | packets(
     "div",
     "logsumexp",
 )
+
+
+# ---- conditioning (fx16.analysis.conditioning) -------------------------------------------
+
+# Ops whose condition number the conditioning rule knows: periodic ones, exp (op ->
+# the factor in e^(factor x)), logarithms, powers, and tensor sums that can cancel.
+PERIODIC_OPS = overloads("sin.default", "cos.default", "tan.default")
+EXPONENTIAL_OPS = {
+    **dict.fromkeys(overloads("exp.default", "expm1.default"), 1.0),
+    **dict.fromkeys(overloads("exp2.default"), math.log(2.0)),
+}
+LOGARITHM_OPS = overloads("log.default", "log2.default", "log10.default")
+POWER_OF_SCALAR_OPS = overloads("pow.Scalar")
+POWER_BY_SCALAR_OPS = overloads("pow.Tensor_Scalar")
+SUM_OPS = overloads("add.Tensor", "sub.Tensor")

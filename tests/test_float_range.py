@@ -3,12 +3,16 @@
 import math
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from fx16.analysis import ValueRangeAnalysis
 from fx16.analysis.float_range import FloatRanges
+from fx16.interpreter import LeanInterpreter
 from fx16.program import Program
 from helpers import export
+from strategies import examples
 
 
 def _ranges(ep):
@@ -60,3 +64,47 @@ def test_a_dynamic_length_bounds_arange_and_matrix_products():
     ranges = _ranges(ep)
     assert ranges["arange"] == (0, 511)
     assert ranges["matmul"] == (0.0, 511.0)
+
+
+class Scaled(nn.Module):
+    def __init__(self, scale, shift):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor([scale, -scale / 3]))
+        self.shift = shift
+
+    def forward(self, t):
+        return torch.exp(-(t[:, None].float() * self.scale - self.shift) / 1000)
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(
+    st.integers(-3000, 3000),
+    st.integers(0, 3000),
+    st.floats(-4.0, 4.0),
+    st.floats(-100.0, 100.0),
+    st.integers(0, 2**16),
+)
+def test_property_every_value_of_a_valid_call_lies_in_its_proven_range(
+    low, width, scale, shift, seed
+):
+    high = low + width
+    ep = export(Scaled(scale, shift), torch.tensor([low, high]))
+    program = Program(ep)
+    ValueRangeAnalysis(program, {"t": (low, high)})(ep.graph_module)
+    ranges = FloatRanges(program)
+    t = torch.randint(low, high + 1, (64,), generator=torch.Generator().manual_seed(seed))
+    values = {}
+    with torch.no_grad():
+
+        class Recorder(LeanInterpreter):
+            def run_node(self, node):
+                values[node] = result = super().run_node(node)
+                return result
+
+        Recorder(ep.graph_module).run(*program.graph_inputs((t,), {}))
+    for node, value in values.items():
+        proven = ranges.of(node)
+        if proven is not None and isinstance(value, torch.Tensor) and value.is_floating_point():
+            slack = 1e-5 * max(1.0, abs(proven.low), abs(proven.high))
+            assert proven.low - slack <= value.min() and value.max() <= proven.high + slack
+    assert ranges.of(next(n for n in values if n.name == "exp")) is not None

@@ -43,22 +43,21 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.float_range import FloatRanges
 from fx16.nodes import node_val
-from fx16.ops import COMPUTE_OPS, REDUCTION_OPS, overloads
+from fx16.ops import (
+    COMPUTE_OPS,
+    EXPONENTIAL_OPS,
+    LOGARITHM_OPS,
+    PERIODIC_OPS,
+    POWER_BY_SCALAR_OPS,
+    POWER_OF_SCALAR_OPS,
+    REDUCTION_OPS,
+    SUM_OPS,
+)
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.subgraphs import nested_graph_modules
 
 aten = torch.ops.aten
-
-_PERIODIC = overloads("sin.default", "cos.default", "tan.default")
-_EXPONENTIAL = {
-    **dict.fromkeys(overloads("exp.default", "expm1.default"), 1.0),
-    **dict.fromkeys(overloads("exp2.default"), math.log(2.0)),
-}
-_LOGARITHMS = overloads("log.default", "log2.default", "log10.default")
-_POWER_OF_SCALAR = overloads("pow.Scalar")
-_POWER_BY_SCALAR = overloads("pow.Tensor_Scalar")
-_SUMS = overloads("add.Tensor", "sub.Tensor")
 
 # the most nodes one ill-conditioned op marks upstream (its position or timestep chain)
 _CHAIN_LIMIT = 256
@@ -126,26 +125,26 @@ def _condition(node: Node, ranges: _Ranges) -> tuple[float, str] | None:
     val = node_val(node)
     if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
         return None
-    if target in _PERIODIC:
+    if target in PERIODIC_OPS:
         proven = ranges.proven.of(args[0])
         if proven is None:
             return math.inf, f"{name} of a value with no proven range"
         largest = max(abs(proven.low), abs(proven.high))
         return max(largest, 1.0), f"{name} of values up to {largest:.4g}"
-    if target in _EXPONENTIAL:
-        return _with_interval(ranges.interval(args[0]), name, _exponential(_EXPONENTIAL[target]))
-    if target in _LOGARITHMS:
+    if target in EXPONENTIAL_OPS:
+        return _with_interval(ranges.interval(args[0]), name, _exponential(EXPONENTIAL_OPS[target]))
+    if target in LOGARITHM_OPS:
         return _with_interval(ranges.interval(args[0]), name, _logarithm)
-    if target in _POWER_OF_SCALAR and isinstance(args[0], (int, float)) and args[0] > 0:
+    if target in POWER_OF_SCALAR_OPS and isinstance(args[0], (int, float)) and args[0] > 0:
         scale = abs(math.log(args[0]))
         return _with_interval(
             ranges.interval(args[1]),
             f"{args[0]:g} ** x",
             lambda low, high: max(abs(low), abs(high)) * scale,
         )
-    if target in _POWER_BY_SCALAR and isinstance(args[1], (int, float)):
+    if target in POWER_BY_SCALAR_OPS and isinstance(args[1], (int, float)):
         return abs(args[1]), f"x ** {args[1]:g}"
-    if target in _SUMS and all(isinstance(arg, Node) for arg in args[:2]):
+    if target in SUM_OPS and all(isinstance(arg, Node) for arg in args[:2]):
         return _cancellation(node, ranges)
     return None
 

@@ -17,14 +17,23 @@ import math
 import torch
 from torch.fx import Node
 
-from fx16.analysis.value_range import Source, ValueRange, value_range
+from fx16.analysis.value_range import (
+    Source,
+    ValueRange,
+    add_ranges,
+    constant,
+    multiply,
+    size_range,
+    span,
+    union,
+    value_range,
+)
 from fx16.nodes import named_argument, node_val
 from fx16.ops import CAST_OPS, VALUE_PRESERVING_OPS, overloads
 from fx16.program import Program
 from fx16.tensor_subclasses import is_subclass
 
 aten = torch.ops.aten
-INF = math.inf
 _DEPTH = 64  # positions and timesteps are a few ops from their integers
 
 _PRODUCTS = overloads("mul.Tensor", "mul.Scalar")
@@ -41,24 +50,7 @@ _FILLED = {
 }
 _FILL_VALUE = overloads("full.default", "full_like.default", "new_full.default")
 _ARANGE = overloads("arange.default", "arange.start", "arange.start_step")
-_DEVICE_MOVES = overloads("to.device", "to.dtype_layout", "_to_copy.default", "to.dtype")
-
-
-def _interval(low: float, high: float, *parts: ValueRange | None) -> ValueRange | None:
-    if any(part is None for part in parts) or math.isnan(low) or math.isnan(high):
-        return None
-    source = max((part.source for part in parts), default=Source.PROVEN)
-    return ValueRange(low, high, source)
-
-
-def _corners(a: ValueRange, b: ValueRange, combine) -> tuple[float, float]:
-    values = [combine(x, y) for x in (a.low, a.high) for y in (b.low, b.high)]
-    values = [0.0 if math.isnan(v) else v for v in values]  # 0 * inf: the zero end
-    return min(values), max(values)
-
-
-def _product(x: float, y: float) -> float:
-    return 0.0 if x == 0 or y == 0 else x * y
+_MOVES = CAST_OPS | overloads("to.device")  # same values, maybe another dtype or device
 
 
 class FloatRanges:
@@ -78,7 +70,7 @@ class FloatRanges:
         read unless a range needs it. Chains deeper than ``_DEPTH`` count as unknown."""
         if not isinstance(arg, Node):
             if isinstance(arg, (int, float)) and not isinstance(arg, bool):
-                return ValueRange(float(arg), float(arg), Source.PROVEN)
+                return constant(float(arg))
             return None
         if arg not in self.known:
             if self.depth >= _DEPTH:
@@ -109,7 +101,7 @@ class FloatRanges:
             return self.of(named_argument(node, "fill_value"))
         if target in _ARANGE:
             return self._arange(node)
-        if target in CAST_OPS or target in _DEVICE_MOVES:
+        if target in _MOVES:
             return self.of(node.args[0])
         if target in VALUE_PRESERVING_OPS:
             return self._union(node)
@@ -120,20 +112,18 @@ class FloatRanges:
         if tensor is None or is_subclass(tensor) or not tensor.numel():
             return None
         low, high = (float(bound) for bound in tensor.detach().aminmax())
-        return _interval(low, high)
+        return span(low, high)
 
     def _arange(self, node: Node) -> ValueRange | None:
         ends = [self._bound(named_argument(node, name)) for name in ("start", "end")]
         start = ends[0] if named_argument(node, "start") is not None else self.of(0)
         if start is None or ends[1] is None:
             return None
-        return _interval(min(start.low, ends[1].low), max(start.high, ends[1].high), start, ends[1])
+        return union([start, ends[1]])
 
     def _bound(self, size) -> ValueRange | None:
         if isinstance(size, torch.SymInt):
-            from fx16.analysis.value_range import _Rules  # the int analysis' size rule
-
-            return _Rules(self.program.range_constraints()).of_size(size)
+            return size_range(size, self.program.range_constraints())
         return self.of(size)
 
     def _union(self, node: Node) -> ValueRange | None:
@@ -145,10 +135,8 @@ class FloatRanges:
         for part in parts:
             ranges.append(self.of(part))
             if ranges[-1] is None:
-                return None
-        if not ranges:
-            return None
-        return _interval(min(r.low for r in ranges), max(r.high for r in ranges), *ranges)
+                return None  # unknown: ask about nothing more
+        return union(ranges)
 
     def _arithmetic(self, node: Node) -> ValueRange | None:
         target = node.target
@@ -156,27 +144,23 @@ class FloatRanges:
         if a is None:
             return None
         b = self.of(node.args[1]) if len(node.args) > 1 else None
-        if target in _PRODUCTS and a and b:
-            return _interval(*_corners(a, b, _product), a, b)
-        if target in _QUOTIENTS and a and b and not b.low <= 0 <= b.high:
-            return _interval(*_corners(a, b, lambda x, y: x / y), a, b)
-        if target in _SUMS and a and b:
+        if target in _PRODUCTS:
+            return multiply(a, b)
+        if target in _QUOTIENTS and b is not None and not b.low <= 0 <= b.high:
+            return multiply(a, span(1 / b.high, 1 / b.low, b))
+        if target in _SUMS:
             alpha = named_argument(node, "alpha")
-            sign = (-1 if target._opname == "sub" else 1) * (alpha if alpha is not None else 1)
-            scaled = _interval(*sorted((sign * b.low, sign * b.high)), b)
-            return _interval(a.low + scaled.low, a.high + scaled.high, a, scaled)
-        if target == aten.neg.default and a:
-            return _interval(-a.high, -a.low, a)
-        if target == aten.exp.default and a:
-            return _interval(_exp(a.low), _exp(a.high), a)
-        if target in _MATRIX_PRODUCTS and a and b:
-            terms = node_val(node.args[0]).shape[-1]
-            if not isinstance(terms, int):
-                return None
-            low, high = _corners(a, b, _product)
-            return _interval(min(low, terms * low), max(high, terms * high), a, b)
+            scaled = multiply(b, constant(alpha if alpha is not None else 1))
+            return add_ranges(a, scaled, -1 if target._opname == "sub" else 1)
+        if target == aten.neg.default:
+            return multiply(a, constant(-1))
+        if target == aten.exp.default:
+            return span(_exp(a.low), _exp(a.high), a)
+        if target in _MATRIX_PRODUCTS:
+            terms = node_val(node.args[0]).shape[-1]  # a sum of this many products
+            return multiply(multiply(a, b), constant(terms)) if isinstance(terms, int) else None
         return None
 
 
 def _exp(x: float) -> float:
-    return math.exp(x) if x < 709 else INF
+    return math.exp(x) if x < 709 else math.inf

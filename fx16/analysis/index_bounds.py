@@ -15,45 +15,17 @@ import torch
 from torch.fx import Graph, Node
 
 from fx16.nodes import named_argument, node_val
-from fx16.ops import CAST_OPS, INT_DTYPES, VALUE_PRESERVING_OPS, overloads
+from fx16.ops import (
+    CAST_OPS,
+    INDEX_LIST_OPS,
+    INDEXED_DIMENSIONS,
+    INT_DTYPES,
+    VALUE_PRESERVING_OPS,
+    overloads,
+)
 
 aten = torch.ops.aten
 
-# op -> (position of the indexed tensor, name of the dim argument, or the fixed dim,
-# position of the index, lowest valid index as a multiple of -N: 1 if negative ones count)
-_INDEXING = {
-    **dict.fromkeys(
-        overloads(
-            "index_copy.default",
-            "index_copy_.default",
-            "index_add.default",
-            "index_add_.default",
-            "index_select.default",
-            "index_fill.int_Scalar",
-            "index_fill.int_Tensor",
-            "index_fill_.int_Scalar",
-            "index_fill_.int_Tensor",
-        ),
-        (0, "dim", 2, 1),
-    ),
-    **dict.fromkeys(
-        overloads(
-            "gather.default",
-            "scatter.src",
-            "scatter.value",
-            "scatter_.src",
-            "scatter_.value",
-            "scatter_add.default",
-            "scatter_add_.default",
-        ),
-        (0, "dim", 2, 0),
-    ),
-    **dict.fromkeys(overloads("embedding.default"), (0, 0, 1, 0)),
-}
-# ops taking a list of index tensors, one per leading dimension (None: the whole dim)
-_INDEX_LISTS = overloads(
-    "index.Tensor", "_unsafe_index.Tensor", "index_put.default", "index_put_.default"
-)
 # single-input ops whose every result element is an element of the input, by position
 _COPIES = frozenset(
     op
@@ -103,8 +75,8 @@ def index_bounds(graph: Graph, known: Known, size_bound: Callable) -> dict[Node,
 def _direct_bounds(node: Node, size_bound: Callable) -> list[tuple[Node, Bound]]:
     """(index node, bound) for each index argument ``node`` takes."""
     found = []
-    if node.target in _INDEXING:
-        tensor_position, dim, index_position, negatives = _INDEXING[node.target]
+    if node.target in INDEXED_DIMENSIONS:
+        tensor_position, dim, index_position, negatives = INDEXED_DIMENSIONS[node.target]
         tensor = node_val(node.args[tensor_position])
         dim = named_argument(node, dim) if isinstance(dim, str) else dim
         if isinstance(tensor, torch.Tensor) and isinstance(dim, int) and tensor.dim():
@@ -112,7 +84,7 @@ def _direct_bounds(node: Node, size_bound: Callable) -> list[tuple[Node, Bound]]
             index = node.args[index_position] if index_position < len(node.args) else None
             if size is not None:
                 found.append((index, (-size * negatives, size - 1)))
-    elif node.target in _INDEX_LISTS:
+    elif node.target in INDEX_LIST_OPS:
         tensor = node_val(node.args[0])
         indices = node.args[1] if len(node.args) > 1 else ()
         for dim, index in enumerate(indices or ()):

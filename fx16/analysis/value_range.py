@@ -48,40 +48,54 @@ def _show(bound: float) -> str:
     return str(int(bound)) if math.isfinite(bound) else ("-inf" if bound < 0 else "inf")
 
 
-def _span(low, high, *parts: ValueRange | None) -> ValueRange | None:
-    """A range built from ``parts``: None if any is unknown, else their weakest source."""
-    if any(part is None for part in parts):
+def span(low, high, *parts: ValueRange | None) -> ValueRange | None:
+    """A range built from ``parts``: None if any is unknown (or a bound is nan, as
+    inf - inf gives), else their weakest source."""
+    if any(part is None for part in parts) or math.isnan(low) or math.isnan(high):
         return None
     source = max((part.source for part in parts), default=Source.PROVEN)
     return ValueRange(low, high, source)
 
 
-def _union(parts: list[ValueRange | None]) -> ValueRange | None:
+def union(parts: list[ValueRange | None]) -> ValueRange | None:
     if not parts or any(part is None for part in parts):
         return None
-    return _span(min(p.low for p in parts), max(p.high for p in parts), *parts)
+    return span(min(p.low for p in parts), max(p.high for p in parts), *parts)
 
 
 def _product(a: float, b: float) -> float:
     return 0 if a == 0 or b == 0 else a * b
 
 
-def _multiply(a: ValueRange | None, b: ValueRange | None) -> ValueRange | None:
+def multiply(a: ValueRange | None, b: ValueRange | None) -> ValueRange | None:
     if a is None or b is None:
         return None
     corners = [_product(x, y) for x in (a.low, a.high) for y in (b.low, b.high)]
-    return _span(min(corners), max(corners), a, b)
+    return span(min(corners), max(corners), a, b)
 
 
-def _add(a: ValueRange | None, b: ValueRange | None, sign: int = 1) -> ValueRange | None:
+def add_ranges(a: ValueRange | None, b: ValueRange | None, sign: int = 1) -> ValueRange | None:
     if a is None or b is None:
         return None
     low, high = (b.low, b.high) if sign > 0 else (-b.high, -b.low)
-    return _span(a.low + low, a.high + high, a, b)
+    return span(a.low + low, a.high + high, a, b)
 
 
-def _constant(value: float) -> ValueRange:
+def constant(value: float) -> ValueRange:
     return ValueRange(value, value, Source.PROVEN)
+
+
+def size_range(size: Any, range_constraints: dict) -> ValueRange | None:
+    """Range of an int or SymInt size, bounded by the program's range constraints."""
+    if isinstance(size, int):
+        return constant(size)
+    if isinstance(size, torch.SymInt):
+        bounds = bound_sympy(size.node.expr, range_constraints)
+        low, high = bounds.lower, bounds.upper
+        low = int(low) if low.is_finite else -INF
+        high = int(high) if high.is_finite else INF
+        return ValueRange(low, high, Source.PROVEN)
+    return None
 
 
 def _checked_ranges(input_ranges) -> dict[str, tuple[int, int]]:
@@ -208,9 +222,9 @@ def value_range(arg: Any) -> ValueRange | None:
         found = arg.meta.get(ValueRangeAnalysis.META_KEY)
         return found if isinstance(found, ValueRange) else None
     if isinstance(arg, bool):
-        return _constant(int(arg))
+        return constant(int(arg))
     if isinstance(arg, int):
-        return _constant(arg)
+        return constant(arg)
     return None
 
 
@@ -240,16 +254,7 @@ class _Rules:
         return found.high if found is not None and math.isfinite(found.high) else None
 
     def of_size(self, size: Any) -> ValueRange | None:
-        """Range of an int or SymInt size, bounded by the program's range constraints."""
-        if isinstance(size, int):
-            return _constant(size)
-        if isinstance(size, torch.SymInt):
-            bounds = bound_sympy(size.node.expr, self.range_constraints)
-            low, high = bounds.lower, bounds.upper
-            low = int(low) if low.is_finite else -INF
-            high = int(high) if high.is_finite else INF
-            return ValueRange(low, high, Source.PROVEN)
-        return None
+        return size_range(size, self.range_constraints)
 
     def of(self, node: Node) -> ValueRange | tuple | None:
         val = node_val(node)
@@ -282,14 +287,14 @@ class _Rules:
         for position in VALUE_PRESERVING_OPS.get(node.target, ()):
             arg = node.args[position] if position < len(node.args) else None
             parts.extend(arg if isinstance(arg, (list, tuple)) else [arg])
-        return _union([value_range(part) for part in parts])
+        return union([value_range(part) for part in parts])
 
     def positions(self, node: Node) -> ValueRange | tuple | None:
         source_val = node_val(node.args[0])
         dim = named_argument(node, "dim")
         extent = source_val.numel() if dim is None else source_val.shape[dim]
         size = self.of_size(extent)
-        indices = None if size is None else _span(0, max(size.high - 1, 0), size)
+        indices = None if size is None else span(0, max(size.high - 1, 0), size)
         output = POSITION_OPS[node.target]
         if output is None:
             return indices
@@ -300,24 +305,24 @@ class _Rules:
 
     def add(self, node: Node, sign: int = 1) -> ValueRange | None:
         alpha = named_argument(node, "alpha")
-        scaled = _multiply(value_range(node.args[1]), _constant(alpha if alpha is not None else 1))
-        return _add(value_range(node.args[0]), scaled, sign)
+        scaled = multiply(value_range(node.args[1]), constant(alpha if alpha is not None else 1))
+        return add_ranges(value_range(node.args[0]), scaled, sign)
 
     def sub(self, node: Node) -> ValueRange | None:
         return self.add(node, -1)
 
     def mul(self, node: Node) -> ValueRange | None:
-        return _multiply(value_range(node.args[0]), value_range(node.args[1]))
+        return multiply(value_range(node.args[0]), value_range(node.args[1]))
 
     def neg(self, node: Node) -> ValueRange | None:
-        return _multiply(value_range(node.args[0]), _constant(-1))
+        return multiply(value_range(node.args[0]), constant(-1))
 
     def abs(self, node: Node) -> ValueRange | None:
         x = value_range(node.args[0])
         if x is None:
             return None
         low = 0 if x.low <= 0 <= x.high else min(abs(x.low), abs(x.high))
-        return _span(low, max(abs(x.low), abs(x.high)), x)
+        return span(low, max(abs(x.low), abs(x.high)), x)
 
     def remainder(self, node: Node) -> ValueRange | None:
         """Python-style remainder takes the divisor's sign: x % 97 lies in [0, 96]."""
@@ -325,15 +330,15 @@ class _Rules:
         if divisor is None or divisor.low <= 0 <= divisor.high:
             return None
         if divisor.low > 0:
-            return _span(0, divisor.high - 1, divisor)
-        return _span(divisor.low + 1, 0, divisor)
+            return span(0, divisor.high - 1, divisor)
+        return span(divisor.low + 1, 0, divisor)
 
     def fmod(self, node: Node) -> ValueRange | None:
         x, divisor = value_range(node.args[0]), value_range(node.args[1])
         if divisor is None or x is None or divisor.low <= 0 <= divisor.high:
             return None
         largest = max(abs(divisor.low), abs(divisor.high)) - 1
-        return _span(-largest if x.low < 0 else 0, largest if x.high > 0 else 0, x, divisor)
+        return span(-largest if x.low < 0 else 0, largest if x.high > 0 else 0, x, divisor)
 
     def clamp(self, node: Node) -> ValueRange | None:
         low, high = named_argument(node, "min"), named_argument(node, "max")
@@ -347,7 +352,7 @@ class _Rules:
         result_high = min(max(x.high, low_range.low), high_range.high)
         if not (math.isfinite(result_low) and math.isfinite(result_high)):
             return None
-        return _span(result_low, result_high, x, low_range, high_range)
+        return span(result_low, result_high, x, low_range, high_range)
 
     def extreme(self, node: Node) -> ValueRange | None:
         """maximum/minimum: both bounds are a max (or a min) of the operands' bounds."""
@@ -355,7 +360,7 @@ class _Rules:
         pick = max if node.target == aten.maximum.default else min
         if a is None or b is None:
             return None
-        return _span(pick(a.low, b.low), pick(a.high, b.high), a, b)
+        return span(pick(a.low, b.low), pick(a.high, b.high), a, b)
 
     def running_sum(self, node: Node) -> ValueRange | None:
         """cumsum along a dim of length L: each partial sum is in [min(lo, L*lo), max(hi, L*hi)]."""
@@ -363,7 +368,7 @@ class _Rules:
         length = self.of_size(node_val(node.args[0]).shape[node.args[1]])
         if x is None or length is None:
             return None
-        return _span(
+        return span(
             min(x.low, _product(length.high, x.low)),
             max(x.high, _product(length.high, x.high)),
             x,
@@ -376,26 +381,26 @@ class _Rules:
         count = self.of_size(node_val(node.args[0]).numel())
         if x is None or count is None:
             return None
-        return _span(
+        return span(
             min(0, _product(count.high, x.low)), max(0, _product(count.high, x.high)), x, count
         )
 
     def bucketize(self, node: Node) -> ValueRange | None:
         boundaries = node_val(node.args[1])
         size = self.of_size(boundaries.shape[-1]) if isinstance(boundaries, torch.Tensor) else None
-        return None if size is None else _span(0, size.high, size)
+        return None if size is None else span(0, size.high, size)
 
     def arange(self, node: Node) -> ValueRange | None:
         """arange(start=0, end, step=1) with step > 0: [start, end - 1]."""
         start, end, step = (
             self.of_arg(named_argument(node, name))
             if named_argument(node, name) is not None
-            else _constant(default)
+            else constant(default)
             for name, default in (("start", 0), ("end", None), ("step", 1))
         )
         if start is None or end is None or step is None or step.low <= 0:
             return None
-        return _span(start.low, max(end.high - 1, start.low), start, end, step)
+        return span(start.low, max(end.high - 1, start.low), start, end, step)
 
     def filled(self, node: Node) -> ValueRange | None:
         value = {
@@ -407,14 +412,14 @@ class _Rules:
             aten.new_ones.default: 1,
         }
         if node.target in value:
-            return _constant(value[node.target])
+            return constant(value[node.target])
         fill = named_argument(node, "fill_value")
         if fill is None:
             fill = named_argument(node, "s")
         return value_range(fill)
 
     def masked_fill(self, node: Node) -> ValueRange | None:
-        return _union([value_range(node.args[0]), value_range(node.args[2])])
+        return union([value_range(node.args[0]), value_range(node.args[2])])
 
 
 def _rule_table() -> dict:
