@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind
 from torch.fx import Node
 from torch.fx.node import map_arg
 
@@ -107,8 +108,16 @@ class _Search:
         self.target = stopping_share(len(calls)) * budget
         inputs = [program.graph_inputs(args, kwargs, copy_buffers=True) for args, kwargs in calls]
         reference_module = copy.deepcopy(program.ep.graph_module)
+        buffers = {
+            slot.placeholder.name
+            for slot in program.state_slots()
+            if slot.kind == InputKind.BUFFER
+        }
         self.reference = _Reference(
-            reference_module, inputs, [_record(reference_module, each) for each in inputs]
+            reference_module,
+            inputs,
+            [_record(reference_module, each) for each in inputs],
+            buffers,
         )
         self.pristine = program.snapshot()
         self.names = {
@@ -263,8 +272,11 @@ class _Reference:
     (built on first need, then kept) an autograd graph per input, so that each round
     costs one backward run, not a forward and a backward."""
 
-    def __init__(self, graph_module, inputs: list[list], records: list[_Record]) -> None:
+    def __init__(
+        self, graph_module, inputs: list[list], records: list[_Record], buffers: set[str]
+    ) -> None:
         self.graph_module, self.inputs, self.records = graph_module, inputs, records
+        self.buffers = buffers  # placeholder names
         self.tapes: list[tuple[list, list, list]] | None = None
 
     def gradients(self, errors: list[list]) -> list[dict[tuple[str, str], torch.Tensor]]:
@@ -295,9 +307,16 @@ class _Reference:
         return found
 
     def _tape(self, inputs: list) -> tuple[list, list, list]:
+        """Buffers take no gradient: batch norm's running statistics cannot have one."""
         recorder = _Recorder(self.graph_module, keep_graph=True)
+        placeholders = self.graph_module.graph.find_nodes(op="placeholder")
         with torch.enable_grad():
-            leaves = [x.detach().clone().requires_grad_() if _is_float(x) else x for x in inputs]
+            leaves = [
+                x.detach().clone().requires_grad_()
+                if _is_float(x) and placeholder.name not in self.buffers
+                else x
+                for x, placeholder in zip(inputs, placeholders)
+            ]
             outputs = pytree.tree_leaves(recorder.run(*leaves))
         edges = list(recorder.edges)
         return outputs, edges, [recorder.edges[edge] for edge in edges]

@@ -10,6 +10,7 @@ range that does not fit - those stay wide whatever the policy says.
 """
 
 import enum
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -160,7 +161,9 @@ class PrecisionPolicy:
 
         Inputs and weights stay fp32; ops in autocast's lower-precision list run in
         ``dtype``, ops in its fp32 list in fp32, "promote" ops in their widest input
-        dtype, and every other op follows its inputs. Tables: ``fx16.ops.AUTOCAST_*``.
+        dtype, and every other op follows its inputs. The conditioning rule is off
+        (``precision_tolerance=inf``), so every op gets what eager autocast gives it.
+        Tables: ``fx16.ops.AUTOCAST_*``.
         """
         tables = {"cpu": AUTOCAST_CPU, "cuda": AUTOCAST_CUDA}
         if device_type not in tables:
@@ -178,6 +181,7 @@ class PrecisionPolicy:
             kinds=kinds,
             op_table=op_table,
             cast_back=False,
+            precision_tolerance=math.inf,  # eager autocast's dtypes, op by op
         )
 
     @classmethod

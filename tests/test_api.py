@@ -10,7 +10,10 @@ from torch.fx.passes.infra.pass_manager import PassManager
 import fx16
 from fx16.analysis import (
     CalibrationAnalysis,
+    ConditioningAnalysis,
+    Fp32RulesAnalysis,
     UnsafeIndexAnalysis,
+    ValueRangeAnalysis,
 )
 from fx16.passes import (
     CleanupCastsPass,
@@ -62,6 +65,9 @@ def test_pass_lists_are_fresh_instances():
     assert [type(p) for p in first] == [
         CalibrationAnalysis,
         UnsafeIndexAnalysis,
+        ValueRangeAnalysis,
+        ConditioningAnalysis,
+        Fp32RulesAnalysis,
         ConvertParametersPass,
         ConvertUserInputsPass,
         InsertFP16CastsPass,

@@ -116,6 +116,18 @@ def test_cancelling_subtraction_is_kept_with_both_operands():
     assert _analyse(export(Cancel(0.5), torch.randn(4, 8)))["sub"] is None
 
 
+class Residual(nn.Module):
+    def forward(self, x, y):
+        return x + y
+
+
+def test_a_residual_add_is_no_cancellation():
+    # maxima of different elements: (|a| + |b|) / |a + b| near 2, nothing cancels
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 64, generator=generator), torch.randn(64, 64, generator=generator)
+    assert _analyse(export(Residual(), x, y))["add"] is None
+
+
 def test_an_infinite_tolerance_turns_the_rule_off():
     policy = PrecisionPolicy.custom(precision_tolerance=math.inf)
     assert _analyse(export(Angles(1.0), torch.randn(4, 2048)), policy)["sin"] is None

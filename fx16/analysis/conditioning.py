@@ -10,7 +10,8 @@ the range x takes (error against the largest output, as fx16's budget measures i
 - exp, exp2, expm1 over [lo, hi]: max |x| e^x / e^hi (large positive arguments).
 - pow(b, x): max |x ln b|; pow(x, p): |p|.
 - log over [lo, hi], lo > 0: 1 / max |ln x| (arguments near 1).
-- a - b and a + b of tensors: (max|a| + max|b|) / max|a -/+ b| (cancellation).
+- a - b and a + b of tensors: (max|a| + max|b|) / max|a -/+ b| (cancellation), when
+  it is 8 or more (three bits lost; a residual add's maxima give ratios near 2).
 
 Ranges: proven ones first (``fx16.analysis.float_range``: from integers, sizes,
 constants, state), else what calibration observed. A periodic op whose argument
@@ -58,6 +59,10 @@ from fx16.program import Program
 from fx16.subgraphs import nested_graph_modules
 
 aten = torch.ops.aten
+
+# A sum cancels once it loses three bits: below that, maxima of different elements
+# (a residual add, two embeddings) give ratios near 2 with nothing cancelling.
+_CANCELLING = 8.0
 
 # the most nodes one ill-conditioned op marks upstream (its position or timestep chain)
 _CHAIN_LIMIT = 256
@@ -178,7 +183,7 @@ def _logarithm(low: float, high: float) -> float:
 
 def _cancellation(node: Node, ranges: _Ranges) -> tuple[float, str] | None:
     a, b, result = (ranges.magnitude(arg) for arg in (node.args[0], node.args[1], node))
-    if a is None or b is None or not result:
+    if a is None or b is None or not result or (a + b) / result < _CANCELLING:
         return None
     operation = "a - b" if node.target._opname == "sub" else "a + b"
     return (a + b) / result, f"{operation} with |a| ~ {a:.3g}, |b| ~ {b:.3g}, result {result:.3g}"
