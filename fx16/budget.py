@@ -109,9 +109,7 @@ class _Search:
         inputs = [program.graph_inputs(args, kwargs, copy_buffers=True) for args, kwargs in calls]
         reference_module = copy.deepcopy(program.ep.graph_module)
         buffers = {
-            slot.placeholder.name
-            for slot in program.state_slots()
-            if slot.kind == InputKind.BUFFER
+            slot.placeholder.name for slot in program.state_slots() if slot.kind == InputKind.BUFFER
         }
         self.reference = _Reference(
             reference_module,
