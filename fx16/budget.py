@@ -277,11 +277,12 @@ class _Reference:
         self.buffers = buffers  # placeholder names
         self.tapes: list[tuple[list, list, list]] | None = None
 
-    def gradients(self, errors: list[list]) -> list[dict[tuple[str, str], torch.Tensor]]:
+    def gradients(self, errors: list[list]) -> list[dict[tuple[str, str], torch.Tensor] | None]:
         """d L / d (value as one consumer reads it), by (producer, consumer) name, for
         every use of a float value in the fp32 program, per calibration input; with
         L = sum over outputs of <fp32 output - cast output, output>: how much each use
-        of each value moves the outputs along the error the cast program makes now."""
+        of each value moves the outputs along the error the cast program makes now.
+        None for an input where backward cannot run (an op without a derivative)."""
         if self.tapes is None:
             self.tapes = [self._tape(inputs) for inputs in self.inputs]
         found = []
@@ -294,13 +295,17 @@ class _Reference:
             if not pairs or not views:
                 found.append({})
                 continue
-            grads = torch.autograd.grad(
-                [out for out, _ in pairs],
-                views,
-                grad_outputs=[error.to(out.dtype) for out, error in pairs],
-                allow_unused=True,
-                retain_graph=True,
-            )
+            try:
+                grads = torch.autograd.grad(
+                    [out for out, _ in pairs],
+                    views,
+                    grad_outputs=[error.to(out.dtype) for out, error in pairs],
+                    allow_unused=True,
+                    retain_graph=True,
+                )
+            except RuntimeError:  # an op with no derivative (a custom op without one)
+                found.append(None)
+                continue
             found.append({edge: g for edge, g in zip(edges, grads) if g is not None})
         return found
 
@@ -362,7 +367,9 @@ def _remedies(graph_module, reference: _Reference, observed: list[list], forced:
     def impact(producer: str, consumer: str) -> float:
         total = 0.0
         for record, grads in zip(reference.records, gradients):
-            value, grad = record.values.get(producer), grads.get((producer, consumer))
+            value = record.values.get(producer)
+            # no backward: every use weighs by its rounding alone
+            grad = grads.get((producer, consumer)) if grads is not None else 1.0
             if value is not None and grad is not None:
                 rounding = value - value.to(torch.float16).to(value.dtype)
                 total += float((grad * rounding).abs().sum())

@@ -178,3 +178,29 @@ def test_property_a_budget_is_met_on_the_calibration_inputs_or_refused(case, bud
     for want, have in zip(expected, run(ep, *case.args)):
         if want.is_floating_point() and torch.isfinite(want).all():
             assert relative_error(want, have.to(want.dtype)) <= budget
+
+
+class _NoDerivative(torch.nn.Module):
+    """Sharp attention after a custom op that has no autograd formula."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = SharpSoftmax()
+
+    def forward(self, x):
+        return self.attention(torch.ops.fx16_test.scaled_to(x, 2.0, torch.float32))
+
+
+def test_an_op_without_a_derivative_still_lets_the_budget_be_met():
+    import custom_ops  # noqa: F401  (registers fx16_test::scaled_to, which has no backward)
+
+    torch.manual_seed(0)
+    model = _NoDerivative().eval()
+    calibration = _calibration(1, 1)
+    ep = fx16.cast_fp32_to_fp16(
+        export(model, *calibration[0]), calibration=calibration, max_rel_error=2e-3
+    )
+    check_program(ep)
+    search = report_of(ep).accuracy
+    assert search.met and search.error <= 1e-3  # half the budget: one calibration input
+    assert search.evaluations <= 40
