@@ -105,16 +105,22 @@ def test_a_zero_budget_is_reached_by_returning_everything_that_matters():
     assert report_of(ep).accuracy.met and report_of(ep).accuracy.error == 0.0
 
 
-def test_a_search_out_of_evaluations_returns_everything_to_fp32(monkeypatch):
-    monkeypatch.setattr(fx16.budget, "_MOST_EVALUATIONS", 1)
+def _search_on_one_input(model_class, budget):
+    """Cast a fresh ``model_class()`` within ``budget`` on one calibration input; the
+    search's record, once the program is checked."""
     torch.manual_seed(0)
-    model = SharpSoftmax().eval()
+    model = model_class().eval()
     calibration = _calibration(1, 1)
     ep = fx16.cast_fp32_to_fp16(
-        export(model, *calibration[0]), calibration=calibration, max_rel_error=1e-6
+        export(model, *calibration[0]), calibration=calibration, max_rel_error=budget
     )
     check_program(ep)
-    search = report_of(ep).accuracy
+    return report_of(ep).accuracy
+
+
+def test_a_search_out_of_evaluations_returns_everything_to_fp32(monkeypatch):
+    monkeypatch.setattr(fx16.budget, "_MOST_EVALUATIONS", 1)
+    search = _search_on_one_input(SharpSoftmax, 1e-6)
     assert search.met and search.error <= 1e-6 and search.evaluations == 2
 
 
@@ -194,13 +200,6 @@ class _NoDerivative(torch.nn.Module):
 def test_an_op_without_a_derivative_still_lets_the_budget_be_met():
     import custom_ops  # noqa: F401  (registers fx16_test::scaled_to, which has no backward)
 
-    torch.manual_seed(0)
-    model = _NoDerivative().eval()
-    calibration = _calibration(1, 1)
-    ep = fx16.cast_fp32_to_fp16(
-        export(model, *calibration[0]), calibration=calibration, max_rel_error=2e-3
-    )
-    check_program(ep)
-    search = report_of(ep).accuracy
+    search = _search_on_one_input(_NoDerivative, 2e-3)
     assert search.met and search.error <= 1e-3  # half the budget: one calibration input
     assert search.evaluations <= 40
