@@ -74,14 +74,43 @@ def tensor_to_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> 
     """Convert an fp32 tensor that fits to ``dtype``, lifting tiny nonzero magnitudes to
     its smallest subnormal. The input is not modified. Call ``tensor_overflows_fp16``
     first: values above the maximum would become inf here.
+
+    One read of the source and one write of the result, at memory speed: a contiguous
+    tensor is converted in cache-sized chunks, each checked while it is still in cache
+    for elements that flushed to zero, which are then lifted by index. The result
+    keeps the source's strides; -0.0, inf and nan pass through.
     """
     source = tensor.detach()
-    converted = source.to(dtype)
-    # Magnitudes below the smallest subnormal either round up to it (as lifting would)
-    # or flush to zero; only a flush changes the count of nonzeros.
-    if int(torch.count_nonzero(converted)) == int(torch.count_nonzero(source)):
-        return converted
-    tiny_value = smallest_subnormal(dtype)
-    tiny = (source != 0) & (source.abs() < tiny_value)
-    lifted = torch.copysign(torch.full_like(source, tiny_value), source)
-    return torch.where(tiny, lifted, source).to(dtype)
+    converted = torch.empty_like(source, dtype=dtype)
+    if source.is_contiguous() and source.numel() > _CHUNK:
+        flat_source, flat_converted = source.view(-1), converted.view(-1)
+        for start in range(0, source.numel(), _CHUNK):
+            end = start + _CHUNK
+            _convert_chunk(flat_source[start:end], flat_converted[start:end])
+    else:
+        _convert_chunk(source, converted)
+    return converted
+
+
+# Elements per chunk: 1 MiB of fp32 and its 16-bit copy stay in a core's L2 cache. The
+# ops on a chunk are parallel inside torch, so chunks use every core too.
+_CHUNK = 1 << 18
+_MAGNITUDE_BITS = 0x7FFF  # a 16-bit float without its sign bit: 0 exactly for +-0.0
+
+
+def _convert_chunk(source: torch.Tensor, converted: torch.Tensor) -> None:
+    """``converted[:] = source`` in 16 bits, with flushed nonzero elements lifted to
+    +-the smallest subnormal (as rounding would give them if it did not flush)."""
+    converted.copy_(source)
+    if source.dim() == 0:  # after the copy: torch rounds a 0-d nan to other bits than a 1-d one
+        source, converted = source.view(1), converted.view(1)
+    magnitudes = converted.view(torch.int16) & _MAGNITUDE_BITS
+    if magnitudes.numel() == 0 or int(magnitudes.min()) != 0:
+        return  # no +-0.0 at all: nothing flushed (min over ints is cheap, a float == is not)
+    zeros = magnitudes.eq(0).nonzero(as_tuple=True)
+    values = source[zeros]
+    flushed = values.ne(0)
+    if bool(flushed.any()):
+        positions = tuple(index[flushed] for index in zeros)
+        tiny = torch.full_like(values[flushed], smallest_subnormal(converted.dtype))
+        converted[positions] = torch.copysign(tiny, values[flushed]).to(converted.dtype)

@@ -78,3 +78,77 @@ def test_tensor_to_fp16_never_flushes_nonzero_values(values):
     # away from the subnormal floor, conversion is plain rounding
     normal = source.abs() >= FP16_TINY
     assert torch.equal(converted[normal], source[normal].half())
+
+
+def _reference_to_16_bit(source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The conversion as fx16 0.1 did it, one full-size op at a time: round to ``dtype``;
+    if that flushed anything, every nonzero element whose magnitude is below the
+    smallest subnormal becomes +-that subnormal."""
+    converted = source.to(dtype)
+    if int(torch.count_nonzero(converted)) == int(torch.count_nonzero(source)):
+        return converted
+    tiny_value = float(torch.finfo(dtype).tiny * torch.finfo(dtype).eps)
+    tiny = (source != 0) & (source.abs() < tiny_value)
+    lifted = torch.copysign(torch.full_like(source, tiny_value), source)
+    return torch.where(tiny, lifted, source).to(dtype)
+
+
+_SPECIAL_VALUES = [
+    0.0,
+    -0.0,
+    math.inf,
+    -math.inf,
+    math.nan,
+    7e4,  # overflows fp16 (inf after conversion)
+    -65520.0,  # the first magnitude that rounds to inf
+    65519.0,  # rounds down to 65504
+    2.0**-25,  # halfway to the smallest fp16 subnormal: rounds to zero, must be lifted
+    -(2.0**-25),
+    3e-8,
+    -1e-8,
+    1e-45,  # an fp32 subnormal: flushes in fp16 and in bf16
+    -1e-45,
+    2.0**-24,
+    1.0,
+]
+
+
+@given(
+    values=st.lists(
+        st.one_of(
+            st.sampled_from(_SPECIAL_VALUES),
+            st.floats(width=32, allow_nan=True, allow_infinity=True),
+            st.floats(min_value=-(2.0**-20), max_value=2.0**-20, width=32),
+        ),
+        min_size=1,
+        max_size=64,
+    ),
+    repeats=st.sampled_from([1, 3, 9000]),  # 9000 x up to 64 spans several chunks
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    layout=st.sampled_from(["flat", "transposed", "scalar"]),
+)
+def test_tensor_to_fp16_is_bit_identical_to_the_definition(values, repeats, dtype, layout):
+    """Overflowing, subnormal, inf, nan and -0.0 elements, in chunks or not, contiguous
+    or transposed: every bit of the result, and its strides, as the full-size ops give."""
+    source = torch.tensor(values * repeats, dtype=torch.float32)
+    if layout == "transposed" and source.numel() % 2 == 0:
+        source = source.view(2, -1).t()
+    elif layout == "scalar":
+        source = source[0]
+    expected = _reference_to_16_bit(source, dtype)
+    converted = tensor_to_fp16(source, dtype)
+    assert converted.dtype == dtype
+    assert converted.stride() == expected.stride()
+    assert torch.equal(converted.view(torch.int16), expected.view(torch.int16))
+
+
+def test_tensor_to_fp16_lifts_flushed_values_in_every_chunk():
+    """A tensor of several chunks with flushing values at chunk edges."""
+    source = torch.full((3 * 2**18 + 5,), 0.5)
+    edges = [0, 2**18 - 1, 2**18, 2 * 2**18 + 7, source.numel() - 1]
+    source[edges] = torch.tensor([1e-9, -1e-9, 2.0**-25, -(2.0**-25), 1e-45])
+    converted = tensor_to_fp16(source)
+    assert converted[edges].tolist() == [FP16_TINY, -FP16_TINY, FP16_TINY, -FP16_TINY, FP16_TINY]
+    assert torch.equal(
+        converted.view(torch.int16), _reference_to_16_bit(source, torch.float16).view(torch.int16)
+    )

@@ -1,0 +1,178 @@
+"""Casting LLM-sized programs: time, peak memory and GB/s, one process per tool.
+
+    python -m benchmarks.llm_scale [--sizes 0.2B 1.2B] [--tools ...]
+
+Llama-shaped programs with seeded random weights (no download): "0.2B" (hidden 1024,
+12 layers, vocab 32000: 0.78 GiB of fp32 weights) and "1.2B" (Llama-3.2-1B's shape:
+hidden 2048, 16 layers, vocab 128256, tied embeddings: 4.6 GiB). Each row runs in a
+fresh process, which builds the model, exports it, then measures only the cast:
+
+- ``.half()``: eager ``model.half()`` on the same weights, the floor;
+- ``fx16`` / ``coreai-opt 0.3.0``: ``cast_to_16_bit_precision(ep)`` while the caller
+  still holds the model (so its fp32 weights stay alive);
+- ``fx16, only reference``: the same after ``del model``, so the program holds the
+  only reference to its fp32 weights (what the CLI has after loading a ``.pt2``);
+- ``fx16 cast (CLI)``: the ``fx16 cast IN.pt2 -o OUT.pt2`` command on the saved
+  program, load and save included; its memory is counted on top of the loaded program.
+
+Peak memory is the process's peak resident set (``VmHWM``, reset just before the
+cast) minus what it held before, as a multiple of the fp32 weights' bytes. GB/s is
+fp32 weight bytes read per second of cast time.
+"""
+
+import argparse
+import gc
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SIZES = {
+    "0.2B": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2560,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        tie_word_embeddings=False,
+    ),
+    "1.2B": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+}
+TOOLS = (".half()", "fx16", "fx16, only reference", "coreai-opt 0.3.0", "fx16 cast (CLI)")
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+def build(size: str) -> torch.nn.Module:
+    """The Llama-shaped model of ``size``, seeded random weights, fp32, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SIZES[size], max_position_embeddings=256, use_cache=False)
+    return _Logits(LlamaForCausalLM(config).eval())
+
+
+def export(model: torch.nn.Module) -> torch.export.ExportedProgram:
+    return torch.export.export(model, (torch.randint(0, 1000, (1, 8)),))
+
+
+def weight_bytes(ep: torch.export.ExportedProgram) -> int:
+    unique = {id(t): t for t in ep.state_dict.values()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
+
+
+def _measure(cast) -> dict:
+    gc.collect()
+    before = _status("VmRSS")
+    _reset_peak()
+    start = time.perf_counter()
+    cast()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "peak_extra": _status("VmHWM") - before}
+
+
+def worker(tool: str, size: str, pt2: str) -> dict:
+    """Measure one tool on one size in this process; the figures as a dict."""
+    if tool == "fx16 cast (CLI)":
+        from fx16.cli import main
+
+        ep = torch.export.load(pt2)
+        weights = weight_bytes(ep)
+        del ep
+        with tempfile.TemporaryDirectory() as directory:
+            out = str(Path(directory) / "out.pt2")
+            figures = _measure(lambda: main(["cast", pt2, "-o", out, "--quiet"]))
+        figures["peak_extra"] -= weights  # the loaded program itself
+        return {**figures, "weights": weights}
+    model = build(size)
+    ep = export(model)
+    weights = weight_bytes(ep)
+    if tool == ".half()":
+        del ep
+        return {**_measure(model.half), "weights": weights}
+    if tool.startswith("fx16"):
+        from fx16 import cast_to_16_bit_precision
+    else:
+        from coreai_opt.casting import cast_to_16_bit_precision
+    if tool == "fx16, only reference":
+        del model
+    return {**_measure(lambda: cast_to_16_bit_precision(ep)), "weights": weights}
+
+
+def _save_program(size: str, path: Path) -> None:
+    torch.export.save(export(build(size)), path)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--tools", nargs="*", default=list(TOOLS), choices=list(TOOLS))
+    parser.add_argument("--worker", nargs=3, metavar=("TOOL", "SIZE", "PT2"), help="internal")
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(*args.worker)))
+        return
+    print("| program | fp32 weights | tool | time | vs .half() | peak extra memory | GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for size in args.sizes:
+        with tempfile.TemporaryDirectory() as directory:
+            pt2 = Path(directory) / f"llama-{size}.pt2"
+            if "fx16 cast (CLI)" in args.tools:
+                _save_program(size, pt2)
+            half_seconds = None
+            for tool in args.tools:
+                done = subprocess.run(
+                    [sys.executable, "-m", "benchmarks.llm_scale", "--worker", tool, size, pt2],
+                    capture_output=True,
+                    text=True,
+                )
+                if done.returncode != 0:
+                    reason = (done.stderr.strip().splitlines() or ["?"])[-1]
+                    print(f"| {size} | | {tool} | failed: {reason} | | | |", flush=True)
+                    continue
+                f = json.loads(done.stdout.strip().splitlines()[-1])
+                if tool == ".half()":
+                    half_seconds = f["seconds"]
+                ratio = f"{f['seconds'] / half_seconds:.1f}x" if half_seconds else ""
+                print(
+                    f"| {size} | {f['weights'] / 2**30:.2f} GiB | {tool} | {f['seconds']:.2f} s "
+                    f"| {ratio} | {f['peak_extra'] / f['weights']:.2f}x "
+                    f"| {f['weights'] / f['seconds'] / 1e9:.1f} |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
