@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 from torch.fx.node import map_arg
+from tqdm import tqdm
 
 from fx16.analysis.calibration import CalibrationAnalysis, calibration_calls
 from fx16.casts import before_inserted_casts, is_cast, is_inserted
@@ -40,7 +41,6 @@ from fx16.ops import ASSERT_METADATA_OPS
 from fx16.passes.insert_fp16_casts import OUTPUTS
 from fx16.pipelines import fp16_passes, run_passes
 from fx16.program import Program
-from fx16.progress import Progress
 from fx16.stats import relative_error
 
 _LOW = (torch.float16, torch.bfloat16)
@@ -73,7 +73,7 @@ class AccuracySearch:
 
 
 def cast_fp16_within_budget(
-    ep, budget: float, calibration: list | None, progress: Progress, **options
+    ep, budget: float, calibration: list | None, progress: bool | None, **options
 ) -> AccuracySearch:
     """Cast ``ep`` to fp16 in place, returning nodes to fp32 until the error is within budget.
 
@@ -81,7 +81,8 @@ def cast_fp16_within_budget(
     ``stopping_share``), a margin for inputs it has not seen. ``options`` are those
     of ``fx16.fp16_passes``. Raises ``AccuracyBudgetError`` when every remedy is
     taken and the error is still over that share (the caller's transaction then
-    restores the program).
+    restores the program). ``progress``: a progress bar of the evaluations on stderr
+    (None: when stderr is a terminal).
     """
     program = Program(ep)
     calls = calibration_calls(program, calibration)
@@ -96,7 +97,10 @@ def cast_fp16_within_budget(
         )
     CalibrationAnalysis(program, calibration)(ep.graph_module)
     search = _Search(program, calls, calibration, budget, progress, options)
-    return search.run()
+    try:
+        return search.run()
+    finally:
+        search.progress.close()
 
 
 class _Search:
@@ -104,7 +108,14 @@ class _Search:
 
     def __init__(self, program, calls, calibration, budget, progress, options) -> None:
         self.program, self.calls, self.calibration = program, calls, calibration
-        self.budget, self.progress, self.options = budget, progress, options
+        self.budget, self.options = budget, options
+        self.progress = tqdm(
+            total=_MOST_EVALUATIONS,
+            desc="fx16 accuracy search",
+            unit=" evaluations",
+            leave=False,
+            disable=None if progress is None else not progress,
+        )
         self.target = stopping_share(len(calls)) * budget
         inputs = [program.graph_inputs(args, kwargs, copy_buffers=True) for args, kwargs in calls]
         reference_module = copy.deepcopy(program.ep.graph_module)
@@ -151,10 +162,10 @@ class _Search:
         error = max(
             _output_error(ref.outputs, obs) for ref, obs in zip(self.reference.records, outputs)
         )
-        self.progress.update(
-            f"fx16 accuracy search: evaluation {self.evaluations}, error {error:.3g} "
-            f"(budget {self.budget:.3g}), {len(forced)} node(s) back in fp32"
+        self.progress.set_postfix_str(
+            f"error {error:.3g} (budget {self.budget:.3g}), {len(forced)} node(s) in fp32"
         )
+        self.progress.update()
         return error, outputs
 
     def run(self) -> AccuracySearch:
@@ -175,7 +186,6 @@ class _Search:
             forced, error = forced | _names(last_round), new_error
         if len(last_round) > 1:
             forced, error = self.shortest_prefix(last_round, forced - _names(last_round), error)
-        self.progress.done()
         return AccuracySearch(
             self.budget, error, self.evaluations, self.rounds, tuple(sorted(forced))
         )

@@ -14,7 +14,6 @@ from fx16.errors import InvalidOptionError
 from fx16.pipelines import fp16_passes, int16_passes, run_passes, split_options
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
-from fx16.progress import Progress
 from fx16.report import REPORT_KEY, build_report
 from fx16.stats import program_stats
 
@@ -55,8 +54,8 @@ def cast_fp32_to_fp16(
         on the calibration inputs (max |diff| / max |fp32| per output); while over
         budget, the nodes that add the most error return to fp32 (see fx16.budget).
         The search is recorded in the report's ``accuracy``.
-    progress: show a progress line on stderr during the accuracy search
-        (None: only when stderr is a terminal).
+    progress: show progress bars on stderr for the accuracy search and the weight
+        conversion (None: only when stderr is a terminal).
 
     Raises ``fx16.InvalidProgramError`` for an argument that is not an
     ExportedProgram and ``fx16.PassFailedError`` when a stage fails; in both cases
@@ -124,7 +123,8 @@ def cast_to_16_bit_precision(
 
 def _cast(ep, fp16_options, int16_options, max_rel_error, progress) -> ExportedProgram:
     """Run the fp16 stage (searching within ``max_rel_error`` if given), then the
-    int16 stage, as one transaction; store the report. ``None`` options skip a stage."""
+    int16 stage, as one transaction, whose commit converts the weights; store the
+    report. ``None`` options skip a stage."""
     program = Program(ep)
     if max_rel_error is not None and not (
         isinstance(max_rel_error, (int, float)) and 0 <= max_rel_error < math.inf
@@ -132,18 +132,14 @@ def _cast(ep, fp16_options, int16_options, max_rel_error, progress) -> ExportedP
         raise InvalidOptionError(f"max_rel_error must be a number >= 0, got {max_rel_error!r}")
     before = program_stats(ep)
     accuracy = None
-    with program.transaction():
+    with program.transaction(progress):
         if fp16_options is not None and max_rel_error is not None:
             accuracy = cast_fp16_within_budget(
-                ep,
-                max_rel_error,
-                fp16_options.pop("calibration", None),
-                Progress(progress),
-                **fp16_options,
+                ep, max_rel_error, fp16_options.pop("calibration", None), progress, **fp16_options
             )
         elif fp16_options is not None:
             run_passes(fp16_passes(ep, **fp16_options), ep.graph_module)
         if int16_options is not None:
             run_passes(int16_passes(ep, **int16_options), ep.graph_module)
-        ep.graph_module.meta[REPORT_KEY] = build_report(ep, before, accuracy)
+    ep.graph_module.meta[REPORT_KEY] = build_report(ep, before, accuracy)
     return ep

@@ -6,7 +6,6 @@ the input file is never written.
 """
 
 import argparse
-import copy
 import logging
 import sys
 import warnings
@@ -14,7 +13,6 @@ import zipfile
 from pathlib import Path
 
 import torch
-import torch.utils._pytree as pytree
 
 from fx16.casting import cast_to_16_bit_precision
 from fx16.demo import run_demo
@@ -23,7 +21,6 @@ from fx16.narrowing import INT16_MODES
 from fx16.pipelines import resolve_policy
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
-from fx16.progress import Progress
 from fx16.report import report_of
 from fx16.stats import relative_error
 
@@ -79,7 +76,7 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
         help="a list of input tuples saved with torch.save",
     )
     parser.add_argument("--max-rel-error", type=float, metavar="X")
-    parser.add_argument("--quiet", action="store_true", help="no progress line, no summary")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,7 +130,7 @@ def compare_command(args) -> int:
     columns = ("output", "shape", "A dtype", "B dtype", "max |A-B|", "rel. error")
     print("{:>6} {:18} {:10} {:10} {:>12} {:>11}".format(*columns))
     for call_args, call_kwargs in calls:
-        outputs = [_run(program, call_args, call_kwargs) for program in (first, second)]
+        outputs = [Program(program).run(call_args, call_kwargs) for program in (first, second)]
         for index, (a, b) in enumerate(zip(*outputs)):
             if not isinstance(a, torch.Tensor):
                 continue
@@ -217,10 +214,7 @@ def _cast(source: Path, args):
     if args.keep_io_types:
         policy = PrecisionPolicy.custom(policy, name=policy.name, keep_io_types=True)
     calls = _read_inputs(args.calibrate) if args.calibrate else _example_calls(ep)
-    progress = Progress(False if args.quiet else None)
-    if calls:
-        progress.update(f"fx16: running the fp32 program on {len(calls)} input(s)")
-    references = [_run(ep, a, k) for a, k in calls[:1]]
+    references = [Program(ep).run(a, k) for a, k in calls[:1]]
     cast_to_16_bit_precision(
         ep,
         policy=policy,
@@ -229,10 +223,9 @@ def _cast(source: Path, args):
         max_rel_error=args.max_rel_error,
         progress=False if args.quiet else None,
     )
-    progress.done()
     error = None
     if references:
-        got = _run(ep, *calls[0])
+        got = Program(ep).run(*calls[0])
         error = max(
             (
                 relative_error(r, g)
@@ -242,12 +235,6 @@ def _cast(source: Path, args):
             default=None,
         )
     return ep, report_of(ep), error
-
-
-def _run(ep, args: tuple, kwargs: dict) -> list:
-    args, kwargs = Program(ep).adapt_call(args, kwargs)
-    with torch.no_grad():
-        return pytree.tree_leaves(copy.deepcopy(ep).module()(*args, **kwargs))
 
 
 def _name(dtype: torch.dtype) -> str:

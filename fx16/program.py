@@ -8,6 +8,7 @@ This module is the only code that reads or writes an ExportedProgram's
 import contextlib
 import copy
 import gc
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,10 +18,17 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
+from tqdm import tqdm
 
 from fx16.errors import Fx16Error, InvalidProgramError, PassFailedError
+from fx16.numerics import tensor_to_fp16
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+# graph_module.meta keys: the state tensors decided for 16-bit but not converted yet
+# (target -> dtype), and whether a transaction defers their conversion to its commit.
+_PENDING = "fx16.pending_state"
+_DEFERRING = "fx16.defers_state"
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,58 @@ class Program:
         store[target] = tensor
         return tensor
 
+    def narrow_state(self, target: str, dtype: torch.dtype) -> None:
+        """Decide that the plain fp32 tensor under ``target`` is stored in ``dtype``.
+
+        The conversion (``tensor_to_fp16``) happens in ``commit_state``: at the end of
+        the transaction when one is open, so that nothing is converted before every
+        decision is made and the fp32 original is freed as soon as it is replaced.
+        """
+        self.graph_module.meta.setdefault(_PENDING, {})[target] = dtype
+
+    @property
+    def defers_state(self) -> bool:
+        """Whether state conversions wait for the open transaction's commit."""
+        return bool(self.graph_module.meta.get(_DEFERRING))
+
+    def state_dtype(self, target: str) -> torch.dtype | None:
+        """The dtype ``target`` is stored in once pending conversions are committed."""
+        pending = self.graph_module.meta.get(_PENDING) or {}
+        tensor = self.state_tensor(target)
+        return pending.get(target, tensor.dtype if tensor is not None else None)
+
+    def commit_state(self, progress: bool | None = False) -> None:
+        """Convert every state tensor ``narrow_state`` decided on, largest first, one at
+        a time: each fp32 tensor is dropped as soon as its 16-bit copy replaces it, so
+        when fx16 holds the only reference, memory falls as the commit goes on.
+
+        A tensor stored under several names is converted once and stays shared.
+        ``progress``: a progress bar of the bytes converted on stderr (None: when
+        stderr is a terminal).
+        """
+        pending = self.graph_module.meta.pop(_PENDING, None)
+        if not pending:
+            return
+        shared: dict[int, list[str]] = {}
+        for target in pending:
+            shared.setdefault(id(self.state_tensor(target)), []).append(target)
+        groups = sorted(shared.values(), key=lambda names: -_nbytes(self.state_tensor(names[0])))
+        with tqdm(
+            total=sum(_nbytes(self.state_tensor(names[0])) for names in groups),
+            desc="fx16: converting weights",
+            unit="B",
+            unit_scale=True,
+            leave=False,
+            disable=None if progress is None else not progress,
+        ) as bar:
+            for names in groups:
+                original = self.state_tensor(names[0])
+                stored = tensor_to_fp16(original, pending[names[0]])
+                for target in names:
+                    stored = self.replace_state_tensor(target, stored)
+                bar.update(_nbytes(original))
+                del original, stored  # fx16's last references to this tensor
+
     def range_constraints(self) -> dict:
         """Bounds of the program's symbolic sizes (sympy symbol -> ValueRanges)."""
         return dict(self.ep.range_constraints)
@@ -130,9 +190,9 @@ class Program:
         input_names = {spec.target: spec.arg.name for spec in self.ep.graph_signature.input_specs}
         for index, spec in enumerate(self.ep.graph_signature.output_specs):
             if spec.kind == OutputKind.BUFFER_MUTATION:
-                tensor = self.state_tensor(spec.target)
-                if tensor is not None:
-                    required[index] = tensor.dtype
+                dtype = self.state_dtype(spec.target)
+                if dtype is not None:
+                    required[index] = dtype
             elif spec.kind == OutputKind.USER_INPUT_MUTATION:
                 placeholder = placeholders.get(input_names.get(spec.target, spec.target))
                 val = placeholder.meta.get("val") if placeholder is not None else None
@@ -172,7 +232,9 @@ class Program:
         flattened user arguments, so the graph can run directly (much cheaper than
         ``ep.module()``, which unlifts the program first). ``copy_buffers`` hands
         copies of the buffers, so a graph that updates them in place changes no state.
+        Pending state conversions are committed first: the graph expects them.
         """
+        self.commit_state()
         user_values = iter(pytree.tree_leaves((tuple(args), dict(kwargs or {}))))
         values = []
         for spec in self.ep.graph_signature.input_specs:
@@ -186,6 +248,22 @@ class Program:
                 values.append(self.ep.constants.get(spec.target))
         return values
 
+    def run(self, args: tuple, kwargs: dict | None = None) -> list:
+        """The program's user outputs, flattened, for one call with ``args``/``kwargs``
+        (tensors converted to its inputs' dtypes). Runs the graph directly, without
+        unlifting or copying the program's parameters; buffers are copied, so that
+        in-place updates leave the program's state as it was."""
+        with torch.no_grad():
+            outputs = self.graph_module(
+                *self.graph_inputs(*self.adapt_call(args, kwargs), copy_buffers=True)
+            )
+        specs = self.ep.graph_signature.output_specs
+        return [
+            value
+            for value, spec in zip(pytree.tree_leaves(outputs), specs)
+            if spec.kind == OutputKind.USER_OUTPUT
+        ]
+
     # ---- transactions ----------------------------------------------------------------
 
     def snapshot(self) -> "Snapshot":
@@ -193,25 +271,72 @@ class Program:
         return Snapshot(self)
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[None]:
+    def transaction(self, progress: bool | None = False) -> Iterator[None]:
         """Run a block that rewrites the program; if it raises, put everything back.
 
-        Restores what ``snapshot`` saves, then raises the error as an ``Fx16Error``
-        (a ``PassFailedError`` naming the stage when it was not one already). The
-        cyclic garbage collector waits until the block ends: the passes create many
-        small objects, and each collection they trigger walks every node of the graph
-        again (on a 20,000-node graph, pausing it cut the cast's time by a fifth).
+        Two phases. The block decides: passes rewrite the graph and ``narrow_state``
+        records which state tensors become 16-bit, converting nothing. Then the
+        commit converts them (``commit_state``, with ``progress``), after the
+        snapshot has let go of the fp32 originals, so that each is freed as soon as
+        it is replaced. No fp32 copy is held for the sake of restoring: a failure in
+        the block finds the state untouched; the commit can only fail for want of
+        memory, and it converts the largest tensor first, so when fx16 holds the only
+        references every later conversion finds more memory free than the first did,
+        and when the caller holds them they are still alive to be put back.
+
+        On failure, restores what ``snapshot`` saves, then raises the error as an
+        ``Fx16Error`` (a ``PassFailedError`` naming the stage when it was not one
+        already). The cyclic garbage collector waits until the block ends: the passes
+        create many small objects, and each collection they trigger walks every node
+        of the graph again (on a 20,000-node graph, pausing it cut the cast's time by a
+        fifth).
         """
-        saved = self.snapshot()
+        meta = self.graph_module.meta
+        if meta.get(_DEFERRING):  # nested: the outer transaction commits
+            yield
+            return
+        saved, error = self.snapshot(), None
+        meta[_DEFERRING] = True
         try:
             with _collector_paused():
                 yield
-        except BaseException as error:
+                saved.release_state()
+                self.commit_state(progress)
+        except BaseException as raised:
+            error = raised
             saved.restore()
-            if isinstance(error, Fx16Error) or not isinstance(error, Exception):
-                raise
-            stage = getattr(error, "fx16_stage", "unknown")
-            raise PassFailedError(stage, error) from error
+        finally:
+            meta.pop(_DEFERRING, None)
+        if error is None:
+            return
+        if isinstance(error, Fx16Error) or not isinstance(error, Exception):
+            raise error
+        stage = getattr(error, "fx16_stage", "commit" if saved.released else "unknown")
+        raise PassFailedError(stage, error) from error
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _weak(value):
+    return weakref.ref(value) if isinstance(value, torch.Tensor) else value
+
+
+def _strong(saved, current):
+    """A saved state entry, dereferenced; a freed tensor comes back widened from the
+    16-bit tensor now in its place."""
+    if not isinstance(saved, weakref.ref):
+        return saved
+    original = saved()
+    if original is not None:
+        return original
+    widened = current.detach().float()
+    return (
+        torch.nn.Parameter(widened, current.requires_grad)
+        if isinstance(current, torch.nn.Parameter)
+        else widened
+    )
 
 
 @contextlib.contextmanager
@@ -238,19 +363,33 @@ class Snapshot:
             if isinstance(module, GraphModule)
         }
         self._state_dict, self._constants = dict(ep.state_dict), dict(ep.constants)
+        self.released = False
         self._signature = copy.deepcopy(ep.graph_signature)
         self._example_inputs = ep.example_inputs
         self._meta = dict(self._graph_module.meta)
 
+    def release_state(self) -> None:
+        """Hold the saved state tensors by weak reference only, so that replacing one in
+        the program frees it unless the caller holds it too."""
+        self._state_dict, self._constants = (
+            {key: _weak(value) for key, value in saved.items()}
+            for saved in (self._state_dict, self._constants)
+        )
+        self.released = True
+
     def restore(self) -> None:
-        """Put the program back as it was (a fresh copy each time, so it can be repeated)."""
+        """Put the program back as it was (a fresh copy each time, so it can be repeated).
+
+        After ``release_state``, a tensor nobody else held is gone: its 16-bit
+        replacement is widened back to fp32 (exact for the values it holds)."""
         ep = self._ep
         for name, module in self._graph_module.named_modules():
             if name in self._graphs:
                 module.graph = self._graphs[name].rebuild()  # also recompiles
         for store, saved in ((ep.state_dict, self._state_dict), (ep.constants, self._constants)):
+            current = dict(store)
             store.clear()
-            store.update(saved)
+            store.update({key: _strong(value, current.get(key)) for key, value in saved.items()})
         ep._graph_signature = copy.deepcopy(self._signature)
         ep._example_inputs = self._example_inputs
         self._graph_module.meta.clear()

@@ -6,6 +6,7 @@ from torch.export.graph_signature import InputKind
 
 import fx16
 from fx16.errors import InvalidProgramError, PassFailedError
+from fx16.pipelines import run_passes
 from fx16.program import Program
 from helpers import assert_same_state, check_program, export, state_snapshot
 from models import BufferUpdate, MixedBuffers
@@ -92,3 +93,116 @@ def test_a_node_missing_from_its_inputs_users_is_registered():
     fx16.cast_fp32_to_fp16(ep)
     check_program(ep)
     assert all(n in arg.users for n in graph.nodes for arg in n.all_input_nodes)
+
+
+class _TiedMLP(torch.nn.Module):
+    """Two linear layers and an embedding whose weight is tied to the output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.hidden = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 32, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(torch.relu(self.hidden(self.embed(ids))))
+
+
+def _tied_program():
+    torch.manual_seed(0)
+    return export(_TiedMLP(), torch.randint(0, 32, (2, 5)))
+
+
+def test_state_is_converted_only_when_the_transaction_commits():
+    ep = _tied_program()
+    program = Program(ep)
+    with program.transaction():
+        run_passes(fx16.fp16_passes(ep, calibration=[]), ep.graph_module)
+        assert all(t.dtype == torch.float32 for t in ep.state_dict.values())
+        assert program.state_dtype("hidden.weight") == torch.float16
+    assert all(t.dtype == torch.float16 for t in ep.state_dict.values())
+    assert ep.state_dict["embed.weight"] is ep.state_dict["out.weight"]  # still tied
+    ids = torch.randint(0, 32, (2, 5))
+    assert program.run((ids,))[0].dtype == torch.float16
+
+
+def test_commit_frees_each_fp32_tensor_as_soon_as_it_is_replaced(monkeypatch):
+    """With the program holding the only references, no fp32 original outlives its
+    conversion: when a tensor is converted, every earlier original is already gone."""
+    import gc
+    import weakref
+
+    import fx16.program
+
+    ep = _tied_program()
+    gc.collect()  # the exported module, if a reference cycle keeps it
+    originals = [weakref.ref(t) for t in {id(t): t for t in ep.state_dict.values()}.values()]
+    alive_at_each_conversion = []
+    convert = fx16.program.tensor_to_fp16
+
+    def watched(tensor, dtype):
+        alive_at_each_conversion.append(sum(ref() is not None for ref in originals))
+        return convert(tensor, dtype)
+
+    monkeypatch.setattr(fx16.program, "tensor_to_fp16", watched)
+    fx16.cast_fp32_to_fp16(ep, calibration=[])
+    count = len(originals)
+    assert alive_at_each_conversion == list(range(count, 0, -1))
+    assert all(ref() is None for ref in originals)
+
+
+def test_commit_keeps_the_callers_tensors_and_restores_them_on_failure(monkeypatch):
+    import fx16.program
+
+    ep = _tied_program()
+    before = state_snapshot(ep)
+    held = dict(ep.state_dict)  # the caller's references
+    convert, calls = fx16.program.tensor_to_fp16, []
+
+    def fails_second(tensor, dtype):
+        calls.append(tensor)
+        if len(calls) == 2:
+            raise MemoryError("no room for the fp16 copy")
+        return convert(tensor, dtype)
+
+    monkeypatch.setattr(fx16.program, "tensor_to_fp16", fails_second)
+    with pytest.raises(PassFailedError, match="commit"):
+        fx16.cast_fp32_to_fp16(ep, calibration=[])
+    assert_same_state(before, state_snapshot(ep))
+    assert all(ep.state_dict[name] is tensor for name, tensor in held.items())
+
+
+def test_commit_failure_without_the_callers_tensors_leaves_a_runnable_fp32_program(
+    monkeypatch,
+):
+    """The largest tensor goes first, so this can only happen if memory runs out for a
+    smaller one after a larger one fit; a freed original comes back widened from
+    its fp16 copy (equal to fp16 rounding), every dtype and the graph as before."""
+    import fx16.program
+
+    ep = _tied_program()
+    ids = torch.randint(0, 32, (2, 5))
+    convert, calls = fx16.program.tensor_to_fp16, []
+
+    def fails_second(tensor, dtype):
+        calls.append(tensor.numel())
+        if len(calls) == 2:
+            raise MemoryError("no room")
+        return convert(tensor, dtype)
+
+    monkeypatch.setattr(fx16.program, "tensor_to_fp16", fails_second)
+    with pytest.raises(PassFailedError, match="commit"):
+        fx16.cast_fp32_to_fp16(ep, calibration=[])
+    assert calls[0] == max(t.numel() for t in ep.state_dict.values())  # largest first
+    assert all(t.dtype == torch.float32 for t in ep.state_dict.values())
+    assert ep.state_dict["embed.weight"] is ep.state_dict["out.weight"]
+    assert Program(ep).run((ids,))[0].dtype == torch.float32
+
+
+def test_run_gives_the_user_outputs_of_the_module():
+    ep = export(BufferUpdate(), torch.randn(3, 4), decompose=True)
+    x = torch.randn(3, 4)
+    got = Program(ep).run((x,))  # first: the module updates the program's buffer in place
+    expected = ep.module()(x)
+    torch.testing.assert_close(got, list(expected) if isinstance(expected, tuple) else [expected])

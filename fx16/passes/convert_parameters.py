@@ -7,7 +7,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16.decisions import PRECISION, Reason, decide
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision
-from fx16.tensor_subclasses import narrowed_state, narrowed_val, state_overflows
+from fx16.tensor_subclasses import is_subclass, narrowed_state, narrowed_val, state_overflows
 
 
 class ConvertParametersPass(PolicyPass):
@@ -16,6 +16,9 @@ class ConvertParametersPass(PolicyPass):
     Reads: the program's parameters, buffers and tensor constants (lifted ones too).
     Writes: the converted tensors back into the program; their placeholders'
     ``meta["val"]``; ``meta["fx16.precision"]`` on every fp32 state placeholder.
+    Inside a transaction (``Program.transaction``) plain tensors are only recorded
+    (``Program.narrow_state``) and converted by its commit step, once every stage has
+    decided; run on its own, the pass converts them before it returns.
 
     A tensor with a finite magnitude above 65504 stays fp32 (for bf16: above its maximum).
     A placeholder the policy keeps in fp32 (by kind "boundary", module path - the
@@ -32,13 +35,14 @@ class ConvertParametersPass(PolicyPass):
     """
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        converted: dict[int, torch.Tensor] = {}
+        rebuilt: dict[int, torch.Tensor] = {}  # subclass tensors, converted once per object
+        overflows: dict[int, bool] = {}  # checked once per object (tied weights)
         modified = False
+        low = self.policy.low
         for slot in self.program.state_slots():
             tensor = self.program.state_tensor(slot.target)
             if tensor is None or tensor.dtype != torch.float32:
                 continue
-            low = self.policy.low
             rule = self.kept_fp32(slot.placeholder)
             if rule is not None:
                 slot.placeholder.meta[PRECISION] = rule
@@ -46,19 +50,25 @@ class ConvertParametersPass(PolicyPass):
             if self.policy.precision_for(slot.placeholder, slot.target) != Precision.LOW:
                 decide(slot.placeholder, torch.float32, Reason.POLICY)
                 continue
-            if state_overflows(tensor, low):
+            if id(tensor) not in overflows:
+                overflows[id(tensor)] = state_overflows(tensor, low)
+            if overflows[id(tensor)]:
                 decide(slot.placeholder, torch.float32, Reason.VALUE_OVERFLOW)
                 continue
-            stored = converted.get(id(tensor))
-            if stored is None:
-                stored = narrowed_state(tensor, low)
             val = narrowed_val(slot.placeholder.meta["val"], low)
-            if stored is None or val is None:
-                decide(slot.placeholder, torch.float32, Reason.SUBCLASS_KEPT)
-                continue
-            converted[id(tensor)] = self.program.replace_state_tensor(slot.target, stored)
-            placeholder = slot.placeholder
-            placeholder.meta["val"] = val
-            decide(placeholder, low, Reason.FITS)
+            if is_subclass(tensor):
+                stored = rebuilt.get(id(tensor))
+                if stored is None:
+                    stored = narrowed_state(tensor, low)
+                if stored is None or val is None:
+                    decide(slot.placeholder, torch.float32, Reason.SUBCLASS_KEPT)
+                    continue
+                rebuilt[id(tensor)] = self.program.replace_state_tensor(slot.target, stored)
+            else:
+                self.program.narrow_state(slot.target, low)
+            slot.placeholder.meta["val"] = val
+            decide(slot.placeholder, low, Reason.FITS)
             modified = True
+        if not self.program.defers_state:
+            self.program.commit_state()
         return PassResult(graph_module, modified)
