@@ -152,3 +152,11 @@ def test_tensor_to_fp16_lifts_flushed_values_in_every_chunk():
     assert torch.equal(
         converted.view(torch.int16), _reference_to_16_bit(source, torch.float16).view(torch.int16)
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("value", [math.nan, -0.0, 1e-9, -1e-45, 7e4])
+def test_tensor_to_fp16_of_a_0d_tensor_is_bit_identical(value, dtype):
+    source = torch.tensor(value)
+    expected = _reference_to_16_bit(source, dtype)
+    assert torch.equal(tensor_to_fp16(source, dtype).view(torch.int16), expected.view(torch.int16))
