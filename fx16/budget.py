@@ -125,7 +125,7 @@ class _Search:
         self.reference = _Reference(
             reference_module,
             inputs,
-            [_record(reference_module, each) for each in inputs],
+            [_reference_outputs(reference_module, each) for each in inputs],
             buffers,
         )
         self.pristine = program.snapshot()
@@ -159,9 +159,7 @@ class _Search:
             for args, kwargs in self.calls:
                 inputs = self.program.graph_inputs(*self.program.adapt_call(args, kwargs))
                 outputs.append(pytree.tree_leaves(graph_module(*inputs)))
-        error = max(
-            _output_error(ref.outputs, obs) for ref, obs in zip(self.reference.records, outputs)
-        )
+        error = max(_output_error(ref, obs) for ref, obs in zip(self.reference.outputs, outputs))
         self.progress.set_postfix_str(
             f"error {error:.3g} (budget {self.budget:.3g}), {len(forced)} node(s) in fp32"
         )
@@ -228,35 +226,27 @@ def _names(remedies: list) -> set[str]:
     return set().union(*(fix for _, fix in remedies))
 
 
-@dataclass
-class _Record:
-    values: dict[str, torch.Tensor]
-    outputs: list
-
-
 class _Recorder(LeanInterpreter):
-    """Runs a graph and keeps every float value by node name (detached unless asked).
+    """Runs a graph with autograd on, keeping every float value by node name
+    (detached: the same storage the autograd graph keeps, not a copy).
 
-    With ``keep_graph`` it also hands each consumer its own view of every float
-    input, kept in ``edges`` by (producer name, consumer name), so that gradients
-    tell apart how much a value matters through each of its uses."""
+    It also hands each consumer its own view of every float input, kept in ``edges``
+    by (producer name, consumer name), so that gradients tell apart how much a value
+    matters through each of its uses."""
 
-    def __init__(self, graph_module, keep_graph: bool = False) -> None:
+    def __init__(self, graph_module) -> None:
         super().__init__(graph_module)
-        self.keep_graph = keep_graph
         self.values: dict[str, torch.Tensor] = {}
         self.edges: dict[tuple[str, str], torch.Tensor] = {}
 
     def run_node(self, node: Node):
         result = super().run_node(node)
         if _is_float(result):
-            self.values[node.name] = result if self.keep_graph else result.detach()
+            self.values[node.name] = result.detach()
         return result
 
     def fetch_args_kwargs_from_env(self, node: Node):
         args, kwargs = super().fetch_args_kwargs_from_env(node)
-        if not self.keep_graph:
-            return args, kwargs
         views = {}
         for source in node.all_input_nodes:
             value = self.env.get(source)
@@ -268,24 +258,25 @@ class _Recorder(LeanInterpreter):
         return args, kwargs
 
 
-def _record(graph_module, inputs: list) -> _Record:
-    recorder = _Recorder(graph_module)
+def _reference_outputs(graph_module, inputs: list) -> list:
     with torch.no_grad():
-        outputs = recorder.run(*inputs)
-    return _Record(recorder.values, pytree.tree_leaves(outputs))
+        return pytree.tree_leaves(graph_module(*inputs))
 
 
 class _Reference:
-    """The fp32 program, kept aside: its graph, inputs per call, recorded values, and
-    (built on first need, then kept) an autograd graph per input, so that each round
-    costs one backward run, not a forward and a backward."""
+    """The fp32 program, kept aside: its graph, inputs and outputs per call, and
+    (built on first need, then kept) an autograd graph per input with the values it
+    holds, so that each round costs one backward run, not a forward and a backward.
 
-    def __init__(
-        self, graph_module, inputs: list[list], records: list[_Record], buffers: set[str]
-    ) -> None:
-        self.graph_module, self.inputs, self.records = graph_module, inputs, records
+    Memory: the inputs share the program's fp32 weights (no copy); the only fp32
+    activations kept are those the autograd graph must keep, and only once a
+    round needs gradients (a cast within budget on the first try keeps none)."""
+
+    def __init__(self, graph_module, inputs: list[list], outputs: list[list], buffers: set[str]):
+        self.graph_module, self.inputs, self.outputs = graph_module, inputs, outputs
         self.buffers = buffers  # placeholder names
         self.tapes: list[tuple[list, list, list]] | None = None
+        self.values: list[dict[str, torch.Tensor]] = []  # per input, by node name
 
     def gradients(self, errors: list[list]) -> list[dict[tuple[str, str], torch.Tensor] | None]:
         """d L / d (value as one consumer reads it), by (producer, consumer) name, for
@@ -294,7 +285,11 @@ class _Reference:
         of each value moves the outputs along the error the cast program makes now.
         None for an input where backward cannot run (an op without a derivative)."""
         if self.tapes is None:
-            self.tapes = [self._tape(inputs) for inputs in self.inputs]
+            self.tapes = []
+            for inputs in self.inputs:
+                outputs, edges, views, values = self._tape(inputs)
+                self.tapes.append((outputs, edges, views))
+                self.values.append(values)
         found = []
         for (outputs, edges, views), output_errors in zip(self.tapes, errors):
             pairs = [
@@ -319,20 +314,21 @@ class _Reference:
             found.append({edge: g for edge, g in zip(edges, grads) if g is not None})
         return found
 
-    def _tape(self, inputs: list) -> tuple[list, list, list]:
-        """Buffers take no gradient: batch norm's running statistics cannot have one."""
-        recorder = _Recorder(self.graph_module, keep_graph=True)
+    def _tape(self, inputs: list) -> tuple[list, list, list, dict]:
+        """Buffers take no gradient: batch norm's running statistics cannot have one.
+        The other float inputs take part as detached aliases (weights are not copied)."""
+        recorder = _Recorder(self.graph_module)
         placeholders = self.graph_module.graph.find_nodes(op="placeholder")
         with torch.enable_grad():
             leaves = [
-                x.detach().clone().requires_grad_()
+                x.detach().requires_grad_()
                 if _is_float(x) and placeholder.name not in self.buffers
                 else x
                 for x, placeholder in zip(inputs, placeholders)
             ]
             outputs = pytree.tree_leaves(recorder.run(*leaves))
         edges = list(recorder.edges)
-        return outputs, edges, [recorder.edges[edge] for edge in edges]
+        return outputs, edges, [recorder.edges[edge] for edge in edges], recorder.values
 
 
 def _output_error(reference: list, observed: list) -> float:
@@ -368,16 +364,16 @@ def _remedies(graph_module, reference: _Reference, observed: list[list], forced:
     errors = [
         [
             (ref - obs.to(ref.dtype)).detach() if _is_float(ref) and _is_float(obs) else None
-            for ref, obs in zip(record.outputs, outputs)
+            for ref, obs in zip(reference_outputs, outputs)
         ]
-        for record, outputs in zip(reference.records, observed)
+        for reference_outputs, outputs in zip(reference.outputs, observed)
     ]
     gradients = reference.gradients(errors)
 
     def impact(producer: str, consumer: str) -> float:
         total = 0.0
-        for record, grads in zip(reference.records, gradients):
-            value = record.values.get(producer)
+        for values, grads in zip(reference.values, gradients):
+            value = values.get(producer)
             # no backward: every use weighs by its rounding alone
             grad = grads.get((producer, consumer)) if grads is not None else 1.0
             if value is not None and grad is not None:
