@@ -14,7 +14,7 @@ from fx16.numerics import INF_LIKE
 from fx16.ops import INT_DTYPES, SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS
 from fx16.program import Program
 from fx16.subgraphs import AUTOCAST, COND, MAP, SET_GRAD, WHILE_LOOP
-from fx16.tensor_subclasses import inner_tensors
+from fx16.tensor_subclasses import inner_tensors, is_subclass
 
 
 class CalibrationAnalysis(PassBase):
@@ -125,12 +125,15 @@ def observe_floats(value) -> tuple[float | None, bool, tuple[float, float] | Non
     A tensor subclass (a torchao quantized weight) is observed through its plain inner
     tensors: its own ops may not include a reduction."""
     largest, sentinel, interval = None, False, None
-    leaves = [
-        inner
-        for leaf in pytree.tree_leaves(value)
-        if isinstance(leaf, torch.Tensor)
-        for inner in inner_tensors(leaf).values()
-    ]
+    if isinstance(value, torch.Tensor) and not is_subclass(value):
+        leaves = [value]  # the common case, without flattening
+    else:
+        leaves = [
+            inner
+            for leaf in pytree.tree_leaves(value)
+            if isinstance(leaf, torch.Tensor)
+            for inner in inner_tensors(leaf).values()
+        ]
     for leaf in leaves:
         if leaf.is_floating_point() and leaf.numel():
             low, high = (float(bound) for bound in leaf.detach().aminmax())
@@ -177,7 +180,8 @@ def integer_extremes(value) -> tuple[int, int] | None:
     is_integer = isinstance(value, torch.Tensor) and value.dtype in INT_DTYPES
     if not is_integer or not value.numel():
         return None
-    return int(value.min()), int(value.max())
+    low, high = value.aminmax()  # one pass
+    return int(low), int(high)
 
 
 class _MagnitudeRecorder(LeanInterpreter):
