@@ -203,3 +203,27 @@ def test_an_op_without_a_derivative_still_lets_the_budget_be_met():
     search = _search_on_one_input(_NoDerivative, 2e-3)
     assert search.met and search.error <= 1e-3  # half the budget: one calibration input
     assert search.evaluations <= 40
+
+
+def test_the_search_keeps_no_copy_of_the_weights(monkeypatch):
+    """The reference's autograd graph reads the program's fp32 weights themselves (no
+    clone per round or per input), and only the tape's activations are kept."""
+    torch.manual_seed(0)
+    model = SharpSoftmax().eval()
+    calibration = _calibration(2, 1)
+    ep = export(model, *calibration[0])
+    weights = {t.untyped_storage().data_ptr() for t in ep.state_dict.values()}
+    taped = []
+    make_tape = fx16.budget._Reference._tape
+
+    def recording(self, inputs):
+        tape = make_tape(self, inputs)
+        taped.append(tape)
+        return tape
+
+    monkeypatch.setattr(fx16.budget._Reference, "_tape", recording)
+    fx16.cast_fp32_to_fp16(ep, calibration=calibration, max_rel_error=2e-3)
+    assert len(taped) == len(calibration)  # one tape per input, built once
+    for _, _, _, values in taped:
+        storages = {v.untyped_storage().data_ptr() for v in values.values()}
+        assert weights <= storages  # the weights as they are, not copies

@@ -206,3 +206,11 @@ def test_run_gives_the_user_outputs_of_the_module():
     got = Program(ep).run((x,))  # first: the module updates the program's buffer in place
     expected = ep.module()(x)
     torch.testing.assert_close(got, list(expected) if isinstance(expected, tuple) else [expected])
+
+
+def test_the_commit_shows_a_progress_bar_when_asked(capsys):
+    ep = _tied_program()
+    fx16.cast_fp32_to_fp16(ep, calibration=[], progress=True)
+    assert "fx16: converting weights" in capsys.readouterr().err
+    fx16.cast_fp32_to_fp16(_tied_program(), calibration=[], progress=False)
+    assert capsys.readouterr().err == ""
