@@ -1,6 +1,6 @@
 """Casting LLM-sized programs: time, peak memory and GB/s, one process per tool.
 
-    python -m benchmarks.llm_scale [--sizes 0.2B 1.2B] [--tools ...]
+    python -m benchmarks.llm_scale [--sizes 0.2B 1.2B] [--tools ...] [--repeats 3]
 
 Llama-shaped programs with seeded random weights (no download): "0.2B" (hidden 1024,
 12 layers, vocab 32000: 0.78 GiB of fp32 weights) and "1.2B" (Llama-3.2-1B's shape:
@@ -17,12 +17,15 @@ fresh process, which builds the model, exports it, then measures only the cast:
 
 Peak memory is the process's peak resident set (``VmHWM``, reset just before the
 cast) minus what it held before, as a multiple of the fp32 weights' bytes. GB/s is
-fp32 weight bytes read per second of cast time.
+fp32 weight bytes read per second of cast time. Each row is the median time (and the
+largest peak) of ``--repeats`` processes: how fast the kernel hands out fresh pages
+varies from one process to the next, and it is most of the cost of any conversion.
 """
 
 import argparse
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -139,6 +142,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--tools", nargs="*", default=list(TOOLS), choices=list(TOOLS))
+    parser.add_argument("--repeats", type=int, default=3, help="processes per row")
     parser.add_argument("--worker", nargs=3, metavar=("TOOL", "SIZE", "PT2"), help="internal")
     args = parser.parse_args(argv)
     if args.worker:
@@ -153,25 +157,34 @@ def main(argv=None) -> None:
                 _save_program(size, pt2)
             half_seconds = None
             for tool in args.tools:
-                done = subprocess.run(
-                    [sys.executable, "-m", "benchmarks.llm_scale", "--worker", tool, size, pt2],
-                    capture_output=True,
-                    text=True,
-                )
-                if done.returncode != 0:
-                    reason = (done.stderr.strip().splitlines() or ["?"])[-1]
-                    print(f"| {size} | | {tool} | failed: {reason} | | | |", flush=True)
+                runs = [_run_worker(tool, size, pt2) for _ in range(args.repeats)]
+                failed = next((run for run in runs if isinstance(run, str)), None)
+                if failed is not None:
+                    print(f"| {size} | | {tool} | failed: {failed} | | | |", flush=True)
                     continue
-                f = json.loads(done.stdout.strip().splitlines()[-1])
+                seconds = statistics.median(run["seconds"] for run in runs)
+                peak = max(run["peak_extra"] for run in runs)
+                weights = runs[0]["weights"]
                 if tool == ".half()":
-                    half_seconds = f["seconds"]
-                ratio = f"{f['seconds'] / half_seconds:.1f}x" if half_seconds else ""
+                    half_seconds = seconds
+                ratio = f"{seconds / half_seconds:.1f}x" if half_seconds else ""
                 print(
-                    f"| {size} | {f['weights'] / 2**30:.2f} GiB | {tool} | {f['seconds']:.2f} s "
-                    f"| {ratio} | {f['peak_extra'] / f['weights']:.2f}x "
-                    f"| {f['weights'] / f['seconds'] / 1e9:.1f} |",
+                    f"| {size} | {weights / 2**30:.2f} GiB | {tool} | {seconds:.2f} s "
+                    f"| {ratio} | {peak / weights:.2f}x | {weights / seconds / 1e9:.1f} |",
                     flush=True,
                 )
+
+
+def _run_worker(tool: str, size: str, pt2: Path) -> dict | str:
+    """One measurement in a fresh process: its figures, or the last line of its error."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.llm_scale", "--worker", tool, size, str(pt2)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        return (done.stderr.strip().splitlines() or ["?"])[-1]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
