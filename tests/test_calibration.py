@@ -170,3 +170,20 @@ def test_attention_scores_beyond_fp16_are_finite_and_accurate():
     outputs = run(ep, x)
     assert torch.isfinite(outputs[0]).all()
     assert max_error(fp64_reference(model, x), outputs) < 1e-2
+
+
+def test_weights_are_observed_once_whatever_the_number_of_inputs(monkeypatch):
+    import fx16.analysis.calibration as calibration
+
+    torch.manual_seed(0)
+    ep = export(SquaredSum(), torch.randn(4, 16))
+    weights = {id(t) for t in ep.state_dict.values()}
+    observed = []
+    observe = calibration.observe_floats
+    monkeypatch.setattr(
+        calibration, "observe_floats", lambda value: observed.append(id(value)) or observe(value)
+    )
+    inputs = [(torch.randn(4, 16),) for _ in range(3)]
+    CalibrationAnalysis(Program(ep), inputs)(ep.graph_module)
+    assert weights and all(observed.count(weight) == 1 for weight in weights)
+    assert len(observed) > 3 * len(weights)  # everything else, on every input

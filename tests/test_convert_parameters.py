@@ -133,3 +133,28 @@ def test_tied_weights_stay_tied():
     _convert(ep)
     assert ep.state_dict["embed.weight"] is ep.state_dict["head.weight"]
     assert ep.state_dict["head.weight"].dtype == torch.float16
+
+
+def test_with_calibration_the_overflow_check_reads_no_weight_again(monkeypatch):
+    """Calibration already saw every weight: the pass decides from the interval it
+    recorded (same decisions), and reads a weight itself only without calibration."""
+    import fx16.passes.convert_parameters as convert_parameters
+    from fx16.analysis import CalibrationAnalysis
+
+    reads = []
+    check = convert_parameters.state_overflows
+    monkeypatch.setattr(
+        convert_parameters, "state_overflows", lambda t, low: reads.append(t) or check(t, low)
+    )
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    calibrated = export(OverflowWeight(), x)
+    CalibrationAnalysis(Program(calibrated))(calibrated.graph_module)
+    _convert(calibrated)
+    assert reads == []
+    plain = export(OverflowWeight(), x)
+    _convert(plain)
+    assert len(reads) == len(plain.state_dict)
+    for name in plain.state_dict:
+        assert calibrated.state_dict[name].dtype == plain.state_dict[name].dtype
+    assert torch.float32 in {t.dtype for t in plain.state_dict.values()}

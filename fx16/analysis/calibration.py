@@ -57,6 +57,7 @@ class CalibrationAnalysis(PassBase):
             graph_module.meta[self.STATUS_KEY] = "skipped: no calibration inputs"
             return PassResult(graph_module, False)
         recorder = _MagnitudeRecorder(graph_module)
+        recorder.constant = {slot.placeholder for slot in self.program.state_slots()}
         try:
             with torch.no_grad():
                 for args, kwargs in calls:
@@ -198,6 +199,8 @@ class _MagnitudeRecorder(LeanInterpreter):
         self.int_ranges: dict[Node, tuple[int, int]] = parent.int_ranges if parent else {}
         self.sentinels: set[Node] = parent.sentinels if parent else set()
         self.intervals: dict[Node, tuple[float, float]] = parent.intervals if parent else {}
+        self.constant: set[Node] = set()  # state placeholders: observed on the first input only
+        self.observed: set[Node] = set()
 
     def call_function(self, target, args, kwargs):
         if target is COND:
@@ -232,6 +235,10 @@ class _MagnitudeRecorder(LeanInterpreter):
 
     def run_node(self, node: Node):
         result = super().run_node(node)
+        if node in self.constant:  # a weight holds the same values on every input
+            if node in self.observed:
+                return result
+            self.observed.add(node)
         if node.op in ("placeholder", "call_function"):
             magnitude, sentinel, interval = observe_floats(result)
             if magnitude is not None and not math.isnan(magnitude):

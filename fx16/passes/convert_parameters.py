@@ -4,7 +4,9 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
+from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.decisions import PRECISION, Reason, decide
+from fx16.numerics import largest
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision
 from fx16.tensor_subclasses import is_subclass, narrowed_state, narrowed_val, state_overflows
@@ -20,7 +22,9 @@ class ConvertParametersPass(PolicyPass):
     (``Program.narrow_state``) and converted by its commit step, once every stage has
     decided; run on its own, the pass converts them before it returns.
 
-    A tensor with a finite magnitude above 65504 stays fp32 (for bf16: above its maximum).
+    A tensor with a finite magnitude above 65504 stays fp32 (for bf16: above its maximum);
+    where CalibrationAnalysis ran, its observed interval on the placeholder says so
+    without reading the tensor again.
     A placeholder the policy keeps in fp32 (by kind "boundary", module path - the
     parameter's dotted name - or node name) stays fp32. Nonzero magnitudes
     below the smallest fp16 subnormal become +-2**-24 instead of zero. Tensors of
@@ -51,7 +55,7 @@ class ConvertParametersPass(PolicyPass):
                 decide(slot.placeholder, torch.float32, Reason.POLICY)
                 continue
             if id(tensor) not in overflows:
-                overflows[id(tensor)] = state_overflows(tensor, low)
+                overflows[id(tensor)] = _overflows(slot.placeholder, tensor, low)
             if overflows[id(tensor)]:
                 decide(slot.placeholder, torch.float32, Reason.VALUE_OVERFLOW)
                 continue
@@ -72,3 +76,13 @@ class ConvertParametersPass(PolicyPass):
         if not self.program.defers_state:
             self.program.commit_state()
         return PassResult(graph_module, modified)
+
+
+def _overflows(placeholder, tensor: torch.Tensor, low: torch.dtype) -> bool:
+    """A finite element of the state tensor exceeds ``low``'s maximum. Read from the
+    interval calibration recorded on its placeholder when it ran (the same values: no
+    second pass over the weights), else from the tensor."""
+    observed = placeholder.meta.get(CalibrationAnalysis.INTERVAL_KEY)
+    if observed is not None:
+        return max(-observed[0], observed[1]) > largest(low)
+    return state_overflows(tensor, low)
