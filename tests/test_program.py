@@ -152,21 +152,28 @@ def test_commit_frees_each_fp32_tensor_as_soon_as_it_is_replaced(monkeypatch):
     assert all(ref() is None for ref in originals)
 
 
-def test_commit_keeps_the_callers_tensors_and_restores_them_on_failure(monkeypatch):
+def _second_conversion_fails(monkeypatch) -> list[int]:
+    """Make the commit run out of memory on its second tensor; returns the sizes of
+    the tensors it was asked to convert, in order."""
     import fx16.program
 
-    ep = _tied_program()
-    before = state_snapshot(ep)
-    held = dict(ep.state_dict)  # the caller's references
-    convert, calls = fx16.program.tensor_to_fp16, []
+    convert, sizes = fx16.program.tensor_to_fp16, []
 
     def fails_second(tensor, dtype):
-        calls.append(tensor)
-        if len(calls) == 2:
+        sizes.append(tensor.numel())
+        if len(sizes) == 2:
             raise MemoryError("no room for the fp16 copy")
         return convert(tensor, dtype)
 
     monkeypatch.setattr(fx16.program, "tensor_to_fp16", fails_second)
+    return sizes
+
+
+def test_commit_keeps_the_callers_tensors_and_restores_them_on_failure(monkeypatch):
+    ep = _tied_program()
+    before = state_snapshot(ep)
+    held = dict(ep.state_dict)  # the caller's references
+    _second_conversion_fails(monkeypatch)
     with pytest.raises(PassFailedError, match="commit"):
         fx16.cast_fp32_to_fp16(ep, calibration=[])
     assert_same_state(before, state_snapshot(ep))
@@ -179,22 +186,12 @@ def test_commit_failure_without_the_callers_tensors_leaves_a_runnable_fp32_progr
     """The largest tensor goes first, so this can only happen if memory runs out for a
     smaller one after a larger one fit; a freed original comes back widened from
     its fp16 copy (equal to fp16 rounding), every dtype and the graph as before."""
-    import fx16.program
-
     ep = _tied_program()
     ids = torch.randint(0, 32, (2, 5))
-    convert, calls = fx16.program.tensor_to_fp16, []
-
-    def fails_second(tensor, dtype):
-        calls.append(tensor.numel())
-        if len(calls) == 2:
-            raise MemoryError("no room")
-        return convert(tensor, dtype)
-
-    monkeypatch.setattr(fx16.program, "tensor_to_fp16", fails_second)
+    sizes = _second_conversion_fails(monkeypatch)
     with pytest.raises(PassFailedError, match="commit"):
         fx16.cast_fp32_to_fp16(ep, calibration=[])
-    assert calls[0] == max(t.numel() for t in ep.state_dict.values())  # largest first
+    assert sizes[0] == max(t.numel() for t in ep.state_dict.values())  # largest first
     assert all(t.dtype == torch.float32 for t in ep.state_dict.values())
     assert ep.state_dict["embed.weight"] is ep.state_dict["out.weight"]
     assert Program(ep).run((ids,))[0].dtype == torch.float32
