@@ -278,12 +278,17 @@ class _Reference:
         self.tapes: list[tuple[list, list, list]] | None = None
         self.values: list[dict[str, torch.Tensor]] = []  # per input, by node name
 
-    def gradients(self, errors: list[list]) -> list[dict[tuple[str, str], torch.Tensor] | None]:
-        """d L / d (value as one consumer reads it), by (producer, consumer) name, for
-        every use of a float value in the fp32 program, per calibration input; with
-        L = sum over outputs of <fp32 output - cast output, output>: how much each use
-        of each value moves the outputs along the error the cast program makes now.
-        None for an input where backward cannot run (an op without a derivative)."""
+    def impacts(self, errors: list[list]) -> list[dict[tuple[str, str], float] | None]:
+        """sum |dL/du * (v - fp16(v))| for every use u of a float value v in the fp32
+        program, by (producer, consumer) name, per calibration input; with L = sum over
+        outputs of <fp32 output - cast output, output>: how much rounding each use of
+        each value moves the outputs along the error the cast program makes now.
+        None for an input where backward cannot run (an op without a derivative).
+
+        Gradients are asked for in groups of uses of at most ``_GRADIENT_ELEMENTS``
+        elements, each reduced to its impact at once, so the fp32 gradients of all the
+        weights are never held together: one backward run per group, and a single
+        group for a program of up to 64M weights."""
         if self.tapes is None:
             self.tapes = []
             for inputs in self.inputs:
@@ -291,27 +296,30 @@ class _Reference:
                 self.tapes.append((outputs, edges, views))
                 self.values.append(values)
         found = []
-        for (outputs, edges, views), output_errors in zip(self.tapes, errors):
+        for (outputs, edges, views), values, output_errors in zip(self.tapes, self.values, errors):
             pairs = [
                 (out, error)
                 for out, error in zip(outputs, output_errors)
                 if error is not None and _is_float(out) and out.requires_grad
             ]
-            if not pairs or not views:
-                found.append({})
-                continue
+            impacts: dict[tuple[str, str], float] = {}
             try:
-                grads = torch.autograd.grad(
-                    [out for out, _ in pairs],
-                    views,
-                    grad_outputs=[error.to(out.dtype) for out, error in pairs],
-                    allow_unused=True,
-                    retain_graph=True,
-                )
+                for group in _groups(views) if pairs else []:
+                    grads = torch.autograd.grad(
+                        [out for out, _ in pairs],
+                        [views[index] for index in group],
+                        grad_outputs=[error.to(out.dtype) for out, error in pairs],
+                        allow_unused=True,
+                        retain_graph=True,
+                    )
+                    for index, grad in zip(group, grads):
+                        value = values.get(edges[index][0])
+                        if grad is not None and value is not None:
+                            impacts[edges[index]] = float((grad * _rounding(value)).abs().sum())
             except RuntimeError:  # an op with no derivative (a custom op without one)
                 found.append(None)
                 continue
-            found.append({edge: g for edge, g in zip(edges, grads) if g is not None})
+            found.append(impacts)
         return found
 
     def _tape(self, inputs: list) -> tuple[list, list, list, dict]:
@@ -340,6 +348,29 @@ def _output_error(reference: list, observed: list) -> float:
     return max(errors, default=0.0)
 
 
+# Elements of the uses whose gradients one backward run asks for (256 MiB in fp32).
+_GRADIENT_ELEMENTS = 1 << 26
+
+
+def _groups(views: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``views`` in consecutive groups of at most ``_GRADIENT_ELEMENTS``
+    elements (a larger view is a group of its own)."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for index, view in enumerate(views):
+        if groups[-1] and size + view.numel() > _GRADIENT_ELEMENTS:
+            groups.append([])
+            size = 0
+        groups[-1].append(index)
+        size += view.numel()
+    return groups if groups[0] else []
+
+
+def _rounding(value: torch.Tensor) -> torch.Tensor:
+    """What storing ``value`` in fp16 changes in it."""
+    return value - value.to(torch.float16).to(value.dtype)
+
+
 def _is_float(value) -> bool:
     return isinstance(value, torch.Tensor) and value.is_floating_point()
 
@@ -352,7 +383,7 @@ def _remedies(graph_module, reference: _Reference, observed: list[list], forced:
     input, or an fp32 result cast down) is scored by the first-order effect of its
     rounding on the output error, elementwise and without cancellation:
     sum |dL/du * (v - fp16(v))| on the fp32 program, with u that consumer's view of v
-    and L the outputs projected on the current error (see ``_Reference.gradients``).
+    and L the outputs projected on the current error (see ``_Reference.impacts``).
     Summing signed terms instead let roundings that happen to cancel on the
     calibration inputs look harmless, and the budget then failed on other inputs.
 
@@ -368,17 +399,15 @@ def _remedies(graph_module, reference: _Reference, observed: list[list], forced:
         ]
         for reference_outputs, outputs in zip(reference.outputs, observed)
     ]
-    gradients = reference.gradients(errors)
+    impacts = reference.impacts(errors)
 
     def impact(producer: str, consumer: str) -> float:
         total = 0.0
-        for values, grads in zip(reference.values, gradients):
-            value = values.get(producer)
-            # no backward: every use weighs by its rounding alone
-            grad = grads.get((producer, consumer)) if grads is not None else 1.0
-            if value is not None and grad is not None:
-                rounding = value - value.to(torch.float16).to(value.dtype)
-                total += float((grad * rounding).abs().sum())
+        for values, found in zip(reference.values, impacts):
+            if found is not None:
+                total += found.get((producer, consumer), 0.0)
+            elif (value := values.get(producer)) is not None:
+                total += float(_rounding(value).abs().sum())  # no backward: rounding alone
         return total
 
     best: dict[frozenset, float] = {}

@@ -227,3 +227,22 @@ def test_the_search_keeps_no_copy_of_the_weights(monkeypatch):
     for _, _, _, values in taped:
         storages = {v.untyped_storage().data_ptr() for v in values.values()}
         assert weights <= storages  # the weights as they are, not copies
+
+
+def test_gradients_taken_in_small_groups_give_the_same_search(monkeypatch):
+    """Bounding the gradients held at once (one backward run per group of uses) changes
+    the cost of a round, not its outcome."""
+    torch.manual_seed(0)
+    model = SharpSoftmax().eval()
+    calibration = _calibration(2, 1)
+
+    def search():
+        ep = export(model, *calibration[0])
+        fx16.cast_fp32_to_fp16(ep, calibration=calibration, max_rel_error=2e-3)
+        return report_of(ep).accuracy
+
+    whole = search()
+    monkeypatch.setattr(fx16.budget, "_GRADIENT_ELEMENTS", 64)
+    grouped = search()
+    assert whole.fp32_nodes == grouped.fp32_nodes and whole.evaluations == grouped.evaluations
+    assert grouped.error == pytest.approx(whole.error)
