@@ -2,12 +2,12 @@
 
 The search compares the cast program with the fp32 program on calibration inputs.
 Each evaluation runs the cast program once on every input and measures the output
-error; while over budget, one backward run of the fp32 program (its autograd graph
-kept from the first one) tells, for every use of every value the cast program
-holds in 16-bit, how much that use's rounding can move the outputs along the
-current error. The worst uses return to fp32 (the consumer, reading its producer in
-fp32), so fp32 regions grow as connected pieces, joined by casts only at their
-edges, and the other uses of a value stay 16-bit.
+error; while over budget, a backward run of the fp32 program (its autograd graph
+kept from the first one; one run per bounded group of gradients) tells, for every
+use of every value the cast program holds in 16-bit, how much that use's rounding
+can move the outputs along the current error. The worst uses return to fp32 (the
+consumer, reading its producer in fp32), so fp32 regions grow as connected pieces,
+joined by casts only at their edges, and the other uses of a value stay 16-bit.
 
 How many: the first round takes the single worst remedy; a round that does not
 halve the excess over the budget doubles the count for the next one, which scores
@@ -266,7 +266,8 @@ def _reference_outputs(graph_module, inputs: list) -> list:
 class _Reference:
     """The fp32 program, kept aside: its graph, inputs and outputs per call, and
     (built on first need, then kept) an autograd graph per input with the values it
-    holds, so that each round costs one backward run, not a forward and a backward.
+    holds, so that each round costs backward runs only (one per group of gradients,
+    see ``impacts``), not a forward too.
 
     Memory: the inputs share the program's fp32 weights (no copy); the only fp32
     activations kept are those the autograd graph must keep, and only once a

@@ -315,6 +315,12 @@ class Program:
         raise PassFailedError(stage, error) from error
 
 
+def _copied_meta(meta: dict) -> dict:
+    """A graph module's meta, with its own copy of the pending conversions (the one
+    entry the program changes in place)."""
+    return {key: dict(value) if key == _PENDING else value for key, value in meta.items()}
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -366,7 +372,7 @@ class Snapshot:
         self.released = False
         self._signature = copy.deepcopy(ep.graph_signature)
         self._example_inputs = ep.example_inputs
-        self._meta = dict(self._graph_module.meta)
+        self._meta = _copied_meta(self._graph_module.meta)
 
     def release_state(self) -> None:
         """Hold the saved state tensors by weak reference only, so that replacing one in
@@ -393,7 +399,7 @@ class Snapshot:
         ep._graph_signature = copy.deepcopy(self._signature)
         ep._example_inputs = self._example_inputs
         self._graph_module.meta.clear()
-        self._graph_module.meta.update(self._meta)
+        self._graph_module.meta.update(_copied_meta(self._meta))
 
 
 class _GraphRecord:

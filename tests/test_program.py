@@ -211,3 +211,19 @@ def test_the_commit_shows_a_progress_bar_when_asked(capsys):
     assert "fx16: converting weights" in capsys.readouterr().err
     fx16.cast_fp32_to_fp16(_tied_program(), calibration=[], progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_a_snapshot_restores_the_pending_conversions_it_saw():
+    """Conversions recorded after a snapshot are forgotten by its restore; those
+    recorded before it are pending again, even after a commit in between."""
+    ep = _tied_program()
+    program = Program(ep)
+    program.narrow_state("hidden.weight", torch.float16)
+    saved = program.snapshot()
+    program.narrow_state("hidden.bias", torch.float16)
+    program.commit_state()
+    assert program.state_tensor("hidden.bias").dtype == torch.float16
+    saved.restore()
+    assert program.state_dtype("hidden.bias") == torch.float32
+    assert program.state_tensor("hidden.weight").dtype == torch.float32
+    assert program.state_dtype("hidden.weight") == torch.float16

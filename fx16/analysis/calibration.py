@@ -56,8 +56,9 @@ class CalibrationAnalysis(PassBase):
         if not calls:
             graph_module.meta[self.STATUS_KEY] = "skipped: no calibration inputs"
             return PassResult(graph_module, False)
-        recorder = _MagnitudeRecorder(graph_module)
-        recorder.constant = {slot.placeholder for slot in self.program.state_slots()}
+        recorder = _MagnitudeRecorder(
+            graph_module, constant={slot.placeholder for slot in self.program.state_slots()}
+        )
         try:
             with torch.no_grad():
                 for args, kwargs in calls:
@@ -193,13 +194,20 @@ class _MagnitudeRecorder(LeanInterpreter):
     observed too (over all iterations); other higher-order ops run whole.
     """
 
-    def __init__(self, graph_module: GraphModule, parent: "_MagnitudeRecorder | None" = None):
+    def __init__(
+        self,
+        graph_module: GraphModule,
+        parent: "_MagnitudeRecorder | None" = None,
+        constant: set[Node] = frozenset(),
+    ):
+        """``constant``: the state placeholders, observed on the first input only (a
+        weight holds the same values on every input)."""
         super().__init__(graph_module)
         self.magnitudes: dict[Node, float] = parent.magnitudes if parent else {}
         self.int_ranges: dict[Node, tuple[int, int]] = parent.int_ranges if parent else {}
         self.sentinels: set[Node] = parent.sentinels if parent else set()
         self.intervals: dict[Node, tuple[float, float]] = parent.intervals if parent else {}
-        self.constant: set[Node] = set()  # state placeholders: observed on the first input only
+        self.constant = constant
         self.observed: set[Node] = set()
 
     def call_function(self, target, args, kwargs):
@@ -235,7 +243,7 @@ class _MagnitudeRecorder(LeanInterpreter):
 
     def run_node(self, node: Node):
         result = super().run_node(node)
-        if node in self.constant:  # a weight holds the same values on every input
+        if node in self.constant:
             if node in self.observed:
                 return result
             self.observed.add(node)
