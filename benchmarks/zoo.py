@@ -65,6 +65,51 @@ def t5_encoder(initializer_factor: float = 1.0, vocab: int = 512) -> Logits:
     return Logits(T5EncoderModel(config).eval())
 
 
+# Channels of the residual stream that carry the "massive activations" below.
+MASSIVE_CHANNELS = (5, 37)
+
+
+def with_massive_activations(
+    model: Logits, projection: nn.Linear, args: tuple, magnitude: float = 2000.0
+) -> Logits:
+    """``model`` with the "massive activations" of trained LLMs (Sun et al., 2024): a
+    few channels of the residual stream reach |x| ~ ``magnitude`` from the first
+    layer on. Random weights never show them; here the rows of ``projection`` (the
+    first layer's last projection into the residual stream) that write
+    ``MASSIVE_CHANNELS`` are scaled until their largest output on ``args`` is
+    ``magnitude``. Every norm after that layer then squares values in the
+    thousands, beyond fp16; the norms before it do not."""
+    outputs = []
+    handle = projection.register_forward_hook(lambda module, inputs, out: outputs.append(out))
+    with torch.no_grad():
+        model(*args)
+        handle.remove()
+        for channel in MASSIVE_CHANNELS:
+            largest = outputs[0][..., channel].abs().max()
+            projection.weight[channel] *= magnitude / largest
+    return model
+
+
+def massive_llama(layers: int = 3, magnitude: float = 2000.0) -> Logits:
+    """``llama(layers)`` whose first MLP writes massive activations
+    (``with_massive_activations``), for the example ids ``massive_ids()``."""
+    model = llama(layers)
+    projection = model.model.model.layers[0].mlp.down_proj
+    return with_massive_activations(model, projection, (massive_ids(),), magnitude)
+
+
+def massive_t5_encoder(magnitude: float = 2000.0) -> Logits:
+    """``t5_encoder()`` whose first feed-forward block writes massive activations."""
+    model = t5_encoder()
+    projection = model.model.encoder.block[0].layer[1].DenseReluDense.wo
+    return with_massive_activations(model, projection, (massive_ids(),), magnitude)
+
+
+def massive_ids() -> torch.Tensor:
+    """The example token ids the massive-activation models are scaled for."""
+    return torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(11))
+
+
 class SquaredSum(nn.Module):
     """A Linear whose outputs are squared and summed (an energy), then normalised."""
 
@@ -140,6 +185,38 @@ def llama(layers: int = 2, vocab: int = 512) -> Logits:
         use_cache=False,
     )
     return Logits(LlamaForCausalLM(config).eval())
+
+
+class DecoderStep(nn.Module):
+    """One decoding step of a transformers causal LM with the static KV cache that
+    transformers' ExecuTorch integration exports for on-device use
+    (``transformers.integrations.executorch``): (token ids, cache position) -> logits,
+    with the cache's fp32 key/value buffers updated in place. Export it with
+    ``strict=True``, as transformers does (``strict_export``): non-strict export leaves
+    a program that ``run_decompositions`` refuses."""
+
+    strict_export = True
+
+    def __init__(self, model: nn.Module, max_cache_len: int = 32) -> None:
+        from transformers import GenerationConfig
+        from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+        super().__init__()
+        model.generation_config = GenerationConfig(
+            use_cache=True,
+            cache_implementation="static",
+            max_length=max_cache_len,
+            cache_config={"batch_size": 1, "max_cache_len": max_cache_len},
+        )
+        self.step = TorchExportableModuleWithStaticCache(model)
+
+    def forward(self, input_ids, cache_position):
+        return self.step(input_ids=input_ids, cache_position=cache_position)
+
+
+def llama_decoder(layers: int = 2) -> DecoderStep:
+    """``llama(layers)`` as a one-token decoder with a static KV cache."""
+    return DecoderStep(llama(layers).model)
 
 
 class Features(nn.Module):

@@ -22,7 +22,7 @@ def cast_fp32_to_fp16(
     ep: ExportedProgram,
     *,
     policy: PrecisionPolicy | str | None = None,
-    keep_explicit_fp32: bool | None = None,
+    explicit_fp32: str | None = None,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
     input_ranges: dict | None = None,
@@ -37,9 +37,12 @@ def cast_fp32_to_fp16(
 
     policy: a ``fx16.PrecisionPolicy`` or a preset name ("auto_mixed_bf16", ...);
         default: everything in fp16 where safe (coreai-opt's behaviour, made safe).
-    keep_explicit_fp32: keep the fp32 regions the model opens itself (``x.float()``,
-        ``dtype=torch.float32``), such as the variance in an RMSNorm. False retargets
-        those casts to fp16, as coreai-opt does. None: the policy's setting (True).
+    explicit_fp32: what becomes of the fp32 regions the model opens itself
+        (``x.float()``, ``dtype=torch.float32``), such as the variance in an RMSNorm:
+        "calibrated" keeps one only where the calibration inputs (with the margin), a
+        proven range or the lack of any observation show 16-bit would spoil it;
+        "keep" keeps them all; "retarget" casts them to fp16, as coreai-opt does.
+        None: the policy's setting ("calibrated" by default).
     calibration: inputs to run the fp32 program on, a list of argument tuples (or
         ``(args, kwargs)`` pairs). Values that grow beyond the fp16 range on them
         (sums of squares, exp, attention scores) stay fp32. None: the example inputs
@@ -63,7 +66,7 @@ def cast_fp32_to_fp16(
     """
     options = dict(
         policy=policy,
-        keep_explicit_fp32=keep_explicit_fp32,
+        explicit_fp32=explicit_fp32,
         calibration=calibration,
         overflow_margin=overflow_margin,
         input_ranges=input_ranges,

@@ -19,7 +19,7 @@ from fx16.demo import run_demo
 from fx16.errors import Fx16Error
 from fx16.narrowing import INT16_MODES
 from fx16.pipelines import resolve_policy
-from fx16.policy import PrecisionPolicy
+from fx16.policy import EXPLICIT_FP32_CHOICES, PrecisionPolicy
 from fx16.program import Program
 from fx16.report import report_of
 from fx16.stats import relative_error
@@ -66,6 +66,13 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="default, always_fp32, always_fp16, auto_mixed, "
         "auto_mixed_conservative, auto_mixed_bf16, autocast",
+    )
+    parser.add_argument(
+        "--explicit-fp32",
+        choices=EXPLICIT_FP32_CHOICES,
+        default=None,
+        help="the model's own fp32 regions: kept on evidence (calibrated, the policy's "
+        "default), always (keep) or never (retarget)",
     )
     parser.add_argument("--int16", choices=INT16_MODES, default="proven")
     parser.add_argument("--keep-io-types", action="store_true")
@@ -210,7 +217,7 @@ def _example_calls(ep) -> list[tuple[tuple, dict]]:
 def _cast(source: Path, args):
     """Load, cast (a copy's outputs kept as the fp32 reference) and report."""
     ep = _load(source)
-    policy = resolve_policy(args.policy)
+    policy = resolve_policy(args.policy, args.explicit_fp32)
     if args.keep_io_types:
         policy = PrecisionPolicy.custom(policy, name=policy.name, keep_io_types=True)
     calls = _read_inputs(args.calibrate) if args.calibrate else _example_calls(ep)

@@ -23,6 +23,9 @@ class Reason(str, enum.Enum):
     ACTIVATION_OVERFLOW = "its values exceed the 16-bit range on the calibration inputs"
     FP32_INPUT = "an input stays fp32"
     EXPLICIT_FP32 = "inside an fp32 region the model asks for explicitly"
+    EXPLICIT_FP32_RETARGETED = (
+        "the model's own fp32 cast, made 16-bit: nothing shows its region needs fp32"
+    )
     MIXED_FLOAT_DTYPES = "mixes 16-bit values with another float dtype"
     NO_FLOAT_INPUT = "computed from non-float inputs"
     NO_FAKE_KERNEL = (

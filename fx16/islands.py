@@ -2,11 +2,14 @@
 
 A model that computes in fp32 writes ``x.float()`` before a variance, a softmax or
 a rotary embedding. Once the model is cast, such a cast opens an fp32 island in a
-16-bit program; InsertFP16CastsPass keeps the island when an op whose accuracy
-needs fp32 follows (``opens_sensitive_region``), and its decisions mark the
+16-bit program. ``island_region`` finds the ops the island would hold (those fed
+only by it, up to the model's next cast); ExplicitFp32Analysis decides from them
+whether the island stays, and InsertFP16CastsPass's decisions mark the kept
 island's nodes (``is_island``). After ``run_decompositions`` only the cast's
 ``_assert_tensor_metadata`` check may be left (``asserted_dtype``).
 """
+
+from collections.abc import Iterable
 
 import torch
 from torch.fx import Node
@@ -16,7 +19,7 @@ from fx16.decisions import Reason, decision_of
 from fx16.nodes import FLOAT_DTYPES, node_dtype, tensor_inputs
 from fx16.ops import PRECISION_SENSITIVE_OPS
 
-# How far to look after a model's fp32 cast for a precision-sensitive op.
+# How many ops after a model's fp32 cast an island may hold.
 _REGION_LOOKAHEAD = 32
 
 
@@ -26,25 +29,31 @@ def is_island(node: Node) -> bool:
     return decision is not None and decision.reason == Reason.EXPLICIT_FP32
 
 
-def opens_sensitive_region(cast: Node) -> bool:
-    """The model's ``x.to(torch.float32)`` leads, before its next cast, to an op whose
-    accuracy needs fp32 (a variance, softmax, exp, rotary sin/cos). GPT-2's
-    ``attn_weights.type(value.dtype)`` - fp32 only because the model was fp32 at export -
-    leads to dropout and then a matmul with 16-bit values, and is not kept. The region
-    is what the inserter would keep in fp32: ops fed only by it."""
-    region, frontier = {cast}, list(cast.users)
-    while frontier and len(region) < _REGION_LOOKAHEAD:
+def island_region(start: Iterable[Node], readers: Iterable[Node]) -> list[Node]:
+    """The ops an fp32 region holds: ``readers`` (the first ops reading the region's
+    ``start`` values) and, after them, every op whose float inputs all come from
+    the region, up to the next cast (in the source, the cast back to the input
+    dtype) and at most ``_REGION_LOOKAHEAD`` ops. GPT-2's
+    ``attn_weights.type(value.dtype)`` - fp32 only because the model was fp32 at
+    export - holds a dropout, and its matmul mixes in values from outside."""
+    inside, held, frontier = set(start), [], list(readers)
+    while frontier and len(held) < _REGION_LOOKAHEAD:
         node = frontier.pop(0)
-        if node in region or node.op != "call_function" or is_cast(node):
+        if node in inside or node.op != "call_function" or is_cast(node):
             continue
         floats = [a for a in tensor_inputs(node) if node_dtype(a) in FLOAT_DTYPES]
-        if not all(arg in region for arg in floats):
+        if not all(arg in inside for arg in floats):
             continue  # it mixes in values from outside: the region ends there
-        if getattr(node.target, "_opname", None) in PRECISION_SENSITIVE_OPS:
-            return True
-        region.add(node)
+        inside.add(node)
+        held.append(node)
         frontier.extend(node.users)
-    return False
+    return held
+
+
+def is_sensitive(node: Node) -> bool:
+    """An op whose accuracy is why models compute it in fp32: a reduction, softmax,
+    exp, pow, rsqrt, sin/cos."""
+    return getattr(node.target, "_opname", None) in PRECISION_SENSITIVE_OPS
 
 
 def asserted_dtype(assertion: Node) -> torch.dtype | None:

@@ -36,6 +36,11 @@ def node_dtype(node: Any) -> torch.dtype | None:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
+def op_label(node: Node) -> str:
+    """How the report names a node's op: "linear.default", or a placeholder's name."""
+    return node.name if node.op == "placeholder" else str(node.target).removeprefix("aten.")
+
+
 def tensor_inputs(node: Node) -> list[Node]:
     """The distinct input nodes whose value is a tensor, in argument order."""
     return [arg for arg in node.all_input_nodes if isinstance(node_val(arg), torch.Tensor)]

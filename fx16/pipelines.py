@@ -15,6 +15,7 @@ from fx16.analysis import (
     CalibrationAnalysis,
     CastableInt16Analysis,
     ConditioningAnalysis,
+    ExplicitFp32Analysis,
     Fp32RulesAnalysis,
     UnsafeIndexAnalysis,
     UserReachabilityAnalysis,
@@ -39,7 +40,7 @@ def fp16_passes(
     ep,
     *,
     policy: PrecisionPolicy | str | None = None,
-    keep_explicit_fp32: bool | None = None,
+    explicit_fp32: str | None = None,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
     input_ranges: dict | None = None,
@@ -49,15 +50,16 @@ def fp16_passes(
 
     Order: the analyses first, while the program still computes in fp32:
     calibration, unsafe indices, integer ranges (``input_ranges``; floats made from
-    integers take their range from it), conditioning, and the safety rules that read
-    them all (``Fp32RulesAnalysis``); then state tensors and user inputs, so the cast
-    inserter sees every graph input in its final dtype; then the inserter walks the
-    graph once; cleanup last, because it only removes casts and needs them all in
-    place. Options: see ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that
-    must stay fp32. A policy that changes nothing (``always_fp32``) gives an empty list.
+    integers take their range from it), conditioning, which of the model's own fp32
+    regions to keep, and the safety rules that read them all (``Fp32RulesAnalysis``);
+    then state tensors and user inputs, so the cast inserter sees every graph input
+    in its final dtype; then the inserter walks the graph once; cleanup last,
+    because it only removes casts and needs them all in place. Options: see
+    ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that must stay fp32.
+    A policy that changes nothing (``always_fp32``) gives an empty list.
     """
     program = Program(ep)
-    policy = resolve_policy(policy, keep_explicit_fp32)
+    policy = resolve_policy(policy, explicit_fp32)
     if policy.is_noop:
         return []
     limit = overflow_limit(policy, overflow_margin)
@@ -66,6 +68,7 @@ def fp16_passes(
         UnsafeIndexAnalysis(),
         ValueRangeAnalysis(program, input_ranges),
         ConditioningAnalysis(program, policy),
+        ExplicitFp32Analysis(program, policy, overflow_margin),
         Fp32RulesAnalysis.standard(policy.low, limit, force_fp32),
         ConvertParametersPass(program, policy=policy, force_fp32=force_fp32),
         ConvertUserInputsPass(
@@ -79,10 +82,10 @@ def fp16_passes(
 
 
 def resolve_policy(
-    policy: PrecisionPolicy | str | None, keep_explicit_fp32: bool | None = None
+    policy: PrecisionPolicy | str | None, explicit_fp32: str | None = None
 ) -> PrecisionPolicy:
     """The policy to use: a preset by name, the given one, or the default; with
-    ``keep_explicit_fp32`` overriding the policy's when given."""
+    ``explicit_fp32`` overriding the policy's when given."""
     if policy is None:
         policy = PrecisionPolicy.default()
     elif isinstance(policy, str):
@@ -91,8 +94,8 @@ def resolve_policy(
         raise InvalidOptionError(
             f"policy must be a PrecisionPolicy or a preset name, not {type(policy).__name__}"
         )
-    if keep_explicit_fp32 is not None and keep_explicit_fp32 != policy.keep_explicit_fp32:
-        policy = replace(policy, keep_explicit_fp32=keep_explicit_fp32)
+    if explicit_fp32 is not None and explicit_fp32 != policy.explicit_fp32:
+        policy = replace(policy, explicit_fp32=explicit_fp32)
     return policy
 
 

@@ -72,6 +72,9 @@ def _precisions(mapping: Mapping | None) -> dict:
 
 _ALL_LOW = {kind: Precision.LOW for kind in OpKind}
 
+# What becomes of the model's own fp32 regions (see PrecisionPolicy.explicit_fp32).
+EXPLICIT_FP32_CHOICES = ("calibrated", "keep", "retarget")
+
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
@@ -84,7 +87,14 @@ class PrecisionPolicy:
     predicate: a function node -> Precision (or None to defer), checked after names.
     keep_io_types: keep user inputs and outputs at their original dtype (casts at the
         boundary); True for all, or a collection of input/output node names.
-    keep_explicit_fp32: keep the fp32 regions the model opens itself (``x.float()``).
+    explicit_fp32: what becomes of the fp32 regions the model opens itself
+        (``x.float()`` before a variance, ``softmax(dtype=torch.float32)``), when a
+        precision-sensitive op follows (``fx16.analysis.explicit_fp32``):
+        "calibrated" keeps one only on evidence that 16-bit would spoil it (a value in
+        it beyond the 16-bit range or below its normal range on the calibration
+        inputs, with the margin; an ill-conditioned op in it; a proven range; or no
+        calibration input reaching it), "keep" keeps them all, "retarget" casts them
+        all to 16-bit as coreai-opt does (the safety rules still apply op by op).
     cast_back: return results computed in fp32 by policy to the 16-bit dtype (False:
         later ops follow the fp32 result, as eager autocast does).
     precision_tolerance: the relative output error 16-bit rounding of an op's input
@@ -102,7 +112,7 @@ class PrecisionPolicy:
     predicate: Callable[[Node], Precision | None] | None = None
     op_table: Mapping[str, Precision] = field(default_factory=dict)
     keep_io_types: bool | frozenset[str] = False
-    keep_explicit_fp32: bool = True
+    explicit_fp32: str = "calibrated"
     cast_back: bool = True
     precision_tolerance: float | None = None
 
@@ -114,6 +124,11 @@ class PrecisionPolicy:
             object.__setattr__(self, name, _precisions(getattr(self, name)))
         if not isinstance(self.keep_io_types, bool):
             object.__setattr__(self, "keep_io_types", frozenset(self.keep_io_types))
+        if self.explicit_fp32 not in EXPLICIT_FP32_CHOICES:
+            raise InvalidOptionError(
+                f"explicit_fp32 must be one of {', '.join(map(repr, EXPLICIT_FP32_CHOICES))}, "
+                f"not {self.explicit_fp32!r}"
+            )
         tolerance = self.precision_tolerance
         is_number = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)
         if tolerance is not None and not (is_number and tolerance > 0):
@@ -136,13 +151,16 @@ class PrecisionPolicy:
     @classmethod
     def always_fp16(cls) -> "PrecisionPolicy":
         """Every op in fp16, the model's own fp32 casts included (safety rules still apply)."""
-        return cls(name="always_fp16", keep_explicit_fp32=False)
+        return cls(name="always_fp16", explicit_fp32="retarget")
 
     @classmethod
     def auto_mixed_conservative(cls) -> "PrecisionPolicy":
-        """Reductions (softmax, norms, sums, cumsum, losses) in fp32, cast back after."""
+        """Reductions (softmax, norms, sums, cumsum, losses) in fp32, cast back after;
+        the model's own fp32 regions kept."""
         return cls(
-            name="auto_mixed_conservative", kinds={**_ALL_LOW, OpKind.REDUCTION: Precision.FP32}
+            name="auto_mixed_conservative",
+            kinds={**_ALL_LOW, OpKind.REDUCTION: Precision.FP32},
+            explicit_fp32="keep",
         )
 
     @classmethod
@@ -162,7 +180,8 @@ class PrecisionPolicy:
         Inputs and weights stay fp32; ops in autocast's lower-precision list run in
         ``dtype``, ops in its fp32 list in fp32, "promote" ops in their widest input
         dtype, and every other op follows its inputs. The conditioning rule is off
-        (``precision_tolerance=inf``), so every op gets what eager autocast gives it.
+        (``precision_tolerance=inf``), so every op gets what eager autocast gives it,
+        and the model's own fp32 regions stay fp32, as under eager autocast.
         Tables: ``fx16.ops.AUTOCAST_*``.
         """
         tables = {"cpu": AUTOCAST_CPU, "cuda": AUTOCAST_CUDA}
@@ -182,6 +201,7 @@ class PrecisionPolicy:
             op_table=op_table,
             cast_back=False,
             precision_tolerance=math.inf,  # eager autocast's dtypes, op by op
+            explicit_fp32="keep",
         )
 
     @classmethod

@@ -6,17 +6,18 @@ not saved in ``.pt2`` files, so write ``to_json()`` where you need it kept).
 """
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
+from fx16.analysis.explicit_fp32 import islands
 from fx16.analysis.value_range import ValueRangeAnalysis
 from fx16.budget import AccuracySearch
-from fx16.casts import is_inserted
-from fx16.decisions import INT_PRECISION, PRECISION, Decision
-from fx16.nodes import node_dtype
+from fx16.casts import INSERTED, WHY_RETARGETED, is_inserted
+from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason
+from fx16.nodes import node_dtype, op_label
 from fx16.ops import WIDE_INT_DTYPES
 from fx16.stats import ProgramStats, program_stats
 
@@ -89,10 +90,6 @@ class CastReport:
         return "\n".join(lines)
 
 
-def _op_name(node: Node) -> str:
-    return node.name if node.op == "placeholder" else str(node.target).removeprefix("aten.")
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -103,7 +100,7 @@ def _row(node: Node, kind: str, decision: Decision | None, body: str = "") -> Ro
         dtype = node_dtype(node)
         return Row(
             name,
-            _op_name(node),
+            op_label(node),
             kind,
             _dtype_name(dtype),
             dtype == torch.float16,
@@ -111,19 +108,35 @@ def _row(node: Node, kind: str, decision: Decision | None, body: str = "") -> Ro
             LEFT_AS_IS,
             "",
         )
-    detail = decision.detail
-    if not detail and kind == "int" and node.meta.get(ValueRangeAnalysis.META_KEY):
-        detail = str(node.meta[ValueRangeAnalysis.META_KEY])
+    if not decision.detail and kind == "int" and node.meta.get(ValueRangeAnalysis.META_KEY):
+        decision = replace(decision, detail=str(node.meta[ValueRangeAnalysis.META_KEY]))
+    return _decision_row(name, op_label(node), kind, decision)
+
+
+def _decision_row(name: str, op: str, kind: str, decision: Decision) -> Row:
     return Row(
         name,
-        _op_name(node),
+        op,
         kind,
         _dtype_name(decision.dtype),
         decision.narrowed,
         decision.reason.name.lower(),
         decision.reason.value,
-        detail,
+        decision.detail,
     )
+
+
+def _island_rows(graph_module: GraphModule, body: str, listed: set[str]) -> list[Row]:
+    """Rows for the model's own fp32 casts whose verdict has no row of its own: a
+    retargeted cast cleanup removed, a decomposed cast's fp32 check."""
+    rows = []
+    for island in islands(graph_module):
+        name = f"{body}.{island.opening}" if body else island.opening
+        if name not in listed:
+            reason = Reason.EXPLICIT_FP32 if island.keep else Reason.EXPLICIT_FP32_RETARGETED
+            decision = Decision(island.dtype, reason, island.why)
+            rows.append(_decision_row(name, island.op, "float", decision))
+    return rows
 
 
 def decision_rows(ep: ExportedProgram) -> list[Row]:
@@ -131,7 +144,9 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
     each in the program's graph first, then in the body of each higher-order op (rows
     named ``body.node``, e.g. ``true_graph_0.exp``).
 
-    Casts fx16 inserted are not listed (the totals count them).
+    Casts fx16 inserted are not listed (the totals count them); the model's own
+    casts it retargeted are, and so are the fp32 checks a decomposed program keeps of
+    the model's casts that open a region (``fx16.analysis.explicit_fp32``).
     """
     graphs = [
         (name, module)
@@ -142,7 +157,8 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
         (body, n)
         for body, module in graphs
         for n in module.graph.nodes
-        if n.op in ("placeholder", "call_function") and not is_inserted(n)
+        if n.op in ("placeholder", "call_function")
+        and (not is_inserted(n) or n.meta[INSERTED] == WHY_RETARGETED)
     ]
     int16_ran = any(INT_PRECISION in n.meta for _, n in nodes)
     rows = [
@@ -150,6 +166,8 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
         for body, n in nodes
         if PRECISION in n.meta or getattr(node_dtype(n), "is_floating_point", False)
     ]
+    listed = {row.node for row in rows}
+    rows += [row for body, module in graphs for row in _island_rows(module, body, listed)]
     rows += [
         _row(n, "int", n.meta.get(INT_PRECISION), body)
         for body, n in nodes

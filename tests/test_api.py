@@ -11,6 +11,7 @@ import fx16
 from fx16.analysis import (
     CalibrationAnalysis,
     ConditioningAnalysis,
+    ExplicitFp32Analysis,
     Fp32RulesAnalysis,
     UnsafeIndexAnalysis,
     ValueRangeAnalysis,
@@ -67,6 +68,7 @@ def test_pass_lists_are_fresh_instances():
         UnsafeIndexAnalysis,
         ValueRangeAnalysis,
         ConditioningAnalysis,
+        ExplicitFp32Analysis,
         Fp32RulesAnalysis,
         ConvertParametersPass,
         ConvertUserInputsPass,

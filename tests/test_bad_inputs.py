@@ -236,8 +236,8 @@ OPTION_ERRORS = [
     (
         fx16.cast_to_16_bit_precision,
         dict(input_range={"x": (0, 1)}),
-        "unknown option(s) ['input_range']; accepted: ['calibration', 'force_fp32', "
-        "'input_ranges', 'int16', 'keep_explicit_fp32', 'overflow_margin', 'policy']",
+        "unknown option(s) ['input_range']; accepted: ['calibration', 'explicit_fp32', "
+        "'force_fp32', 'input_ranges', 'int16', 'overflow_margin', 'policy']",
     ),
 ]
 

@@ -12,8 +12,9 @@ import torch
 import torch.utils._pytree as pytree
 
 import fx16
-from benchmarks import coreai
+from benchmarks import coreai, zoo
 from fx16.report import decision_rows
+from fx16.stats import relative_error
 from helpers import check_program, run
 from models import AutocastRegions
 
@@ -116,3 +117,42 @@ def test_autocast_region_cast_before_decomposing_reaches_core_ai_in_fp32():
     assert types["f32"] > 0 and types["f16"] > 0
     with torch.no_grad():
         assert torch.allclose(decomposed.module()(x.half()), ep.module()(x.half()))
+
+
+GOAL_MODELS = ["BERT", "GPT-2", "Llama", "T5 encoder", "ViT", "ResNet-style CNN"]
+
+
+@pytest.mark.parametrize("name", GOAL_MODELS)
+def test_as_16_bit_as_coreai_opt_where_its_output_is_correct(name):
+    """Precision rules aside, fx16 keeps at most coreai-opt's f32 share + 0.02."""
+    results = _measured(name)
+    if coreai.PEER not in results:
+        pytest.skip("coreai-opt is not installed (bench extra)")
+    build, args, _ = MODELS[name]
+    assert coreai.is_correct(coreai.output_error(build, args, results[coreai.PEER][1]))
+    assert coreai.is_correct(coreai.output_error(build, args, results["fx16"][1]))
+    without, _ = results[coreai.WITHOUT_PRECISION_RULES]
+    peer, _ = results[coreai.PEER]
+    assert coreai.f32_share(without) <= coreai.f32_share(peer) + coreai.GOAL
+
+
+def test_kv_cache_decoder_keeps_its_cache_in_fp16_and_decodes_like_fp32():
+    """transformers' on-device export (a static cache the program updates in place):
+    after the cast the key/value buffers are fp16, still written by the program, and
+    four decoding steps match the fp32 model."""
+    types, ep = _measured("Llama decoder, static KV cache")["fx16"]
+    assert not isinstance(types, str), types
+    caches = {
+        name: tensor
+        for name, tensor in ep.constants.items()
+        if "cache" in name and tensor.is_floating_point()
+    }
+    assert len(caches) == 4 and all(t.dtype == torch.float16 for t in caches.values())
+    assert set(caches) <= set(ep.graph_signature.buffers_to_mutate.values())
+    torch.manual_seed(0)
+    model = zoo.llama_decoder().eval()
+    module = copy.deepcopy(ep).module()
+    with torch.no_grad():
+        for step, token in enumerate([3, 7, 11, 5]):
+            args = (torch.tensor([[token]]), torch.tensor([step]))
+            assert relative_error(model(*args).double(), module(*args).double()) < 1e-2

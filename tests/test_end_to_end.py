@@ -4,6 +4,9 @@ import pytest
 import torch
 
 import fx16
+from fx16.casts import INSERTED
+from fx16.decisions import PRECISION, Reason
+from fx16.report import decision_rows
 from helpers import casts, check_program, export, fp64_reference, max_error, run, targets
 from models import (
     MLP,
@@ -18,9 +21,9 @@ from models import (
 aten = torch.ops.aten
 
 
-def _cast_and_compare(model, args, decompose=False, tolerance=1e-2):
+def _cast_and_compare(model, args, decompose=False, tolerance=1e-2, **options):
     ep = export(model, *args, decompose=decompose)
-    assert fx16.cast_fp32_to_fp16(ep) is ep
+    assert fx16.cast_fp32_to_fp16(ep, **options) is ep
     check_program(ep)
     outputs = run(ep, *args)
     assert all(torch.isfinite(o).all() for o in outputs if o.is_floating_point())
@@ -71,34 +74,53 @@ def test_embedding_layernorm_softmax():
     assert ep.example_inputs[0][0].dtype == torch.int64  # integer inputs are untouched
 
 
-@pytest.mark.parametrize("decompose", [False, True])
-def test_rmsnorm_with_explicit_float_keeps_its_fp32_region(decompose):
-    """to(f32) -> pow -> mean -> add -> rsqrt -> mul -> to(f32)   keeps the region in fp32,
-    and the closing cast becomes the cast back to fp16."""
-    torch.manual_seed(0)
-    ep, outputs = _cast_and_compare(RMSNormMLP(), (torch.randn(3, 16),), decompose)
-    by_target = {n.target: n for n in ep.graph_module.graph.nodes if n.op == "call_function"}
-    if not decompose:
-        assert by_target[aten.rsqrt.default].meta["val"].dtype == torch.float32
-        assert by_target[aten.pow.Tensor_Scalar].meta["val"].dtype == torch.float32
-    assert outputs[0].dtype == torch.float16
-
-
-def test_rmsnorm_without_keeping_explicit_fp32_is_all_fp16():
-    torch.manual_seed(0)
-    model = RMSNormMLP()
-    args = (torch.randn(3, 16),)
-    ep = export(model, *args)
-    fx16.cast_fp32_to_fp16(ep, keep_explicit_fp32=False)
-    check_program(ep)
-    floats = [
+def _float_ops(ep, target=None):
+    return [
         n
         for n in ep.graph_module.graph.nodes
         if n.op == "call_function"
+        and (target is None or n.target == target)
         and isinstance(n.meta.get("val"), torch.Tensor)
         and n.meta["val"].is_floating_point()
     ]
-    assert all(n.meta["val"].dtype == torch.float16 for n in floats)
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+@pytest.mark.parametrize(
+    "explicit_fp32, scale, kept",
+    [("keep", 1.0, True), ("calibrated", 1.0, False), ("calibrated", 300.0, True)],
+)
+def test_rmsnorm_island_is_kept_by_policy_or_on_evidence(decompose, explicit_fp32, scale, kept):
+    """to(f32) -> pow -> mean -> add -> rsqrt -> mul -> to(f32): "keep" keeps the region in
+    fp32 and the closing cast becomes the cast back to fp16. "calibrated" keeps it only
+    when its values need fp32: inputs near 300 square to 9e4, beyond fp16."""
+    torch.manual_seed(0)
+    args = (torch.randn(3, 16) * scale,)
+    ep, outputs = _cast_and_compare(RMSNormMLP(), args, decompose, explicit_fp32=explicit_fp32)
+    (rsqrt,) = _float_ops(ep, aten.rsqrt.default)
+    assert rsqrt.meta["val"].dtype == (torch.float32 if kept else torch.float16)
+    assert rsqrt.meta[PRECISION].reason == (Reason.EXPLICIT_FP32 if kept else Reason.FITS)
+    rows = {row.rule: row for row in decision_rows(ep)}
+    if explicit_fp32 == "calibrated":
+        row = rows["explicit_fp32" if kept else "explicit_fp32_retargeted"]
+        assert ("beyond" if kept else "fit 16-bit") in row.detail
+    assert outputs[0].dtype == torch.float16
+
+
+def test_rmsnorm_with_explicit_fp32_retargeted_is_all_fp16():
+    torch.manual_seed(0)
+    model = RMSNormMLP()
+    args = (torch.randn(3, 16) * 300,)
+    ep = export(model, *args)
+    fx16.cast_fp32_to_fp16(ep, explicit_fp32="retarget")
+    check_program(ep)
+    floats = _float_ops(ep)
+    kept = [n for n in floats if n.meta["val"].dtype == torch.float32 and INSERTED not in n.meta]
+    # only the squares beyond fp16 stay fp32, by the overflow rule, op by op
+    assert kept and {n.meta[PRECISION].reason for n in kept} <= {
+        Reason.ACTIVATION_OVERFLOW,
+        Reason.FP32_INPUT,
+    }
     assert max_error(fp64_reference(model, *args), run(ep, *args)) < 1e-2
 
 

@@ -20,10 +20,10 @@ from models import MLP, CreationOps, OverflowWeight
 aten = torch.ops.aten
 
 
-def _insert(ep, keep_explicit_fp32=True):
+def _insert(ep, explicit_fp32="keep"):
     program = Program(ep)
     run_passes([ConvertParametersPass(program), ConvertUserInputsPass(program)], ep.graph_module)
-    policy = PrecisionPolicy.custom(keep_explicit_fp32=keep_explicit_fp32)
+    policy = PrecisionPolicy.custom(explicit_fp32=explicit_fp32)
     result = InsertFP16CastsPass(program, policy=policy)(ep.graph_module)
     ep.graph_module.recompile()
     return result
@@ -135,7 +135,7 @@ class ExplicitDtype(torch.nn.Module):
 def test_dtype_arguments(keep):
     """softmax(x, dtype=f32): kept as an fp32 request, or rewritten to f16 when not kept."""
     ep = export(ExplicitDtype(), torch.randn(2, 4))
-    _insert(ep, keep_explicit_fp32=keep)
+    _insert(ep, explicit_fp32="keep" if keep else "retarget")
     check_program(ep)
     softmax = _only(ep, aten.softmax.int)
     expected = torch.float32 if keep else torch.float16

@@ -3,6 +3,7 @@
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.castable_int16 import CastableInt16Analysis
 from fx16.analysis.conditioning import ConditioningAnalysis
+from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis
 from fx16.analysis.fp32_rules import Fp32RulesAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.user_reachability import UserReachabilityAnalysis
@@ -12,6 +13,7 @@ __all__ = [
     "CalibrationAnalysis",
     "CastableInt16Analysis",
     "ConditioningAnalysis",
+    "ExplicitFp32Analysis",
     "Fp32RulesAnalysis",
     "Source",
     "UnsafeIndexAnalysis",

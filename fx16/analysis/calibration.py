@@ -163,11 +163,13 @@ def _sentinels_fp16_cannot_carry(graph_module: GraphModule, sentinels: set[Node]
     """The sentinel-holding nodes some use of which would see a wrong value after saturation.
 
     One walk in reverse order: a node is fine when each user absorbs the sentinel,
-    or passes it on and is fine itself, or is the program output.
+    or passes it on and is fine itself, or is the program output. Nodes that held
+    no sentinel on the calibration inputs count too: a ``where`` that picked none
+    of a mask's ``finfo.min`` on an all-ones mask still passes it on for others.
     """
     fine: set[Node] = set()
     for node in reversed(graph_module.graph.nodes):
-        if node in sentinels and all(
+        if all(
             user.op == "output"
             or user.target in SENTINEL_ABSORBING_OPS
             or (user.target in SENTINEL_PASSING_OPS and user in fine)

@@ -9,6 +9,14 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.explicit_fp32 import (
+    ExplicitFp32Analysis,
+    decide_island,
+    island_readers,
+    island_verdict,
+    keeps_island,
+    outside_island,
+)
 from fx16.analysis.fp32_rules import Fp32RulesAnalysis, fp32_rule
 from fx16.casts import (
     INSERTED,
@@ -27,7 +35,7 @@ from fx16.casts import (
     substitute_inputs,
 )
 from fx16.decisions import PRECISION, Reason, decide, decision_of, was_narrowed
-from fx16.islands import asserted_dtype, is_island, opens_sensitive_region
+from fx16.islands import asserted_dtype, is_island
 from fx16.nodes import (
     FLOAT_DTYPES,
     dtype_arguments,
@@ -79,7 +87,9 @@ class InsertFP16CastsPass(PolicyPass):
     parameter and user-input converters first), ``meta["fx16.fp32_rule"]``: the
     safety rules' verdicts (``fx16.analysis.fp32_rules``: index, budget, observed
     overflow, custom ops, conditioning; the pass runs the standard rules itself
-    when no Fp32RulesAnalysis ran), and ``meta["fx16.observed_range"]``.
+    when no Fp32RulesAnalysis ran), ``meta["fx16.explicit_fp32"]``: which of the
+    model's own fp32 regions stay (``fx16.analysis.explicit_fp32``, run by the pass
+    itself when it has not run), and ``meta["fx16.observed_range"]``.
     Writes: op ``meta["val"]`` dtypes, rounded scalars, ``dtype=`` arguments,
     inserted ``_to_copy`` casts (marked ``meta["fx16.inserted"]``) and
     ``meta["fx16.precision"]`` on every op it considers; the output specs.
@@ -87,13 +97,12 @@ class InsertFP16CastsPass(PolicyPass):
     An op computes in fp16 when all its float inputs are fp16 and its scalars fit.
     It stays fp32 - fp16 inputs upcast before it, its result cast back after it -
     when an input is fp32 or a scalar lies beyond 65504. Creation ops get
-    ``dtype=torch.float16``. With ``keep_explicit_fp32`` (the default) a cast to
-    fp32 that the model makes on a 16-bit value (``x.float()``), or an op given
-    ``dtype=torch.float32``, opens an fp32 region when a precision-sensitive op (a
-    reduction, softmax, exp, pow, sin/cos) follows: ops fed only from it stay fp32
-    with no cast-back, until the model casts to fp32 again (in the source, the
-    cast back to the input dtype), which then becomes the cast to fp16. After
-    ``run_decompositions`` those no-op casts are gone and only their
+    ``dtype=torch.float16``. A cast to fp32 that the model makes on a 16-bit value
+    (``x.float()``), or an op given ``dtype=torch.float32``, that ExplicitFp32Analysis
+    keeps opens an fp32 region: ops fed only from it stay fp32 with no cast-back,
+    until the model casts to fp32 again (in the source, the cast back to the input
+    dtype), which then becomes the cast to fp16. One it does not keep is made
+    16-bit. After ``run_decompositions`` those no-op casts are gone and only their
     ``_assert_tensor_metadata(dtype=torch.float32)`` checks remain: the pass reads
     the region from them and inserts the casts the model's own would have been.
 
@@ -117,6 +126,8 @@ class InsertFP16CastsPass(PolicyPass):
         if Fp32RulesAnalysis.RAN_KEY not in graph_module.meta:  # used on its own
             rules = Fp32RulesAnalysis.standard(self.policy.low, self.limit, self.force_fp32)
             rules(graph_module)
+        if ExplicitFp32Analysis.META_KEY not in graph_module.meta:  # used on its own
+            ExplicitFp32Analysis(self.program, self.policy, self.overflow_margin)(graph_module)
         run = _Run(
             graph_module,
             self.policy,
@@ -179,7 +190,6 @@ class _Run:
         self.casts = CastInserter(graph_module.graph)
         self.policy = policy
         self.low = policy.low
-        self.keep_explicit_fp32 = policy.keep_explicit_fp32
         self.limit = limit
         # Without observations (a cond branch calibration did not take) a value forced to
         # fp32 stays fp32 (no cast-back): nothing shows that it fits fp16 again.
@@ -280,12 +290,12 @@ class _Run:
     def restore_explicit_cast(self, assertion: Node) -> None:
         """Put back, after ``assertion``, the model's fp32 cast that decomposition
         dropped, when fx16's decisions make it matter: it opens an fp32 region of a
-        16-bit value, or (``_is_island``) is the way back from one. Consumers of the
-        value after the assertion read the cast; it is removed again when it opens no
-        precision-sensitive region."""
+        16-bit value that ExplicitFp32Analysis keeps, or (``_is_island``) is the way
+        back from one. The ops of the island read the opening cast; every consumer
+        after the assertion reads the way back."""
         value = assertion.args[0]
         dtype = node_dtype(value)
-        opens = dtype == self.low and self.keep_explicit_fp32
+        opens = dtype == self.low and keeps_island(assertion)
         closes = dtype == FP32 and is_island(value) and self.policy.cast_back
         later = self.later_users(value, assertion)
         if not (opens or closes) or not later or any(is_cast(user) for user in later):
@@ -298,13 +308,12 @@ class _Run:
             FP32 if opens else self.low,
             WHY_UPCAST if opens else WHY_CAST_BACK,
         )
-        for user in later:
+        for user in island_readers(assertion, later) if opens else later:
             user.replace_input_with(value, cast)
-        if opens and not opens_sensitive_region(cast):
-            cast.replace_all_uses_with(value)
-            self.graph_module.graph.erase_node(cast)
-            return
-        decide(cast, *((FP32, Reason.EXPLICIT_FP32) if opens else (self.low, Reason.FITS)))
+        if opens:
+            decide(cast, FP32, Reason.EXPLICIT_FP32, detail=island_verdict(assertion).why)
+        else:
+            decide(cast, self.low, Reason.FITS)
         self.modified = True
 
     def later_users(self, value: Node, anchor: Node) -> list[Node]:
@@ -327,12 +336,11 @@ class _Run:
             decide(
                 node, FP32, decision_of(source).reason if decision_of(source) else Reason.FP32_INPUT
             )
-        elif (
-            source_dtype in (torch.float16, torch.bfloat16)
-            and self.keep_explicit_fp32
-            and opens_sensitive_region(node)
-        ):
-            decide(node, FP32, Reason.EXPLICIT_FP32)
+        elif source_dtype in (torch.float16, torch.bfloat16) and keeps_island(node):
+            decide_island(node, FP32)
+            for user in outside_island(node):  # export routes later uses of x through x.float()
+                user.replace_input_with(node, source)
+                self.modified = True
         elif self.policy.precision_for(node) == Precision.LOW:
             self.retarget(node, self.low)
         else:
@@ -345,7 +353,7 @@ class _Run:
     def retarget(self, node: Node, dtype: torch.dtype) -> None:
         set_cast_dtype(node, dtype)
         node.meta[INSERTED] = WHY_RETARGETED
-        decide(node, dtype, Reason.FITS)
+        decide_island(node, dtype)
         self.modified = True
 
     def visit_creation(self, node: Node) -> None:
@@ -485,10 +493,10 @@ class _Run:
         kept_fp32 = [arg for arg in fp32_inputs if not self.downcastable(arg)]
         other_float = any(node_dtype(arg) not in (self.low, FP32) for arg in float_inputs)
 
-        if explicit_fp32 and self.keep_explicit_fp32:
-            decide(node, FP32, Reason.EXPLICIT_FP32)
+        if explicit_fp32 and keeps_island(node):
+            decide_island(node, FP32)
         elif fp32_inputs and all(is_island(arg) for arg in float_inputs):
-            decide(node, FP32, Reason.EXPLICIT_FP32)
+            decide(node, FP32, Reason.EXPLICIT_FP32, detail=decision_of(fp32_inputs[0]).detail)
         elif self.forced(node):
             self.run_in_fp32(node, self.forced(node), produces_fp32)
         elif precision == Precision.FP32:
@@ -567,7 +575,7 @@ class _Run:
         if is_custom_op(node.target) and has_fp32_part(result):
             decide(node, FP32, Reason.FIXED_OUTPUT_DTYPE)
         else:
-            decide(node, self.low, Reason.FITS)
+            decide_island(node, self.low)
 
     def downcast_inputs(self, node: Node) -> None:
         def downcast(arg: Node) -> Node:

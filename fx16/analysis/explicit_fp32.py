@@ -1,0 +1,227 @@
+"""ExplicitFp32Analysis: which of the model's own fp32 regions stay fp32, and why.
+
+A model written for fp32 or bf16 opens fp32 regions itself: ``x.float()`` before
+an RMSNorm's variance, ``softmax(..., dtype=torch.float32)``. In a 16-bit program
+each such region is an island of fp32 ops, which a deployment target such as the
+Neural Engine runs elsewhere. The analysis decides each island by the policy's
+``explicit_fp32``:
+
+- "calibrated" (the default): kept only on evidence that 16-bit would spoil it: an
+  op in it whose values, proven or observed on the calibration inputs, exceed the
+  16-bit maximum over the overflow margin (an RMSNorm's squares of the "massive
+  activations" trained LLMs carry, |x| in the thousands), or stay in the 16-bit
+  subnormal range (a variance of tiny activations), or an op the conditioning
+  analysis found ill-conditioned; or no calibration input reached it, so nothing
+  shows its values fit. Otherwise it is retargeted to 16-bit.
+- "keep": every island is kept.
+- "retarget": every island is cast to 16-bit, as coreai-opt does; the safety rules
+  still keep single overflowing or ill-conditioned ops in fp32.
+
+A cast to fp32 that no precision-sensitive op follows (GPT-2's
+``attn_weights.type(value.dtype)``, fp32 only because the model was fp32 at
+export) opens no island under any setting. ``torch.autocast(enabled=False)``
+regions are not decided here: they always stay fp32.
+
+Reads: ``meta["val"]``, ``meta["fx16.observed_range"]`` (CalibrationAnalysis),
+``meta["fx16.ill_conditioned"]`` (ConditioningAnalysis), proven ranges
+(``fx16.analysis.float_range``, after ValueRangeAnalysis). Writes:
+``node.meta["fx16.explicit_fp32"]``, an ``Island(keep, why, members)``, on each
+node that opens a region holding a precision-sensitive op: a cast to fp32, an
+``_assert_tensor_metadata`` of fp32 (all that ``run_decompositions`` leaves of a
+no-op ``x.float()``), an op given ``dtype=torch.float32``;
+and in each graph's ``graph_module.meta["fx16.explicit_fp32"]`` the list of its
+verdicts (the report reads them there: cleanup may remove a retargeted cast).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.conditioning import ConditioningAnalysis
+from fx16.analysis.float_range import FloatRanges
+from fx16.casts import cast_dtype, is_cast
+from fx16.decisions import Reason, decide
+from fx16.islands import asserted_dtype, is_sensitive, island_region
+from fx16.nodes import FLOAT_DTYPES, node_dtype, node_val, op_label, requested_dtypes
+from fx16.numerics import largest
+from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
+from fx16.policy import PrecisionPolicy
+from fx16.program import Program
+from fx16.subgraphs import nested_graph_modules
+
+FP32 = torch.float32
+
+
+@dataclass(frozen=True)
+class Island:
+    """The verdict on one region the model opens at node ``opening`` (op ``op``):
+    ``keep`` it in fp32 or make it ``dtype``, ``why`` (for the report), and the
+    names of the ops it holds (``members``)."""
+
+    opening: str
+    op: str
+    keep: bool
+    dtype: torch.dtype
+    why: str
+    members: frozenset[str]
+
+
+class ExplicitFp32Analysis(PassBase):
+    """Decide every fp32 region the model opens itself (see the module)."""
+
+    META_KEY = "fx16.explicit_fp32"
+
+    def __init__(
+        self,
+        program: Program,
+        policy: PrecisionPolicy | None = None,
+        overflow_margin: float = 2.0,
+    ) -> None:
+        self.program = program
+        self.policy = policy or PrecisionPolicy.default()
+        self.limit = largest(self.policy.low) / overflow_margin
+        # below this (the margin again) every value lies in the 16-bit subnormal range
+        self.smallest = torch.finfo(self.policy.low).tiny * overflow_margin
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        ranges = FloatRanges(self.program)
+        for submodule in nested_graph_modules(graph_module):
+            order = {node: index for index, node in enumerate(submodule.graph.nodes)}
+            verdicts = []
+            for node in submodule.graph.nodes:
+                node.meta.pop(self.META_KEY, None)
+                region = _opened_region(node, order)
+                if region and any(is_sensitive(member) for member in region):
+                    node.meta[self.META_KEY] = self.verdict(node, region, ranges)
+                    verdicts.append(node.meta[self.META_KEY])
+            submodule.meta[self.META_KEY] = verdicts
+        return PassResult(graph_module, False)
+
+    def verdict(self, opening: Node, region: list[Node], ranges: FloatRanges) -> Island:
+        setting = self.policy.explicit_fp32
+        if setting == "calibrated":
+            keep, why = self.evidence(region, ranges)
+        else:
+            keep, why = setting == "keep", f"the policy's explicit_fp32={setting!r}"
+        return Island(
+            opening.name,
+            op_label(opening),
+            keep,
+            FP32 if keep else self.policy.low,
+            why,
+            frozenset(node.name for node in region),
+        )
+
+    def evidence(self, region: list[Node], ranges: FloatRanges) -> tuple[bool, str]:
+        """(whether the region needs fp32, the evidence either way)."""
+        widest, unobserved = None, None
+        for node in region:
+            val = node_val(node)
+            if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+                continue
+            if node.meta.get(ConditioningAnalysis.META_KEY):
+                return True, f"{node.name} is ill-conditioned in 16-bit"
+            magnitude, seen = _magnitude(node, ranges)
+            if magnitude is None:
+                unobserved = unobserved or node
+            elif magnitude > self.limit:
+                return True, (
+                    f"{node.name} reaches {magnitude:.4g} ({seen}), beyond {self.limit:.4g} "
+                    "(the 16-bit maximum over the overflow margin)"
+                )
+            elif 0 < magnitude < self.smallest:
+                return True, (
+                    f"{node.name} stays below {magnitude:.3g} ({seen}), in the 16-bit "
+                    f"subnormal range (under {self.smallest:.3g} with the overflow margin)"
+                )
+            elif widest is None or magnitude > widest[1]:
+                widest = (node.name, magnitude)
+        if unobserved is not None:
+            return True, f"no calibration input reached {unobserved.name}, so nothing shows it fits"
+        if widest is None:
+            return False, "it holds no float value"
+        return False, (
+            f"its values fit 16-bit on the calibration inputs (largest {widest[1]:.4g}, in "
+            f"{widest[0]}; limit {self.limit:.4g})"
+        )
+
+
+def _magnitude(node: Node, ranges: FloatRanges) -> tuple[float | None, str]:
+    """The largest |value| of ``node``: proven if a finite range is known, else observed."""
+    proven = ranges.of(node)
+    if proven is not None and math.isfinite(proven.low) and math.isfinite(proven.high):
+        return max(abs(proven.low), abs(proven.high)), "proven"
+    return node.meta.get(CalibrationAnalysis.META_KEY), "observed"
+
+
+def _opened_region(node: Node, order: dict[Node, int]) -> list[Node] | None:
+    """The ops of the fp32 region ``node`` opens, or None if it opens none."""
+    if node.op != "call_function":
+        return None
+    if is_cast(node):  # x.float() of a float value (of an integer: a conversion)
+        float_source = node_dtype(node.args[0]) in FLOAT_DTYPES
+        return (
+            island_region({node}, node.users) if cast_dtype(node) == FP32 and float_source else None
+        )
+    if node.target in ASSERT_METADATA_OPS:
+        value = node.args[0] if node.args else None
+        if asserted_dtype(node) != FP32 or not isinstance(value, Node):
+            return None
+        # the users the decomposed cast fed: those after the check
+        later = sorted((u for u in value.users if order[u] > order[node]), key=order.__getitem__)
+        return island_region({value}, later)
+    if node.target not in CREATION_OPS and FP32 in requested_dtypes(node):
+        return [node, *island_region({node}, node.users)]
+    return None
+
+
+def island_verdict(node: Node) -> Island | None:
+    """The verdict ExplicitFp32Analysis published on a node that opens a region."""
+    return node.meta.get(ExplicitFp32Analysis.META_KEY)
+
+
+def keeps_island(node: Node) -> bool:
+    """``node`` opens a region of the model's that stays fp32."""
+    verdict = island_verdict(node)
+    return verdict is not None and verdict.keep
+
+
+def island_readers(opening: Node, later: list[Node]) -> list[Node]:
+    """Of the ops after the fp32 assertion ``opening``, those that read the cast it
+    stands for: the island's ops (a residual add reads the 16-bit value, as in the
+    source), or all of them when it opens no kept island."""
+    verdict = island_verdict(opening)
+    if verdict is None or not verdict.keep:
+        return later
+    return [user for user in later if user.name in verdict.members]
+
+
+def outside_island(opening: Node) -> list[Node]:
+    """The users of an opening cast that are not ops of its island. An identity
+    ``x.to(torch.float32)`` returns x itself, so export routes every later use of x
+    (a residual add) through the cast; they read the 16-bit x, as in the source."""
+    verdict = island_verdict(opening)
+    members = verdict.members if verdict is not None else frozenset()
+    return [user for user in opening.users if user.name not in members]
+
+
+def decide_island(node: Node, dtype: torch.dtype) -> None:
+    """Record ``dtype`` for ``node`` with the reason its verdict gives: inside a kept
+    island, or the model's fp32 cast made 16-bit, and the evidence; an ordinary fit
+    for a node that opens no region."""
+    verdict = island_verdict(node)
+    if verdict is None:
+        decide(node, dtype, Reason.FITS)
+    else:
+        kept = verdict.keep and dtype == FP32
+        reason = Reason.EXPLICIT_FP32 if kept else Reason.EXPLICIT_FP32_RETARGETED
+        decide(node, dtype, reason, detail=verdict.why)
+
+
+def islands(graph_module: GraphModule) -> list[Island]:
+    """The verdicts ExplicitFp32Analysis published for one graph (not its bodies)."""
+    return graph_module.meta.get(ExplicitFp32Analysis.META_KEY, [])

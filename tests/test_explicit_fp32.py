@@ -1,0 +1,238 @@
+"""ExplicitFp32Analysis: the model's own fp32 regions are kept only on evidence.
+
+Each kind of evidence (overflow, underflow, ill-conditioning, a proven range, no
+observation at all) is checked on the verdict alone, then against fp64: the kept
+island is what keeps the cast accurate, and without evidence the island is cast to
+fp16 at no cost in accuracy.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fx16
+from fx16.analysis import (
+    CalibrationAnalysis,
+    ConditioningAnalysis,
+    ExplicitFp32Analysis,
+    ValueRangeAnalysis,
+)
+from fx16.analysis.explicit_fp32 import island_verdict, islands
+from fx16.decisions import PRECISION, Reason
+from fx16.errors import InvalidOptionError
+from fx16.policy import PrecisionPolicy
+from fx16.program import Program
+from fx16.report import decision_rows
+from helpers import check_program, export, fp64_reference, max_error, run
+from models import RMSNormMLP
+
+aten = torch.ops.aten
+
+
+def _analyse(ep, explicit_fp32="calibrated", calibration=None, input_ranges=None):
+    """The verdicts, by opening node name, after the analyses the verdicts read."""
+    program = Program(ep)
+    policy = PrecisionPolicy.custom(explicit_fp32=explicit_fp32)
+    CalibrationAnalysis(program, calibration)(ep.graph_module)
+    ValueRangeAnalysis(program, input_ranges)(ep.graph_module)
+    ConditioningAnalysis(program, policy)(ep.graph_module)
+    result = ExplicitFp32Analysis(program, policy)(ep.graph_module)
+    assert not result.modified
+    return {island.opening: island for island in islands(ep.graph_module)}
+
+
+def _only_verdict(ep, **options):
+    (verdict,) = _analyse(ep, **options).values()
+    return verdict
+
+
+def _rmsnorm(scale, decompose=False):
+    torch.manual_seed(0)
+    x, model = torch.randn(3, 16) * scale, RMSNormMLP()
+    return model, x, export(model, x, decompose=decompose)
+
+
+def test_an_island_whose_values_fit_is_retargeted_with_the_largest_value_named():
+    _, _, ep = _rmsnorm(1.0)
+    verdict = _only_verdict(ep)
+    assert not verdict.keep and verdict.dtype == torch.float16
+    assert "fit 16-bit on the calibration inputs" in verdict.why
+    assert {"pow_1", "mean", "add", "rsqrt", "mul"} <= verdict.members
+
+
+def test_squares_beyond_fp16_keep_the_island():
+    _, _, ep = _rmsnorm(300.0)
+    verdict = _only_verdict(ep)
+    assert verdict.keep and verdict.dtype == torch.float32
+    assert verdict.why.startswith("pow_1 reaches") and "beyond 3.275e+04" in verdict.why
+
+
+def test_the_margin_counts():
+    """Squares up to ~4.8e4 fit fp16, but not with the default margin of 2."""
+    _, _, ep = _rmsnorm(95.0)
+    verdict = _only_verdict(ep)
+    observed = max(n.meta.get(CalibrationAnalysis.META_KEY, 0) for n in ep.graph_module.graph.nodes)
+    assert 65504 / 2 < observed < 65504
+    assert verdict.keep
+
+
+def test_tiny_values_keep_the_island_and_that_is_what_keeps_it_accurate():
+    """|x| ~ 1e-3 squares to ~1e-6, in fp16's subnormal range: 3% spacing."""
+    model, x, ep = _rmsnorm(1e-3)
+    verdict = _only_verdict(copy.deepcopy(ep))
+    assert verdict.keep and "subnormal" in verdict.why
+    kept, retargeted = copy.deepcopy(ep), copy.deepcopy(ep)
+    fx16.cast_fp32_to_fp16(kept)
+    fx16.cast_fp32_to_fp16(retargeted, explicit_fp32="retarget")
+    reference = fp64_reference(model, x)
+    assert max_error(reference, run(kept, x)) < 1e-3
+    assert max_error(reference, run(retargeted, x)) > 5 * max_error(reference, run(kept, x))
+
+
+class SineIsland(nn.Module):
+    """The model computes sin in fp32 itself: 16-bit rounding of 100 x moves it by ~0.05."""
+
+    def forward(self, x):
+        return (x.to(torch.float32) * 100).sin().to(torch.float32) + x
+
+
+def test_an_ill_conditioned_op_keeps_the_island():
+    ep = export(SineIsland(), torch.randn(2, 8))
+    verdict = _analyse(ep)["to"]
+    assert verdict.keep and "ill-conditioned" in verdict.why
+
+
+class SquaredTimestep(nn.Module):
+    """A float timestep made from an integer, squared in the model's own fp32 region."""
+
+    def forward(self, t, x):
+        h = t.float().to(torch.float32)
+        return x * ((h * h).mean(-1, keepdim=True) + 1).rsqrt()
+
+
+def test_a_proven_range_beyond_fp16_keeps_the_island_whatever_calibration_saw():
+    args = (torch.tensor([[3, 5]]), torch.randn(1, 2))
+    unbounded = export(SquaredTimestep(), *args)
+    assert not _analyse(unbounded)["to_1"].keep  # the example's t = 5 fits
+    bounded = export(SquaredTimestep(), *args)
+    verdict = _analyse(bounded, input_ranges={"t": (0, 999)})["to_1"]
+    assert verdict.keep and "(proven)" in verdict.why
+
+
+def test_an_island_no_calibration_input_reached_is_kept():
+    _, _, ep = _rmsnorm(1.0)
+    verdict = _only_verdict(ep, calibration=[])
+    assert verdict.keep and verdict.why.startswith("no calibration input reached")
+
+
+@pytest.mark.parametrize("setting, keep", [("keep", True), ("retarget", False)])
+def test_the_policy_can_decide_every_island(setting, keep):
+    _, _, ep = _rmsnorm(300.0 if not keep else 1.0)
+    verdict = _only_verdict(ep, explicit_fp32=setting)
+    assert verdict.keep is keep
+    assert verdict.why == f"the policy's explicit_fp32={setting!r}"
+
+
+class NotARegion(nn.Module):
+    """GPT-2's ``attn_weights.type(value.dtype)``: fp32 at export, nothing sensitive after."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x.to(torch.float32).relu())
+
+
+def test_a_cast_with_no_sensitive_op_after_it_opens_no_island():
+    ep = export(NotARegion(), torch.randn(2, 4))
+    assert _analyse(ep, explicit_fp32="keep") == {}
+
+
+class SoftmaxInFp32(nn.Module):
+    def forward(self, x):
+        return (x * 1e3).softmax(-1, dtype=torch.float32) @ x.transpose(0, 1)
+
+
+def test_an_op_given_dtype_float32_is_decided_like_a_cast():
+    ep = export(SoftmaxInFp32(), torch.randn(4, 4))
+    verdicts = _analyse(ep)
+    assert list(verdicts) == ["softmax"]
+    assert verdicts["softmax"].keep is False and "softmax" in verdicts["softmax"].members
+
+
+def test_analysis_meta_on_the_opening_node_and_its_graph():
+    _, _, ep = _rmsnorm(1.0)
+    _analyse(ep)
+    opening = next(n for n in ep.graph_module.graph.nodes if n.target == aten.to.dtype)
+    assert island_verdict(opening) == islands(ep.graph_module)[0]
+    assert all(island_verdict(n) is None for n in ep.graph_module.graph.nodes if n is not opening)
+
+
+class NormWithResidual(nn.Module):
+    """A pre-norm block: the residual add reads the 16-bit x, not the norm's fp32 copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = RMSNormMLP().norm
+
+    def forward(self, x):
+        return self.norm(x) + x
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_kept_island_ends_where_the_model_casts_back(decompose):
+    """With the island kept, its ops run fp32 with no cast back inside; the residual add
+    outside it stays 16-bit (after decomposition too, where only the checks are left)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 16) * 300
+    model = NormWithResidual()
+    ep = export(model, x, decompose=decompose)
+    fx16.cast_fp32_to_fp16(ep)
+    check_program(ep)
+    nodes = {n.name: n for n in ep.graph_module.graph.nodes}
+    for name in ("pow_1", "mean", "rsqrt"):
+        assert nodes[name].meta[PRECISION].reason == Reason.EXPLICIT_FP32
+        assert "reaches" in nodes[name].meta[PRECISION].detail
+    (residual,) = ep.graph_module.graph.output_node().args[0]
+    assert residual.target == aten.add.Tensor
+    assert residual.meta["val"].dtype == torch.float16
+    assert all(arg.meta["val"].dtype == torch.float16 for arg in residual.args)
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 1e-2
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_every_verdict_is_a_row_of_the_report(decompose):
+    """Retargeted casts are removed by cleanup, and decomposed ones are only checks: the
+    report still lists each opening with its rule and evidence."""
+    _, _, ep = _rmsnorm(1.0, decompose=decompose)
+    fx16.cast_fp32_to_fp16(ep)
+    (row,) = [r for r in decision_rows(ep) if r.rule == "explicit_fp32_retargeted"]
+    assert row.dtype == "float16" and row.narrowed and "largest" in row.detail
+
+
+def test_unknown_setting_is_an_invalid_option():
+    with pytest.raises(InvalidOptionError, match="explicit_fp32 must be one of"):
+        PrecisionPolicy.custom(explicit_fp32="sometimes")
+    _, _, ep = _rmsnorm(1.0)
+    before = copy.deepcopy(ep.graph_module.code)
+    with pytest.raises(InvalidOptionError):
+        fx16.cast_fp32_to_fp16(ep, explicit_fp32=True)
+    assert ep.graph_module.code == before
+
+
+@pytest.mark.parametrize(
+    "preset, setting",
+    [
+        ("default", "calibrated"),
+        ("auto_mixed", "calibrated"),
+        ("auto_mixed_bf16", "calibrated"),
+        ("always_fp16", "retarget"),
+        ("auto_mixed_conservative", "keep"),
+        ("autocast", "keep"),
+    ],
+)
+def test_presets(preset, setting):
+    assert PrecisionPolicy.named(preset).explicit_fp32 == setting
