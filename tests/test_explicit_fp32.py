@@ -10,6 +10,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fx16
@@ -236,3 +238,15 @@ def test_unknown_setting_is_an_invalid_option():
 )
 def test_presets(preset, setting):
     assert PrecisionPolicy.named(preset).explicit_fp32 == setting
+
+
+@settings(max_examples=25, deadline=None)
+@given(exponent=st.floats(min_value=-4.0, max_value=4.0), decompose=st.booleans())
+def test_default_cast_of_an_rmsnorm_is_accurate_at_every_scale(exponent, decompose):
+    """From |x| ~ 1e-4 (squares below fp16's normal range) to 1e4 (squares beyond its
+    maximum): the island is kept exactly where retargeting it would cost accuracy."""
+    model, x, ep = _rmsnorm(10.0**exponent, decompose=decompose)
+    fx16.cast_fp32_to_fp16(ep)
+    (got,) = run(ep, x)
+    assert torch.isfinite(got).all()
+    assert max_error(fp64_reference(model, x), [got]) < 2e-3
