@@ -99,6 +99,9 @@ def cast_fp16_within_budget(
     search = _Search(program, calls, calibration, budget, progress, options)
     try:
         return search.run()
+    except Exception as error:  # the stage that failed, for the caller's PassFailedError
+        error.fx16_stage = getattr(error, "fx16_stage", "accuracy search")
+        raise
     finally:
         search.progress.close()
 

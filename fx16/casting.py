@@ -6,12 +6,13 @@ the program is restored and a ``PassFailedError`` names the stage.
 """
 
 import math
+from collections.abc import Collection
 
 from torch.export import ExportedProgram
 
 from fx16.budget import cast_fp16_within_budget
 from fx16.errors import InvalidOptionError
-from fx16.pipelines import fp16_passes, int16_passes, run_passes, split_options
+from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.report import REPORT_KEY, build_report
@@ -23,11 +24,13 @@ def cast_fp32_to_fp16(
     *,
     policy: PrecisionPolicy | str | None = None,
     explicit_fp32: str | None = None,
+    keep_io_types: bool | Collection[str] | None = None,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
     input_ranges: dict | None = None,
     max_rel_error: float | None = None,
     progress: bool | None = None,
+    **unknown,
 ) -> ExportedProgram:
     """Rewrite ``ep`` in place to compute in fp16 where that is safe, and return it.
 
@@ -43,12 +46,16 @@ def cast_fp32_to_fp16(
         proven range or the lack of any observation show 16-bit would spoil it;
         "keep" keeps them all; "retarget" casts them to fp16, as coreai-opt does.
         None: the policy's setting ("calibrated" by default).
+    keep_io_types: keep user inputs and outputs in their original dtypes, with casts
+        at the boundary (onnxconverter-common's option): True, or the names of the
+        inputs and outputs to keep. None: the policy's setting (False).
     calibration: inputs to run the fp32 program on, a list of argument tuples (or
         ``(args, kwargs)`` pairs). Values that grow beyond the fp16 range on them
         (sums of squares, exp, attention scores) stay fp32. None: the example inputs
         torch.export recorded; []: no calibration.
     overflow_margin: a value counts as overflowing above ``65504 / overflow_margin``,
-        since calibration inputs rarely show the largest values a model will see.
+        since calibration inputs rarely show the largest values a model will see
+        (a number >= 1).
     input_ranges: declared value ranges of integer user inputs, by name
         (``{"timestep": (0, 999)}``), as in ``cast_int32_to_int16``: floats made
         from them (``t.float()``) take their range from these, so the conditioning
@@ -64,9 +71,11 @@ def cast_fp32_to_fp16(
     ExportedProgram and ``fx16.PassFailedError`` when a stage fails; in both cases
     ``ep`` is left exactly as it was.
     """
+    reject_unknown(cast_fp32_to_fp16, unknown)
     options = dict(
         policy=policy,
         explicit_fp32=explicit_fp32,
+        keep_io_types=keep_io_types,
         calibration=calibration,
         overflow_margin=overflow_margin,
         input_ranges=input_ranges,
@@ -80,6 +89,7 @@ def cast_int32_to_int16(
     input_ranges: dict | None = None,
     int16: str = "proven",
     calibration: list | None = None,
+    **unknown,
 ) -> ExportedProgram:
     """Rewrite ``ep`` in place so integer computations run in int16 where nothing can wrap.
 
@@ -103,6 +113,7 @@ def cast_int32_to_int16(
     Raises like ``cast_fp32_to_fp16``, plus ``fx16.InvalidOptionError`` for a bad
     mode or an ``input_ranges`` name that is not a user input.
     """
+    reject_unknown(cast_int32_to_int16, unknown)
     options = dict(input_ranges=input_ranges, int16=int16, calibration=calibration)
     return _cast(ep, None, options, None, None)
 

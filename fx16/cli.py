@@ -1,28 +1,36 @@
 """The ``fx16`` command: cast, inspect and compare ``.pt2`` programs without writing Python.
 
 Every failure the user can cause (a missing or corrupt file, an output that would
-overwrite the input, an unknown policy) ends with one line on stderr and exit code 2;
-the input file is never written.
+overwrite the input, an unknown policy, inputs the program does not take) ends with
+one line on stderr and exit code 2; an accuracy budget (``--max-rel-error``) that
+cannot be met ends with one line and exit code 3. The input file is never written.
 """
 
 import argparse
-import logging
 import sys
 import warnings
-import zipfile
 from pathlib import Path
 
 import torch
 
+from fx16.analysis.calibration import calibration_calls
+from fx16.archive import import_modules, load_program
 from fx16.casting import cast_to_16_bit_precision
 from fx16.demo import run_demo
-from fx16.errors import Fx16Error
+from fx16.errors import AccuracyBudgetError, Fx16Error, one_line
 from fx16.narrowing import INT16_MODES
 from fx16.pipelines import resolve_policy
-from fx16.policy import EXPLICIT_FP32_CHOICES, PrecisionPolicy
+from fx16.policy import EXPLICIT_FP32_CHOICES
 from fx16.program import Program
-from fx16.report import report_of
+from fx16.report import format_rows, report_of
 from fx16.stats import relative_error
+
+# Above this many values, inspect opens with a summary per layer.
+LAYER_SUMMARY_ROWS = 60
+
+# Exit codes besides 0.
+BAD_INPUT = 2
+BUDGET_NOT_MET = 3
 
 
 class CommandError(Exception):
@@ -31,7 +39,10 @@ class CommandError(Exception):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fx16", description="Cast torch.export programs to 16-bit."
+        prog="fx16",
+        description="Cast torch.export programs to 16-bit.",
+        epilog=f"exit codes: 0 done, {BAD_INPUT} bad input (one line on stderr), "
+        f"{BUDGET_NOT_MET} the accuracy budget cannot be met",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -54,12 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("first", type=Path, metavar="A.pt2")
     compare.add_argument("second", type=Path, metavar="B.pt2")
     compare.add_argument("--inputs", type=Path, metavar="INPUTS.pt")
+    _add_import_option(compare)
 
     commands.add_parser("demo", help="cast a built-in transformer block and show before/after")
     return parser
 
 
+def _add_import_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--import",
+        dest="imports",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE before loading (it registers the output types the program "
+        "returns; the module of a type the archive names is imported without asking)",
+    )
+
+
 def _add_cast_options(parser: argparse.ArgumentParser) -> None:
+    _add_import_option(parser)
     parser.add_argument(
         "--policy",
         default="default",
@@ -94,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             return COMMANDS[args.command](args)
     except (CommandError, Fx16Error) as error:
         print(f"fx16: error: {error}", file=sys.stderr)
-        return 2
+        return BUDGET_NOT_MET if isinstance(error, AccuracyBudgetError) else BAD_INPUT
 
 
 # ---- commands ---------------------------------------------------------------------------
@@ -122,29 +147,32 @@ def cast_command(args) -> int:
 def inspect_command(args) -> int:
     _, report, error = _cast(_existing_program_path(args.input), args)
     rows = report.rows if args.all else report.kept_wide()
-    print(report.table(rows))
-    if error is not None:
-        print(f"max relative error vs fp32: {error:.3g}")
+    if len(report.rows) > LAYER_SUMMARY_ROWS:  # a big model: its layers first
+        print("\n".join(report.by_layer()), end="\n\n")
+    print(format_rows(rows), end="\n\n")
+    _summarise(report, error, out=sys.stdout)
     return 0
 
 
 def compare_command(args) -> int:
-    first = _load(_existing_program_path(args.first))
-    second = _load(_existing_program_path(args.second))
+    first = _load(_existing_program_path(args.first), args)
+    second = _load(_existing_program_path(args.second), args)
     calls = _read_inputs(args.inputs) if args.inputs else _example_calls(first)
     if not calls:
         raise CommandError(f"{args.first} records no example inputs: pass --inputs INPUTS.pt")
-    columns = ("output", "shape", "A dtype", "B dtype", "max |A-B|", "rel. error")
-    print("{:>6} {:18} {:10} {:10} {:>12} {:>11}".format(*columns))
-    for call_args, call_kwargs in calls:
+    for path, program in ((args.first, first), (args.second, second)):
+        calibration_calls(Program(program), calls, label=f"{path}'s inputs")
+    columns = ("input", "output", "shape", "A dtype", "B dtype", "max |A-B|", "rel. error")
+    print("{:>5} {:>6} {:18} {:10} {:10} {:>12} {:>11}".format(*columns))
+    for call, (call_args, call_kwargs) in enumerate(calls):
         outputs = [Program(program).run(call_args, call_kwargs) for program in (first, second)]
         for index, (a, b) in enumerate(zip(*outputs)):
             if not isinstance(a, torch.Tensor):
                 continue
             difference = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
             print(
-                f"{index:>6} {str(tuple(a.shape)):18} {_name(a.dtype):10} {_name(b.dtype):10} "
-                f"{difference:>12.4g} {relative_error(a, b):>11.3g}"
+                f"{call:>5} {index:>6} {str(tuple(a.shape)):18} {_name(a.dtype):10} "
+                f"{_name(b.dtype):10} {difference:>12.4g} {relative_error(a, b):>11.3g}"
             )
     return 0
 
@@ -171,23 +199,13 @@ def _existing_program_path(path: Path) -> Path:
         raise CommandError(f"{path} does not exist")
     if not path.is_file():
         raise CommandError(f"{path} is not a file")
-    if not zipfile.is_zipfile(path):
-        raise CommandError(f"{path} is not a .pt2 archive (torch.export.save writes a zip file)")
     return path
 
 
-def _load(path: Path):
-    # torch logs a traceback of its own before raising on a damaged archive
-    export_log = logging.getLogger("torch.export")
-    level = export_log.level
-    export_log.setLevel(logging.ERROR)
-    try:
-        return torch.export.load(path)
-    except Exception as error:  # torch raises many kinds for a damaged archive
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise CommandError(f"cannot load {path}: {type(error).__name__}: {first_line}") from error
-    finally:
-        export_log.setLevel(level)
+def _load(path: Path, args):
+    """The program in ``path``, after importing the modules ``--import`` names."""
+    import_modules(args.imports)
+    return load_program(path)
 
 
 def _read_inputs(path: Path) -> list[tuple[tuple, dict]]:
@@ -196,7 +214,10 @@ def _read_inputs(path: Path) -> list[tuple[tuple, dict]]:
     try:
         loaded = torch.load(path, weights_only=False)
     except Exception as error:
-        raise CommandError(f"cannot read inputs from {path}: {error}") from error
+        raise CommandError(
+            f"cannot read inputs from {path}: expected a list of input tuples saved with "
+            f"torch.save ({one_line(error)})"
+        ) from error
     entries = loaded if isinstance(loaded, list) else [loaded]
     calls = []
     for entry in entries:
@@ -216,11 +237,12 @@ def _example_calls(ep) -> list[tuple[tuple, dict]]:
 
 def _cast(source: Path, args):
     """Load, cast (a copy's outputs kept as the fp32 reference) and report."""
-    ep = _load(source)
-    policy = resolve_policy(args.policy, args.explicit_fp32)
-    if args.keep_io_types:
-        policy = PrecisionPolicy.custom(policy, name=policy.name, keep_io_types=True)
+    ep = _load(source, args)
+    policy = resolve_policy(
+        args.policy, explicit_fp32=args.explicit_fp32, keep_io_types=args.keep_io_types or None
+    )
     calls = _read_inputs(args.calibrate) if args.calibrate else _example_calls(ep)
+    calls = calibration_calls(Program(ep), calls, label=str(args.calibrate or "example inputs"))
     references = [Program(ep).run(a, k) for a, k in calls[:1]]
     cast_to_16_bit_precision(
         ep,
@@ -249,29 +271,12 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def _summarise(report, error, out) -> None:
-    t = report.totals
-    print(
-        f"weight bytes: {t.weight_bytes_before} -> {t.weight_bytes_after} "
-        f"({t.weight_bytes_after / max(t.weight_bytes_before, 1):.2f}x)",
-        file=out,
-    )
-    print(f"casts: {t.casts_before} -> {t.casts_after} ({t.casts_inserted} inserted)", file=out)
-    by_dtype: dict[str, int] = {}
-    for row in report.rows:
-        if row.kind == "float" and row.op != row.node:
-            by_dtype[row.dtype] = by_dtype.get(row.dtype, 0) + 1
-    print("float ops: " + ", ".join(f"{n} {d}" for d, n in sorted(by_dtype.items())), file=out)
-    narrowed = sum(row.narrowed for row in report.rows if row.kind == "int")
-    print(f"integer values narrowed to int16: {narrowed}", file=out)
-    if error is not None:
-        print(f"max relative error vs fp32: {error:.3g}", file=out)
-    if report.accuracy is not None:
-        a = report.accuracy
-        print(
-            f"accuracy budget {a.budget:g}: error {a.error:.3g}, {a.evaluations} evaluations, "
-            f"{len(a.fp32_nodes)} node(s) back in fp32",
-            file=out,
-        )
+    """The report's totals (as ``inspect`` prints them) and the error against fp32: the
+    accuracy search's own, over the calibration inputs, when it ran."""
+    for line in report.summary():
+        print(line, file=out)
+    if report.accuracy is None and error is not None:
+        print(f"max relative error vs fp32: {error:.3g} on the first input", file=out)
 
 
 if __name__ == "__main__":

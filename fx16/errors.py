@@ -37,7 +37,13 @@ class PassFailedError(Fx16Error):
 
     def __init__(self, stage: str, cause: BaseException) -> None:
         super().__init__(
-            f"fx16 stage {stage} failed: {type(cause).__name__}: {cause}. "
-            "The program was left unchanged."
+            f"fx16 stage {stage} failed: {one_line(cause)}. The program was left unchanged."
         )
         self.stage = stage
+
+
+def one_line(error: BaseException) -> str:
+    """``error`` as "Type: the first line of its message" (FX and torch.export append
+    tracebacks and advice to theirs)."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

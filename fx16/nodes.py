@@ -41,6 +41,15 @@ def op_label(node: Node) -> str:
     return node.name if node.op == "placeholder" else str(node.target).removeprefix("aten.")
 
 
+def node_module_path(node: Node) -> str | None:
+    """The innermost module path of a node ("layers.0.mlp.fc"), from nn_module_stack."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return path.removeprefix("L['self'].").removeprefix("L__self__.")
+
+
 def tensor_inputs(node: Node) -> list[Node]:
     """The distinct input nodes whose value is a tensor, in argument order."""
     return [arg for arg in node.all_input_nodes if isinstance(node_val(arg), torch.Tensor)]

@@ -6,6 +6,8 @@ handed to ``torch.fx.passes.infra.pass_manager.PassManager`` as it is, or edited
 """
 
 import inspect
+import math
+from collections.abc import Collection
 from dataclasses import replace
 
 from torch.fx import GraphModule
@@ -41,10 +43,12 @@ def fp16_passes(
     *,
     policy: PrecisionPolicy | str | None = None,
     explicit_fp32: str | None = None,
+    keep_io_types: bool | Collection[str] | None = None,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
     input_ranges: dict | None = None,
     force_fp32: frozenset[str] = frozenset(),
+    **unknown,
 ) -> list[PassBase]:
     """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
 
@@ -58,8 +62,10 @@ def fp16_passes(
     ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that must stay fp32.
     A policy that changes nothing (``always_fp32``) gives an empty list.
     """
+    reject_unknown(fp16_passes, unknown)
+    check_overflow_margin(overflow_margin)
     program = Program(ep)
-    policy = resolve_policy(policy, explicit_fp32)
+    policy = resolve_policy(policy, explicit_fp32=explicit_fp32, keep_io_types=keep_io_types)
     if policy.is_noop:
         return []
     limit = overflow_limit(policy, overflow_margin)
@@ -81,11 +87,9 @@ def fp16_passes(
     ]
 
 
-def resolve_policy(
-    policy: PrecisionPolicy | str | None, explicit_fp32: str | None = None
-) -> PrecisionPolicy:
-    """The policy to use: a preset by name, the given one, or the default; with
-    ``explicit_fp32`` overriding the policy's when given."""
+def resolve_policy(policy: PrecisionPolicy | str | None, **overrides) -> PrecisionPolicy:
+    """The policy to use: a preset by name, the given one, or the default; with the
+    ``overrides`` of its fields (``explicit_fp32``, ``keep_io_types``) that are not None."""
     if policy is None:
         policy = PrecisionPolicy.default()
     elif isinstance(policy, str):
@@ -94,13 +98,24 @@ def resolve_policy(
         raise InvalidOptionError(
             f"policy must be a PrecisionPolicy or a preset name, not {type(policy).__name__}"
         )
-    if explicit_fp32 is not None and explicit_fp32 != policy.explicit_fp32:
-        policy = replace(policy, explicit_fp32=explicit_fp32)
-    return policy
+    overrides = {name: value for name, value in overrides.items() if value is not None}
+    return replace(policy, **overrides) if overrides else policy
+
+
+def check_overflow_margin(margin) -> None:
+    """A margin below 1 would count values beyond the 16-bit maximum as fitting."""
+    is_number = isinstance(margin, (int, float)) and not isinstance(margin, bool)
+    if not (is_number and 1 <= margin < math.inf):
+        raise InvalidOptionError(f"overflow_margin must be a number >= 1, got {margin!r}")
 
 
 def int16_passes(
-    ep, *, input_ranges: dict | None = None, int16: str = "proven", calibration: list | None = None
+    ep,
+    *,
+    input_ranges: dict | None = None,
+    int16: str = "proven",
+    calibration: list | None = None,
+    **unknown,
 ) -> list[PassBase]:
     """The int32/int64 -> int16 pipeline for ``ep``, as fresh pass instances.
 
@@ -110,6 +125,7 @@ def int16_passes(
     which narrows only inputs that int16 ops read; cleanup last. ``int16="off"``
     gives an empty list. Options: see ``fx16.cast_int32_to_int16``.
     """
+    reject_unknown(int16_passes, unknown)
     program = Program(ep)
     if check_mode(int16) == "off":
         if input_ranges:
@@ -134,10 +150,7 @@ def split_options(options: dict) -> tuple[dict, dict]:
     An option both accept (``calibration``) goes to both; one neither accepts
     raises ``InvalidOptionError`` naming the accepted ones.
     """
-    accepted = [
-        {name for name, p in inspect.signature(f).parameters.items() if p.kind == p.KEYWORD_ONLY}
-        for f in (fp16_passes, int16_passes)
-    ]
+    accepted = [keyword_options(f) for f in (fp16_passes, int16_passes)]
     unknown = sorted(set(options) - accepted[0] - accepted[1])
     if unknown:
         raise InvalidOptionError(
@@ -145,6 +158,21 @@ def split_options(options: dict) -> tuple[dict, dict]:
         )
     fp16, int16 = ({k: v for k, v in options.items() if k in names} for names in accepted)
     return fp16, int16
+
+
+def keyword_options(function) -> set[str]:
+    """The keyword-only options ``function`` accepts."""
+    parameters = inspect.signature(function).parameters.items()
+    return {name for name, p in parameters if p.kind == p.KEYWORD_ONLY}
+
+
+def reject_unknown(function, unknown: dict) -> None:
+    """``InvalidOptionError`` naming ``unknown`` options and the ones ``function`` takes."""
+    if unknown:
+        raise InvalidOptionError(
+            f"{function.__name__}: unknown option(s) {sorted(unknown)}; "
+            f"accepted: {sorted(keyword_options(function))}"
+        )
 
 
 def run_passes(passes: list[PassBase], graph_module: GraphModule) -> bool:

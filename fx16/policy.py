@@ -12,12 +12,13 @@ range that does not fit - those stay wide whatever the policy says.
 import enum
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 from torch.fx import Node
 
 from fx16.errors import InvalidOptionError
+from fx16.nodes import node_module_path
 from fx16.ops import AUTOCAST_CPU, AUTOCAST_CUDA, COMPUTE_OPS, DATA_MOVEMENT_OPS, REDUCTION_OPS
 
 
@@ -137,44 +138,50 @@ class PrecisionPolicy:
             )
 
     # ---- presets -----------------------------------------------------------------------
+    # Each takes overrides of any field: PrecisionPolicy.auto_mixed(keep_io_types=True).
 
     @classmethod
-    def default(cls) -> "PrecisionPolicy":
+    def default(cls, **overrides) -> "PrecisionPolicy":
         """coreai-opt's behaviour, with fx16's safety rules: everything in fp16."""
-        return cls()
+        return cls._preset(overrides)
 
     @classmethod
-    def always_fp32(cls) -> "PrecisionPolicy":
+    def always_fp32(cls, **overrides) -> "PrecisionPolicy":
         """Nothing changes."""
-        return cls(name="always_fp32", kinds={kind: Precision.FP32 for kind in OpKind})
+        return cls._preset(
+            overrides, name="always_fp32", kinds={kind: Precision.FP32 for kind in OpKind}
+        )
 
     @classmethod
-    def always_fp16(cls) -> "PrecisionPolicy":
+    def always_fp16(cls, **overrides) -> "PrecisionPolicy":
         """Every op in fp16, the model's own fp32 casts included (safety rules still apply)."""
-        return cls(name="always_fp16", explicit_fp32="retarget")
+        return cls._preset(overrides, name="always_fp16", explicit_fp32="retarget")
 
     @classmethod
-    def auto_mixed_conservative(cls) -> "PrecisionPolicy":
+    def auto_mixed_conservative(cls, **overrides) -> "PrecisionPolicy":
         """Reductions (softmax, norms, sums, cumsum, losses) in fp32, cast back after;
         the model's own fp32 regions kept."""
-        return cls(
+        return cls._preset(
+            overrides,
             name="auto_mixed_conservative",
             kinds={**_ALL_LOW, OpKind.REDUCTION: Precision.FP32},
             explicit_fp32="keep",
         )
 
     @classmethod
-    def auto_mixed(cls) -> "PrecisionPolicy":
+    def auto_mixed(cls, **overrides) -> "PrecisionPolicy":
         """Reductions in 16-bit too: their kernels accumulate in fp32 internally."""
-        return cls(name="auto_mixed")
+        return cls._preset(overrides, name="auto_mixed")
 
     @classmethod
-    def auto_mixed_bf16(cls) -> "PrecisionPolicy":
+    def auto_mixed_bf16(cls, **overrides) -> "PrecisionPolicy":
         """auto_mixed in bf16: bf16 has fp32's range, so only fp32-range overflow matters."""
-        return cls(name="auto_mixed_bf16", low=torch.bfloat16)
+        return cls._preset(overrides, name="auto_mixed_bf16", low=torch.bfloat16)
 
     @classmethod
-    def autocast(cls, device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16):
+    def autocast(
+        cls, device_type: str = "cpu", dtype: torch.dtype = torch.bfloat16, **overrides
+    ) -> "PrecisionPolicy":
         """A static torch.autocast: each op gets the dtype eager autocast gives it.
 
         Inputs and weights stay fp32; ops in autocast's lower-precision list run in
@@ -194,7 +201,8 @@ class PrecisionPolicy:
             **dict.fromkeys(table["promote"], Precision.PROMOTE),
         }
         kinds = {kind: Precision.FOLLOW for kind in OpKind} | {OpKind.BOUNDARY: Precision.FP32}
-        return cls(
+        return cls._preset(
+            overrides,
             name=f"autocast({device_type}, {str(dtype).removeprefix('torch.')})",
             low=dtype,
             kinds=kinds,
@@ -207,7 +215,14 @@ class PrecisionPolicy:
     @classmethod
     def custom(cls, base: "PrecisionPolicy | None" = None, **changes) -> "PrecisionPolicy":
         """A policy from ``base`` (default: ``default()``) with ``changes`` to its fields."""
+        _check_fields(changes)
         return replace(base or cls.default(), name=changes.pop("name", "custom"), **changes)
+
+    @classmethod
+    def _preset(cls, overrides: dict, **fields) -> "PrecisionPolicy":
+        """The preset made of ``fields``, with the caller's ``overrides`` on top."""
+        _check_fields(overrides)
+        return cls(**{**fields, **overrides})
 
     @classmethod
     def named(cls, name: str) -> "PrecisionPolicy":
@@ -249,7 +264,7 @@ class PrecisionPolicy:
             decided = self.predicate(node)
             if decided is not None:
                 return _as_precision(decided)
-        path = module_path or _module_path(node)
+        path = module_path or node_module_path(node)
         if path is not None and self.modules:
             matches = [p for p in self.modules if path == p or path.startswith(p + ".")]
             if matches:
@@ -267,10 +282,8 @@ class PrecisionPolicy:
         )
 
 
-def _module_path(node: Node) -> str | None:
-    """The innermost module path of a node ("layers.0.mlp.fc"), from nn_module_stack."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
-    return path.removeprefix("L['self'].").removeprefix("L__self__.")
+def _check_fields(changes: dict) -> None:
+    unknown = sorted(set(changes) - {f.name for f in fields(PrecisionPolicy)})
+    if unknown:
+        accepted = ", ".join(f.name for f in fields(PrecisionPolicy))
+        raise InvalidOptionError(f"unknown policy field(s) {unknown}; fields: {accepted}")

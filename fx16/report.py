@@ -17,8 +17,9 @@ from fx16.analysis.value_range import ValueRangeAnalysis
 from fx16.budget import AccuracySearch
 from fx16.casts import INSERTED, WHY_RETARGETED, is_inserted
 from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason
-from fx16.nodes import node_dtype, op_label
+from fx16.nodes import node_dtype, node_module_path, op_label
 from fx16.ops import WIDE_INT_DTYPES
+from fx16.program import Program
 from fx16.stats import ProgramStats, program_stats
 
 REPORT_KEY = "fx16.report"
@@ -35,6 +36,7 @@ class Row:
     rule: str  # short name of the rule that decided, e.g. "activation_overflow"
     reason: str
     detail: str
+    module: str = ""  # the module path the node belongs to ("model.layers.0.mlp"), if known
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Totals:
     casts_before: int
     casts_after: int
     casts_inserted: int
-    model_casts_removed: int
+    model_casts_removed: int | None  # None: not known (a report built after the fact)
     float_ops: int
     float_ops_16bit: int
 
@@ -71,49 +73,79 @@ class CastReport:
 
     def table(self, rows: list[Row] | None = None) -> str:
         """A fixed-width table of ``rows`` (default: every row), then the totals."""
+        return "\n".join([format_rows(self.rows if rows is None else rows), "", *self.summary()])
+
+    def summary(self) -> list[str]:
+        """The totals, as the command line prints them after a cast and under a table."""
         t = self.totals
-        lines = [format_rows(self.rows if rows is None else rows), ""]
-        lines.append(f"weight bytes: {t.weight_bytes_before} -> {t.weight_bytes_after}")
-        lines.append(
-            f"casts: {t.casts_before} -> {t.casts_after} "
-            f"({t.casts_inserted} inserted by fx16, {t.model_casts_removed} of the model's removed)"
+        ratio = t.weight_bytes_after / t.weight_bytes_before if t.weight_bytes_before else 1.0
+        removed = (
+            f", {t.model_casts_removed} of the model's removed"
+            if t.model_casts_removed is not None
+            else ""
         )
-        lines.append(
-            f"float ops in 16-bit: {t.float_ops_16bit} of {t.float_ops} ({t.share_16bit:.0%})"
-        )
+        narrowed = sum(row.narrowed for row in self.rows if row.kind == "int")
+        floats = [row for row in self.rows if row.kind == "float" and row.narrowed]
+        low = sorted({row.dtype for row in floats} & {"float16", "bfloat16"})
+        lines = [
+            f"weight bytes: {t.weight_bytes_before} -> {t.weight_bytes_after} ({ratio:.2f}x)",
+            f"casts: {t.casts_before} -> {t.casts_after} ({t.casts_inserted} inserted by fx16"
+            f"{removed})",
+            f"float ops in 16-bit: {t.float_ops_16bit} of {t.float_ops} ({t.share_16bit:.0%}"
+            f"{'; ' if low else ''}{', '.join(low)})",
+            f"integer values narrowed to int16: {narrowed}",
+        ]
         if self.accuracy is not None:
             a = self.accuracy
             lines.append(
-                f"accuracy: error {a.error:.3g} (budget {a.budget:.3g}) after {a.rounds} round(s), "
-                f"{a.evaluations} program evaluations, {len(a.fp32_nodes)} node(s) back in fp32"
+                f"accuracy: error {a.error:.3g} on the calibration inputs (budget {a.budget:.3g}) "
+                f"after {a.rounds} round(s), {a.evaluations} program evaluations, "
+                f"{len(a.fp32_nodes)} node(s) back in fp32"
             )
-        return "\n".join(lines)
+        return lines
+
+    def by_layer(self) -> list[str]:
+        """One line per layer (module path up to its index: "model.layers.3"): how many
+        of its float values are 16-bit and fp32, and the rules that kept values fp32."""
+        groups: dict[str, list[Row]] = {}
+        for row in self.rows:
+            if row.kind == "float":
+                groups.setdefault(_layer(row.module), []).append(row)
+        width = max((len(name) for name in groups), default=5)
+        lines = [f"{'layer':{width}} {'16-bit':>7} {'fp32':>5}  rules keeping float values fp32"]
+        for name, rows in groups.items():
+            wide = [row for row in rows if not row.narrowed]
+            rules = {}
+            for row in wide:
+                rules[row.rule] = rules.get(row.rule, 0) + 1
+            why = ", ".join(f"{rule} x{count}" for rule, count in rules.items()) or "-"
+            lines.append(f"{name:{width}} {len(rows) - len(wide):>7} {len(wide):>5}  {why}")
+        return lines
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _row(node: Node, kind: str, decision: Decision | None, body: str = "") -> Row:
+def _row(
+    node: Node, kind: str, decision: Decision | None, body: str = "", owners: dict | None = None
+) -> Row:
+    """``owners``: the module owning each state placeholder, by name (a weight's node
+    has no module stack)."""
     name = f"{body}.{node.name}" if body else node.name
+    module = node_module_path(node) or (owners or {}).get(node.name, "")
     if decision is None:
         dtype = node_dtype(node)
+        narrowed = dtype == torch.float16
         return Row(
-            name,
-            op_label(node),
-            kind,
-            _dtype_name(dtype),
-            dtype == torch.float16,
-            "left_as_is",
-            LEFT_AS_IS,
-            "",
+            name, op_label(node), kind, _dtype_name(dtype), narrowed, "left_as_is", LEFT_AS_IS, ""
         )
     if not decision.detail and kind == "int" and node.meta.get(ValueRangeAnalysis.META_KEY):
         decision = replace(decision, detail=str(node.meta[ValueRangeAnalysis.META_KEY]))
-    return _decision_row(name, op_label(node), kind, decision)
+    return _decision_row(name, op_label(node), kind, decision, module)
 
 
-def _decision_row(name: str, op: str, kind: str, decision: Decision) -> Row:
+def _decision_row(name: str, op: str, kind: str, decision: Decision, module: str = "") -> Row:
     return Row(
         name,
         op,
@@ -123,7 +155,17 @@ def _decision_row(name: str, op: str, kind: str, decision: Decision) -> Row:
         decision.reason.name.lower(),
         decision.reason.value,
         decision.detail,
+        module,
     )
+
+
+def _layer(module: str) -> str:
+    """A module path up to its first index ("model.layers.3" of "model.layers.3.mlp")."""
+    if not module:
+        return "(no module)"
+    parts = module.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts) - 1)
+    return ".".join(parts[: index + 1])
 
 
 def _island_rows(graph_module: GraphModule, body: str, listed: set[str]) -> list[Row]:
@@ -161,15 +203,18 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
         and (not is_inserted(n) or n.meta[INSERTED] == WHY_RETARGETED)
     ]
     int16_ran = any(INT_PRECISION in n.meta for _, n in nodes)
+    owners = {
+        slot.placeholder.name: slot.target.rpartition(".")[0] for slot in Program(ep).state_slots()
+    }
     rows = [
-        _row(n, "float", n.meta.get(PRECISION), body)
+        _row(n, "float", n.meta.get(PRECISION), body, owners)
         for body, n in nodes
         if PRECISION in n.meta or getattr(node_dtype(n), "is_floating_point", False)
     ]
     listed = {row.node for row in rows}
     rows += [row for body, module in graphs for row in _island_rows(module, body, listed)]
     rows += [
-        _row(n, "int", n.meta.get(INT_PRECISION), body)
+        _row(n, "int", n.meta.get(INT_PRECISION), body, owners)
         for body, n in nodes
         if INT_PRECISION in n.meta or (int16_ran and node_dtype(n) in WIDE_INT_DTYPES)
     ]
@@ -177,35 +222,70 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
 
 
 def build_report(
-    ep: ExportedProgram, before: ProgramStats, accuracy: AccuracySearch | None = None
+    ep: ExportedProgram, before: ProgramStats | None, accuracy: AccuracySearch | None = None
 ) -> CastReport:
+    """The report of a cast of ``ep``; ``before``: the program's figures before it (None:
+    not recorded; the weight bytes before then follow from the decisions, and the
+    model's casts the cleanup removed are not known)."""
     after = program_stats(ep)
-    float_ops = after.float_ops
+    rows = decision_rows(ep)
+    model_casts = after.casts - after.inserted_casts
     return CastReport(
-        decision_rows(ep),
+        rows,
         Totals(
-            weight_bytes_before=before.weight_bytes,
+            weight_bytes_before=before.weight_bytes if before else _bytes_before(ep),
             weight_bytes_after=after.weight_bytes,
-            casts_before=before.casts,
+            casts_before=before.casts if before else model_casts,
             casts_after=after.casts,
             casts_inserted=after.inserted_casts,
-            model_casts_removed=max(before.casts - (after.casts - after.inserted_casts), 0),
-            float_ops=float_ops,
+            model_casts_removed=max(before.casts - model_casts, 0) if before else None,
+            float_ops=after.float_ops,
             float_ops_16bit=after.ops_in(torch.float16) + after.ops_in(torch.bfloat16),
         ),
         accuracy,
     )
 
 
+def _bytes_before(ep: ExportedProgram) -> int:
+    """The state's bytes before a cast: each tensor narrowed from fp32 took twice its size."""
+    total, program = program_stats(ep).weight_bytes, Program(ep)
+    for slot in program.state_slots():
+        tensor = program.state_tensor(slot.target)
+        decision = slot.placeholder.meta.get(PRECISION)
+        if decision is not None and decision.narrowed and isinstance(tensor, torch.Tensor):
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
 def format_rows(rows: list[Row]) -> str:
-    """A fixed-width table: node, op, dtype, rule and reason (with ranges or detail)."""
-    lines = [f"{'node':24} {'op':28} {'dtype':8} {'rule':20} why"]
-    for row in rows:
-        why = row.reason + (f": {row.detail}" if row.detail else "")
-        lines.append(f"{row.node[:24]:24} {row.op[:28]:28} {row.dtype:8} {row.rule[:20]:20} {why}")
+    """A table: node (full name), module, op, dtype, rule and reason (with ranges or
+    detail); columns as wide as their longest entry."""
+    columns = [
+        ("node", [row.node for row in rows]),
+        ("module", [row.module or "-" for row in rows]),
+        ("op", [row.op for row in rows]),
+        ("dtype", [row.dtype for row in rows]),
+        ("rule", [row.rule for row in rows]),
+    ]
+    widths = [max([len(title), *map(len, cells)]) for title, cells in columns]
+    lines = [" ".join(f"{title:{w}}" for (title, _), w in zip(columns, widths)) + " why"]
+    for index, row in enumerate(rows):
+        cells = " ".join(f"{cells[index]:{w}}" for (_, cells), w in zip(columns, widths))
+        lines.append(f"{cells} {row.reason}" + (f": {row.detail}" if row.detail else ""))
     return "\n".join(lines)
 
 
 def report_of(ep: ExportedProgram) -> CastReport | None:
-    """The report the last fx16 cast stored on ``ep``, if any."""
-    return ep.graph_module.meta.get(REPORT_KEY)
+    """The report of the cast of ``ep``: the one an fx16 cast function stored, or, for a
+    program cast by fx16's passes in a pipeline of its own (``PassManager``), one built
+    now from the decisions its nodes carry. None for a program fx16 did not cast."""
+    stored = ep.graph_module.meta.get(REPORT_KEY)
+    if stored is not None:
+        return stored
+    decided = any(
+        PRECISION in node.meta or INT_PRECISION in node.meta
+        for module in ep.graph_module.modules()
+        if isinstance(module, GraphModule)
+        for node in module.graph.nodes
+    )
+    return build_report(ep, None) if decided else None

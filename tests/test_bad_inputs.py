@@ -237,7 +237,64 @@ OPTION_ERRORS = [
         fx16.cast_to_16_bit_precision,
         dict(input_range={"x": (0, 1)}),
         "unknown option(s) ['input_range']; accepted: ['calibration', 'explicit_fp32', "
-        "'force_fp32', 'input_ranges', 'int16', 'overflow_margin', 'policy']",
+        "'force_fp32', 'input_ranges', 'int16', 'keep_io_types', 'overflow_margin', 'policy']",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(calibration=[(torch.randn(5, 8),)]),
+        "calibration[0]: input 'x' has shape (5, 8); the program takes (3, 8) (* = any size)",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(calibration=[(torch.randn(3, 7),)], max_rel_error=1e-2),
+        "calibration[0]: input 'x' has shape (3, 7); the program takes (3, 8) (* = any size)",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(calibration=[(torch.ones(3, 8, dtype=torch.int64),)]),
+        "calibration[0]: the program fails on it: RuntimeError: "
+        "mat1 and mat2 must have the same dtype, but got Long and Float",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(overflow_margin=0),
+        "overflow_margin must be a number >= 1, got 0",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(overflow_margin=0.5),
+        "overflow_margin must be a number >= 1, got 0.5",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(keep_io=True),
+        "cast_fp32_to_fp16: unknown option(s) ['keep_io']; accepted: ['calibration', "
+        "'explicit_fp32', 'input_ranges', 'keep_io_types', 'max_rel_error', 'overflow_margin', "
+        "'policy', 'progress']",
+    ),
+    (
+        fx16.cast_int32_to_int16,
+        dict(ranges={"x": (0, 1)}),
+        "cast_int32_to_int16: unknown option(s) ['ranges']; accepted: ['calibration', "
+        "'input_ranges', 'int16']",
+    ),
+    (
+        fx16.fp16_passes,
+        dict(margin=2),
+        "fp16_passes: unknown option(s) ['margin']; accepted: ['calibration', "
+        "'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'overflow_margin', "
+        "'policy']",
+    ),
+    (
+        fx16.int16_passes,
+        dict(mode="proven"),
+        "int16_passes: unknown option(s) ['mode']; accepted: ['calibration', 'input_ranges', "
+        "'int16']",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(policy=fx16.PrecisionPolicy.auto_mixed(keep_io_types=True), explicit_fp32="often"),
+        "explicit_fp32 must be one of 'calibrated', 'keep', 'retarget', not 'often'",
     ),
 ]
 
@@ -252,5 +309,28 @@ def test_bad_options_are_named_and_change_nothing(mlp, entry, options, message):
 
 
 def test_a_single_tensor_is_one_calibration_input(mlp):
-    fx16.cast_fp32_to_fp16(mlp, calibration=[torch.randn(3, 8), torch.randn(5, 8)])
+    fx16.cast_fp32_to_fp16(mlp, calibration=[torch.randn(3, 8), torch.randn(3, 8)])
     assert mlp.graph_module.meta["fx16.calibration"] == "observed on 2 input(s)"
+
+
+def test_keep_io_types_is_a_keyword_of_the_cast_functions(mlp):
+    """onnxconverter-common's option: inputs and outputs keep fp32, the rest is 16-bit."""
+    x = torch.randn(3, 8)
+    fx16.cast_fp32_to_fp16(mlp, keep_io_types=True)
+    check_program(mlp)
+    assert mlp.module()(x).dtype == torch.float32
+    assert {t.dtype for t in mlp.state_dict.values()} == {torch.float16}
+
+
+def test_presets_take_overrides_of_any_field():
+    policy = fx16.PrecisionPolicy.auto_mixed(keep_io_types=True)
+    assert policy.name == "auto_mixed" and policy.keep_io_types is True
+    bf16 = fx16.PrecisionPolicy.autocast("cpu", explicit_fp32="retarget")
+    assert bf16.explicit_fp32 == "retarget" and bf16.low == torch.bfloat16
+    _raises(
+        fx16.InvalidOptionError,
+        "unknown policy field(s) ['keep_io']; fields: name, low, kinds, ops, modules, nodes, "
+        "predicate, op_table, keep_io_types, explicit_fp32, cast_back, precision_tolerance",
+        fx16.PrecisionPolicy.default,
+        keep_io=True,
+    )

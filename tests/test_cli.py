@@ -2,8 +2,11 @@
 
 import hashlib
 import json
+import os
+import struct
 import subprocess
 import sys
+import textwrap
 import zipfile
 
 import pytest
@@ -13,12 +16,15 @@ from helpers import export
 from models import MLP
 
 
-def fx16(*args, cwd=None):
+def fx16(*args, cwd=None, path=None):
+    """Run the command; ``path``: a folder to put on PYTHONPATH."""
+    env = {**os.environ, "PYTHONPATH": str(path)} if path is not None else None
     return subprocess.run(
         [sys.executable, "-m", "fx16", *map(str, args)],
         capture_output=True,
         text=True,
         cwd=cwd,
+        env=env,
         timeout=300,
     )
 
@@ -105,7 +111,8 @@ def test_inspect_explains_without_writing(program, tmp_path):
     source, _ = program
     result = fx16("inspect", source, "--all", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[0].split()[:5] == ["node", "op", "dtype", "rule", "why"]
+    header = ["node", "module", "op", "dtype", "rule", "why"]
+    assert result.stdout.splitlines()[0].split() == header
     assert "float ops in 16-bit" in result.stdout
     assert list(tmp_path.iterdir()) == []
 
@@ -120,10 +127,25 @@ def test_compare_shows_both_dtypes(program, tmp_path):
     assert len(rows) == 3 and all("float32    float16" in row for row in rows)
 
 
+def _damaged_copy(source, target):
+    """``source`` with one byte of its first weight flipped: a valid zip, a bad CRC."""
+    with zipfile.ZipFile(source) as archive:
+        entry = next(i for i in archive.infolist() if "/weights/" in i.filename and i.file_size)
+    data = bytearray(source.read_bytes())
+    # the local header's name and extra lengths (torch pads the extra field to align data)
+    name_length, extra_length = struct.unpack_from("<HH", data, entry.header_offset + 26)
+    data[entry.header_offset + 30 + name_length + extra_length] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
 def _bad_inputs(folder, source):
     (folder / "notes.txt").write_text("not a program")
     with zipfile.ZipFile(folder / "corrupt.pt2", "w") as archive:
         archive.writestr("corrupt/data.pkl", b"junk")
+    _damaged_copy(source, folder / "damaged.pt2")
+    torch.save([(torch.randn(3, 5),)], folder / "wrong_shape.pt")
+    (folder / "text.pt").write_text("x = 1\n")
+    torch.export.save(export(MLP(widths=(6, 4)), torch.randn(4, 6)), folder / "other.pt2")
     return {
         "missing": (["cast", folder / "missing.pt2", "-o", folder / "x.pt2"], "does not exist"),
         "not a pt2": (["cast", folder / "notes.txt", "-o", folder / "x.pt2"], "not a .pt2"),
@@ -134,11 +156,44 @@ def _bad_inputs(folder, source):
             "unknown policy",
         ),
         "directory": (["cast", source, "-o", folder / "no" / "x.pt2"], "does not exist"),
+        "damaged entry": (
+            ["cast", folder / "damaged.pt2", "-o", folder / "x.pt2"],
+            "does not match its data",
+        ),
+        "wrong-shape inputs": (
+            ["cast", source, "-o", folder / "x.pt2", "--calibrate", folder / "wrong_shape.pt"],
+            "has shape (3, 5); the program takes (4, 8)",
+        ),
+        "not a tensor file": (
+            ["cast", source, "-o", folder / "x.pt2", "--calibrate", folder / "text.pt"],
+            "expected a list of input tuples saved with torch.save",
+        ),
+        "compare different inputs": (
+            ["compare", source, folder / "other.pt2"],
+            "other.pt2's inputs[0]: input 'x' has shape (4, 8); the program takes (4, 6)",
+        ),
+        "unknown import": (
+            ["inspect", source, "--import", "no_such_module_here"],
+            "cannot import no_such_module_here",
+        ),
     }
 
 
 @pytest.mark.parametrize(
-    "case", ["missing", "not a pt2", "corrupt", "overwrite", "policy", "directory"]
+    "case",
+    [
+        "missing",
+        "not a pt2",
+        "corrupt",
+        "overwrite",
+        "policy",
+        "directory",
+        "damaged entry",
+        "wrong-shape inputs",
+        "not a tensor file",
+        "compare different inputs",
+        "unknown import",
+    ],
 )
 def test_bad_input_is_one_line_and_changes_nothing(program, tmp_path, case):
     source, _ = program
@@ -146,11 +201,35 @@ def test_bad_input_is_one_line_and_changes_nothing(program, tmp_path, case):
     arguments, words = _bad_inputs(tmp_path, source)[case]
     result = fx16(*arguments)
     assert result.returncode == 2
-    lines = [line for line in result.stderr.splitlines() if line.startswith("fx16:")]
-    assert len(lines) == 1 and words in lines[0]
-    assert "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr  # one line, nothing else
+    assert result.stderr.startswith("fx16: error: ") and words in result.stderr
     assert _digest(source) == before
     assert not (tmp_path / "x.pt2").exists()
+
+
+class Noisy(torch.nn.Module):
+    """Random noise in the program itself: no precision meets a budget below it."""
+
+    def forward(self, x):
+        return x.relu() + torch.rand_like(x) * 1e-3
+
+
+def test_a_budget_that_cannot_be_met_has_its_own_exit_code(program, tmp_path):
+    noisy = tmp_path / "noisy.pt2"
+    torch.export.save(export(Noisy(), torch.randn(4, 8)), noisy)
+    result = fx16("cast", noisy, "-o", tmp_path / "x.pt2", "--max-rel-error", "1e-6", "--quiet")
+    assert result.returncode == 3, result.stderr
+    assert result.stderr.count("\n") == 1 and "cannot be met" in result.stderr
+    assert not (tmp_path / "x.pt2").exists()
+    source, inputs = program
+    arguments = ["cast", source, "-o", tmp_path / "x.pt2", "--calibrate", inputs]
+    met = fx16(*arguments, "--max-rel-error", "0.05")
+    assert met.returncode == 0, met.stderr
+    errors = [line for line in met.stdout.splitlines() if "error" in line]
+    assert len(errors) == 1  # the search's own figure, over every calibration input
+    assert errors[0].startswith("accuracy: error ")
+    assert "on the calibration inputs (budget 0.05)" in errors[0]
+    assert "exit codes: 0 done, 2 bad input" in fx16("--help").stdout
 
 
 def test_overwrite_with_force(program, tmp_path):
@@ -167,3 +246,64 @@ def test_demo_and_console_script():
     assert result.returncode == 0 and "max relative error" in result.stdout
     help_text = subprocess.run(["fx16", "--help"], capture_output=True, text=True, timeout=120)
     assert help_text.returncode == 0 and "cast" in help_text.stdout
+
+
+def test_transformers_programs_load_cast_and_load_back(tmp_path):
+    """A transformers model returns a ModelOutput, which pytree knows only once its
+    module is imported: the command imports it by the name the archive records."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16, use_cache=False
+    )
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (1, 8))
+    ep = torch.export.export(transformers.GPT2LMHeadModel(config).eval(), (ids,))
+    source, target = tmp_path / "g.pt2", tmp_path / "g16.pt2"
+    torch.export.save(ep, source)
+    commands = [["cast", source, "-o", target], ["inspect", target], ["compare", source, target]]
+    for arguments in commands:
+        result = fx16(*arguments)
+        assert result.returncode == 0, result.stderr
+    check = textwrap.dedent(
+        f"""
+        import torch, transformers.modeling_outputs
+        ids = torch.tensor({ids.tolist()})
+        paths = {str(source)!r}, {str(target)!r}
+        a, b = (torch.export.load(path).module()(ids).logits for path in paths)
+        assert b.dtype == torch.float16 and (a - b.float()).abs().max() < 1e-2 * a.abs().max()
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_an_output_type_registered_elsewhere_is_named_with_import(tmp_path):
+    """The type's own module does not register it: the one-line error gives torch's
+    reason and asks for --import; with it, the program loads."""
+    (tmp_path / "pair_type.py").write_text(
+        "import dataclasses, torch\n"
+        "@dataclasses.dataclass\n"
+        "class Pair:\n    first: torch.Tensor\n    second: torch.Tensor\n"
+    )
+    (tmp_path / "pair_registry.py").write_text(
+        "import torch.utils._pytree as pytree\nfrom pair_type import Pair\n"
+        "pytree.register_dataclass(Pair, serialized_type_name='pair_type.Pair')\n"
+    )
+    save = textwrap.dedent(
+        """
+        import torch, pair_registry
+        from pair_type import Pair
+        class Split(torch.nn.Module):
+            def forward(self, x):
+                return Pair(x.relu(), x * 2)
+        torch.export.save(torch.export.export(Split(), (torch.randn(2, 3),)), "pair.pt2")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", save], cwd=tmp_path, env=env, check=True)
+    without = fx16("inspect", tmp_path / "pair.pt2", path=tmp_path)
+    assert without.returncode == 2 and without.stderr.count("\n") == 1
+    assert "Deserializing pair_type.Pair in pytree is not registered" in without.stderr
+    assert "; pass --import MODULE" in without.stderr
+    with_import = fx16("inspect", tmp_path / "pair.pt2", "--import", "pair_registry", path=tmp_path)
+    assert with_import.returncode == 0, with_import.stderr

@@ -26,9 +26,19 @@ def test_integer_rows_carry_ranges_and_json_round_trips():
     add = next(row for row in rows if row.node == "add")
     assert "exceeds int16" in add.reason and "[0, 999999] (declared)" in add.detail
     first = json.loads(report_of(ep).to_json())["nodes"][0]
-    assert first.keys() == {"node", "op", "kind", "dtype", "narrowed", "rule", "reason", "detail"}
+    assert first.keys() == {
+        "node",
+        "op",
+        "kind",
+        "dtype",
+        "narrowed",
+        "rule",
+        "reason",
+        "detail",
+        "module",
+    }
     table = format_rows(rows)
-    assert table.splitlines()[0].split() == ["node", "op", "dtype", "rule", "why"]
+    assert table.splitlines()[0].split() == ["node", "module", "op", "dtype", "rule", "why"]
     assert len(table.splitlines()) == len(rows) + 1
 
 
@@ -73,3 +83,54 @@ def test_bodies_of_higher_order_ops_have_rows_too():
     assert linear.dtype == "float16" and linear.rule == "fits"
     assert rows["while_loop_body_graph_0.arg1_1"].rule == "loop_carried"
     assert all(row.rule != "left_as_is" for row in rows.values() if row.kind == "float")
+
+
+class LongNames(torch.nn.Module):
+    """Two layers whose node names share their first 24 characters."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder_layer_with_a_long_name = torch.nn.ModuleList(
+            torch.nn.Linear(4, 4) for _ in range(2)
+        )
+
+    def forward(self, x):
+        for layer in self.encoder_layer_with_a_long_name:
+            x = layer(x).relu()
+        return x
+
+
+def test_the_table_shows_full_names_and_modules_and_a_summary_per_layer():
+    ep = fx16.cast_fp32_to_fp16(export(LongNames(), torch.randn(2, 4)))
+    report = report_of(ep)
+    table = report.table()
+    names = [row.node for row in report.rows]
+    assert len({name[:24] for name in names}) < len(names)  # the old table's cut
+    for name in names:
+        assert f"{name} " in table
+    assert "encoder_layer_with_a_long_name.1" in table
+    layers = report.by_layer()
+    assert layers[0].split()[:3] == ["layer", "16-bit", "fp32"]
+    assert [line.split()[0] for line in layers[1:]] == [
+        "encoder_layer_with_a_long_name.0",
+        "encoder_layer_with_a_long_name.1",
+        "(no",  # the user input
+    ]
+
+
+def test_a_pipeline_of_fx16_passes_has_a_report_too():
+    """PassManager(fx16.fp16_passes(ep)) stores no report: report_of builds one from the
+    decisions in the nodes' meta, with the same rows and figures as the cast function's."""
+    from torch.fx.passes.infra.pass_manager import PassManager
+
+    torch.manual_seed(0)
+    by_function = fx16.cast_fp32_to_fp16(export(OverflowWeight(), torch.randn(2, 4)))
+    torch.manual_seed(0)
+    by_manager = export(OverflowWeight(), torch.randn(2, 4))
+    PassManager(fx16.fp16_passes(by_manager))(by_manager.graph_module)
+    built, stored = report_of(by_manager), report_of(by_function)
+    assert built is not None and built.rows == stored.rows
+    assert built.totals.weight_bytes_before == stored.totals.weight_bytes_before
+    assert built.totals.float_ops_16bit == stored.totals.float_ops_16bit
+    assert built.totals.model_casts_removed is None  # the pipeline did not record it
+    assert "of the model's removed" not in "\n".join(built.summary())

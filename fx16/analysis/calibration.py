@@ -8,7 +8,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fx16.errors import InvalidOptionError
+from fx16.errors import InvalidOptionError, one_line
 from fx16.interpreter import LeanInterpreter
 from fx16.numerics import INF_LIKE
 from fx16.ops import INT_DTYPES, SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS
@@ -37,9 +37,11 @@ class CalibrationAnalysis(PassBase):
 
     Run it before anything converts the program: it observes the values the
     original precision computes. Buffers the program updates in place are copied
-    first, so calibrating changes no state. If the program fails on its inputs (some
-    exports record dtypes their own graph does not compute), calibration is skipped
-    with a RuntimeWarning and the reason in ``graph_module.meta["fx16.calibration"]``.
+    first, so calibrating changes no state. Calibration inputs the program fails on
+    raise ``InvalidOptionError`` naming the input and the program's complaint. Only
+    when the example inputs torch.export recorded fail (some exports record dtypes
+    their own graph does not compute) is calibration skipped, with a RuntimeWarning
+    and the reason in ``graph_module.meta["fx16.calibration"]``.
     """
 
     META_KEY = "fx16.observed_range"
@@ -59,17 +61,12 @@ class CalibrationAnalysis(PassBase):
         recorder = _MagnitudeRecorder(
             graph_module, constant={slot.placeholder for slot in self.program.state_slots()}
         )
-        try:
-            with torch.no_grad():
-                for args, kwargs in calls:
+        with torch.no_grad():
+            for index, (args, kwargs) in enumerate(calls):
+                try:
                     recorder.run(*self.program.graph_inputs(args, kwargs, copy_buffers=True))
-        except Exception as error:  # the program itself fails: say so, cast without it
-            status = f"skipped: the program fails on its calibration inputs ({error})"
-            graph_module.meta[self.STATUS_KEY] = status.splitlines()[0]
-            warnings.warn(
-                f"fx16 {graph_module.meta[self.STATUS_KEY]}", RuntimeWarning, stacklevel=2
-            )
-            return PassResult(graph_module, False)
+                except Exception as error:
+                    return self.failed(graph_module, index, error)
         for node, magnitude in recorder.magnitudes.items():
             node.meta[self.META_KEY] = magnitude
         for node in _sentinels_fp16_cannot_carry(graph_module, recorder.sentinels):
@@ -81,34 +78,68 @@ class CalibrationAnalysis(PassBase):
         graph_module.meta[self.STATUS_KEY] = f"observed on {len(calls)} input(s)"
         return PassResult(graph_module, False)
 
+    def failed(self, graph_module: GraphModule, index: int, error: Exception) -> PassResult:
+        """The program fails on calibration input ``index``: the user's inputs are an
+        error, never a silent skip; its own example inputs are skipped, with a warning."""
+        if self.calibration is not None:
+            raise InvalidOptionError(
+                f"calibration[{index}]: the program fails on it: {one_line(error)}"
+            ) from error
+        status = f"skipped: the program fails on its example inputs ({one_line(error)})"
+        graph_module.meta[self.STATUS_KEY] = status
+        warnings.warn(f"fx16 {status}", RuntimeWarning, stacklevel=3)
+        return PassResult(graph_module, False)
 
-def calibration_calls(program: Program, calibration: list | None) -> list[tuple[tuple, dict]]:
+
+def calibration_calls(
+    program: Program, calibration: list | None, label: str = "calibration"
+) -> list[tuple[tuple, dict]]:
     """The (args, kwargs) calls to calibrate on: ``calibration``, or the example inputs.
 
     Each entry of ``calibration`` is an argument tuple, an (args, kwargs) pair, or a
     tensor for a program with one input; an entry that does not supply the
-    program's user inputs raises ``InvalidOptionError``."""
+    program's user inputs, or gives one a shape the program does not take, raises
+    ``InvalidOptionError`` naming it as ``label[index]``."""
     if calibration is None:
         example = program.ep.example_inputs
         return [example] if example is not None else []
     if not isinstance(calibration, (list, tuple)):
         raise InvalidOptionError(
-            f"calibration must be a list of argument tuples, got {type(calibration).__name__}"
+            f"{label} must be a list of argument tuples, got {type(calibration).__name__}"
         )
-    expected = len(program.user_input_placeholders())
+    placeholders = program.user_input_placeholders()
     calls = []
     for index, entry in enumerate(calibration):
         if isinstance(entry, torch.Tensor):
             entry = (entry,)
         call = entry if _is_args_kwargs(entry) else (tuple(entry), {})
-        supplied = len(pytree.tree_leaves(call))
-        if supplied != expected:
+        supplied = pytree.tree_leaves(call)
+        if len(supplied) != len(placeholders):
             raise InvalidOptionError(
-                f"calibration[{index}] supplies {supplied} input value(s); "
-                f"the program takes {expected}"
+                f"{label}[{index}] supplies {len(supplied)} input value(s); "
+                f"the program takes {len(placeholders)}"
             )
+        for value, placeholder in zip(supplied, placeholders):
+            _check_shape(f"{label}[{index}]", value, placeholder)
         calls.append(call)
     return calls
+
+
+def _check_shape(name: str, value, placeholder: Node) -> None:
+    """A tensor whose static sizes differ from what the program takes is refused."""
+    val = placeholder.meta.get("val")
+    if not (isinstance(value, torch.Tensor) and isinstance(val, torch.Tensor)):
+        return
+    expected = ["*" if not isinstance(size, int) else size for size in val.shape]
+    fits = len(expected) == value.dim() and all(
+        want == "*" or want == got for want, got in zip(expected, value.shape)
+    )
+    if not fits:
+        takes = "(" + ", ".join(map(str, expected)) + ")"
+        raise InvalidOptionError(
+            f"{name}: input {placeholder.name!r} has shape "
+            f"{tuple(value.shape)}; the program takes {takes} (* = any size)"
+        )
 
 
 def _is_args_kwargs(entry) -> bool:
