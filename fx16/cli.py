@@ -23,6 +23,7 @@ from fx16.pipelines import resolve_policy
 from fx16.policy import EXPLICIT_FP32_CHOICES
 from fx16.program import Program
 from fx16.report import format_rows, report_of
+from fx16.report_html import report_html
 from fx16.stats import relative_error
 
 # Above this many values, inspect opens with a summary per layer.
@@ -60,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("input", type=Path, metavar="IN.pt2")
     _add_cast_options(inspect)
     inspect.add_argument("--all", action="store_true", help="list 16-bit values too")
+    inspect.add_argument(
+        "--html",
+        type=Path,
+        metavar="OUT.html",
+        help="also write a self-contained page: layers coloured by precision, reasons on hover",
+    )
 
     compare = commands.add_parser("compare", help="run two programs and compare their outputs")
     compare.add_argument("first", type=Path, metavar="A.pt2")
@@ -145,7 +152,11 @@ def cast_command(args) -> int:
 
 
 def inspect_command(args) -> int:
+    if args.html is not None and not args.html.expanduser().parent.is_dir():
+        raise CommandError(f"directory {args.html.expanduser().parent} does not exist")
     _, report, error = _cast(_existing_program_path(args.input), args)
+    if args.html is not None:
+        args.html.expanduser().write_text(report_html(report, args.input.name))
     rows = report.rows if args.all else report.kept_wide()
     if len(report.rows) > LAYER_SUMMARY_ROWS:  # a big model: its layers first
         print("\n".join(report.by_layer()), end="\n\n")

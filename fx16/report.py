@@ -110,7 +110,7 @@ class CastReport:
         groups: dict[str, list[Row]] = {}
         for row in self.rows:
             if row.kind == "float":
-                groups.setdefault(_layer(row.module), []).append(row)
+                groups.setdefault(layer_of(row.module), []).append(row)
         width = max((len(name) for name in groups), default=5)
         lines = [f"{'layer':{width}} {'16-bit':>7} {'fp32':>5}  rules keeping float values fp32"]
         for name, rows in groups.items():
@@ -159,7 +159,7 @@ def _decision_row(name: str, op: str, kind: str, decision: Decision, module: str
     )
 
 
-def _layer(module: str) -> str:
+def layer_of(module: str) -> str:
     """A module path up to its first index ("model.layers.3" of "model.layers.3.mlp")."""
     if not module:
         return "(no module)"

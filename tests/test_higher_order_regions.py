@@ -22,7 +22,7 @@ def test_autocast_regions_keep_their_meaning(strict):
     model, x = AutocastRegions(), torch.randn(3, 8)
     ep = torch.export.export(model.eval(), (x,), strict=strict)
     if strict:  # strict export records fp32 for the fp16 region: the program cannot run as is
-        with pytest.warns(RuntimeWarning, match="calibration inputs"):
+        with pytest.warns(RuntimeWarning, match="example inputs"):
             fx16.cast_fp32_to_fp16(ep)
     else:
         fx16.cast_fp32_to_fp16(ep)

@@ -1,0 +1,99 @@
+"""The decision report as one self-contained HTML page (``fx16 inspect --html``).
+
+The page needs no network: styles and the few lines of script are inline. Each
+layer of the program (module path up to its index, "model.layers.3") is a row of
+cells, one per float value in graph order, coloured by the precision fx16 chose;
+hovering a cell shows the value's node, op, dtype, rule and reason - for an fp32
+value, why it stays fp32. The totals head the page; a button hides the 16-bit cells.
+"""
+
+import html
+
+from fx16.report import CastReport, Row, layer_of
+
+_COLOURS = {"16-bit": "#3a9d5d", "fp32": "#e07b39", "left as is": "#9aa0a6"}
+
+_STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #202124; }
+h1 { font-size: 20px; margin: 0 0 8px; }
+.totals { margin: 0 0 16px; padding: 0; list-style: none; }
+.legend span { display: inline-block; margin-right: 16px; }
+.legend i, .cell { display: inline-block; width: 14px; height: 14px; border-radius: 2px; }
+.legend i { vertical-align: -2px; margin-right: 4px; }
+table { border-collapse: collapse; margin-top: 12px; }
+td { padding: 3px 8px; vertical-align: top; border-bottom: 1px solid #eee; }
+td.layer { font-family: ui-monospace, monospace; white-space: nowrap; }
+td.counts { white-space: nowrap; color: #5f6368; }
+.cell { margin: 1px; cursor: help; }
+.cell:hover { outline: 2px solid #202124; }
+body.fp32-only .cell.precision-16-bit { visibility: hidden; }
+#tip { position: fixed; pointer-events: none; background: #202124; color: #fff;
+       padding: 6px 8px; border-radius: 4px; max-width: 520px; display: none; }
+"""
+
+_SCRIPT = """
+const tip = document.getElementById('tip');
+document.querySelectorAll('.cell').forEach(cell => {
+  cell.addEventListener('mousemove', event => {
+    tip.textContent = cell.dataset.why;
+    tip.style.display = 'block';
+    tip.style.left = (event.clientX + 12) + 'px';
+    tip.style.top = (event.clientY + 12) + 'px';
+  });
+  cell.addEventListener('mouseleave', () => { tip.style.display = 'none'; });
+});
+document.getElementById('only-fp32').addEventListener('click', () => {
+  document.body.classList.toggle('fp32-only');
+});
+"""
+
+
+def report_html(report: CastReport, title: str) -> str:
+    """The page for ``report`` of the program named ``title``."""
+    layers: dict[str, list[Row]] = {}
+    for row in report.rows:
+        if row.kind == "float":
+            layers.setdefault(layer_of(row.module), []).append(row)
+    legend = "".join(
+        f'<span><i style="background:{colour}"></i>{name}</span>'
+        for name, colour in _COLOURS.items()
+    )
+    totals = "".join(f"<li>{html.escape(line)}</li>" for line in report.summary())
+    body = "".join(_layer_row(name, rows) for name, rows in layers.items())
+    return (
+        "<!DOCTYPE html>\n"
+        f'<html lang="en"><head><meta charset="utf-8"><title>fx16: {html.escape(title)}</title>'
+        f"<style>{_STYLE}</style></head><body>"
+        f"<h1>fx16 decisions: {html.escape(title)}</h1>"
+        f'<ul class="totals">{totals}</ul>'
+        f'<div class="legend">{legend}<button id="only-fp32">show only fp32</button></div>'
+        f'<table><tbody id="layers">{body}</tbody></table>'
+        f'<div id="tip"></div><script>{_SCRIPT}</script></body></html>\n'
+    )
+
+
+def _precision(row: Row) -> str:
+    if row.rule == "left_as_is":
+        return "left as is"
+    return "16-bit" if row.narrowed else "fp32"
+
+
+def _layer_row(name: str, rows: list[Row]) -> str:
+    wide = sum(_precision(row) == "fp32" for row in rows)
+    cells = "".join(_cell(row) for row in rows)
+    return (
+        f'<tr data-layer="{html.escape(name)}"><td class="layer">{html.escape(name)}</td>'
+        f'<td class="counts">{len(rows) - wide} 16-bit, {wide} fp32</td><td>{cells}</td></tr>'
+    )
+
+
+def _cell(row: Row) -> str:
+    precision = _precision(row)
+    why = f"{row.node} ({row.op}): {row.dtype}, {row.rule}: {row.reason}"
+    if row.detail:
+        why += f": {row.detail}"
+    return (
+        f'<span class="cell precision-{precision.replace(" ", "-")}" '
+        f'style="background:{_COLOURS[precision]}" data-node="{html.escape(row.node)}" '
+        f'data-why="{html.escape(why)}" title="{html.escape(why)}"></span>'
+    )

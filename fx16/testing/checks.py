@@ -1,0 +1,105 @@
+"""The checks fx16 holds its own passes to, for any pass over an exported program.
+
+``check_valid_program`` is what a downstream user does with a program: lint,
+validate, save and load, decompose, run, and every node's recorded dtype is the one
+it computes. ``check_pass`` applies a pass to a fresh export of a random program and
+asserts, beyond validity, that integer outputs stay bit-exact and that no inf or nan
+appears where the original program's outputs are finite.
+"""
+
+import copy
+import io
+from collections.abc import Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.fx import GraphModule
+
+from fx16.program import Program
+
+# fp32 values at or beyond this are infinity-like sentinels (finfo.min masks): a cast
+# may saturate them to the 16-bit maximum.
+_SENTINEL = 1e38
+
+
+def check_valid_program(ep: ExportedProgram) -> None:
+    """Lint, validate, save/load (same outputs), decompose, and the recorded dtypes of
+    every node match what running the graph gives (on the recorded example inputs)."""
+    ep.graph_module.graph.lint()
+    ep.validate()
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    loaded = torch.export.load(buffer)
+    if ep.example_inputs is not None:
+        args, kwargs = ep.example_inputs
+        expected = pytree.tree_leaves(ep.module()(*args, **kwargs))
+        got = pytree.tree_leaves(loaded.module()(*args, **kwargs))
+        for a, b in zip(expected, got):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, equal_nan=True)
+    copy.deepcopy(ep).run_decompositions()
+    if ep.example_inputs is not None:
+        assert_meta_matches_runtime(ep, *ep.example_inputs)
+
+
+class _DtypeChecker(torch.fx.Interpreter):
+    def run_node(self, node):
+        result = super().run_node(node)
+        val = node.meta.get("val")
+        for got, meta in zip(pytree.tree_leaves(result), pytree.tree_leaves(val)):
+            if isinstance(got, torch.Tensor) and isinstance(meta, torch.Tensor):
+                assert got.dtype == meta.dtype, (
+                    f"{node.name}: meta says {meta.dtype}, running gives {got.dtype}"
+                )
+        return result
+
+
+def assert_meta_matches_runtime(ep: ExportedProgram, args, kwargs=None) -> None:
+    """Every node's recorded dtype is the dtype it computes when the graph runs."""
+    inputs = Program(ep).graph_inputs(args, kwargs)
+    with torch.no_grad():
+        _DtypeChecker(ep.graph_module).run(*inputs)
+
+
+def check_cast_program(original: ExportedProgram, cast: ExportedProgram, args: tuple) -> None:
+    """``cast`` (a rewrite of ``original``) is valid, gives bit-exact integer outputs on
+    ``args``, and no inf or nan where ``original``'s outputs are finite (values fp32
+    holds as infinity-like sentinels may saturate)."""
+    check_valid_program(cast)
+    expected = Program(original).run(args)
+    got = Program(cast).run(args)
+    assert len(expected) == len(got), f"{len(got)} outputs, the original gives {len(expected)}"
+    for index, (want, have) in enumerate(zip(expected, got)):
+        if not isinstance(want, torch.Tensor):
+            continue
+        if not want.is_floating_point():
+            assert have.dtype == want.dtype and torch.equal(have, want), (
+                f"integer output {index} changed"
+            )
+            continue
+        ordinary = torch.isfinite(want) & (want.abs() < _SENTINEL)
+        assert torch.isfinite(have[ordinary]).all(), f"output {index}: the cast introduced inf/nan"
+
+
+def check_pass(case, graph_pass: Callable[[GraphModule], object]) -> ExportedProgram:
+    """Run ``graph_pass`` (a ``PassBase``, or any callable taking the graph module) on
+    a fresh export of ``case`` (a ``ProgramCase`` from ``fx16.testing.programs()``),
+    recompile, and check the result with ``check_cast_program``. Returns the program."""
+
+    def run_on_graph(ep: ExportedProgram) -> None:
+        graph_pass(ep.graph_module)
+        ep.graph_module.recompile()
+
+    return check_cast(case, run_on_graph)
+
+
+def check_cast(case, cast: Callable[[ExportedProgram], object]) -> ExportedProgram:
+    """Apply ``cast`` (a function rewriting an ``ExportedProgram`` in place, such as
+    ``fx16.cast_fp32_to_fp16``) to a fresh export of ``case`` and check the result
+    with ``check_cast_program``. Returns the program."""
+    original, ep = case.export(), case.export()
+    cast(ep)
+    check_cast_program(original, ep, case.args)
+    return ep

@@ -1,0 +1,114 @@
+"""``fx16 inspect --html``: one self-contained page, layers coloured by precision, the
+reason for each fp32 value on hover; rendered in a real headless browser (Debian's
+chromium; CI installs it, see .ci/run)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+
+import pytest
+import torch
+
+import fx16
+from fx16.report import report_of
+from fx16.report_html import report_html
+from helpers import export
+from models import RMSNormMLP
+
+FP32_COLOUR, LOW_COLOUR = (0xE0, 0x7B, 0x39), (0x3A, 0x9D, 0x5D)
+
+
+class _Cells(HTMLParser):
+    """The value cells of a page: (classes, tooltip), and every external reference."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cells, self.external = [], []
+
+    def handle_starttag(self, tag, attrs):
+        attributes = dict(attrs)
+        if "cell" in attributes.get("class", "").split():
+            self.cells.append((attributes["class"], attributes.get("title", "")))
+        for name in ("src", "href"):
+            if name in attributes:
+                self.external.append(attributes[name])
+
+
+def _cells(page: str) -> _Cells:
+    parser = _Cells()
+    parser.feed(page)
+    return parser
+
+
+def _kept_island_program():
+    """An RMSNorm whose squares overflow fp16: its fp32 region stays, with a reason."""
+    torch.manual_seed(0)
+    return export(RMSNormMLP(), torch.randn(3, 16) * 300)
+
+
+def test_one_cell_per_float_value_and_a_reason_on_every_fp32_cell():
+    ep = fx16.cast_fp32_to_fp16(_kept_island_program())
+    report = report_of(ep)
+    page = _cells(report_html(report, "norm.pt2"))
+    floats = [row for row in report.rows if row.kind == "float"]
+    assert len(page.cells) == len(floats)
+    wide = [title for classes, title in page.cells if "precision-fp32" in classes]
+    assert len(wide) == sum(not row.narrowed for row in floats) > 0
+    assert all("explicit_fp32" in title and "reaches" in title for title in wide[:3])
+    assert page.external == []  # self-contained: nothing to fetch
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI must install Debian's chromium (.ci/run does)")
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    return found
+
+
+def _headless(browser, *arguments, cwd):
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={cwd / 'profile'}",
+    ]
+    return subprocess.run(
+        [browser, *flags, *arguments], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+@pytest.mark.browser
+def test_inspect_html_renders_in_a_headless_browser(tmp_path):
+    browser = _chromium()
+    source, page = tmp_path / "norm.pt2", tmp_path / "norm.html"
+    torch.export.save(_kept_island_program(), source)
+    result = subprocess.run(
+        [sys.executable, "-m", "fx16", "inspect", str(source), "--html", str(page)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    screenshot = tmp_path / "norm.png"
+    shot = _headless(
+        browser, f"--screenshot={screenshot}", "--window-size=1000,600", page.as_uri(), cwd=tmp_path
+    )
+    assert screenshot.exists(), shot.stderr
+    from PIL import Image
+
+    pixels = list(Image.open(screenshot).convert("RGB").getdata())
+    assert pixels.count(FP32_COLOUR) > 20 and pixels.count(LOW_COLOUR) > 20
+    dom = _headless(browser, "--dump-dom", page.as_uri(), cwd=tmp_path).stdout
+    rendered = _cells(dom)  # the DOM after the page's script ran
+    wide = [title for classes, title in rendered.cells if "precision-fp32" in classes]
+    assert wide and all("kept" in title or "fp32" in title for title in wide)
+    assert "fx16 decisions: norm.pt2" in dom
