@@ -1,7 +1,7 @@
 """Make the repository root importable, so tests can share benchmarks.zoo's models, and
 register the hypothesis profiles: "ci" (the default; every property, bounded) and "long"
 (``FX16_FUZZ=long``: 10,000 examples per property, or ``FX16_FUZZ_EXAMPLES``; see
-strategies.examples)."""
+fuzz_profile.examples)."""
 
 import os
 import sys

@@ -1,7 +1,6 @@
 """Shared test helpers: export small models, run casts, check programs like a downstream user."""
 
 import copy
-import io
 from collections import Counter
 
 import torch
@@ -11,6 +10,8 @@ from fx16.casts import is_cast, is_inserted
 from fx16.pipelines import run_passes
 from fx16.program import Program
 from fx16.stats import relative_error
+from fx16.testing.checks import assert_meta_matches_runtime  # noqa: F401  (tests import it)
+from fx16.testing.checks import check_valid_program as check_program
 
 aten = torch.ops.aten
 
@@ -61,45 +62,6 @@ def fp64_reference(model: torch.nn.Module, *args):
     ]
     with torch.no_grad():
         return pytree.tree_leaves(model64(*args64))
-
-
-def check_program(ep) -> None:
-    """What a downstream user does with a program: lint, validate, save/load, decompose, run."""
-    ep.graph_module.graph.lint()
-    ep.validate()
-    buffer = io.BytesIO()
-    torch.export.save(ep, buffer)
-    buffer.seek(0)
-    loaded = torch.export.load(buffer)
-    if ep.example_inputs is not None:
-        args, kwargs = ep.example_inputs
-        expected = pytree.tree_leaves(ep.module()(*args, **kwargs))
-        got = pytree.tree_leaves(loaded.module()(*args, **kwargs))
-        for a, b in zip(expected, got):
-            assert a.dtype == b.dtype
-            torch.testing.assert_close(a, b, equal_nan=True)
-    copy.deepcopy(ep).run_decompositions()
-    if ep.example_inputs is not None:
-        assert_meta_matches_runtime(ep, *ep.example_inputs)
-
-
-class _DtypeChecker(torch.fx.Interpreter):
-    def run_node(self, node):
-        result = super().run_node(node)
-        val = node.meta.get("val")
-        for got, meta in zip(pytree.tree_leaves(result), pytree.tree_leaves(val)):
-            if isinstance(got, torch.Tensor) and isinstance(meta, torch.Tensor):
-                assert got.dtype == meta.dtype, (
-                    f"{node.name}: meta says {meta.dtype}, running gives {got.dtype}"
-                )
-        return result
-
-
-def assert_meta_matches_runtime(ep, args, kwargs=None) -> None:
-    """Every node's recorded dtype is the dtype it computes when the graph runs."""
-    inputs = Program(ep).graph_inputs(args, kwargs)
-    with torch.no_grad():
-        _DtypeChecker(ep.graph_module).run(*inputs)
 
 
 def max_error(reference, outputs) -> float:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import fx16
-from custom_ops import QuantizedLinear, UserOps
 from fx16.report import report_of
+from fx16.testing.custom_ops import QuantizedLinear, UserOps
 from helpers import assert_same_state, check_program, export, state_snapshot
 from models import MLP, BufferUpdate, MixedBuffers
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from fuzz_profile import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -11,8 +12,8 @@ from benchmarks.zoo import ScaledAttention, t5_encoder
 from fx16.decisions import PRECISION, Reason
 from fx16.report import report_of
 from fx16.stats import relative_error
+from fx16.testing.strategies import programs
 from helpers import check_program, export, run
-from strategies import examples, programs
 
 
 def SharpSoftmax(scale=3.0):  # noqa: N802 - reads like the class it builds
@@ -198,7 +199,7 @@ class _NoDerivative(torch.nn.Module):
 
 
 def test_an_op_without_a_derivative_still_lets_the_budget_be_met():
-    import custom_ops  # noqa: F401  (registers fx16_test::scaled_to, which has no backward)
+    import fx16.testing.custom_ops  # noqa: F401  (registers fx16_test::scaled_to, which has no backward)
 
     search = _search_on_one_input(_NoDerivative, 2e-3)
     assert search.met and search.error <= 1e-3  # half the budget: one calibration input

@@ -9,9 +9,9 @@ from fx16.analysis.castable_int16 import has_scalar_operand
 from fx16.errors import PreconditionError
 from fx16.ops import INT16_COMPUTE_OPS
 from fx16.program import Program
+from fx16.testing.strategies import integer_cases
 from helpers import export
 from models import BucketHash, GatherComputedIndex, Int32Arithmetic, PositionsAndMask
-from strategies import integer_cases
 
 KEY = CastableInt16Analysis.META_KEY
 

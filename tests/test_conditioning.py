@@ -9,6 +9,7 @@ import copy
 import math
 
 import torch
+from fuzz_profile import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -21,7 +22,6 @@ from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.stats import relative_error
 from helpers import check_program, export, fp64_reference, run
-from strategies import examples
 
 KEY = ConditioningAnalysis.META_KEY
 

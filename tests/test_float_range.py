@@ -3,6 +3,7 @@
 import math
 
 import torch
+from fuzz_profile import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -12,7 +13,6 @@ from fx16.analysis.float_range import FloatRanges
 from fx16.interpreter import LeanInterpreter
 from fx16.program import Program
 from helpers import export
-from strategies import examples
 
 
 def _ranges(ep):

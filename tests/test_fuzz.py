@@ -1,5 +1,5 @@
 """Properties every entry point and the main policies keep on random programs drawn from
-the whole op menu (tests/random_programs.py). Examples per property: the hypothesis
+the whole op menu (fx16.testing.random_programs). Examples per property: the hypothesis
 profile's (conftest.py); ``FX16_FUZZ=long`` runs 10,000 each."""
 
 import copy
@@ -8,6 +8,7 @@ from unittest import mock
 
 import torch
 import torch.utils._pytree as pytree
+from fuzz_profile import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,9 +21,9 @@ from fx16.passes import (
     RemoveUnusedCastsPass,
 )
 from fx16.report import report_of
+from fx16.testing.random_programs import RandomProgram
+from fx16.testing.strategies import ProgramCase, programs, well_conditioned_programs
 from helpers import assert_same_state, check_program, run, state_snapshot
-from random_programs import RandomProgram
-from strategies import ProgramCase, examples, programs, well_conditioned_programs
 
 
 def _policy(name):
@@ -47,7 +48,7 @@ ENTRY_POINTS = {
 entry_points = st.sampled_from(sorted(ENTRY_POINTS))
 
 # Property 5's bound: max |error| / max(1, max |fp64 output|) on well-conditioned programs
-# (tests/random_programs.py WELL_CONDITIONED) when no fallback rule kept an op in fp32.
+# (fx16.testing.random_programs WELL_CONDITIONED) when no fallback rule kept an op in fp32.
 ERROR_BOUND = {torch.float16: 1e-2, torch.bfloat16: 6e-2}
 
 CLEANUP_RULES = [

@@ -1,6 +1,7 @@
 """Ranges proven by use: a value indexing a dimension of size N lies in [-N, N-1]."""
 
 import torch
+from fuzz_profile import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -8,7 +9,6 @@ from torch import nn
 from fx16.analysis import ValueRangeAnalysis
 from fx16.program import Program
 from helpers import export
-from strategies import examples
 
 
 def _ranges(ep):

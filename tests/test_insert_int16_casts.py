@@ -9,6 +9,7 @@ import fx16
 from fx16.casts import INSERTED
 from fx16.decisions import Reason
 from fx16.passes import InsertInt16CastsPass
+from fx16.testing.strategies import integer_cases
 from helpers import check_program, export, run, targets
 from models import (
     BucketHash,
@@ -18,7 +19,6 @@ from models import (
     PositionsAndMask,
     Square,
 )
-from strategies import integer_cases
 
 aten = torch.ops.aten
 

@@ -16,8 +16,8 @@ from fx16.demo import DemoBlock
 from fx16.policy import op_kind
 from fx16.program import Program
 from fx16.report import report_of
+from fx16.testing.strategies import model_cases
 from helpers import casts, check_program, export, fp64_reference, max_error, run, state_snapshot
-from strategies import model_cases
 
 aten = torch.ops.aten
 

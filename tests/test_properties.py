@@ -2,13 +2,14 @@
 
 import pytest
 import torch
+from fuzz_profile import SLOW_EXAMPLES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fx16
 from fx16.pipelines import run_passes
+from fx16.testing.strategies import model_cases
 from helpers import assert_same_state, check_program, export, run, state_snapshot
-from strategies import SLOW_EXAMPLES, model_cases
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from fx16.analysis import CalibrationAnalysis, Source, ValueRange, ValueRangeAnalysis
 from fx16.errors import InvalidOptionError
 from fx16.program import Program
+from fx16.testing.strategies import integer_cases
 from helpers import export
 from models import BucketHash, CumsumCounter, PositionsAndMask
-from strategies import integer_cases
 
 KEY = ValueRangeAnalysis.META_KEY
 

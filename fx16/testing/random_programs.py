@@ -9,7 +9,8 @@ embedding/gather/index_select/index_put, creation ops, explicit casts, custom op
 activation quantize/dequantize pair, an op with a dtype argument), integer
 arithmetic with cumsum and remainder, ``torch.cond``, ``while_loop``, ``map`` and
 autocast regions, and reads fp16, bf16, int8 and int32 buffers and weights holding
-values beyond fp16's range or below its subnormals. ``tests/strategies.py`` draws programs from it.
+values beyond fp16's range or below its subnormals. ``fx16.testing.strategies`` draws
+programs from it.
 
 Integer registers only ever hold values computed from integer inputs (a float turned
 into an index is used at once), so integer outputs must stay bit-exact after a cast.
@@ -21,7 +22,7 @@ from torch import nn
 from torch._higher_order_ops.map import map as hop_map
 from torch._higher_order_ops.while_loop import while_loop
 
-import custom_ops  # noqa: F401  (registers the fx16_test ops the menu calls)
+import fx16.testing.custom_ops  # noqa: F401  (registers the fx16_test ops the menu calls)
 
 VOCAB = 16
 

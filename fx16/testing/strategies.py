@@ -1,29 +1,14 @@
 """Hypothesis strategies that build small random, valid exported programs."""
 
-import os
 from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 from torch import nn
 
-from random_programs import MENU, VOCAB, WELL_CONDITIONED, RandomProgram
+from fx16.testing.random_programs import MENU, VOCAB, WELL_CONDITIONED, RandomProgram
 
 FP32 = torch.finfo(torch.float32)
-
-# The hypothesis profile (see conftest.py): "ci" by default, "long" with FX16_FUZZ=long:
-# 10,000 examples per property, or FX16_FUZZ_EXAMPLES.
-LONG = os.environ.get("FX16_FUZZ") == "long"
-LONG_EXAMPLES = int(os.environ.get("FX16_FUZZ_EXAMPLES", 10_000))
-
-
-def examples(ci: int) -> int:
-    """Examples per property: ``ci`` in the ci profile, LONG_EXAMPLES in the long one."""
-    return LONG_EXAMPLES if LONG else ci
-
-
-# Tests marked slow run this many examples: a bounded number by default (and in CI).
-SLOW_EXAMPLES = examples(25)
 
 # Scalars that stress the rules: below the fp16 subnormal, just past fp16's max,
 # infinity-like sentinels, infinities, fp32's extremes.
@@ -231,7 +216,7 @@ def integer_cases(draw):
     return RandomIntegerProgram(steps), inputs(0), ranges, inputs
 
 
-# ---- programs from the whole op menu (random_programs.py) ------------------------------
+# ---- programs from the whole op menu (fx16.testing.random_programs) ------------------------------
 
 # Weight entries that stress the converters: past fp16's range, at its edge, below its
 # subnormals.
