@@ -7,6 +7,7 @@ cannot be met ends with one line and exit code 3. The input file is never writte
 """
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CommandError, Fx16Error) as error:
         print(f"fx16: error: {error}", file=sys.stderr)
         return BUDGET_NOT_MET if isinstance(error, AccuracyBudgetError) else BAD_INPUT
+    except BrokenPipeError:  # the reader stopped (fx16 inspect ... | head): not an error
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (the exit flush writes here)
+        return 0
 
 
 # ---- commands ---------------------------------------------------------------------------

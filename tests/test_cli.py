@@ -117,6 +117,25 @@ def test_inspect_explains_without_writing(program, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+class LongChain(torch.nn.Module):
+    """600 small ops: inspect's table is far longer than a pipe's buffer."""
+
+    def forward(self, x):
+        for _ in range(300):
+            x = x * 1.001 + 0.1
+        return x
+
+
+def test_a_reader_that_stops_early_is_not_an_error(tmp_path):
+    """``fx16 inspect X.pt2 --all | head -1``: no BrokenPipeError traceback."""
+    source = tmp_path / "chain.pt2"
+    torch.export.save(export(LongChain(), torch.randn(2, 4)), source)
+    command = f"{sys.executable} -m fx16 inspect {source} --all | head -1"
+    result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=300)
+    assert result.stdout.split()[:2] == ["layer", "16-bit"]  # the per-layer summary first
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
+
+
 def test_compare_shows_both_dtypes(program, tmp_path):
     source, inputs = program
     target = tmp_path / "mlp16.pt2"
