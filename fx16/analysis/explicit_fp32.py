@@ -123,8 +123,9 @@ class ExplicitFp32Analysis(PassBase):
             val = node_val(node)
             if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
                 continue
-            if node.meta.get(ConditioningAnalysis.META_KEY):
-                return True, f"{node.name} is ill-conditioned in 16-bit"
+            conditioning = node.meta.get(ConditioningAnalysis.META_KEY)
+            if conditioning:
+                return True, f"{node.name} is ill-conditioned in 16-bit ({conditioning})"
             magnitude, seen = _magnitude(node, ranges)
             if magnitude is None:
                 unobserved = unobserved or node
