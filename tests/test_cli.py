@@ -142,8 +142,19 @@ def test_compare_shows_both_dtypes(program, tmp_path):
     assert fx16("cast", source, "-o", target, "--quiet").returncode == 0
     result = fx16("compare", source, target, "--inputs", inputs)
     assert result.returncode == 0, result.stderr
-    rows = result.stdout.splitlines()[1:]
+    header, *rows = result.stdout.splitlines()
+    assert header.split()[:2] == ["input", "output"]
     assert len(rows) == 3 and all("float32    float16" in row for row in rows)
+    assert [row.split()[0] for row in rows] == ["0", "1", "2"]  # one row per input
+
+
+def test_cast_and_inspect_print_the_same_summary(program, tmp_path):
+    source, _ = program
+    cast = fx16("cast", source, "-o", tmp_path / "x.pt2", "--dry-run")
+    inspect = fx16("inspect", source)
+    assert cast.returncode == inspect.returncode == 0
+    summary = [line for line in cast.stdout.splitlines() if not line.startswith("wrote")]
+    assert inspect.stdout.splitlines()[-len(summary) :] == summary
 
 
 def _damaged_copy(source, target):
