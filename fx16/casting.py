@@ -5,13 +5,12 @@ Each works in place, returns the program it was given, stores a CastReport in
 the program is restored and a ``PassFailedError`` names the stage.
 """
 
-import math
 from collections.abc import Collection
 
 from torch.export import ExportedProgram
 
 from fx16.budget import cast_fp16_within_budget
-from fx16.errors import InvalidOptionError
+from fx16.errors import require_number
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
@@ -140,10 +139,8 @@ def _cast(ep, fp16_options, int16_options, max_rel_error, progress) -> ExportedP
     int16 stage, as one transaction, whose commit converts the weights; store the
     report. ``None`` options skip a stage."""
     program = Program(ep)
-    if max_rel_error is not None and not (
-        isinstance(max_rel_error, (int, float)) and 0 <= max_rel_error < math.inf
-    ):
-        raise InvalidOptionError(f"max_rel_error must be a number >= 0, got {max_rel_error!r}")
+    if max_rel_error is not None:
+        require_number("max_rel_error", max_rel_error, 0)
     before = program_stats(ep)
     accuracy = None
     with program.transaction(progress):

@@ -20,6 +20,7 @@ from fx16.casting import cast_to_16_bit_precision
 from fx16.demo import run_demo
 from fx16.errors import AccuracyBudgetError, Fx16Error, one_line
 from fx16.narrowing import INT16_MODES
+from fx16.nodes import dtype_name
 from fx16.pipelines import resolve_policy
 from fx16.policy import EXPLICIT_FP32_CHOICES
 from fx16.program import Program
@@ -186,8 +187,8 @@ def compare_command(args) -> int:
                 continue
             difference = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
             print(
-                f"{call:>5} {index:>6} {str(tuple(a.shape)):18} {_name(a.dtype):10} "
-                f"{_name(b.dtype):10} {difference:>12.4g} {relative_error(a, b):>11.3g}"
+                f"{call:>5} {index:>6} {str(tuple(a.shape)):18} {dtype_name(a.dtype):10} "
+                f"{dtype_name(b.dtype):10} {difference:>12.4g} {relative_error(a, b):>11.3g}"
             )
     return 0
 
@@ -279,10 +280,6 @@ def _cast(source: Path, args):
             default=None,
         )
     return ep, report_of(ep), error
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _summarise(report, error, out) -> None:

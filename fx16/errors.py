@@ -5,6 +5,8 @@ The public entry points restore the caller's program before raising (see
 ``fx16.program.Program.transaction``).
 """
 
+import math
+
 
 class Fx16Error(Exception):
     """Base class of every error fx16 raises on purpose."""
@@ -47,3 +49,15 @@ def one_line(error: BaseException) -> str:
     tracebacks and advice to theirs)."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+def require_number(name: str, value, minimum: float, *, strict=False, finite=True, note="") -> None:
+    """``InvalidOptionError`` unless ``value`` is a real number (not a bool) >= ``minimum``
+    (> with ``strict``), and finite unless ``finite`` is False."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    fits = is_number and (value > minimum if strict else value >= minimum)
+    if not (fits and (math.isfinite(value) or not finite)):
+        bound = ">" if strict else ">="
+        raise InvalidOptionError(
+            f"{name} must be a number {bound} {minimum:g}{note}, got {value!r}"
+        )

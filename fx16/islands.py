@@ -18,6 +18,7 @@ from fx16.casts import is_cast
 from fx16.decisions import Reason, decision_of
 from fx16.nodes import FLOAT_DTYPES, node_dtype, tensor_inputs
 from fx16.ops import PRECISION_SENSITIVE_OPS
+from fx16.policy import op_name
 
 # How many ops after a model's fp32 cast an island may hold.
 _REGION_LOOKAHEAD = 32
@@ -53,7 +54,7 @@ def island_region(start: Iterable[Node], readers: Iterable[Node]) -> list[Node]:
 def is_sensitive(node: Node) -> bool:
     """An op whose accuracy is why models compute it in fp32: a reduction, softmax,
     exp, pow, rsqrt, sin/cos."""
-    return getattr(node.target, "_opname", None) in PRECISION_SENSITIVE_OPS
+    return op_name(node) in PRECISION_SENSITIVE_OPS
 
 
 def asserted_dtype(assertion: Node) -> torch.dtype | None:

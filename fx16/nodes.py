@@ -36,6 +36,11 @@ def node_dtype(node: Any) -> torch.dtype | None:
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` as "float16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def op_label(node: Node) -> str:
     """How the report names a node's op: "linear.default", or a placeholder's name."""
     return node.name if node.op == "placeholder" else str(node.target).removeprefix("aten.")

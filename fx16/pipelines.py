@@ -6,7 +6,6 @@ handed to ``torch.fx.passes.infra.pass_manager.PassManager`` as it is, or edited
 """
 
 import inspect
-import math
 from collections.abc import Collection
 from dataclasses import replace
 
@@ -23,7 +22,7 @@ from fx16.analysis import (
     UserReachabilityAnalysis,
     ValueRangeAnalysis,
 )
-from fx16.errors import InvalidOptionError
+from fx16.errors import InvalidOptionError, require_number
 from fx16.narrowing import check_mode
 from fx16.passes import (
     CleanupCastsPass,
@@ -63,7 +62,8 @@ def fp16_passes(
     A policy that changes nothing (``always_fp32``) gives an empty list.
     """
     reject_unknown(fp16_passes, unknown)
-    check_overflow_margin(overflow_margin)
+    # a margin below 1 would count values beyond the 16-bit maximum as fitting
+    require_number("overflow_margin", overflow_margin, 1)
     program = Program(ep)
     policy = resolve_policy(policy, explicit_fp32=explicit_fp32, keep_io_types=keep_io_types)
     if policy.is_noop:
@@ -100,13 +100,6 @@ def resolve_policy(policy: PrecisionPolicy | str | None, **overrides) -> Precisi
         )
     overrides = {name: value for name, value in overrides.items() if value is not None}
     return replace(policy, **overrides) if overrides else policy
-
-
-def check_overflow_margin(margin) -> None:
-    """A margin below 1 would count values beyond the 16-bit maximum as fitting."""
-    is_number = isinstance(margin, (int, float)) and not isinstance(margin, bool)
-    if not (is_number and 1 <= margin < math.inf):
-        raise InvalidOptionError(f"overflow_margin must be a number >= 1, got {margin!r}")
 
 
 def int16_passes(

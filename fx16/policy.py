@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from torch.fx import Node
 
-from fx16.errors import InvalidOptionError
+from fx16.errors import InvalidOptionError, require_number
 from fx16.nodes import node_module_path
 from fx16.ops import AUTOCAST_CPU, AUTOCAST_CUDA, COMPUTE_OPS, DATA_MOVEMENT_OPS, REDUCTION_OPS
 
@@ -130,11 +130,14 @@ class PrecisionPolicy:
                 f"explicit_fp32 must be one of {', '.join(map(repr, EXPLICIT_FP32_CHOICES))}, "
                 f"not {self.explicit_fp32!r}"
             )
-        tolerance = self.precision_tolerance
-        is_number = isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool)
-        if tolerance is not None and not (is_number and tolerance > 0):
-            raise InvalidOptionError(
-                f"precision_tolerance must be a number > 0 (or None), got {tolerance!r}"
+        if self.precision_tolerance is not None:
+            require_number(
+                "precision_tolerance",
+                self.precision_tolerance,
+                0,
+                strict=True,
+                finite=False,  # inf turns the rule off
+                note=" (or None)",
             )
 
     # ---- presets -----------------------------------------------------------------------

@@ -6,6 +6,7 @@ not saved in ``.pt2`` files, so write ``to_json()`` where you need it kept).
 """
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -17,7 +18,7 @@ from fx16.analysis.value_range import ValueRangeAnalysis
 from fx16.budget import AccuracySearch
 from fx16.casts import INSERTED, WHY_RETARGETED, is_inserted
 from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason
-from fx16.nodes import node_dtype, node_module_path, op_label
+from fx16.nodes import dtype_name, node_dtype, node_module_path, op_label
 from fx16.ops import WIDE_INT_DTYPES
 from fx16.program import Program
 from fx16.stats import ProgramStats, program_stats
@@ -115,16 +116,10 @@ class CastReport:
         lines = [f"{'layer':{width}} {'16-bit':>7} {'fp32':>5}  rules keeping float values fp32"]
         for name, rows in groups.items():
             wide = [row for row in rows if not row.narrowed]
-            rules = {}
-            for row in wide:
-                rules[row.rule] = rules.get(row.rule, 0) + 1
+            rules = Counter(row.rule for row in wide)
             why = ", ".join(f"{rule} x{count}" for rule, count in rules.items()) or "-"
             lines.append(f"{name:{width}} {len(rows) - len(wide):>7} {len(wide):>5}  {why}")
         return lines
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _row(
@@ -138,7 +133,7 @@ def _row(
         dtype = node_dtype(node)
         narrowed = dtype == torch.float16
         return Row(
-            name, op_label(node), kind, _dtype_name(dtype), narrowed, "left_as_is", LEFT_AS_IS, ""
+            name, op_label(node), kind, dtype_name(dtype), narrowed, "left_as_is", LEFT_AS_IS, ""
         )
     if not decision.detail and kind == "int" and node.meta.get(ValueRangeAnalysis.META_KEY):
         decision = replace(decision, detail=str(node.meta[ValueRangeAnalysis.META_KEY]))
@@ -150,7 +145,7 @@ def _decision_row(name: str, op: str, kind: str, decision: Decision, module: str
         name,
         op,
         kind,
-        _dtype_name(decision.dtype),
+        dtype_name(decision.dtype),
         decision.narrowed,
         decision.reason.name.lower(),
         decision.reason.value,

@@ -8,7 +8,7 @@ import torch
 from torch.export import ExportedProgram
 
 from fx16.casts import INSERTED, WHY_RETARGETED, is_cast, is_inserted
-from fx16.nodes import node_val
+from fx16.nodes import dtype_name, node_val
 from fx16.ops import ASSERT_METADATA_OPS
 from fx16.tensor_subclasses import inner_tensors
 
@@ -23,7 +23,7 @@ class ProgramStats:
     ops_by_dtype: dict[str, int]  # compute ops by the float dtype they produce
 
     def ops_in(self, dtype: torch.dtype) -> int:
-        return self.ops_by_dtype.get(str(dtype).removeprefix("torch."), 0)
+        return self.ops_by_dtype.get(dtype_name(dtype), 0)
 
     @property
     def float_ops(self) -> int:
@@ -52,7 +52,7 @@ def program_stats(ep: ExportedProgram) -> ProgramStats:
             continue
         val = node_val(node)
         if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
-            ops[str(val.dtype).removeprefix("torch.")] += 1
+            ops[dtype_name(val.dtype)] += 1
     return ProgramStats(weight_bytes, casts, inserted, dict(ops))
 
 

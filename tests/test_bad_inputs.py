@@ -334,3 +334,28 @@ def test_presets_take_overrides_of_any_field():
         fx16.PrecisionPolicy.default,
         keep_io=True,
     )
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("max_rel_error", float("inf"), "max_rel_error must be a number >= 0, got inf"),
+        ("max_rel_error", True, "max_rel_error must be a number >= 0, got True"),
+        ("overflow_margin", float("nan"), "overflow_margin must be a number >= 1, got nan"),
+        ("overflow_margin", "2", "overflow_margin must be a number >= 1, got '2'"),
+    ],
+)
+def test_numbers_are_real_finite_numbers_in_range(mlp, option, value, message):
+    before = state_snapshot(mlp)
+    _raises(fx16.InvalidOptionError, message, fx16.cast_fp32_to_fp16, mlp, **{option: value})
+    assert_same_state(before, state_snapshot(mlp))
+
+
+def test_precision_tolerance_is_positive_and_may_be_infinite():
+    _raises(
+        fx16.InvalidOptionError,
+        "precision_tolerance must be a number > 0 (or None), got 0",
+        fx16.PrecisionPolicy.custom,
+        precision_tolerance=0,
+    )
+    assert fx16.PrecisionPolicy.custom(precision_tolerance=float("inf")).precision_tolerance

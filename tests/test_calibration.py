@@ -187,3 +187,33 @@ def test_weights_are_observed_once_whatever_the_number_of_inputs(monkeypatch):
     CalibrationAnalysis(Program(ep), inputs)(ep.graph_module)
     assert weights and all(observed.count(weight) == 1 for weight in weights)
     assert len(observed) > 3 * len(weights)  # everything else, on every input
+
+
+class PaddingMask(torch.nn.Module):
+    """T5's additive mask: where(keep, 0, finfo.min) added to the scores, then softmax."""
+
+    def forward(self, scores, keep):
+        fill = torch.full_like(scores, torch.finfo(torch.float32).min)
+        bias = torch.where(keep, torch.zeros_like(scores), fill)
+        return (scores + bias).softmax(-1)
+
+
+def test_a_mask_the_example_does_not_fill_is_still_a_sentinel_fp16_carries():
+    """On an all-true mask no value downstream of the fill holds finfo.min, but other
+    inputs will: the fill is judged by its uses (where, add, softmax), not flagged as an
+    overflow (before: observed inf, kept fp32 with its where and add)."""
+    scores, keep = torch.randn(2, 4), torch.ones(2, 4, dtype=torch.bool)
+    ep = export(PaddingMask(), scores, keep)
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    magnitudes = {n.name: n.meta.get(KEY) for n in ep.graph_module.graph.nodes}
+    assert all(value is None or value < 1e38 for value in magnitudes.values()), magnitudes
+    fx16.cast_fp32_to_fp16(ep)
+    assert all(
+        n.meta[PRECISION].dtype == torch.float16
+        for n in ep.graph_module.graph.nodes
+        if n.op == "call_function" and PRECISION in n.meta
+    )
+    padded = torch.tensor([[True, True, False, False]] * 2)
+    with torch.no_grad():
+        expected = PaddingMask()(scores, padded)
+    torch.testing.assert_close(run(ep, scores, padded)[0].float(), expected, atol=2e-3, rtol=0)

@@ -10,10 +10,13 @@ from html.parser import HTMLParser
 
 import pytest
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
 
 import fx16
 from fx16.report import report_of
 from fx16.report_html import report_html
+from fx16.testing import programs
 from helpers import export
 from models import RMSNormMLP
 
@@ -58,6 +61,27 @@ def test_one_cell_per_float_value_and_a_reason_on_every_fp32_cell():
     assert len(wide) == sum(not row.narrowed for row in floats) > 0
     assert all("explicit_fp32" in title and "reaches" in title for title in wide[:3])
     assert page.external == []  # self-contained: nothing to fetch
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(programs())
+def test_any_cast_program_gives_one_escaped_cell_per_float_value(case):
+    """Random programs (node names, reasons with <, >, quotes): the page parses back to a
+    cell per float row, each cell's tooltip exactly its row's reason."""
+    ep = case.export()
+    fx16.cast_to_16_bit_precision(ep, input_ranges=case.input_ranges)
+    report = report_of(ep)
+    floats = [row for row in report.rows if row.kind == "float"]
+    cells = _cells(report_html(report, "<random> & 'program'")).cells
+    assert len(cells) == len(floats)
+    for (classes, title), row in zip(sorted(cells, key=lambda c: c[1]), sorted(floats, key=_why)):
+        assert title == _why(row)
+        assert ("precision-fp32" in classes) == (not row.narrowed and row.rule != "left_as_is")
+
+
+def _why(row) -> str:
+    why = f"{row.node} ({row.op}): {row.dtype}, {row.rule}: {row.reason}"
+    return why + (f": {row.detail}" if row.detail else "")
 
 
 def _chromium() -> str:

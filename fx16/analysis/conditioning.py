@@ -11,7 +11,8 @@ the range x takes (error against the largest output, as fx16's budget measures i
 - pow(b, x): max |x ln b|; pow(x, p): |p|.
 - log over [lo, hi], lo > 0: 1 / max |ln x| (arguments near 1).
 - a - b and a + b of tensors: (max|a| + max|b|) / max|a -/+ b| (cancellation), when
-  it is 8 or more (three bits lost; a residual add's maxima give ratios near 2).
+  it is 8 or more (three bits lost; a residual add's maxima give ratios near 2), and
+  neither holds an infinity-like sentinel (an additive mask's ``finfo.min``).
 
 Ranges: proven ones first (``fx16.analysis.float_range``: from integers, sizes,
 constants, state), else what calibration observed. A periodic op whose argument
@@ -44,6 +45,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.float_range import FloatRanges
 from fx16.nodes import node_val
+from fx16.numerics import INF_LIKE
 from fx16.ops import (
     COMPUTE_OPS,
     EXPONENTIAL_OPS,
@@ -184,6 +186,8 @@ def _logarithm(low: float, high: float) -> float:
 def _cancellation(node: Node, ranges: _Ranges) -> tuple[float, str] | None:
     a, b, result = (ranges.magnitude(arg) for arg in (node.args[0], node.args[1], node))
     if a is None or b is None or not result or (a + b) / result < _CANCELLING:
+        return None
+    if max(a, b) >= INF_LIKE:  # an additive mask's finfo.min: a sentinel, not a rounding
         return None
     operation = "a - b" if node.target._opname == "sub" else "a + b"
     return (a + b) / result, f"{operation} with |a| ~ {a:.3g}, |b| ~ {b:.3g}, result {result:.3g}"
