@@ -36,8 +36,8 @@ from torch import nn
 import fx16
 from benchmarks import zoo
 from benchmarks.markdown import table_row, write_results
-from fx16.analysis.fp32_rules import ConditioningRule, Fp32RulesAnalysis, UnsafeIndexRule
-from fx16.pipelines import run_passes
+from fx16.analysis.fp32_rules import ConditioningRule, UnderflowRule, UnsafeIndexRule
+from fx16.pipelines import run_passes, without_rules
 from fx16.program import Program
 from fx16.report import decision_rows
 from fx16.stats import relative_error
@@ -49,7 +49,7 @@ _TENSOR_TYPE = re.compile(r"tensor<(?:[^<>]*x)?([a-z]+\d+)>")
 TOLERANCE = 1e-2
 # How much more f32 than coreai-opt's fx16 may keep, precision rules aside.
 GOAL = 0.02
-PRECISION_RULES = (ConditioningRule, UnsafeIndexRule)
+PRECISION_RULES = (ConditioningRule, UnderflowRule, UnsafeIndexRule)
 PEER = "coreai-opt 0.3.0"
 WITHOUT_PRECISION_RULES = "fx16 without precision rules"
 
@@ -163,11 +163,7 @@ def casts(input_ranges):
 
 def cast_without_precision_rules(ep: torch.export.ExportedProgram) -> None:
     """fx16's default pipeline with the precision rules taken out of Fp32RulesAnalysis."""
-    passes = fx16.fp16_passes(ep)
-    for index, stage in enumerate(passes):
-        if isinstance(stage, Fp32RulesAnalysis):
-            rules = [rule for rule in stage.rules if not isinstance(rule, PRECISION_RULES)]
-            passes[index] = Fp32RulesAnalysis(rules)
+    passes = without_rules(fx16.fp16_passes(ep), *PRECISION_RULES)
     with Program(ep).transaction():
         run_passes(passes, ep.graph_module)
 

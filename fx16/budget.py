@@ -41,7 +41,7 @@ from fx16.ops import ASSERT_METADATA_OPS
 from fx16.passes.insert_fp16_casts import OUTPUTS
 from fx16.pipelines import fp16_passes, run_passes
 from fx16.program import Program
-from fx16.stats import relative_error
+from fx16.stats import outputs_error
 
 _LOW = (torch.float16, torch.bfloat16)
 # Evaluations after which the search returns every node to fp32 at once.
@@ -162,7 +162,7 @@ class _Search:
             for args, kwargs in self.calls:
                 inputs = self.program.graph_inputs(*self.program.adapt_call(args, kwargs))
                 outputs.append(pytree.tree_leaves(graph_module(*inputs)))
-        error = max(_output_error(ref, obs) for ref, obs in zip(self.reference.outputs, outputs))
+        error = max(outputs_error(ref, obs) for ref, obs in zip(self.reference.outputs, outputs))
         self.progress.set_postfix_str(
             f"error {error:.3g} (budget {self.budget:.3g}), {len(forced)} node(s) in fp32"
         )
@@ -341,15 +341,6 @@ class _Reference:
             outputs = pytree.tree_leaves(recorder.run(*leaves))
         edges = list(recorder.edges)
         return outputs, edges, [recorder.edges[edge] for edge in edges], recorder.values
-
-
-def _output_error(reference: list, observed: list) -> float:
-    errors = [
-        relative_error(ref, obs)
-        for ref, obs in zip(reference, observed)
-        if isinstance(ref, torch.Tensor) and ref.is_floating_point()
-    ]
-    return max(errors, default=0.0)
 
 
 # Elements of the uses whose gradients one backward run asks for (256 MiB in fp32).

@@ -41,6 +41,18 @@ class Reason(str, enum.Enum):
         "ill-conditioned: 16-bit rounding of its input, amplified by the op, exceeds the "
         "policy's precision tolerance (or it feeds such an op)"
     )
+    UNDERFLOW = (
+        "singular at zero, and its argument would be subnormal or zero in 16-bit (or it "
+        "feeds such an op)"
+    )
+    SCALAR_CLAMPED = (
+        "a nonzero scalar below 16-bit's smallest subnormal, clamped to it instead of "
+        "flushing to zero"
+    )
+    NOT_WORTH_FP32 = (
+        "a rule would keep it in fp32, but on the calibration inputs fp32 does not "
+        "measurably lower the output error"
+    )
     ACCURACY_FALLBACK = "returned to fp32 to meet the accuracy budget"
     POLICY = "the precision policy asks for fp32"
     POLICY_FOLLOW = "follows its inputs' dtype (the policy's follow/promote rule)"

@@ -187,6 +187,11 @@ POSITION_OPS = {
     **{op: 1 for op in overloads("max.dim", "min.dim")},
 }
 
+# Ops that select positions by comparing values: their indices are valid whatever the
+# precision of those values (it changes which index is chosen, never whether it is in
+# range): op -> which output holds the indices (None: the only one).
+SELECTION_OPS = {**POSITION_OPS, **{op: None for op in overloads("multinomial.default")}}
+
 # Which dimension an index argument indexes (fx16.analysis.index_bounds): op -> (position
 # of the indexed tensor, name of the dim argument or the fixed dim, position of the
 # index, lowest valid index as a multiple of -N: 1 if negative ones count).
@@ -631,6 +636,29 @@ PRECISION_SENSITIVE_OPS = REDUCTION_OPS | packets(
     "logsumexp",
 )
 
+
+# ---- underflow (fx16.analysis.underflow) -----------------------------------------------------
+
+# Ops singular at zero, by the position of the argument that must not be zero (or tiny):
+# a log's argument, a divisor, what a reciprocal, an inverse square root or a negative
+# power reads. A value that is nonzero in fp32 but flushes to zero in 16-bit turns their
+# result into an infinity, and 0 * inf into nan.
+SINGULAR_AT_ZERO = {
+    **dict.fromkeys(
+        overloads(
+            "log.default",
+            "log2.default",
+            "log10.default",
+            "reciprocal.default",
+            "rsqrt.default",
+            "pow.Tensor_Scalar",
+        ),
+        0,
+    ),
+    **dict.fromkeys(overloads("div.Tensor", "div.Tensor_mode"), 1),
+}
+# Of those, the powers: singular at zero only for a negative exponent.
+POWER_OPS = overloads("pow.Tensor_Scalar")
 
 # ---- conditioning (fx16.analysis.conditioning) -------------------------------------------
 

@@ -18,9 +18,11 @@ from fx16.analysis import (
     ConditioningAnalysis,
     ExplicitFp32Analysis,
     Fp32RulesAnalysis,
+    UnderflowAnalysis,
     UnsafeIndexAnalysis,
     UserReachabilityAnalysis,
     ValueRangeAnalysis,
+    VerdictCheckAnalysis,
 )
 from fx16.errors import InvalidOptionError, require_number
 from fx16.narrowing import check_mode
@@ -53,8 +55,10 @@ def fp16_passes(
 
     Order: the analyses first, while the program still computes in fp32:
     calibration, unsafe indices, integer ranges (``input_ranges``; floats made from
-    integers take their range from it), conditioning, which of the model's own fp32
-    regions to keep, and the safety rules that read them all (``Fp32RulesAnalysis``);
+    integers take their range from it), conditioning and underflow (which read
+    both), which of the model's own fp32 regions to keep, the safety rules that
+    read them all (``Fp32RulesAnalysis``), and the check of the verdicts that cost
+    FLOPs or may not help (``VerdictCheckAnalysis``, on the calibration inputs);
     then state tensors and user inputs, so the cast inserter sees every graph input
     in its final dtype; then the inserter walks the graph once; cleanup last,
     because it only removes casts and needs them all in place. Options: see
@@ -74,8 +78,10 @@ def fp16_passes(
         UnsafeIndexAnalysis(),
         ValueRangeAnalysis(program, input_ranges),
         ConditioningAnalysis(program, policy),
+        UnderflowAnalysis(program, policy, overflow_margin),
         ExplicitFp32Analysis(program, policy, overflow_margin),
         Fp32RulesAnalysis.standard(policy.low, limit, force_fp32),
+        VerdictCheckAnalysis(program, policy, calibration),
         ConvertParametersPass(program, policy=policy, force_fp32=force_fp32),
         ConvertUserInputsPass(
             program, policy=policy, overflow_margin=overflow_margin, force_fp32=force_fp32
@@ -84,6 +90,17 @@ def fp16_passes(
             program, policy=policy, overflow_margin=overflow_margin, force_fp32=force_fp32
         ),
         CleanupCastsPass(program),
+    ]
+
+
+def without_rules(passes: list[PassBase], *rule_types: type) -> list[PassBase]:
+    """``passes`` with the safety rules of the given types taken out of their
+    ``Fp32RulesAnalysis`` stages: to measure what a rule buys, or to drop one."""
+    return [
+        Fp32RulesAnalysis([rule for rule in stage.rules if not isinstance(rule, rule_types)])
+        if isinstance(stage, Fp32RulesAnalysis)
+        else stage
+        for stage in passes
     ]
 
 

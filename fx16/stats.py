@@ -72,3 +72,13 @@ def relative_error(reference: torch.Tensor, value: torch.Tensor) -> float:
     difference = (reference - value).abs().max().item()
     scale = reference.abs().max().item()
     return difference / scale if scale else difference
+
+
+def outputs_error(reference: list, observed: list) -> float:
+    """The largest ``relative_error`` over the float outputs of one call."""
+    errors = [
+        relative_error(ref, obs)
+        for ref, obs in zip(reference, observed)
+        if isinstance(ref, torch.Tensor) and ref.is_floating_point()
+    ]
+    return max(errors, default=0.0)

@@ -13,6 +13,7 @@ WHILE_LOOP = hop.while_loop
 MAP = hop.map_impl
 AUTOCAST = hop.wrap_with_autocast
 SET_GRAD = hop.wrap_with_set_grad_enabled
+INVOKE_SUBGRAPH = hop.invoke_subgraph
 
 
 def bodies_and_operands(node: Node) -> tuple[list[Node], list]:
@@ -30,14 +31,19 @@ def bodies_and_operands(node: Node) -> tuple[list[Node], list]:
         return [args[1]], list(args[2:])
     if node.target is AUTOCAST:  # (device, dtype, enabled, cache, body, *operands)
         return [args[4]], list(args[5:])
+    if node.target is INVOKE_SUBGRAPH:  # (body, identifier, *operands); a body may be shared
+        return [args[0]], list(args[2:])
     return [], []
 
 
 def nested_graph_modules(graph_module) -> list:
-    """``graph_module`` and the bodies of its higher-order ops, nested ones too."""
+    """``graph_module`` and the bodies of its higher-order ops, nested ones too (a body
+    that several ops share, once)."""
     found, pending = [], [graph_module]
     while pending:
         module = pending.pop()
+        if any(module is seen for seen in found):
+            continue
         found.append(module)
         for node in module.graph.nodes:
             pending.extend(getattr(module, body.target) for body in bodies_and_operands(node)[0])

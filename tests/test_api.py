@@ -13,8 +13,10 @@ from fx16.analysis import (
     ConditioningAnalysis,
     ExplicitFp32Analysis,
     Fp32RulesAnalysis,
+    UnderflowAnalysis,
     UnsafeIndexAnalysis,
     ValueRangeAnalysis,
+    VerdictCheckAnalysis,
 )
 from fx16.passes import (
     CleanupCastsPass,
@@ -68,8 +70,10 @@ def test_pass_lists_are_fresh_instances():
         UnsafeIndexAnalysis,
         ValueRangeAnalysis,
         ConditioningAnalysis,
+        UnderflowAnalysis,
         ExplicitFp32Analysis,
         Fp32RulesAnalysis,
+        VerdictCheckAnalysis,
         ConvertParametersPass,
         ConvertUserInputsPass,
         InsertFP16CastsPass,

@@ -132,7 +132,7 @@ def test_a_budget_the_caller_makes_impossible_raises_and_leaves_the_program(monk
     calibration = _calibration(1, 1)
     ep = export(model, *calibration[0])
     before = str(ep.graph_module.graph)
-    monkeypatch.setattr(fx16.budget, "_output_error", lambda reference, observed: 1.0)
+    monkeypatch.setattr(fx16.budget, "outputs_error", lambda reference, observed: 1.0)
     with pytest.raises(fx16.AccuracyBudgetError, match="cannot be met"):
         fx16.cast_fp32_to_fp16(ep, calibration=calibration, max_rel_error=1e-3)
     assert str(ep.graph_module.graph) == before

@@ -22,8 +22,10 @@ from fx16.analysis import (
     ValueRangeAnalysis,
 )
 from fx16.analysis.explicit_fp32 import island_verdict, islands
+from fx16.analysis.fp32_rules import UnderflowRule
 from fx16.decisions import PRECISION, Reason
 from fx16.errors import InvalidOptionError
+from fx16.pipelines import run_passes, without_rules
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.report import decision_rows
@@ -80,17 +82,24 @@ def test_the_margin_counts():
     assert verdict.keep
 
 
-def test_tiny_values_keep_the_island_and_that_is_what_keeps_it_accurate():
-    """|x| ~ 1e-3 squares to ~1e-6, in fp16's subnormal range: 3% spacing."""
+def test_tiny_values_keep_the_island_and_retargeted_the_underflow_rule_keeps_its_rsqrt():
+    """|x| ~ 1e-3 squares to ~1e-6, in fp16's subnormal range: 3% spacing. The island
+    stays fp32; retargeted, the rsqrt the variance reaches (and the mean and squares
+    before it) stays fp32 by the underflow rule; without either, the error grows."""
     model, x, ep = _rmsnorm(1e-3)
     verdict = _only_verdict(copy.deepcopy(ep))
     assert verdict.keep and "subnormal" in verdict.why
-    kept, retargeted = copy.deepcopy(ep), copy.deepcopy(ep)
+    kept, retargeted, unprotected = copy.deepcopy(ep), copy.deepcopy(ep), copy.deepcopy(ep)
     fx16.cast_fp32_to_fp16(kept)
     fx16.cast_fp32_to_fp16(retargeted, explicit_fp32="retarget")
+    rules = {row.node: row.rule for row in fx16.report.report_of(retargeted).rows}
+    assert rules["rsqrt"] == rules["mean"] == rules["pow_1"] == "underflow"
+    passes = fx16.fp16_passes(unprotected, explicit_fp32="retarget")
+    run_passes(without_rules(passes, UnderflowRule), unprotected.graph_module)
     reference = fp64_reference(model, x)
-    assert max_error(reference, run(kept, x)) < 1e-3
-    assert max_error(reference, run(retargeted, x)) > 5 * max_error(reference, run(kept, x))
+    for cast in (kept, retargeted):
+        assert max_error(reference, run(cast, x)) < 1e-3
+        assert max_error(reference, run(unprotected, x)) > 5 * max_error(reference, run(cast, x))
 
 
 class SineIsland(nn.Module):

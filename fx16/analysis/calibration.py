@@ -8,12 +8,18 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from fx16.analysis.centering import CENTERING_OPS, cancellation_ratio, centered_input
+from fx16.boundaries import Boundaries
 from fx16.errors import InvalidOptionError, one_line
-from fx16.interpreter import LeanInterpreter
+from fx16.interpreter import BodyInterpreter
 from fx16.numerics import INF_LIKE
-from fx16.ops import INT_DTYPES, SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS
+from fx16.ops import (
+    INT_DTYPES,
+    SENTINEL_ABSORBING_OPS,
+    SENTINEL_PASSING_OPS,
+    SINGULAR_AT_ZERO,
+)
 from fx16.program import Program
-from fx16.subgraphs import AUTOCAST, COND, MAP, SET_GRAD, WHILE_LOOP
 from fx16.tensor_subclasses import inner_tensors, is_subclass
 
 
@@ -32,8 +38,19 @@ class CalibrationAnalysis(PassBase):
     (seen, not proven: ValueRangeAnalysis marks it observed). When there is nothing
     to run on, writes nothing and says so in ``graph_module.meta["fx16.calibration"]``.
     And ``node.meta["fx16.observed_interval"]``, the signed (min, max) of the finite
-    values a float tensor held, sentinels included (for the conditioning of exp and
-    log, which depends on sign and distance from 1).
+    values a float tensor held, sentinels left out (for the conditioning of exp and
+    log, which depends on sign and distance from 1; e^(-1e38) is 0 in any
+    precision), with ``node.meta["fx16.observed_sentinel"]`` True where it held one.
+    For the ops that subtract a mean inside (``fx16.analysis.centering``: norms, var,
+    std), ``node.meta["fx16.observed_centering"]``: their input's cancellation ratio,
+    max |x| / max |x - mean| over each group, the largest seen. For the values an op
+    singular at zero reads there (a log's argument, a divisor: ``fx16.ops.SINGULAR_AT_ZERO``),
+    ``node.meta["fx16.observed_smallest"]``: the smallest nonzero magnitude seen.
+
+    Facts cross the boundaries of higher-order ops (``fx16.boundaries``): a body's
+    nodes are observed where the body ran (cond's branch taken, every iteration of a
+    loop, every slice of a map), and a body's placeholder that no run reached (the
+    branch not taken) has what its operands held.
 
     Run it before anything converts the program: it observes the values the
     original precision computes. Buffers the program updates in place are copied
@@ -46,6 +63,9 @@ class CalibrationAnalysis(PassBase):
 
     META_KEY = "fx16.observed_range"
     INTERVAL_KEY = "fx16.observed_interval"
+    SENTINEL_KEY = "fx16.observed_sentinel"
+    CENTERING_KEY = "fx16.observed_centering"
+    SMALLEST_KEY = "fx16.observed_smallest"
     INT_RANGE_KEY = "fx16.observed_int_range"
     STATUS_KEY = "fx16.calibration"
 
@@ -58,8 +78,11 @@ class CalibrationAnalysis(PassBase):
         if not calls:
             graph_module.meta[self.STATUS_KEY] = "skipped: no calibration inputs"
             return PassResult(graph_module, False)
+        boundaries = Boundaries(graph_module)
         recorder = _MagnitudeRecorder(
-            graph_module, constant={slot.placeholder for slot in self.program.state_slots()}
+            graph_module,
+            constant={slot.placeholder for slot in self.program.state_slots()},
+            watched=_singular_arguments(boundaries),
         )
         with torch.no_grad():
             for index, (args, kwargs) in enumerate(calls):
@@ -75,6 +98,13 @@ class CalibrationAnalysis(PassBase):
             node.meta[self.INT_RANGE_KEY] = extremes
         for node, interval in recorder.intervals.items():
             node.meta[self.INTERVAL_KEY] = interval
+        for node in recorder.sentinels:
+            node.meta[self.SENTINEL_KEY] = True
+        for node, ratio in recorder.centering.items():
+            node.meta[self.CENTERING_KEY] = ratio
+        for node, smallest in recorder.smallest.items():
+            node.meta[self.SMALLEST_KEY] = smallest
+        _share_with_unreached_placeholders(boundaries)
         graph_module.meta[self.STATUS_KEY] = f"observed on {len(calls)} input(s)"
         return PassResult(graph_module, False)
 
@@ -89,6 +119,46 @@ class CalibrationAnalysis(PassBase):
         graph_module.meta[self.STATUS_KEY] = status
         warnings.warn(f"fx16 {status}", RuntimeWarning, stacklevel=3)
         return PassResult(graph_module, False)
+
+
+_OBSERVATIONS = (
+    CalibrationAnalysis.META_KEY,
+    CalibrationAnalysis.INTERVAL_KEY,
+    CalibrationAnalysis.SENTINEL_KEY,
+    CalibrationAnalysis.SMALLEST_KEY,
+)
+
+
+def _share_with_unreached_placeholders(boundaries: Boundaries) -> None:
+    """A body's placeholder no run reached (cond's branch not taken) holds what its
+    operands held: their observations, combined."""
+    for module in boundaries.graph_modules:
+        for placeholder in module.graph.find_nodes(op="placeholder"):
+            sources = boundaries.crossing_sources(placeholder)
+            if CalibrationAnalysis.META_KEY in placeholder.meta or not sources:
+                continue
+            for key in _OBSERVATIONS:
+                seen = [source.meta[key] for source in sources if key in source.meta]
+                if seen:
+                    placeholder.meta[key] = _combined(key, seen)
+
+
+def _combined(key: str, seen: list):
+    if key == CalibrationAnalysis.INTERVAL_KEY:
+        return min(low for low, _ in seen), max(high for _, high in seen)
+    return min(seen) if key == CalibrationAnalysis.SMALLEST_KEY else max(seen)
+
+
+def _singular_arguments(boundaries: Boundaries) -> set[Node]:
+    """The values that ops singular at zero read where they are singular."""
+    found = set()
+    for module in boundaries.graph_modules:
+        for node in module.graph.nodes:
+            position = SINGULAR_AT_ZERO.get(node.target)
+            if position is not None and position < len(node.args):
+                if isinstance(node.args[position], Node):
+                    found.add(node.args[position])
+    return found
 
 
 def calibration_calls(
@@ -153,8 +223,8 @@ def _is_args_kwargs(entry) -> bool:
 
 def observe_floats(value) -> tuple[float | None, bool, tuple[float, float] | None]:
     """(largest finite non-sentinel magnitude, whether a finite magnitude >= 1e38
-    occurs, (min, max) of the finite values) over the float tensors in ``value``;
-    one reduction per ordinary tensor.
+    occurs, (min, max) of the finite non-sentinel values) over the float tensors in
+    ``value``; one reduction per ordinary tensor.
     A tensor subclass (a torchao quantized weight) is observed through its plain inner
     tensors: its own ops may not include a reduction."""
     largest, sentinel, interval = None, False, None
@@ -172,14 +242,16 @@ def observe_floats(value) -> tuple[float | None, bool, tuple[float, float] | Non
             low, high = (float(bound) for bound in leaf.detach().aminmax())
             top = max(-low, high)
             if not top < INF_LIKE:  # sentinels, inf or nan inside: look closer
-                finite = leaf.detach()[torch.isfinite(leaf.detach())]
-                low, high = (float(finite.min()), float(finite.max())) if finite.numel() else (0, 0)
-                magnitude = leaf.detach().abs().float()
+                detached = leaf.detach().float()
+                magnitude = detached.abs()
                 sentinel = sentinel or bool(
                     ((magnitude >= INF_LIKE) & torch.isfinite(magnitude)).any()
                 )
-                magnitude = magnitude[magnitude < INF_LIKE]  # also drops inf and nan
-                top = float(magnitude.max()) if magnitude.numel() else None
+                ordinary = detached[magnitude < INF_LIKE]  # also drops inf and nan
+                low, high = (
+                    (float(ordinary.min()), float(ordinary.max())) if ordinary.numel() else (0, 0)
+                )
+                top = float(ordinary.abs().max()) if ordinary.numel() else None
             if top is not None:
                 largest = top if largest is None else max(largest, top)
             interval = (low, high) if interval is None else _hull(interval, (low, high))
@@ -219,63 +291,41 @@ def integer_extremes(value) -> tuple[int, int] | None:
     return int(low), int(high)
 
 
-class _MagnitudeRecorder(LeanInterpreter):
-    """Runs a graph and records magnitudes, integer extremes and sentinels per node.
-
-    It steps into the bodies of cond (the branch taken), while_loop (every iteration),
-    map (every slice), autocast and set_grad_enabled regions, so their nodes are
-    observed too (over all iterations); other higher-order ops run whole.
-    """
+class _MagnitudeRecorder(BodyInterpreter):
+    """Runs a graph and records magnitudes, integer extremes and sentinels per node,
+    in the bodies of higher-order ops too (over every iteration of a loop)."""
 
     def __init__(
         self,
         graph_module: GraphModule,
         parent: "_MagnitudeRecorder | None" = None,
         constant: set[Node] = frozenset(),
+        watched: set[Node] = frozenset(),
     ):
         """``constant``: the state placeholders, observed on the first input only (a
-        weight holds the same values on every input)."""
+        weight holds the same values on every input); ``watched``: the values whose
+        smallest nonzero magnitude to record."""
         super().__init__(graph_module)
         self.magnitudes: dict[Node, float] = parent.magnitudes if parent else {}
         self.int_ranges: dict[Node, tuple[int, int]] = parent.int_ranges if parent else {}
         self.sentinels: set[Node] = parent.sentinels if parent else set()
         self.intervals: dict[Node, tuple[float, float]] = parent.intervals if parent else {}
-        self.constant = constant
+        self.centering: dict[Node, float] = parent.centering if parent else {}
+        self.smallest: dict[Node, float] = parent.smallest if parent else {}
+        self.constant = constant if parent is None else parent.constant
+        self.watched = watched if parent is None else parent.watched
         self.observed: set[Node] = set()
 
-    def call_function(self, target, args, kwargs):
-        if target is COND:
-            predicate, true_body, false_body, operands = args
-            return tuple(self._inside(true_body if bool(predicate) else false_body, operands))
-        if target is WHILE_LOOP:
-            condition, body, carried, additional = args
-            carried = tuple(carried)
-            while bool(pytree.tree_leaves(self._inside(condition, (*carried, *additional)))[0]):
-                carried = tuple(self._inside(body, (*carried, *additional)))
-            return carried
-        if target is MAP and args[1][0].shape[0] > 0:
-            body, mapped, others = args
-            slices = [
-                self._inside(body, (*(tensor[index] for tensor in mapped), *others))
-                for index in range(mapped[0].shape[0])
-            ]
-            return [torch.stack(parts) for parts in zip(*slices)]
-        if target is AUTOCAST:
-            device, dtype, enabled, cache, body, *operands = args
-            with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
-                return tuple(self._inside(body, operands))
-        if target is SET_GRAD:
-            enabled, body, *operands = args
-            with torch.set_grad_enabled(enabled):
-                return tuple(self._inside(body, operands))
-        return super().call_function(target, args, kwargs)
-
-    def _inside(self, body: GraphModule, operands):
-        """What ``body`` returns when run on ``operands``, observing its nodes."""
-        return _MagnitudeRecorder(body, parent=self).run(*operands)
+    def inside(self, body: GraphModule) -> "_MagnitudeRecorder":
+        return _MagnitudeRecorder(body, parent=self)
 
     def run_node(self, node: Node):
-        result = super().run_node(node)
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        result = getattr(self, node.op)(node.target, args, kwargs)
+        if node.target in CENTERING_OPS:
+            self._observe_centering(node, args)
+        if node in self.watched:
+            self._observe_smallest(node, result)
         if node in self.constant:
             if node in self.observed:
                 return result
@@ -294,3 +344,16 @@ class _MagnitudeRecorder(LeanInterpreter):
                 low, high = self.int_ranges.get(node, extremes)
                 self.int_ranges[node] = (min(low, extremes[0]), max(high, extremes[1]))
         return result
+
+    def _observe_centering(self, node: Node, args) -> None:
+        centered = centered_input(node.target, args)
+        if centered is not None:
+            ratio = cancellation_ratio(centered)
+            self.centering[node] = max(ratio, self.centering.get(node, 0.0))
+
+    def _observe_smallest(self, node: Node, result) -> None:
+        if isinstance(result, torch.Tensor) and result.is_floating_point() and result.numel():
+            magnitude = result.detach().abs()
+            nonzero = torch.where(magnitude > 0, magnitude, torch.inf).amin()
+            if torch.isfinite(nonzero):
+                self.smallest[node] = min(float(nonzero), self.smallest.get(node, math.inf))

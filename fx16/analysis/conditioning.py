@@ -13,52 +13,60 @@ the range x takes (error against the largest output, as fx16's budget measures i
 - a - b and a + b of tensors: (max|a| + max|b|) / max|a -/+ b| (cancellation), when
   it is 8 or more (three bits lost; a residual add's maxima give ratios near 2), and
   neither holds an infinity-like sentinel (an additive mask's ``finfo.min``).
+- the ops that subtract a mean inside (batch, layer, group and instance norms, var,
+  std: ``fx16.analysis.centering``): their input's cancellation ratio, max |x| / max
+  |x - mean| per group, as calibration measured it (or, for a batch norm in
+  inference that no input reached, |running_mean| / sqrt(running_var)), when it is 8
+  or more.
 
 Ranges: proven ones first (``fx16.analysis.float_range``: from integers, sizes,
 constants, state), else what calibration observed. A periodic op whose argument
 has no proven range is ill-conditioned: positions and timesteps grow past any
-example, and sin/cos are a negligible share of a model's compute.
+example, and sin/cos are a negligible share of a model's compute. Infinity-like
+sentinels (|x| >= 1e38, the -1e38 a running maximum starts from) are left out of
+every interval: e^(-1e38) is 0 in any precision.
 
 An op is ill-conditioned when kappa * u exceeds the policy's
 ``precision_tolerance``. Keeping it in fp32 helps only if its input arrives with
-fp32 accuracy, so the values it reads are marked too, and their inputs, up to a
-matrix product or reduction with no proven range: that one computes in fp32 from
-the 16-bit values it reads (upstream of it is the model's real work). Placeholders
-reached (a
-buffer such as ``inv_freq``, a timestep input) are marked: the converters keep them
-fp32.
+fp32 accuracy, so its elementwise past is marked too (``fx16.analysis.upstream``:
+reductions included, across higher-order ops' boundaries, up to the placeholders
+it starts from, which the converters then keep fp32), stopping before a matrix
+product, convolution or attention, which is read as computed.
 
 Reads: ``meta["val"]``, ``meta["fx16.value_range"]`` (run ValueRangeAnalysis
-first), ``meta["fx16.observed_interval"]`` and ``meta["fx16.observed_range"]``
-(CalibrationAnalysis), the program's state. Writes:
-``node.meta["fx16.ill_conditioned"]``: why (a string), on every node to keep fp32
-for that reason; absent elsewhere.
+first), ``meta["fx16.observed_interval"]``, ``meta["fx16.observed_range"]`` and
+``meta["fx16.observed_centering"]`` (CalibrationAnalysis), the program's state.
+Writes: ``node.meta["fx16.ill_conditioned"]``: why (a string), on every node to
+keep fp32 for that reason, bodies included; absent elsewhere. And on each
+ill-conditioned op, ``node.meta["fx16.conditioning"]``: a ``Finding`` (its condition
+number and the chain marked for it), for VerdictCheckAnalysis.
 """
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.centering import CENTERING_OPS, buffer_ratio, running_statistics
 from fx16.analysis.float_range import FloatRanges
+from fx16.analysis.upstream import elementwise_past
+from fx16.boundaries import Boundaries
 from fx16.nodes import node_val
 from fx16.numerics import INF_LIKE
 from fx16.ops import (
-    COMPUTE_OPS,
     EXPONENTIAL_OPS,
     LOGARITHM_OPS,
     PERIODIC_OPS,
     POWER_BY_SCALAR_OPS,
     POWER_OF_SCALAR_OPS,
-    REDUCTION_OPS,
     SUM_OPS,
 )
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
-from fx16.subgraphs import nested_graph_modules
 
 aten = torch.ops.aten
 
@@ -66,10 +74,17 @@ aten = torch.ops.aten
 # (a residual add, two embeddings) give ratios near 2 with nothing cancelling.
 _CANCELLING = 8.0
 
-# the most nodes one ill-conditioned op marks upstream (its position or timestep chain)
-_CHAIN_LIMIT = 256
-
 Interval = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """An ill-conditioned op (``seed``), its condition number, and its elementwise past
+    (the nodes of this walk: read them in the same pipeline run)."""
+
+    seed: Node
+    kappa: float
+    chain: tuple[Node, ...]
 
 
 class ConditioningAnalysis(PassBase):
@@ -77,30 +92,37 @@ class ConditioningAnalysis(PassBase):
     policy's ``precision_tolerance``, with the values they read (see the module)."""
 
     META_KEY = "fx16.ill_conditioned"
+    FINDING_KEY = "fx16.conditioning"
 
     def __init__(self, program: Program, policy: PrecisionPolicy | None = None) -> None:
         self.program = program
         self.policy = policy or PrecisionPolicy.default()
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        ranges = FloatRanges(self.program)
+        boundaries = Boundaries(graph_module)
+        ranges = FloatRanges(self.program, boundaries)
         roundoff = torch.finfo(self.policy.low).eps / 2
         tolerance = self.policy.resolved_precision_tolerance
-        for submodule in nested_graph_modules(graph_module):
+        seeds: list[tuple[Node, float]] = []
+        for submodule in boundaries.graph_modules:
             for node in submodule.graph.nodes:
                 node.meta.pop(self.META_KEY, None)
-            marked: set[Node] = set()
-            for node in submodule.graph.nodes:
-                found = _condition(node, _Ranges(ranges)) if node.op == "call_function" else None
-                if found is None:
+                node.meta.pop(self.FINDING_KEY, None)
+                if node.op != "call_function":
                     continue
-                kappa, why = found
-                if kappa * roundoff > tolerance:
+                found = _condition(node, _Ranges(ranges))
+                if found is not None and found[0] * roundoff > tolerance:
+                    kappa, why = found
                     node.meta[self.META_KEY] = (
                         f"{why}: condition number {kappa:.3g}, so 16-bit rounding of its input "
                         f"moves it by {kappa * roundoff:.2g} (tolerance {tolerance:.2g})"
                     )
-                    _mark_inputs(node, ranges, marked)
+                    seeds.append((node, kappa))
+        for seed, kappa in seeds:
+            chain = elementwise_past(seed, boundaries, ranges.of)
+            for node in chain:
+                node.meta.setdefault(self.META_KEY, f"feeds {seed.name}, kept in fp32")
+            seed.meta[self.FINDING_KEY] = Finding(seed, kappa, tuple(chain))
         return PassResult(graph_module, False)
 
 
@@ -111,8 +133,11 @@ class _Ranges:
         self.proven = proven
 
     def interval(self, arg) -> Interval | None:
+        """Sentinels left out: a value that holds nothing else has no interval."""
         found = self.proven.of(arg)
         if found is not None:
+            if found.high <= -INF_LIKE or found.low >= INF_LIKE:
+                return None
             return found.low, found.high
         if isinstance(arg, Node):
             return arg.meta.get(CalibrationAnalysis.INTERVAL_KEY)
@@ -153,6 +178,8 @@ def _condition(node: Node, ranges: _Ranges) -> tuple[float, str] | None:
         return abs(args[1]), f"x ** {args[1]:g}"
     if target in SUM_OPS and all(isinstance(arg, Node) for arg in args[:2]):
         return _cancellation(node, ranges)
+    if target in CENTERING_OPS:
+        return _centering(node, ranges.proven)
     return None
 
 
@@ -193,20 +220,20 @@ def _cancellation(node: Node, ranges: _Ranges) -> tuple[float, str] | None:
     return (a + b) / result, f"{operation} with |a| ~ {a:.3g}, |b| ~ {b:.3g}, result {result:.3g}"
 
 
-def _mark_inputs(seed: Node, ranges: FloatRanges, marked: set[Node]) -> None:
-    """Mark what ``seed`` reads, upstream, so that it arrives at fp32 accuracy."""
-    pending, count = list(seed.all_input_nodes), 0
-    while pending and count < _CHAIN_LIMIT:
-        node = pending.pop()
-        val = node_val(node)
-        if node in marked or not (isinstance(val, torch.Tensor) and val.is_floating_point()):
-            continue
-        marked.add(node)
-        count += 1
-        node.meta.setdefault(ConditioningAnalysis.META_KEY, f"feeds {seed.name}, kept in fp32")
-        if node.op != "call_function":
-            continue
-        name = getattr(node.target, "_opname", None)
-        if name in COMPUTE_OPS | REDUCTION_OPS and ranges.of(node) is None:
-            continue  # the model's real work: read as it is
-        pending.extend(node.all_input_nodes)
+def _centering(node: Node, ranges: FloatRanges) -> tuple[float, str] | None:
+    """The cancellation ratio of an op that subtracts a mean inside it: as calibration
+    measured it, else from a batch norm's running statistics."""
+    ratio = node.meta.get(CalibrationAnalysis.CENTERING_KEY)
+    seen = "observed"
+    if ratio is None:
+        statistics = running_statistics(node.target, node.args)
+        tensors = [ranges.state_tensor(arg) for arg in statistics or ()]
+        if len(tensors) != 2 or any(tensor is None for tensor in tensors):
+            return None
+        ratio, seen = buffer_ratio(*tensors), "from its running statistics"
+    if ratio < _CANCELLING:
+        return None
+    return ratio, (
+        f"cancellation inside {node.target._opname}: its input reaches {ratio:.3g}x its "
+        f"largest deviation from the mean ({seen})"
+    )

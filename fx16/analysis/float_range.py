@@ -9,7 +9,10 @@ through casts, products, sums, exp and data movement. Calibration cannot stand i
 a seq=16 example never shows the angles a seq=2048 call makes.
 
 Ranges are computed on demand (only the values a rule asks about, and their
-inputs), each once; a state tensor's range is its min and max.
+inputs), each once; a state tensor's range is its min and max. A value holds its
+range across the boundaries of higher-order ops (``fx16.boundaries``): a body's
+placeholder has its operand's, an op's result its bodies' outputs' (a value a loop
+carries has none: nothing bounds how it grows).
 """
 
 import math
@@ -28,6 +31,7 @@ from fx16.analysis.value_range import (
     union,
     value_range,
 )
+from fx16.boundaries import Boundaries
 from fx16.nodes import named_argument, node_val
 from fx16.ops import CAST_OPS, VALUE_PRESERVING_OPS, overloads
 from fx16.program import Program
@@ -56,8 +60,9 @@ _MOVES = CAST_OPS | overloads("to.device")  # same values, maybe another dtype o
 class FloatRanges:
     """Proven float intervals, by node, computed when first asked for."""
 
-    def __init__(self, program: Program) -> None:
+    def __init__(self, program: Program, boundaries: Boundaries | None = None) -> None:
         self.program = program
+        self.boundaries = boundaries or Boundaries(program.graph_module)
         self.state = {slot.placeholder: slot.target for slot in program.state_slots()}
         self.known: dict[Node, ValueRange | None] = {}
         self.depth = 0
@@ -76,6 +81,7 @@ class FloatRanges:
             if self.depth >= _DEPTH:
                 return None
             self.depth += 1
+            self.known[arg] = None  # a loop's carried value reaches itself: unknown
             try:
                 self.known[arg] = self._rule(arg)
             finally:
@@ -88,6 +94,9 @@ class FloatRanges:
             return None
         if not val.is_floating_point():
             return value_range(node)
+        sources = self.boundaries.crossing_sources(node)
+        if sources:
+            return union([self.of(source) for source in sources])
         if node.op == "placeholder":
             return self._state(node)
         if node.op != "call_function":
@@ -107,8 +116,18 @@ class FloatRanges:
             return self._union(node)
         return self._arithmetic(node)
 
+    def state_tensor(self, arg) -> torch.Tensor | None:
+        """The state tensor (parameter, buffer, constant) a node stands for, in a body
+        too (through the operands fed to its placeholder), or None."""
+        if not isinstance(arg, Node):
+            return None
+        sources = self.boundaries.crossing_sources(arg)
+        if arg.op == "placeholder" and len(sources) == 1:
+            return self.state_tensor(sources[0])
+        return self.program.state_tensor(self.state[arg]) if arg in self.state else None
+
     def _state(self, node: Node) -> ValueRange | None:
-        tensor = self.program.state_tensor(self.state[node]) if node in self.state else None
+        tensor = self.state_tensor(node)
         if tensor is None or is_subclass(tensor) or not tensor.numel():
             return None
         low, high = (float(bound) for bound in tensor.detach().aminmax())

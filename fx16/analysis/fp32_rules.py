@@ -15,6 +15,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.conditioning import ConditioningAnalysis
+from fx16.analysis.underflow import UnderflowAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.decisions import Decision, Reason
 from fx16.ops import is_custom_op
@@ -86,6 +87,17 @@ class ConditioningRule:
         return node.meta.get(ConditioningAnalysis.META_KEY)
 
 
+@dataclass(frozen=True)
+class UnderflowRule:
+    """An op singular at zero whose argument would flush to zero or be subnormal in
+    16-bit, and its elementwise past. Reads ``meta["fx16.underflow"]``."""
+
+    reason = Reason.UNDERFLOW
+
+    def applies(self, node: Node) -> str | None:
+        return node.meta.get(UnderflowAnalysis.META_KEY)
+
+
 class Fp32RulesAnalysis(PassBase):
     """Ask each rule about every node (nested bodies too); publish the first answer.
 
@@ -105,13 +117,14 @@ class Fp32RulesAnalysis(PassBase):
         cls, low: torch.dtype, limit: float, force_fp32: frozenset[str] = frozenset()
     ) -> "Fp32RulesAnalysis":
         """fx16's rules, safety first: index, accuracy budget, observed overflow, custom
-        ops without a 16-bit fake kernel, conditioning."""
+        ops without a 16-bit fake kernel, underflow, conditioning."""
         return cls(
             [
                 UnsafeIndexRule(),
                 AccuracyBudgetRule(frozenset(force_fp32)),
                 ObservedOverflowRule(limit),
                 FakeKernelRule(low),
+                UnderflowRule(),
                 ConditioningRule(),
             ]
         )

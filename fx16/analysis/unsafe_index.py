@@ -1,27 +1,42 @@
 """UnsafeIndexAnalysis: which nodes' values end up as indices."""
 
+import operator
+
+import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fx16.ops import INDEX_ARGUMENTS
-from fx16.subgraphs import bodies_and_operands, carried_count
+from fx16.boundaries import Boundaries
+from fx16.cost import is_product
+from fx16.nodes import node_val
+from fx16.ops import INDEX_ARGUMENTS, SELECTION_OPS
 
 
 class UnsafeIndexAnalysis(PassBase):
-    """Mark every node whose value flows, along any path, into an index argument.
+    """Mark every node whose exact value decides an index, along any path.
 
     Index arguments are listed in ``fx16.ops.INDEX_ARGUMENTS``: embedding ids,
     gather/scatter/index_* indices, ``index.Tensor`` index lists, one_hot,
     nll_loss/cross_entropy targets, and tensors read as Python sizes (``item()``,
     ``repeat_interleave`` counts). Narrowing such a value could send it out of range
-    and read the wrong element, so it keeps its dtype. The op taking the index is
-    not marked itself (its other inputs may still be narrowed).
+    and read the wrong element, so it keeps its dtype; a float that becomes one
+    (``to(int)``, floor/round, bucketize, a comparison) keeps its precision. The op
+    taking the index is not marked itself (its other inputs may still be narrowed).
 
-    Bodies of higher-order ops (cond, while_loop, map, autocast and set_grad_enabled
-    regions) are analysed too, across their boundaries: an operand that becomes an
-    index inside a body is marked outside, and a body's results are marked when they
-    become indices outside.
+    The walk upstream stops at two kinds of node:
+
+    - the indices of a selection (topk, sort, argmax/argmin, max/min along a dim,
+      multinomial): they are valid whatever the precision of the values compared,
+      which only changes which index is chosen (a router's expert, a decoded token);
+    - a matrix product, convolution or attention of floats: the model's real work,
+      read as it is computed (its result is marked, the product itself is not).
+
+    Values cross the boundaries of higher-order ops (cond, while_loop, map,
+    autocast and set_grad_enabled regions, invoke_subgraph) both ways
+    (``fx16.boundaries``): an operand that becomes an index inside a body is marked
+    outside, a body's result that becomes one outside is marked inside, and so is a
+    value a loop carries into the step that uses it as one.
 
     Reads: the graph only. Writes: ``node.meta["fx16.unsafe_index"]`` (bool) on every
     node, subgraphs included.
@@ -30,34 +45,37 @@ class UnsafeIndexAnalysis(PassBase):
     META_KEY = "fx16.unsafe_index"
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        _mark(graph_module, unsafe_outputs=False)
+        boundaries = Boundaries(graph_module)
+        pending: list[Node] = []
+        for module in boundaries.graph_modules:
+            for node in module.graph.nodes:
+                for position in INDEX_ARGUMENTS.get(node.target, ()):
+                    if position < len(node.args):
+                        map_arg(node.args[position], pending.append)
+        unsafe: set[Node] = set()
+        while pending:
+            node = pending.pop()
+            if node in unsafe or _is_float_product(node):
+                continue
+            unsafe.add(node)
+            if not _selected_indices(node):
+                pending.extend(boundaries.inputs(node))
+        for module in boundaries.graph_modules:
+            for node in module.graph.nodes:
+                node.meta[self.META_KEY] = node in unsafe
         return PassResult(graph_module, False)
 
 
-def _mark(graph_module: GraphModule, unsafe_outputs: bool) -> list[bool]:
-    """Mark the nodes of ``graph_module`` and the bodies of its higher-order ops
-    (``unsafe_outputs``: what the graph returns becomes an index outside it).
-    Returns, per placeholder, whether it is marked: the operand feeding it is then
-    marked in the enclosing graph."""
-    graph = graph_module.graph
-    unsafe: set[Node] = set(graph.output_node().all_input_nodes) if unsafe_outputs else set()
-    for node in reversed(graph.nodes):
-        if node in unsafe:
-            unsafe.update(node.all_input_nodes)  # every path upstream
-        for position in INDEX_ARGUMENTS.get(node.target, ()):
-            if position < len(node.args):
-                map_arg(node.args[position], unsafe.add)
-        body_nodes, operands = bodies_and_operands(node)
-        for body in body_nodes:
-            submodule = getattr(graph_module, body.target)
-            marked = _mark(submodule, unsafe_outputs=node in unsafe)
-            if any(marked[: carried_count(node)]):  # an index carried into the next step
-                marked = _mark(submodule, unsafe_outputs=True)
-            unsafe.update(
-                operand
-                for operand, flag in zip(operands, marked)
-                if flag and isinstance(operand, Node)
-            )
-    for node in graph.nodes:
-        node.meta[UnsafeIndexAnalysis.META_KEY] = node in unsafe
-    return [node in unsafe for node in graph.find_nodes(op="placeholder")]
+def _selected_indices(node: Node) -> bool:
+    """``node`` holds the indices a selection op chose."""
+    if node.target in SELECTION_OPS and SELECTION_OPS[node.target] is None:
+        return True
+    if node.target is operator.getitem and isinstance(node.args[0], Node):
+        source = node.args[0]
+        return source.target in SELECTION_OPS and SELECTION_OPS[source.target] == node.args[1]
+    return False
+
+
+def _is_float_product(node: Node) -> bool:
+    val = node_val(node)
+    return isinstance(val, torch.Tensor) and val.is_floating_point() and is_product(node)

@@ -13,10 +13,12 @@ from torch.utils._sympy.value_ranges import bound_sympy
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.index_bounds import index_bounds
+from fx16.boundaries import Boundaries
 from fx16.errors import InvalidOptionError
 from fx16.nodes import named_argument, node_val
 from fx16.ops import CAST_OPS, INT_DTYPES, POSITION_OPS, VALUE_PRESERVING_OPS, overloads
 from fx16.program import Program
+from fx16.subgraphs import bodies_and_operands
 
 aten = torch.ops.aten
 INF = math.inf
@@ -158,24 +160,45 @@ class ValueRangeAnalysis(PassBase):
         }
         state = {slot.placeholder: slot.target for slot in self.program.state_slots()}
         rules = _Rules(self.program.range_constraints())
-        forward = self._forward(graph_module, declared, state, rules, {})
+        boundaries = Boundaries(graph_module)
+        walk = _Walk(self.program, boundaries, declared, state, rules)
+        forward = walk.forward(graph_module, {})
         bounds = index_bounds(graph_module.graph, _known(forward), rules.size_bound)
         if bounds:
             confined = {node: ValueRange(*bound, Source.PROVEN) for node, bound in bounds.items()}
-            self._forward(graph_module, declared, state, rules, confined)
+            walk = _Walk(self.program, boundaries, declared, state, rules)
+            walk.forward(graph_module, confined)
         return PassResult(graph_module, False)
 
-    def _forward(self, graph_module, declared, state, rules, confined) -> dict:
-        """One walk in graph order; ``confined``: ranges proven by use as an index,
-        intersected with what the walk finds."""
+
+class _Walk:
+    """One walk in graph order over a graph and, at each higher-order op, its bodies
+    (each once): a body's placeholder has the range its operands have (the union over
+    the ops that share the body; none for a value a loop carries), an op's result
+    the union of its bodies' outputs."""
+
+    def __init__(self, program, boundaries, declared, state, rules) -> None:
+        self.program, self.boundaries = program, boundaries
+        self.declared, self.state, self.rules = declared, state, rules
+        self.walked: set[int] = set()
+
+    def forward(self, graph_module: GraphModule, confined: dict) -> dict:
+        """Range every node of ``graph_module``; ``confined``: ranges proven by use as an
+        index, intersected with what the walk finds. Returns the ranges found."""
         found_by_node = {}
         for node in graph_module.graph.nodes:
-            if node.op == "placeholder" and node in state:
-                found = rules.of_state(self.program.state_tensor(state[node]))
+            sources = self.boundaries.crossing_sources(node)
+            if node.op == "placeholder" and node in self.state:
+                found = self.rules.of_state(self.program.state_tensor(self.state[node]))
+            elif sources:
+                found = union([value_range(source) for source in sources])
             elif node.op == "placeholder":
-                found = declared.get(node) or rules.of_bool(node)
+                found = self.declared.get(node) or self.rules.of_bool(node)
+            elif node in self.boundaries.looked_into:
+                self.bodies(graph_module, node)
+                continue
             elif node.op == "call_function":
-                found = _within_dtype(node, rules.of(node))
+                found = _within_dtype(node, self.rules.of(node))
             else:
                 continue
             found = _intersect(found, confined.get(node))
@@ -183,11 +206,18 @@ class ValueRangeAnalysis(PassBase):
             if found is None and observed is not None:
                 found = ValueRange(*observed, Source.OBSERVED)
             if found is None:
-                node.meta.pop(self.META_KEY, None)
+                node.meta.pop(ValueRangeAnalysis.META_KEY, None)
             else:
                 found_by_node[node] = found
-                node.meta[self.META_KEY] = found  # later rules read their inputs' ranges
+                node.meta[ValueRangeAnalysis.META_KEY] = found  # later rules read it
         return found_by_node
+
+    def bodies(self, graph_module: GraphModule, node: Node) -> None:
+        for body in bodies_and_operands(node)[0]:
+            module = getattr(graph_module, body.target)
+            if id(module) not in self.walked:
+                self.walked.add(id(module))
+                self.forward(module, {})
 
 
 def _intersect(found, bound: ValueRange | None):

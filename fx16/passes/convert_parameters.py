@@ -83,6 +83,8 @@ def _overflows(placeholder, tensor: torch.Tensor, low: torch.dtype) -> bool:
     interval calibration recorded on its placeholder when it ran (the same values: no
     second pass over the weights), else from the tensor."""
     observed = placeholder.meta.get(CalibrationAnalysis.INTERVAL_KEY)
+    if placeholder.meta.get(CalibrationAnalysis.SENTINEL_KEY):
+        return True  # a -1e38 would become -inf, and -inf - -inf is nan where -1e38 - -1e38 is 0
     if observed is not None:
         return max(-observed[0], observed[1]) > largest(low)
     return state_overflows(tensor, low)

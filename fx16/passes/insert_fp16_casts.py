@@ -18,6 +18,7 @@ from fx16.analysis.explicit_fp32 import (
     outside_island,
 )
 from fx16.analysis.fp32_rules import Fp32RulesAnalysis, fp32_rule
+from fx16.analysis.verdict_check import VerdictCheckAnalysis
 from fx16.casts import (
     INSERTED,
     WHY_CAST_BACK,
@@ -50,7 +51,7 @@ from fx16.nodes import (
     tensor_leaves,
     value_scalars,
 )
-from fx16.numerics import round_scalar_to_fp16
+from fx16.numerics import round_scalar_to_fp16, smallest_subnormal
 from fx16.ops import (
     ASSERT_METADATA_OPS,
     CREATION_OPS,
@@ -151,6 +152,7 @@ _DOWNCASTABLE = frozenset(
         Reason.LOOP_CARRIED,
         Reason.FIXED_OUTPUT_DTYPE,
         Reason.ILL_CONDITIONED,
+        Reason.UNDERFLOW,
     }
 )
 
@@ -436,7 +438,11 @@ class _Run:
                     decide(placeholder, FP32, Reason.LOOP_CARRIED)
                 elif decision_of(operand) is not None:
                     placeholder.meta[PRECISION] = decision_of(operand)
-            observed = any(CalibrationAnalysis.META_KEY in n.meta for n in submodule.graph.nodes)
+            observed = any(  # a run reached the body's ops (its placeholders share observations)
+                CalibrationAnalysis.META_KEY in n.meta
+                for n in submodule.graph.nodes
+                if n.op == "call_function"
+            )
             inner = _Run(submodule, self.policy, self.limit, calibrated=observed, root=self.root)
             inner.walk()
             if carried and submodule is submodules[-1]:  # the loop body returns the state
@@ -559,11 +565,14 @@ class _Run:
 
     def run_in_low(self, node: Node, scalars, dtype_args, produces_fp32: bool) -> None:
         self.downcast_inputs(node)
+        clamped = []
         for location, value in scalars:
             rounded = round_scalar_to_fp16(value, self.low) if isinstance(value, float) else value
             if rounded != value:
                 set_argument(node, location, rounded)
                 self.modified = True
+                if value and abs(value) < smallest_subnormal(self.low):
+                    clamped.append((value, rounded))
         for location, dtype in dtype_args:
             if dtype == FP32:
                 set_argument(node, location, self.low)
@@ -576,6 +585,12 @@ class _Run:
             decide(node, FP32, Reason.FIXED_OUTPUT_DTYPE)
         else:
             decide_island(node, self.low)
+            refuted = node.meta.get(VerdictCheckAnalysis.META_KEY)
+            if refuted and decision_of(node).reason == Reason.FITS:
+                decide(node, self.low, Reason.NOT_WORTH_FP32, detail=refuted)
+            elif clamped and decision_of(node).reason == Reason.FITS:
+                scalars = ", ".join(f"{value:g} -> {new:.3g}" for value, new in clamped)
+                decide(node, self.low, Reason.SCALAR_CLAMPED, detail=scalars)
 
     def downcast_inputs(self, node: Node) -> None:
         def downcast(arg: Node) -> Node:

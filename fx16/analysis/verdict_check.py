@@ -1,0 +1,227 @@
+"""VerdictCheckAnalysis: fp32 verdicts that cost something are checked on the calibration inputs.
+
+A safety rule fires on a pattern - a value beyond 65504 with the margin, an op with
+a condition number above the tolerance, an fp32 region the model wrote - without
+knowing what its verdict buys. Two kinds of verdict are worth asking:
+
+- one that puts a matrix product, convolution or attention in fp32 (the range rule
+  on the product's own output, a region of the model's that holds one), when it costs
+  at least ``HEAVY_SHARE`` of the program's product FLOPs: on a GPU or the Neural
+  Engine that op then runs 8-16x slower;
+- a conditioning finding whose condition number is moderate (below ``MODERATE``
+  times what the tolerance allows: GELU's cube has 3): the rounding it amplifies
+  may be damped by what follows (the cube is scaled by 0.044715 and added to x).
+
+Each is measured with ``fx16.emulation``: the output error on the calibration
+inputs with every verdict, and without that one. It holds when the error without it
+exceeds ``MEASURABLE`` times the error with it (or is not finite); otherwise it is
+dropped, and its nodes say why. Verdicts of one kind in different layers (the same
+rule and op at the same module path up to the layer index) are measured together:
+twelve GELU cubes are one question, not twelve. The most expensive are asked first,
+and each answer is kept for the next question. With no calibration input there is
+nothing to measure with, and every verdict holds.
+
+Reads: ``meta["fx16.fp32_rule"]`` (Fp32RulesAnalysis), the island verdicts
+(ExplicitFp32Analysis), the conditioning findings
+(``meta["fx16.conditioning"]``), the policy. Writes: on the nodes of a
+dropped verdict, ``meta["fx16.fp32_rule"]`` removed (an island's verdict made
+16-bit) and ``meta["fx16.not_worth_fp32"]``: why; in
+``graph_module.meta["fx16.verdict_checks"]`` one ``Check`` per question asked.
+"""
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16.analysis.calibration import calibration_calls
+from fx16.analysis.conditioning import ConditioningAnalysis
+from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis, islands
+from fx16.analysis.fp32_rules import Fp32RulesAnalysis, fp32_rule
+from fx16.cost import flops, is_product
+from fx16.decisions import Reason
+from fx16.emulation import Emulation
+from fx16.nodes import node_module_path, op_label
+from fx16.policy import Precision, PrecisionPolicy
+from fx16.program import Program
+from fx16.subgraphs import nested_graph_modules
+
+# A verdict that puts at least this share of the program's product FLOPs in fp32 is heavy.
+HEAVY_SHARE = 0.005
+# A conditioning finding below this many times the tolerance is moderate.
+MODERATE = 16.0
+# fp32 must lower the error by at least this factor to pay for itself.
+MEASURABLE = 1.25
+
+
+@dataclass(frozen=True)
+class Check:
+    """One question: does keeping ``nodes`` in fp32 lower the output error?"""
+
+    label: str  # what is kept, e.g. "ill_conditioned pow.Tensor_Scalar at transformer.h.*.mlp"
+    nodes: tuple[str, ...]
+    error_with: float
+    error_without: float
+    held: bool
+
+
+@dataclass
+class _Group:
+    label: str
+    nodes: set[Node] = field(default_factory=set)
+    cost: int = 0
+    islands: list[tuple[GraphModule, Node]] = field(default_factory=list)
+
+
+class VerdictCheckAnalysis(PassBase):
+    """Measure the costly and the moderate fp32 verdicts; drop those fp32 does not pay
+    for (see the module)."""
+
+    META_KEY = "fx16.not_worth_fp32"
+    CHECKS_KEY = "fx16.verdict_checks"
+
+    def __init__(
+        self,
+        program: Program,
+        policy: PrecisionPolicy | None = None,
+        calibration: list | None = None,
+    ) -> None:
+        self.program = program
+        self.policy = policy or PrecisionPolicy.default()
+        self.calibration = calibration
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        graph_module.meta[self.CHECKS_KEY] = []
+        modules = nested_graph_modules(graph_module)
+        wide = self.wide_nodes(modules)
+        groups = self.groups(modules, wide)
+        calls = calibration_calls(self.program, self.calibration) if groups else []
+        if not calls:
+            return PassResult(graph_module, False)
+        emulation = Emulation(self.program, calls, self.policy.low)
+        error = emulation.error(wide)
+        findings = _findings(modules)
+        for group in sorted(groups.values(), key=lambda g: g.cost, reverse=True):
+            droppable = group.nodes - _needed_elsewhere(group, findings)
+            without = emulation.error(wide - droppable)
+            held = not math.isfinite(without) or without > MEASURABLE * error
+            names = tuple(sorted(node.name for node in droppable))
+            graph_module.meta[self.CHECKS_KEY].append(
+                Check(group.label, names, error, without, held)
+            )
+            if not held:
+                why = (
+                    f"{group.label}: fp32 does not measurably lower the output error on the "
+                    f"calibration inputs ({without:.3g} without it, {error:.3g} with it)"
+                )
+                self.drop(group, droppable, why)
+                wide, error = wide - droppable, without
+        return PassResult(graph_module, False)
+
+    def wide_nodes(self, modules: list[GraphModule]) -> set[Node]:
+        """The nodes a rule, a kept island or the policy keeps in fp32."""
+        wide = set()
+        for module in modules:
+            members = {name for island in islands(module) if island.keep for name in island.members}
+            for node in module.graph.nodes:
+                if node.op not in ("placeholder", "call_function"):
+                    continue
+                kept_island = node.name in members or _keeps_island(node)
+                by_policy = node.op == "call_function" and (
+                    self.policy.precision_for(node) == Precision.FP32
+                )
+                if fp32_rule(node) is not None or kept_island or by_policy:
+                    wide.add(node)
+        return wide
+
+    def groups(self, modules, wide: set[Node]) -> dict[str, _Group]:
+        """The verdicts to measure, grouped by kind across layers."""
+        total = sum(flops(n) for m in modules for n in m.graph.nodes if is_product(n))
+        heavy = max(total * HEAVY_SHARE, 1)
+        groups: dict[str, _Group] = {}
+
+        def group(label: str) -> _Group:
+            return groups.setdefault(label, _Group(label))
+
+        for module in modules:
+            for island in islands(module):
+                if not island.keep:
+                    continue
+                nodes = [n for n in module.graph.nodes if n.name in island.members]
+                cost = sum(flops(n) for n in nodes if is_product(n))
+                if cost >= heavy:
+                    opening = next(n for n in module.graph.nodes if n.name == island.opening)
+                    found = group(f"explicit_fp32 {island.op} at {_pattern(opening)}")
+                    found.nodes.update([opening, *nodes])
+                    found.cost += cost
+                    found.islands.append((module, opening))
+            for node in module.graph.nodes:
+                rule = fp32_rule(node)
+                if rule is not None and is_product(node) and flops(node) >= heavy:
+                    found = group(f"{rule.reason.name.lower()} {op_label(node)} at {_pattern(node)}")
+                    found.nodes.add(node)
+                    found.cost += flops(node)
+        tolerance = self.policy.resolved_precision_tolerance
+        roundoff = torch.finfo(self.policy.low).eps / 2
+        for finding in _findings(modules):
+            if finding.kappa * roundoff < MODERATE * tolerance:
+                label = f"ill_conditioned {op_label(finding.seed)} at {_pattern(finding.seed)}"
+                found = group(label)
+                found.nodes.update(n for n in (finding.seed, *finding.chain) if n in wide)
+                found.cost += sum(flops(n) for n in (finding.seed, *finding.chain))
+        return groups
+
+    def drop(self, group: _Group, nodes: set[Node], why: str) -> None:
+        for node in nodes:
+            node.meta.pop(Fp32RulesAnalysis.META_KEY, None)
+            node.meta.pop(ConditioningAnalysis.META_KEY, None)
+            node.meta[self.META_KEY] = why
+        for module, opening in group.islands:
+            verdict = replace(
+                opening.meta[ExplicitFp32Analysis.META_KEY],
+                keep=False,
+                dtype=self.policy.low,
+                why=why,
+            )
+            opening.meta[ExplicitFp32Analysis.META_KEY] = verdict
+            module.meta[ExplicitFp32Analysis.META_KEY] = [
+                verdict if island.opening == opening.name else island for island in islands(module)
+            ]
+
+
+def _findings(modules: list[GraphModule]) -> list:
+    key = ConditioningAnalysis.FINDING_KEY
+    return [node.meta[key] for module in modules for node in module.graph.nodes if key in node.meta]
+
+
+def _keeps_island(node: Node) -> bool:
+    verdict = node.meta.get(ExplicitFp32Analysis.META_KEY)
+    return verdict is not None and verdict.keep
+
+
+def _needed_elsewhere(group: _Group, findings: list) -> set[Node]:
+    """Nodes of ``group`` that other conditioning findings, or other rules, keep too."""
+    needed = set()
+    for finding in findings:
+        if finding.seed not in group.nodes:
+            needed.update(finding.chain)
+            needed.add(finding.seed)
+    for node in group.nodes:
+        rule = fp32_rule(node)
+        if rule is not None and rule.reason not in _CHECKED_REASONS:
+            needed.add(node)
+    return needed
+
+
+_CHECKED_REASONS = frozenset(
+    {Reason.ILL_CONDITIONED, Reason.ACTIVATION_OVERFLOW, Reason.EXPLICIT_FP32}
+)
+
+
+def _pattern(node: Node) -> str:
+    """The node's module path with its layer indices as ``*``: the same place in every layer."""
+    path = node_module_path(node) or "(no module)"
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path)

@@ -1,0 +1,71 @@
+"""The fp32 program run as a 16-bit cast computes it, without casting it: to measure a verdict.
+
+A verdict that keeps something in fp32 is worth its cost only if fp32 measurably
+lowers the output error. Measuring that on the cast program means casting it once
+per verdict; instead the emulator runs the fp32 program (an interpreter, into
+higher-order ops' bodies too) and rounds every float value an op produces, and
+every float user input, to the 16-bit dtype - except the values kept ``wide`` - so
+overflow to inf, flushing to zero and rounding all happen where the cast program
+has them. Ops compute from rounded inputs in fp32, as 16-bit kernels on CPUs and
+GPUs accumulate in fp32. Weights enter exact: their rounding is the same with or
+without any verdict, and rounding copies of them would double their memory.
+"""
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx import GraphModule, Node
+
+from fx16.interpreter import BodyInterpreter
+from fx16.program import Program
+from fx16.stats import outputs_error
+
+
+class _Emulator(BodyInterpreter):
+    def __init__(self, graph_module: GraphModule, low: torch.dtype, wide: set[Node], inputs):
+        super().__init__(graph_module)
+        self.low, self.wide, self.inputs = low, wide, inputs
+
+    def inside(self, body: GraphModule) -> "_Emulator":
+        return _Emulator(body, self.low, self.wide, frozenset())
+
+    def run_node(self, node: Node):
+        result = super().run_node(node)
+        rounds = node.op == "call_function" or node in self.inputs
+        return self.rounded(result) if rounds and node not in self.wide else result
+
+    def rounded(self, value):
+        def round_leaf(leaf):
+            if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float32:
+                return leaf.to(self.low).to(torch.float32)
+            return leaf
+
+        if isinstance(value, torch.Tensor):
+            return round_leaf(value)
+        return pytree.tree_map(round_leaf, value) if isinstance(value, (list, tuple)) else value
+
+
+class Emulation:
+    """The fp32 program's outputs on the calibration calls, and the error of an
+    emulated 16-bit run against them."""
+
+    def __init__(self, program: Program, calls: list[tuple[tuple, dict]], low: torch.dtype):
+        self.program, self.low, self.calls = program, low, calls
+        self.user_inputs = frozenset(program.user_input_placeholders())
+        with torch.no_grad():
+            self.reference = [
+                pytree.tree_leaves(program.graph_module(*self.graph_inputs(call))) for call in calls
+            ]
+
+    def graph_inputs(self, call: tuple[tuple, dict]) -> list:
+        """Each run starts from the buffers' values (a program may update them in place)."""
+        return self.program.graph_inputs(*call, copy_buffers=True)
+
+    def error(self, wide: set[Node]) -> float:
+        """The largest output error, over the calls, of a run that keeps ``wide`` in fp32."""
+        errors = []
+        with torch.no_grad():
+            for call, reference in zip(self.calls, self.reference):
+                emulator = _Emulator(self.program.graph_module, self.low, wide, self.user_inputs)
+                outputs = pytree.tree_leaves(emulator.run(*self.graph_inputs(call)))
+                errors.append(outputs_error(reference, outputs))
+        return max(errors, default=0.0)
