@@ -17,8 +17,9 @@ from fx16.analysis.explicit_fp32 import islands
 from fx16.analysis.value_range import ValueRangeAnalysis
 from fx16.budget import AccuracySearch
 from fx16.casts import INSERTED, WHY_RETARGETED, is_inserted
+from fx16.cost import flops, is_product, tensor_bytes
 from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason
-from fx16.nodes import dtype_name, node_dtype, node_module_path, op_label
+from fx16.nodes import dtype_name, node_dtype, node_module_path, node_val, op_label
 from fx16.ops import WIDE_INT_DTYPES
 from fx16.program import Program
 from fx16.stats import ProgramStats, program_stats
@@ -38,6 +39,17 @@ class Row:
     reason: str
     detail: str
     module: str = ""  # the module path the node belongs to ("model.layers.0.mlp"), if known
+    flops: int = 0  # what the op computes per call (in the dtype above)
+    product: bool = False  # a matrix product, convolution or attention
+    bytes: int = 0  # what the value holds (for a weight kept fp32, the bytes it keeps)
+
+    def cost(self) -> str:
+        """What keeping this value in fp32 costs per call, for a row that does."""
+        if self.narrowed or self.kind != "float" or self.rule == "left_as_is":
+            return ""
+        if self.flops:
+            return f"{human(self.flops)}FLOPs" + (" (matmul/conv/attention)" if self.product else "")
+        return f"{human(self.bytes)}B" if self.bytes else ""  # a weight, an input
 
 
 @dataclass(frozen=True)
@@ -50,10 +62,19 @@ class Totals:
     model_casts_removed: int | None  # None: not known (a report built after the fact)
     float_ops: int
     float_ops_16bit: int
+    product_flops: int = 0  # matrix products, convolutions, attention: FLOPs per call
+    product_flops_16bit: int = 0  # of those, computed in 16-bit
+    cast_bytes: int = 0  # bytes every cast of the program reads and writes per call
+    fp32_weight_bytes: int = 0
 
     @property
     def share_16bit(self) -> float:
         return self.float_ops_16bit / self.float_ops if self.float_ops else 1.0
+
+    @property
+    def flop_share_16bit(self) -> float:
+        """The headline figure: the share of matmul/conv/attention FLOPs in 16-bit."""
+        return self.product_flops_16bit / self.product_flops if self.product_flops else 1.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +87,11 @@ class CastReport:
         return [row for row in self.rows if not row.narrowed]
 
     def to_json(self) -> str:
-        totals = {**asdict(self.totals), "share_16bit": round(self.totals.share_16bit, 4)}
+        totals = {
+            **asdict(self.totals),
+            "flop_share_16bit": round(self.totals.flop_share_16bit, 6),
+            "share_16bit": round(self.totals.share_16bit, 4),
+        }
         document = {"totals": totals, "nodes": [asdict(r) for r in self.rows]}
         if self.accuracy is not None:
             document["accuracy"] = {**asdict(self.accuracy), "met": self.accuracy.met}
@@ -89,9 +114,11 @@ class CastReport:
         floats = [row for row in self.rows if row.kind == "float" and row.narrowed]
         low = sorted({row.dtype for row in floats} & {"float16", "bfloat16"})
         lines = [
+            f"matmul/conv/attention FLOPs in 16-bit: {t.flop_share_16bit:.2%} of "
+            f"{human(t.product_flops)} per call",
             f"weight bytes: {t.weight_bytes_before} -> {t.weight_bytes_after} ({ratio:.2f}x)",
             f"casts: {t.casts_before} -> {t.casts_after} ({t.casts_inserted} inserted by fx16"
-            f"{removed})",
+            f"{removed}; {human(t.cast_bytes)}B moved per call)",
             f"float ops in 16-bit: {t.float_ops_16bit} of {t.float_ops} ({t.share_16bit:.0%}"
             f"{'; ' if low else ''}{', '.join(low)})",
             f"integer values narrowed to int16: {narrowed}",
@@ -106,20 +133,47 @@ class CastReport:
         return lines
 
     def by_layer(self) -> list[str]:
-        """One line per layer (module path up to its index: "model.layers.3"): how many
-        of its float values are 16-bit and fp32, and the rules that kept values fp32."""
-        groups: dict[str, list[Row]] = {}
-        for row in self.rows:
-            if row.kind == "float":
-                groups.setdefault(layer_of(row.module), []).append(row)
+        """One line per layer (module path up to its index: "model.layers.3"): the
+        share of its matmul/conv/attention FLOPs in 16-bit, how many of its float
+        values are 16-bit and fp32, and the rules that kept values fp32."""
+        groups = self.layers()
         width = max((len(name) for name in groups), default=5)
-        lines = [f"{'layer':{width}} {'16-bit':>7} {'fp32':>5}  rules keeping float values fp32"]
+        lines = [
+            f"{'layer':{width}} {'FLOPs 16-bit':>12} {'16-bit':>7} {'fp32':>5}  "
+            "rules keeping float values fp32"
+        ]
         for name, rows in groups.items():
             wide = [row for row in rows if not row.narrowed]
             rules = Counter(row.rule for row in wide)
             why = ", ".join(f"{rule} x{count}" for rule, count in rules.items()) or "-"
-            lines.append(f"{name:{width}} {len(rows) - len(wide):>7} {len(wide):>5}  {why}")
+            lines.append(
+                f"{name:{width}} {layer_flop_share(rows):>12} {len(rows) - len(wide):>7} "
+                f"{len(wide):>5}  {why}"
+            )
         return lines
+
+    def layers(self) -> dict[str, list[Row]]:
+        """The float rows by layer, in graph order."""
+        groups: dict[str, list[Row]] = {}
+        for row in self.rows:
+            if row.kind == "float":
+                groups.setdefault(layer_of(row.module), []).append(row)
+        return groups
+
+
+def layer_flop_share(rows: list[Row]) -> str:
+    """The share of the rows' matmul/conv/attention FLOPs in 16-bit ("-" without any)."""
+    total = sum(row.flops for row in rows if row.product)
+    low = sum(row.flops for row in rows if row.product and row.narrowed)
+    return f"{low / total:.0%}" if total else "-"
+
+
+def human(amount: float) -> str:
+    """1234567 as "1.23 M": an amount with an SI prefix."""
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if amount >= scale:
+            return f"{amount / scale:.3g} {prefix}"
+    return f"{amount:.3g} "
 
 
 def _row(
@@ -129,15 +183,25 @@ def _row(
     has no module stack)."""
     name = f"{body}.{node.name}" if body else node.name
     module = node_module_path(node) or (owners or {}).get(node.name, "")
+    costs = {"flops": flops(node), "product": is_product(node), "bytes": tensor_bytes(node_val(node))}
     if decision is None:
         dtype = node_dtype(node)
         narrowed = dtype == torch.float16
         return Row(
-            name, op_label(node), kind, dtype_name(dtype), narrowed, "left_as_is", LEFT_AS_IS, ""
+            name,
+            op_label(node),
+            kind,
+            dtype_name(dtype),
+            narrowed,
+            "left_as_is",
+            LEFT_AS_IS,
+            "",
+            module,
+            **costs,
         )
     if not decision.detail and kind == "int" and node.meta.get(ValueRangeAnalysis.META_KEY):
         decision = replace(decision, detail=str(node.meta[ValueRangeAnalysis.META_KEY]))
-    return _decision_row(name, op_label(node), kind, decision, module)
+    return replace(_decision_row(name, op_label(node), kind, decision, module), **costs)
 
 
 def _decision_row(name: str, op: str, kind: str, decision: Decision, module: str = "") -> Row:
@@ -236,6 +300,10 @@ def build_report(
             model_casts_removed=max(before.casts - model_casts, 0) if before else None,
             float_ops=after.float_ops,
             float_ops_16bit=after.ops_in(torch.float16) + after.ops_in(torch.bfloat16),
+            product_flops=after.product_flops,
+            product_flops_16bit=after.product_flops_16bit,
+            cast_bytes=after.cast_bytes,
+            fp32_weight_bytes=after.fp32_weight_bytes,
         ),
         accuracy,
     )
@@ -253,14 +321,15 @@ def _bytes_before(ep: ExportedProgram) -> int:
 
 
 def format_rows(rows: list[Row]) -> str:
-    """A table: node (full name), module, op, dtype, rule and reason (with ranges or
-    detail); columns as wide as their longest entry."""
+    """A table: node (full name), module, op, dtype, rule, what fp32 costs where it is
+    kept, and the reason (with ranges or detail); columns as wide as their longest entry."""
     columns = [
         ("node", [row.node for row in rows]),
         ("module", [row.module or "-" for row in rows]),
         ("op", [row.op for row in rows]),
         ("dtype", [row.dtype for row in rows]),
         ("rule", [row.rule for row in rows]),
+        ("fp32-cost", [row.cost() or "-" for row in rows]),
     ]
     widths = [max([len(title), *map(len, cells)]) for title, cells in columns]
     lines = [" ".join(f"{title:{w}}" for (title, _), w in zip(columns, widths)) + " why"]

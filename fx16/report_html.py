@@ -4,12 +4,14 @@ The page needs no network: styles and the few lines of script are inline. Each
 layer of the program (module path up to its index, "model.layers.3") is a row of
 cells, one per float value in graph order, coloured by the precision fx16 chose;
 hovering a cell shows the value's node, op, dtype, rule and reason - for an fp32
-value, why it stays fp32. The totals head the page; a button hides the 16-bit cells.
+value, why it stays fp32 and what that costs. The totals head the page, the share
+of matmul/conv/attention FLOPs in 16-bit first, and each layer gives its own; a
+button hides the 16-bit cells.
 """
 
 import html
 
-from fx16.report import CastReport, Row, layer_of
+from fx16.report import CastReport, Row, layer_flop_share
 
 _COLOURS = {"16-bit": "#3a9d5d", "fp32": "#e07b39", "left as is": "#9aa0a6"}
 
@@ -50,10 +52,7 @@ document.getElementById('only-fp32').addEventListener('click', () => {
 
 def report_html(report: CastReport, title: str) -> str:
     """The page for ``report`` of the program named ``title``."""
-    layers: dict[str, list[Row]] = {}
-    for row in report.rows:
-        if row.kind == "float":
-            layers.setdefault(layer_of(row.module), []).append(row)
+    layers = report.layers()
     legend = "".join(
         f'<span><i style="background:{colour}"></i>{name}</span>'
         for name, colour in _COLOURS.items()
@@ -81,9 +80,12 @@ def _precision(row: Row) -> str:
 def _layer_row(name: str, rows: list[Row]) -> str:
     wide = sum(_precision(row) == "fp32" for row in rows)
     cells = "".join(_cell(row) for row in rows)
+    share = layer_flop_share(rows)
+    flops = f"{share} of matmul/conv/attention FLOPs 16-bit, " if share != "-" else ""
     return (
         f'<tr data-layer="{html.escape(name)}"><td class="layer">{html.escape(name)}</td>'
-        f'<td class="counts">{len(rows) - wide} 16-bit, {wide} fp32</td><td>{cells}</td></tr>'
+        f'<td class="counts">{flops}{len(rows) - wide} 16-bit, {wide} fp32</td>'
+        f"<td>{cells}</td></tr>"
     )
 
 
@@ -92,6 +94,8 @@ def _cell(row: Row) -> str:
     why = f"{row.node} ({row.op}): {row.dtype}, {row.rule}: {row.reason}"
     if row.detail:
         why += f": {row.detail}"
+    if row.cost():
+        why += f" (in fp32: {row.cost()})"
     return (
         f'<span class="cell precision-{precision.replace(" ", "-")}" '
         f'style="background:{_COLOURS[precision]}" data-node="{html.escape(row.node)}" '

@@ -1,4 +1,4 @@
-"""Figures that describe a program's precision: weight bytes, casts, ops per dtype."""
+"""Figures that describe a program's precision: weight bytes, casts, ops and FLOPs per dtype."""
 
 import math
 from collections import Counter
@@ -8,8 +8,10 @@ import torch
 from torch.export import ExportedProgram
 
 from fx16.casts import INSERTED, WHY_RETARGETED, is_cast, is_inserted
+from fx16.cost import bytes_moved, flops, is_product
 from fx16.nodes import dtype_name, node_val
 from fx16.ops import ASSERT_METADATA_OPS
+from fx16.subgraphs import nested_graph_modules
 from fx16.tensor_subclasses import inner_tensors
 
 _BOOKKEEPING = {"getitem"}
@@ -21,6 +23,9 @@ class ProgramStats:
     casts: int
     inserted_casts: int  # new cast nodes (the model's casts fx16 retargeted are not counted)
     ops_by_dtype: dict[str, int]  # compute ops by the float dtype they produce
+    product_flops_by_dtype: dict[str, int]  # matmul/conv/attention FLOPs by the dtype computed
+    cast_bytes: int = 0  # bytes the casts read and write per call
+    fp32_weight_bytes: int = 0  # bytes of the fp32 state tensors
 
     def ops_in(self, dtype: torch.dtype) -> int:
         return self.ops_by_dtype.get(dtype_name(dtype), 0)
@@ -29,31 +34,52 @@ class ProgramStats:
     def float_ops(self) -> int:
         return sum(self.ops_by_dtype.values())
 
+    @property
+    def product_flops(self) -> int:
+        return sum(self.product_flops_by_dtype.values())
+
+    @property
+    def product_flops_16bit(self) -> int:
+        return sum(self.product_flops_by_dtype.get(name, 0) for name in ("float16", "bfloat16"))
+
 
 def program_stats(ep: ExportedProgram) -> ProgramStats:
     """Count what a cast changed: state bytes, cast nodes, float ops per dtype."""
     tensors = {id(t): t for t in (*ep.state_dict.values(), *ep.constants.values())}
-    weight_bytes = sum(  # a tensor subclass (torchao's Int8Tensor) by its stored parts
-        part.numel() * part.element_size()
+    parts = [  # a tensor subclass (torchao's Int8Tensor) by its stored parts
+        part
         for t in tensors.values()
         if isinstance(t, torch.Tensor)
         for part in inner_tensors(t).values()
+    ]
+    weight_bytes = sum(part.numel() * part.element_size() for part in parts)
+    fp32_weight_bytes = sum(
+        part.numel() * part.element_size() for part in parts if part.dtype == torch.float32
     )
-    casts = inserted = 0
+    casts = inserted = cast_bytes = 0
     ops: Counter[str] = Counter()
-    for node in ep.graph_module.graph.nodes:
-        if node.op != "call_function" or node.target in ASSERT_METADATA_OPS:
-            continue
-        if is_cast(node):
-            casts += 1
-            inserted += is_inserted(node) and node.meta[INSERTED] != WHY_RETARGETED
-            continue
-        if getattr(node.target, "__name__", "") in _BOOKKEEPING:
-            continue
-        val = node_val(node)
-        if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
-            ops[dtype_name(val.dtype)] += 1
-    return ProgramStats(weight_bytes, casts, inserted, dict(ops))
+    products: Counter[str] = Counter()
+    for module in nested_graph_modules(ep.graph_module):
+        root = module is ep.graph_module
+        for node in module.graph.nodes:
+            if node.op != "call_function" or node.target in ASSERT_METADATA_OPS:
+                continue
+            val = node_val(node)
+            if is_cast(node):
+                casts += root
+                inserted += root and is_inserted(node) and node.meta[INSERTED] != WHY_RETARGETED
+                cast_bytes += bytes_moved(node)
+                continue
+            if getattr(node.target, "__name__", "") in _BOOKKEEPING:
+                continue
+            if not (isinstance(val, torch.Tensor) and val.dtype.is_floating_point):
+                continue
+            ops[dtype_name(val.dtype)] += root
+            if is_product(node):
+                products[dtype_name(val.dtype)] += flops(node)
+    return ProgramStats(
+        weight_bytes, casts, inserted, dict(ops), dict(products), cast_bytes, fp32_weight_bytes
+    )
 
 
 def relative_error(reference: torch.Tensor, value: torch.Tensor) -> float:

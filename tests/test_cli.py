@@ -111,7 +111,7 @@ def test_inspect_explains_without_writing(program, tmp_path):
     source, _ = program
     result = fx16("inspect", source, "--all", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    header = ["node", "module", "op", "dtype", "rule", "why"]
+    header = ["node", "module", "op", "dtype", "rule", "fp32-cost", "why"]
     assert result.stdout.splitlines()[0].split() == header
     assert "float ops in 16-bit" in result.stdout
     assert list(tmp_path.iterdir()) == []
@@ -132,7 +132,7 @@ def test_a_reader_that_stops_early_is_not_an_error(tmp_path):
     torch.export.save(export(LongChain(), torch.randn(2, 4)), source)
     command = f"{sys.executable} -m fx16 inspect {source} --all | head -1"
     result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=300)
-    assert result.stdout.split()[:2] == ["layer", "16-bit"]  # the per-layer summary first
+    assert result.stdout.split()[:3] == ["layer", "FLOPs", "16-bit"]  # the per-layer summary first
     assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr
 
 

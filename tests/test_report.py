@@ -36,9 +36,13 @@ def test_integer_rows_carry_ranges_and_json_round_trips():
         "reason",
         "detail",
         "module",
+        "flops",
+        "product",
+        "bytes",
     }
     table = format_rows(rows)
-    assert table.splitlines()[0].split() == ["node", "module", "op", "dtype", "rule", "why"]
+    header = ["node", "module", "op", "dtype", "rule", "fp32-cost", "why"]
+    assert table.splitlines()[0].split() == header
     assert len(table.splitlines()) == len(rows) + 1
 
 
@@ -60,6 +64,11 @@ def test_every_cast_stores_a_report_whose_json_has_a_reason_for_every_wide_node(
         "float_ops",
         "float_ops_16bit",
         "share_16bit",
+        "product_flops",
+        "product_flops_16bit",
+        "flop_share_16bit",
+        "cast_bytes",
+        "fp32_weight_bytes",
     }
     for node in document["nodes"]:
         assert node["reason"] and node["rule"]
@@ -110,7 +119,8 @@ def test_the_table_shows_full_names_and_modules_and_a_summary_per_layer():
         assert f"{name} " in table
     assert "encoder_layer_with_a_long_name.1" in table
     layers = report.by_layer()
-    assert layers[0].split()[:3] == ["layer", "16-bit", "fp32"]
+    assert layers[0].split()[:5] == ["layer", "FLOPs", "16-bit", "16-bit", "fp32"]
+    assert layers[1].split()[1] == "100%"  # the first layer's linear is 16-bit
     assert [line.split()[0] for line in layers[1:]] == [
         "encoder_layer_with_a_long_name.0",
         "encoder_layer_with_a_long_name.1",
@@ -134,3 +144,38 @@ def test_a_pipeline_of_fx16_passes_has_a_report_too():
     assert built.totals.float_ops_16bit == stored.totals.float_ops_16bit
     assert built.totals.model_casts_removed is None  # the pipeline did not record it
     assert "of the model's removed" not in "\n".join(built.summary())
+
+
+class ScoresBeyondFp16(torch.nn.Module):
+    """q @ k^T whose scores reach ~1e5: the range rule keeps the product in fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.out = (torch.nn.Linear(16, 16) for _ in range(3))
+        with torch.no_grad():
+            self.q.weight.mul_(150.0)
+            self.k.weight.mul_(150.0)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return self.out(scores.softmax(-1) @ x)
+
+
+def test_the_summary_opens_with_the_16_bit_flop_share_and_fp32_rows_state_their_cost():
+    """Input: linears and a bmm whose scores overflow fp16. Output: the bmm in fp32 -
+    the FLOP share below 100% by exactly its FLOPs, its row's cost naming them."""
+    from fx16.cost import flops
+
+    torch.manual_seed(0)
+    ep = fx16.cast_fp32_to_fp16(export(ScoresBeyondFp16(), torch.randn(2, 8, 16)))
+    report = report_of(ep)
+    wide = [row for row in report.rows if row.product and not row.narrowed]
+    assert [row.rule for row in wide] == ["activation_overflow"]
+    assert wide[0].cost() == f"{wide[0].flops / 1e3:.3g} kFLOPs (matmul/conv/attention)"
+    bmm = next(n for n in ep.graph_module.graph.nodes if n.name == wide[0].node)
+    assert wide[0].flops == flops(bmm) == 2 * 2 * 8 * 8 * 16
+    totals = report.totals
+    assert totals.product_flops - totals.product_flops_16bit == wide[0].flops
+    assert report.summary()[0].startswith("matmul/conv/attention FLOPs in 16-bit: ")
+    assert f"{totals.flop_share_16bit:.2%}" in report.summary()[0]
+    assert "fp32-cost" in report.table(wide)

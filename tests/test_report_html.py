@@ -81,7 +81,8 @@ def test_any_cast_program_gives_one_escaped_cell_per_float_value(case):
 
 def _why(row) -> str:
     why = f"{row.node} ({row.op}): {row.dtype}, {row.rule}: {row.reason}"
-    return why + (f": {row.detail}" if row.detail else "")
+    why += f": {row.detail}" if row.detail else ""
+    return why + (f" (in fp32: {row.cost()})" if row.cost() else "")
 
 
 def _chromium() -> str:
