@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch.fx import Node
 
+from fx16.boundaries import Boundaries
 from fx16.casts import is_cast
 from fx16.decisions import Reason, decision_of
 from fx16.nodes import FLOAT_DTYPES, node_dtype, tensor_inputs
@@ -30,16 +31,27 @@ def is_island(node: Node) -> bool:
     return decision is not None and decision.reason == Reason.EXPLICIT_FP32
 
 
-def island_region(start: Iterable[Node], readers: Iterable[Node]) -> list[Node]:
+def island_region(
+    start: Iterable[Node], readers: Iterable[Node], boundaries: Boundaries | None = None
+) -> list[Node]:
     """The ops an fp32 region holds: ``readers`` (the first ops reading the region's
     ``start`` values) and, after them, every op whose float inputs all come from
     the region, up to the next cast (in the source, the cast back to the input
     dtype) and at most ``_REGION_LOOKAHEAD`` ops. GPT-2's
     ``attn_weights.type(value.dtype)`` - fp32 only because the model was fp32 at
-    export - holds a dropout, and its matmul mixes in values from outside."""
+    export - holds a dropout, and its matmul mixes in values from outside.
+
+    With ``boundaries`` the region follows its values into the bodies of
+    higher-order ops (a variance computed under ``torch.no_grad()``) and out of them
+    through their results; the ops it holds there are in the list too."""
     inside, held, frontier = set(start), [], list(readers)
     while frontier and len(held) < _REGION_LOOKAHEAD:
         node = frontier.pop(0)
+        if boundaries is not None and (node in boundaries.looked_into or node.op == "output"):
+            entered = _crossed(node, inside, boundaries)
+            inside.update(entered)
+            frontier.extend(user for value in entered for user in value.users)
+            continue
         if node in inside or node.op != "call_function" or is_cast(node):
             continue
         floats = [a for a in tensor_inputs(node) if node_dtype(a) in FLOAT_DTYPES]
@@ -49,6 +61,14 @@ def island_region(start: Iterable[Node], readers: Iterable[Node]) -> list[Node]:
         held.append(node)
         frontier.extend(node.users)
     return held
+
+
+def _crossed(node: Node, inside: set[Node], boundaries: Boundaries) -> list[Node]:
+    """Where the region's values become other nodes across a boundary: the body
+    placeholders a higher-order op feeds them to, or the results a body's output
+    node returns them as."""
+    values = [arg for arg in node.all_input_nodes if arg in inside]
+    return [sink for value in values for sink in boundaries.crossing_sinks(value)]
 
 
 def is_sensitive(node: Node) -> bool:

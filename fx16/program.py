@@ -54,6 +54,21 @@ def _register_missing_users(graph_module: GraphModule) -> None:
                         arg.users[node] = None
 
 
+def _unshare_meta(graph_module: GraphModule) -> None:
+    """Give every node a meta dict of its own.
+
+    torch.export can hand a body's output node and the getitem that reads it outside
+    the same meta dict (seen with torch 2.13's non-strict export of a
+    ``torch.no_grad()`` region); a decision recorded for one would then land on both."""
+    seen: set[int] = set()
+    for module in graph_module.modules():
+        if isinstance(module, GraphModule):
+            for node in module.graph.nodes:
+                if id(node.meta) in seen:
+                    node.meta = dict(node.meta)
+                seen.add(id(node.meta))
+
+
 class Program:
     """Reads and updates one ExportedProgram's state on behalf of the passes."""
 
@@ -74,6 +89,7 @@ class Program:
             )
         self.ep = ep
         _register_missing_users(ep.graph_module)
+        _unshare_meta(ep.graph_module)
 
     @property
     def graph_module(self) -> GraphModule:

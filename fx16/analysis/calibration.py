@@ -150,14 +150,21 @@ def _combined(key: str, seen: list):
 
 
 def _singular_arguments(boundaries: Boundaries) -> set[Node]:
-    """The values that ops singular at zero read where they are singular."""
-    found = set()
+    """The values that ops singular at zero read where they are singular, and, for a
+    body's placeholder, the operands it holds (a branch no run takes reads theirs)."""
+    pending = []
     for module in boundaries.graph_modules:
         for node in module.graph.nodes:
             position = SINGULAR_AT_ZERO.get(node.target)
             if position is not None and position < len(node.args):
                 if isinstance(node.args[position], Node):
-                    found.add(node.args[position])
+                    pending.append(node.args[position])
+    found = set()
+    while pending:
+        node = pending.pop()
+        if node not in found:
+            found.add(node)
+            pending.extend(boundaries.crossing_sources(node))
     return found
 
 

@@ -26,7 +26,9 @@ Reads: ``meta["val"]``, ``meta["fx16.observed_range"]`` (CalibrationAnalysis),
 ``meta["fx16.ill_conditioned"]`` (ConditioningAnalysis), proven ranges
 (``fx16.analysis.float_range``, after ValueRangeAnalysis). Writes:
 ``node.meta["fx16.explicit_fp32"]``, an ``Island(keep, why, members)``, on each
-node that opens a region holding a precision-sensitive op: a cast to fp32, an
+node that opens a region holding a precision-sensitive op (a region follows its
+values into the bodies of higher-order ops and out of them, ``fx16.boundaries``;
+its members are the ops in the opening's own graph, its evidence all of them): a cast to fp32, an
 ``_assert_tensor_metadata`` of fp32 (all that ``run_decompositions`` leaves of a
 no-op ``x.float()``), an op given ``dtype=torch.float32``;
 and in each graph's ``graph_module.meta["fx16.explicit_fp32"]`` the list of its
@@ -51,7 +53,7 @@ from fx16.numerics import largest
 from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
-from fx16.subgraphs import nested_graph_modules
+from fx16.boundaries import Boundaries
 
 FP32 = torch.float32
 
@@ -88,13 +90,14 @@ class ExplicitFp32Analysis(PassBase):
         self.smallest = torch.finfo(self.policy.low).tiny * overflow_margin
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        ranges = FloatRanges(self.program)
-        for submodule in nested_graph_modules(graph_module):
+        boundaries = Boundaries(graph_module)
+        ranges = FloatRanges(self.program, boundaries)
+        for submodule in boundaries.graph_modules:
             order = {node: index for index, node in enumerate(submodule.graph.nodes)}
             verdicts = []
             for node in submodule.graph.nodes:
                 node.meta.pop(self.META_KEY, None)
-                region = _opened_region(node, order)
+                region = _opened_region(node, order, boundaries)
                 if region and any(is_sensitive(member) for member in region):
                     node.meta[self.META_KEY] = self.verdict(node, region, ranges)
                     verdicts.append(node.meta[self.META_KEY])
@@ -113,7 +116,7 @@ class ExplicitFp32Analysis(PassBase):
             keep,
             FP32 if keep else self.policy.low,
             why,
-            frozenset(node.name for node in region),
+            frozenset(node.name for node in region if node.graph is opening.graph),
         )
 
     def evidence(self, region: list[Node], ranges: FloatRanges) -> tuple[bool, str]:
@@ -159,24 +162,25 @@ def _magnitude(node: Node, ranges: FloatRanges) -> tuple[float | None, str]:
     return node.meta.get(CalibrationAnalysis.META_KEY), "observed"
 
 
-def _opened_region(node: Node, order: dict[Node, int]) -> list[Node] | None:
-    """The ops of the fp32 region ``node`` opens, or None if it opens none."""
+def _opened_region(
+    node: Node, order: dict[Node, int], boundaries: Boundaries
+) -> list[Node] | None:
+    """The ops of the fp32 region ``node`` opens (in bodies too), or None if it opens none."""
     if node.op != "call_function":
         return None
     if is_cast(node):  # x.float() of a float value (of an integer: a conversion)
-        float_source = node_dtype(node.args[0]) in FLOAT_DTYPES
-        return (
-            island_region({node}, node.users) if cast_dtype(node) == FP32 and float_source else None
-        )
+        if cast_dtype(node) != FP32 or node_dtype(node.args[0]) not in FLOAT_DTYPES:
+            return None
+        return island_region({node}, node.users, boundaries)
     if node.target in ASSERT_METADATA_OPS:
         value = node.args[0] if node.args else None
         if asserted_dtype(node) != FP32 or not isinstance(value, Node):
             return None
         # the users the decomposed cast fed: those after the check
         later = sorted((u for u in value.users if order[u] > order[node]), key=order.__getitem__)
-        return island_region({value}, later)
+        return island_region({value}, later, boundaries)
     if node.target not in CREATION_OPS and FP32 in requested_dtypes(node):
-        return [node, *island_region({node}, node.users)]
+        return [node, *island_region({node}, node.users, boundaries)]
     return None
 
 
