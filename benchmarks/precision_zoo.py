@@ -119,3 +119,159 @@ def qwen3_static_cache(layers: int = 2, cache: int = 2048, sharpness: float = 6.
     )
     exported = convert_and_export_with_cache(model)
     return TorchExportableModuleWithStaticCache(model, 1, cache), exported
+
+
+# ---- values that flush to zero where an op is singular (fx16.analysis.underflow) ----------
+
+
+class SharpLogits(nn.Module):
+    """A linear layer whose logits are as sharp as a trained LM's: softmax tails
+    below 6e-8, fp16's smallest subnormal."""
+
+    def __init__(self, width: int = 32, vocab: int = 256, sharpness: float = 6.0) -> None:
+        super().__init__()
+        self.head = nn.Linear(width, vocab)
+        with torch.no_grad():
+            self.head.weight.mul_(sharpness)
+
+    def probabilities(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x).softmax(-1)
+
+
+class Entropy(SharpLogits):
+    """-(p * log p).sum(-1): in fp16 p flushes to 0, log gives -inf, 0 * -inf is nan."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.probabilities(x)
+        return -(p * p.log()).sum(-1)
+
+
+class KLDivergence(nn.Module):
+    """KL(p || q) of two sharp softmaxes, from their logs."""
+
+    def __init__(self, width: int = 32, vocab: int = 256, sharpness: float = 6.0) -> None:
+        super().__init__()
+        self.p, self.q = SharpLogits(width, vocab, sharpness), SharpLogits(width, vocab, sharpness)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p, q = self.p.probabilities(x), self.q.probabilities(x)
+        return (p * (p.log() - q.log())).sum(-1)
+
+
+class NegativeLogLikelihood(SharpLogits):
+    """-log(softmax(logits))[target], the loss written without log_softmax."""
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return -self.probabilities(x).log().gather(-1, target[:, None]).squeeze(-1)
+
+
+class Normalized(nn.Module):
+    """Rows scaled to unit length, then a linear layer: ``F.normalize(x, eps=1e-12)``,
+    or by hand ``x / (x.norm() + eps)``."""
+
+    def __init__(self, width: int = 32, by_hand: bool = False, eps: float = 1e-12) -> None:
+        super().__init__()
+        self.by_hand, self.eps = by_hand, eps
+        self.project = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.by_hand:
+            return self.project(x / (x.norm(dim=-1, keepdim=True) + self.eps))
+        return self.project(torch.nn.functional.normalize(x, dim=-1, eps=self.eps))
+
+
+class RMSNormEps(nn.Module):
+    """An RMSNorm written in the model's dtype, ``x * rsqrt(mean(x^2) + eps)``, with a
+    tiny eps (1e-12 flushes to zero in fp16), then a linear layer."""
+
+    def __init__(self, width: int = 32, eps: float = 1e-12) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+        self.project = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.project(x * scale * self.weight)
+
+
+# ---- cancellation inside ops that subtract a mean (fx16.analysis.centering) ---------------
+
+
+def offset_features(
+    rows: int, means: torch.Tensor, spreads: torch.Tensor, seed: int
+) -> torch.Tensor:
+    """Raw tabular or sensor features: column j is means[j] +- spreads[j]."""
+    generator = torch.Generator().manual_seed(seed)
+    return means + spreads * torch.randn(rows, len(means), generator=generator)
+
+
+TABULAR_MEANS = torch.linspace(1000.0, 5000.0, 8)  # timestamps, prices
+TABULAR_SPREADS = torch.linspace(0.5, 5.0, 8)
+
+
+class TabularBatchNorm(nn.Module):
+    """``nn.BatchNorm1d`` (inference) on raw features, then an MLP; its running
+    statistics are the features' (means 1000-5000, spreads 0.5-5)."""
+
+    def __init__(self, means=TABULAR_MEANS, spreads=TABULAR_SPREADS) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(len(means))
+        with torch.no_grad():
+            self.norm.running_mean.copy_(means)
+            self.norm.running_var.copy_(spreads**2)
+        self.mlp = nn.Sequential(nn.Linear(len(means), 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm(x))
+
+
+class Standardized(nn.Module):
+    """``(x - mean) / std`` by the feature statistics a model keeps as buffers."""
+
+    def __init__(self, means=TABULAR_MEANS, spreads=TABULAR_SPREADS) -> None:
+        super().__init__()
+        self.register_buffer("mean", means.clone())
+        self.register_buffer("std", spreads.clone())
+        self.mlp = nn.Sequential(nn.Linear(len(means), 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp((x - self.mean) / self.std)
+
+
+class NormOfOffsetData(nn.Module):
+    """A normalization (``layer``, ``group`` or ``instance``) of data far from zero
+    (sensor readings around 3000), then a linear layer. The group and instance norms
+    read (batch, 4 * width) as ``width`` channels of 4 readings."""
+
+    def __init__(self, kind: str = "layer", width: int = 16) -> None:
+        super().__init__()
+        self.kind = kind
+        norms = {
+            "layer": lambda: nn.LayerNorm(width),
+            "group": lambda: nn.GroupNorm(4, width),
+            "instance": lambda: nn.InstanceNorm1d(width, affine=True),
+        }
+        self.norm = norms[kind]()
+        self.project = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "layer":
+            return self.project(self.norm(x))
+        channels = x.unflatten(-1, (self.project.in_features, -1))  # (batch, width, 4)
+        return self.project(self.norm(channels).mean(-1))
+
+
+class SpreadOfOffsetData(nn.Module):
+    """The spread of readings around an offset: ``x.std(-1)`` (``unbiased``), or by
+    hand, ``sqrt(E[x^2] - E[x]^2)`` - which goes negative, then nan, when x * x is
+    rounded to fp16's spacing of 8 at 10,000."""
+
+    def __init__(self, by_hand: bool = False) -> None:
+        super().__init__()
+        self.by_hand = by_hand
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.by_hand:
+            return ((x * x).mean(-1) - x.mean(-1) ** 2).sqrt()
+        return x.std(-1)

@@ -8,9 +8,9 @@ what a reciprocal, ``rsqrt`` or a negative power reads (``fx16.ops.SINGULAR_AT_Z
 Flushed, its result is an infinity, and the entropy term ``p * log(p)`` becomes
 ``0 * -inf = nan``; subnormal, it is off by up to 100%.
 
-Such an op is kept in fp32, with its elementwise past (``fx16.analysis.upstream``:
-the softmax before the log, the mean of squares before the rsqrt; not the matrix
-product before them), when the smallest nonzero magnitude its argument takes lies
+Such an op is kept in fp32, with its argument's elementwise past
+(``fx16.analysis.upstream``: the softmax before the log, the mean of squares before
+the rsqrt; not the matrix product before them, nor a division's numerator), when the smallest nonzero magnitude its argument takes lies
 below the 16-bit smallest normal times the overflow margin: proven (an interval
 that excludes zero), or observed on the calibration inputs. A scalar argument
 (``x / 1e-9``) is judged the same way. A scalar an op adds as a guard (``var +
@@ -69,7 +69,9 @@ class UnderflowAnalysis(PassBase):
                     node.meta[self.META_KEY] = why
                     seeds.append(node)
         for seed in seeds:
-            for node in elementwise_past(seed, boundaries, ranges.of):
+            argument = seed.args[SINGULAR_AT_ZERO[seed.target]]
+            reads = [argument] if isinstance(argument, Node) else []
+            for node in elementwise_past(seed, boundaries, ranges.of, reads):
                 node.meta.setdefault(self.META_KEY, f"feeds {seed.name}, kept in fp32")
         return PassResult(graph_module, False)
 

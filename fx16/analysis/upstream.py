@@ -31,13 +31,14 @@ def elementwise_past(
     seed: Node,
     boundaries: Boundaries,
     proven: Callable[[Node], object | None],
+    reads: list[Node] | None = None,
     limit: int = CHAIN_LIMIT,
 ) -> list[Node]:
-    """The float values ``seed`` reads and everything they are computed from
-    elementwise, nearest first, at most ``limit``; ``proven(node)`` is the node's
-    proven range, or None."""
+    """The float values ``seed`` reads (``reads``: only those) and everything they are
+    computed from elementwise, nearest first, at most ``limit``; ``proven(node)`` is
+    the node's proven range, or None."""
     found, seen = [], {seed}
-    pending = list(boundaries.inputs(seed))
+    pending = list(boundaries.inputs(seed) if reads is None else reads)
     while pending and len(found) < limit:
         node = pending.pop(0)
         if node in seen:
