@@ -6,9 +6,10 @@ they are nearly all of a model's arithmetic. So fx16 counts, for every op, the
 FLOPs it computes (a multiply-add is two) and the bytes it reads and writes, and
 states every decision to keep something in fp32 in those terms.
 
-Products count their multiply-adds exactly (``mm``, ``bmm``, ``addmm``,
-``linear``, ``matmul``, ``einsum``, convolutions and their transposes,
-``scaled_dot_product_attention`` and its kernels, ``mv``, ``dot``); any other op
+Products count two FLOPs per multiply-add, as ``torch.utils.flop_counter`` does
+(``mm``, ``bmm``, ``addmm``, ``linear``, ``matmul``, ``einsum``, convolutions and
+their transposes, ``scaled_dot_product_attention`` and its kernels, ``mv``,
+``dot``; a bias added is not counted); any other op
 counts one FLOP per element it produces or reads, whichever is more. Symbolic
 sizes count at the size export traced them with.
 """
@@ -95,16 +96,12 @@ def _matmul(node: Node, shapes: list) -> int:
     return 2 * _out_numel(node) * a[-1] if len(a) > 1 else 2 * a[0]
 
 
-def _addmm(node: Node, shapes: list) -> int:  # (bias, a, b)
-    return 2 * _out_numel(node) * shapes[1][-1] + _out_numel(node)
+def _addmm(node: Node, shapes: list) -> int:  # (bias, a, b), (self, batch1, batch2)
+    return 2 * _out_numel(node) * shapes[1][-1]
 
 
 def _linear(node: Node, shapes: list) -> int:  # (x, weight[N, K], bias)
-    return 2 * _out_numel(node) * shapes[1][-1] + (_out_numel(node) if len(shapes) > 2 else 0)
-
-
-def _baddbmm(node: Node, shapes: list) -> int:  # (self, batch1, batch2)
-    return 2 * _out_numel(node) * shapes[1][-1] + _out_numel(node)
+    return 2 * _out_numel(node) * shapes[1][-1]
 
 
 def _convolution(node: Node, shapes: list) -> int:
@@ -147,8 +144,8 @@ _PRODUCTS = {
     "addmm": _addmm,
     "_addmm_activation": _addmm,
     "addmv": _addmm,
-    "baddbmm": _baddbmm,
-    "addbmm": _baddbmm,
+    "baddbmm": _addmm,
+    "addbmm": _addmm,
     "linear": _linear,
     "einsum": _einsum,
     "convolution": _convolution,

@@ -4,18 +4,26 @@ A verdict that keeps something in fp32 is worth its cost only if fp32 measurably
 lowers the output error. Measuring that on the cast program means casting it once
 per verdict; instead the emulator runs the fp32 program (an interpreter, into
 higher-order ops' bodies too) and rounds every float value an op produces, and
-every float user input, to the 16-bit dtype - except the values kept ``wide`` - so
+every float user input, to the 16-bit dtype - except the values kept ``wide``, and
+the results of data movement and in-place ops (already rounded, and possibly views
+a later in-place op writes through) - so
 overflow to inf, flushing to zero and rounding all happen where the cast program
-has them. Ops compute from rounded inputs in fp32, as 16-bit kernels on CPUs and
-GPUs accumulate in fp32. Weights enter exact: their rounding is the same with or
+has them; an infinity-like sentinel (|x| >= 1e38) saturates to the 16-bit maximum,
+as fx16 makes it. Ops compute from rounded inputs in fp32, as 16-bit kernels on CPUs
+and GPUs accumulate in fp32. Weights enter exact: their rounding is the same with or
 without any verdict, and rounding copies of them would double their memory.
 """
+
+import operator
 
 import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
 from fx16.interpreter import BodyInterpreter
+from fx16.nodes import mutated_argument
+from fx16.numerics import INF_LIKE, largest
+from fx16.policy import OpKind, op_kind
 from fx16.program import Program
 from fx16.stats import outputs_error
 
@@ -30,13 +38,31 @@ class _Emulator(BodyInterpreter):
 
     def run_node(self, node: Node):
         result = super().run_node(node)
-        rounds = node.op == "call_function" or node in self.inputs
-        return self.rounded(result) if rounds and node not in self.wide else result
+        return self.rounded(result) if self.rounds(node) else result
+
+    def rounds(self, node: Node) -> bool:
+        """An op that computes values (not one that moves them, which may return a view
+        of its input that a later in-place op writes through; not an in-place op)."""
+        if node in self.wide:
+            return False
+        if node.op == "placeholder":
+            return node in self.inputs
+        computes = op_kind(node) not in (OpKind.DATA_MOVEMENT, OpKind.BOUNDARY)
+        unpacks = node.target is operator.getitem  # its container was rounded
+        return node.op == "call_function" and computes and not unpacks and (
+            mutated_argument(node) is None
+        )
+
 
     def rounded(self, value):
         def round_leaf(leaf):
             if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float32:
-                return leaf.to(self.low).to(torch.float32)
+                low = leaf.to(self.low)
+                if not bool(torch.isfinite(low).all()):  # sentinels saturate, as fx16's do
+                    top = largest(self.low)
+                    sentinel = (leaf.abs() >= INF_LIKE) & torch.isfinite(leaf)
+                    low = torch.where(sentinel, leaf.clamp(-top, top), leaf).to(self.low)
+                return low.to(torch.float32)
             return leaf
 
         if isinstance(value, torch.Tensor):

@@ -16,9 +16,10 @@ FP16_MAX = 65504.0
 FP16_TINY = 2.0**-24  # smallest positive fp16 subnormal, ~5.96e-8
 
 # A finite scalar at least this large stands for "minus/plus infinity" (finfo(float32).min,
-# -1e38 attention masks...). It saturates to the 16-bit maximum instead of keeping the op
-# in fp32.
-INF_LIKE = 1e38
+# -1e38 attention masks, the -1e38 a running maximum starts from). It saturates to the
+# 16-bit maximum instead of keeping the op in fp32. 1e38 as fp32 holds it (9.99999968e37):
+# a -1e38 the model computes in fp32 is a sentinel too.
+INF_LIKE = float(torch.tensor(1e38, dtype=torch.float32))
 
 
 @functools.cache

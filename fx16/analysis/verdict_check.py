@@ -224,4 +224,4 @@ _CHECKED_REASONS = frozenset(
 def _pattern(node: Node) -> str:
     """The node's module path with its layer indices as ``*``: the same place in every layer."""
     path = node_module_path(node) or "(no module)"
-    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path)
+    return re.sub(r"(?:^|(?<=\.))\d+(?=\.|$)", "*", path)

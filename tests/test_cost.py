@@ -1,0 +1,87 @@
+"""fx16.cost: FLOPs and bytes from the shapes export recorded, checked against PyTorch's
+own FLOP counter (torch.utils.flop_counter) on the products it knows."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks import zoo
+from fx16.cost import bytes_moved, flops, is_product
+from fx16.subgraphs import nested_graph_modules
+from helpers import export
+
+
+class Products(nn.Module):
+    """Every kind of product fx16 counts, on small shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 24)
+        self.conv = nn.Conv2d(4, 8, 3, padding=1, groups=2)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.weight = nn.Parameter(torch.randn(24, 12))
+
+    def forward(self, x, image, q):
+        h = self.fc(x)  # (2, 5, 24)
+        a = h @ self.weight  # matmul
+        b = torch.bmm(a, a.transpose(1, 2))  # (2, 5, 5)
+        c = torch.einsum("bij,bjk->bik", b, a)
+        d = torch.addmm(torch.zeros(5, 12), b[0], a[0])
+        attention = F.scaled_dot_product_attention(q, q, q)
+        return c.sum() + d.sum() + self.up(self.conv(image)).sum() + attention.sum()
+
+
+def _product_flops(ep) -> int:
+    return sum(
+        flops(node)
+        for module in nested_graph_modules(ep.graph_module)
+        for node in module.graph.nodes
+        if is_product(node)
+    )
+
+
+def _counted(model, *args) -> int:
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(*args)
+    return counter.get_total_flops()
+
+
+def test_every_product_kind_counts_what_pytorchs_counter_counts():
+    """The counter does not see the CPU attention kernel: attention is checked by its
+    formula, 2 L S (E + Ev) per batch and head."""
+    torch.manual_seed(0)
+    args = (torch.randn(2, 5, 16), torch.randn(1, 4, 6, 6), torch.randn(1, 2, 7, 8))
+    model = Products().eval()
+    ep = export(model, *args)
+    products = {n.target._opname: n for n in ep.graph_module.graph.nodes if is_product(n)}
+    assert {"linear", "matmul", "bmm", "einsum", "addmm", "conv2d", "conv_transpose2d"} <= set(
+        products
+    )
+    attention = flops(products.pop("scaled_dot_product_attention"))
+    assert attention == 2 * (1 * 2) * 7 * 7 * (8 + 8)
+    assert _product_flops(ep) - attention == _counted(model, *args)
+
+
+@pytest.mark.parametrize("build", [lambda: zoo.gpt2(layers=2), zoo.ResNetish])
+def test_a_models_products_count_what_pytorchs_counter_counts(build):
+    torch.manual_seed(0)
+    model = build().eval()
+    args = (torch.randint(0, 1024, (1, 16)),) if hasattr(model, "model") else (torch.randn(1, 3, 16, 16),)
+    ep = export(model, *args)
+    assert _product_flops(ep) == _counted(model, *args)
+
+
+def test_other_ops_count_an_element_each_and_bytes_count_what_moves():
+    class Elementwise(nn.Module):
+        def forward(self, x):
+            return x.exp().sum(-1)
+
+    ep = export(Elementwise(), torch.randn(4, 8))
+    nodes = {node.name: node for node in ep.graph_module.graph.nodes}
+    assert flops(nodes["exp"]) == 32 and flops(nodes["sum_1"]) == 32
+    assert not is_product(nodes["exp"])
+    assert bytes_moved(nodes["exp"]) == 2 * 32 * 4  # reads and writes 32 fp32 values
+    assert bytes_moved(nodes["sum_1"]) == (32 + 4) * 4
+    assert flops(nodes["x"]) == 0  # placeholders compute nothing

@@ -1,0 +1,85 @@
+"""fx16.emulation: the fp32 program run as the 16-bit cast computes it."""
+
+import torch
+from torch import nn
+
+import fx16
+from benchmarks import zoo
+from fx16.analysis.calibration import calibration_calls
+from fx16.emulation import Emulation
+from fx16.program import Program
+from fx16.subgraphs import nested_graph_modules
+from helpers import export, max_error, run
+from models import Branches, MLP
+
+
+def _emulation(ep):
+    program = Program(ep)
+    return Emulation(program, calibration_calls(program, None), torch.float16)
+
+
+def _every_node(ep):
+    return {n for m in nested_graph_modules(ep.graph_module) for n in m.graph.nodes}
+
+
+def test_with_everything_wide_it_is_the_fp32_program():
+    """Bodies too: a cond's branch is emulated node by node."""
+    torch.manual_seed(0)
+    for model, x in ((MLP(), torch.randn(4, 8)), (Branches(), torch.randn(2, 4))):
+        ep = export(model.eval(), x)
+        assert _emulation(ep).error(_every_node(ep)) == 0.0
+
+
+def test_its_error_is_the_cast_programs():
+    """GPT-2: the emulated error is the default cast's, within a factor of two (the cast
+    rounds weights, the emulation does not)."""
+    torch.manual_seed(0)
+    model, ids = zoo.gpt2(layers=2).eval(), torch.randint(0, 1024, (1, 16))
+    emulated = _emulation(export(model, ids)).error(set())
+    cast = fx16.cast_fp32_to_fp16(export(model, ids))
+    with torch.no_grad():
+        actual = max_error([model(ids)], run(cast, ids))
+    assert 0.5 < emulated / actual < 2.0
+
+
+class Overflow(nn.Module):
+    def forward(self, x):
+        return (x * 1e5).sum() * 1e-5
+
+
+def test_overflow_happens_where_the_cast_has_it():
+    """x * 1e5 overflows fp16, and so does its sum: both must be wide."""
+    ep = export(Overflow(), torch.randn(4, 8))
+    emulation = _emulation(ep)
+    nodes = {n.name: n for n in ep.graph_module.graph.nodes}
+    assert emulation.error(set()) == float("inf")
+    assert emulation.error({nodes["mul"]}) == float("inf")  # the sum still overflows
+    assert emulation.error({nodes["mul"], nodes["sum_1"]}) < 1e-3
+
+
+class Sentinel(nn.Module):
+    """A running maximum that starts at -1e38: exp(-1e38 - x) is 0 in any precision."""
+
+    def forward(self, x):
+        state = torch.full_like(x, -1e38)
+        best = torch.maximum(state, x)
+        return torch.exp(state - best) + best
+
+
+def test_a_sentinel_saturates_instead_of_becoming_infinite():
+    ep = export(Sentinel(), torch.randn(4, 8))
+    assert _emulation(ep).error(set()) < 1e-3
+
+
+class WrittenThroughAView(nn.Module):
+    """out[:, 0] = x.exp(): a copy_ into a select of a zeros tensor."""
+
+    def forward(self, x):
+        out = torch.zeros(x.shape[0], 2)
+        out[:, 0] = x.exp().sum(-1)
+        return out
+
+
+def test_a_value_written_through_a_view_arrives():
+    ep = export(WrittenThroughAView(), torch.randn(4, 8))
+    assert _emulation(ep).error(set()) < 1e-3

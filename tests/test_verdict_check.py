@@ -1,0 +1,132 @@
+"""VerdictCheckAnalysis: fp32 verdicts that cost FLOPs, or may not help, are measured."""
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+import fx16
+from benchmarks import zoo
+from benchmarks.precision_zoo import TimestepEmbedding
+from fx16.analysis import VerdictCheckAnalysis
+from fx16.analysis.fp32_rules import ConditioningRule
+from fx16.pipelines import run_passes, without_rules
+from fx16.report import report_of
+from helpers import check_program, export, max_error, run
+
+
+def _checks(ep):
+    return ep.graph_module.meta[VerdictCheckAnalysis.CHECKS_KEY]
+
+
+class GeluTanh(nn.Module):
+    """GELU's tanh approximation written out, as GPT-2 and many models do: its cube has
+    condition number 3."""
+
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+def _gelu_tanh_mlp():
+    """Two MLP blocks with the written-out GELU."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 256), GeluTanh(), nn.Linear(256, 64)) for _ in range(2)]
+    return nn.Sequential(*blocks).eval()
+
+
+def test_gelus_cube_is_measured_once_for_every_layer_and_dropped():
+    """Input: two blocks, each linear -> gelu(tanh) -> linear. Output: one check for both
+    cubes, not held; every op 16-bit; the error as with the rule off."""
+    model, x = _gelu_tanh_mlp(), torch.randn(8, 64)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    (check,) = _checks(ep)
+    assert check.label.startswith("ill_conditioned pow.Tensor_Scalar") and not check.held
+    assert {"pow_1", "pow_2"} <= set(check.nodes)  # both layers in one question
+    rows = report_of(ep).rows
+    assert all(row.narrowed for row in rows if row.kind == "float")
+    dropped = [row for row in rows if row.rule == "not_worth_fp32"]
+    assert dropped and all("does not measurably lower" in row.detail for row in dropped)
+    rule_off = export(model, x)
+    run_passes(without_rules(fx16.fp16_passes(rule_off), ConditioningRule), rule_off.graph_module)
+    reference = [model(x)]
+    assert max_error(reference, run(ep, x)) <= 1.1 * max_error(reference, run(rule_off, x))
+
+
+class ScoresBeyondFp16(nn.Module):
+    """q @ k^T scores of ~1e5: in fp16 they are inf."""
+
+    def __init__(self, scale=150.0):
+        super().__init__()
+        self.q, self.k = nn.Linear(16, 16), nn.Linear(16, 16)
+        with torch.no_grad():
+            self.q.weight.mul_(scale)
+            self.k.weight.mul_(scale)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return scores.softmax(-1) @ x
+
+
+def test_a_heavy_verdict_that_prevents_inf_holds():
+    torch.manual_seed(0)
+    ep = fx16.cast_fp32_to_fp16(export(ScoresBeyondFp16(), torch.randn(2, 8, 16)))
+    (check,) = _checks(ep)
+    assert check.label.startswith("activation_overflow matmul") and check.held
+    assert check.error_without == float("inf") and check.error_with < 1e-2
+    products = [row for row in report_of(ep).rows if row.product]
+    assert [row.dtype for row in products if row.node in check.nodes] == ["float32"]
+
+
+class HarmlessProduct(nn.Module):
+    """A product whose outputs reach ~4e4 (past 65504 / 2, within 65504) and barely
+    touch the output: the margin keeps it fp32, the measurement does not."""
+
+    def __init__(self, example):
+        super().__init__()
+        self.fc, self.big = nn.Linear(16, 16), nn.Linear(16, 16)
+        with torch.no_grad():
+            self.big.bias.zero_()
+            self.big.weight.mul_(4e4 / self.big(example).abs().max())
+
+    def forward(self, x):
+        return self.fc(x) + 1e-7 * self.big(x)
+
+
+def test_a_heavy_verdict_fp32_does_not_pay_for_is_dropped_with_its_reason():
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    model = HarmlessProduct(x).eval()
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    (check,) = _checks(ep)
+    assert check.label.startswith("activation_overflow linear") and not check.held
+    row = next(row for row in report_of(ep).rows if row.node == "linear_1")
+    assert row.rule == "not_worth_fp32" and row.dtype == "float16"
+    assert max_error([model(x)], run(ep, x)) < 2e-3
+
+
+def test_large_condition_numbers_are_not_asked_and_nothing_is_asked_without_inputs():
+    torch.manual_seed(0)
+    model = TimestepEmbedding().eval()
+    ep = fx16.cast_fp32_to_fp16(export(model, torch.tensor([10, 500])))
+    assert _checks(ep) == []  # sin of t up to 999: condition number ~1000
+    gelu = fx16.cast_fp32_to_fp16(export(_gelu_tanh_mlp(), torch.randn(8, 64)), calibration=[])
+    assert _checks(gelu) == []
+    rows = report_of(gelu).rows
+    assert any(row.rule == "ill_conditioned" for row in rows)  # without inputs, it holds
+
+
+def test_gpt2_keeps_every_product_and_every_op_in_16_bit():
+    """GELU-tanh models: GPT-2's cube costs nothing any more."""
+    torch.manual_seed(0)
+    model, ids = zoo.gpt2(layers=4, width=256), torch.randint(0, 1024, (1, 32))
+    ep = fx16.cast_fp32_to_fp16(export(model, ids))
+    report = report_of(ep)
+    assert report.totals.flop_share_16bit == 1.0
+    assert report.totals.casts_inserted == 0
+    half = copy.deepcopy(model).half()
+    with torch.no_grad():
+        reference = [model(ids)]
+        assert max_error(reference, run(ep, ids)) <= 1.05 * max_error(reference, [half(ids)])
