@@ -9,14 +9,24 @@ can move the outputs along the current error. The worst uses return to fp32 (the
 consumer, reading its producer in fp32), so fp32 regions grow as connected pieces,
 joined by casts only at their edges, and the other uses of a value stay 16-bit.
 
-How many: the first round takes the single worst remedy; a round that does not
+Which first: fp32 is a cost, and the search spends it where it buys the most. A
+remedy's score (the error its rounding causes) is weighed against what it costs:
+the matmul/conv/attention FLOPs it moves to fp32, an elementwise op or reduction
+counting ``_ELEMENTWISE_WEIGHT`` of its FLOPs (on a GPU or the Neural Engine an fp32
+product costs 8-16x its 16-bit time, an fp32 elementwise op about twice its
+bytes). Remedies are taken by error removed per FLOP paid.
+
+How many: the first round takes the single best remedy; a round that does not
 halve the excess over the budget doubles the count for the next one, which scores
 again from where the last left off, so the fp32 set grows geometrically when the
 scores stall, and evaluations grow with the log of the count needed. Once within
 budget, a bisection over the last round's remedies keeps the shortest prefix of
-them that still meets it. After ``_MOST_EVALUATIONS`` every node returns to fp32,
-where the error is zero: the search always ends within budget, or raises
-``AccuracyBudgetError`` when even all-fp32 misses it.
+them that still meets it, and the products kept in fp32 are offered back to
+16-bit, the most expensive first, while the budget still holds: the search lands
+close to the budget, with as many FLOPs in 16-bit as it allows. After
+``_MOST_EVALUATIONS`` every node returns to fp32, where the error is zero: the
+search always ends within budget, or raises ``AccuracyBudgetError`` when even
+all-fp32 misses it.
 """
 
 import copy
@@ -33,6 +43,7 @@ from tqdm import tqdm
 
 from fx16.analysis.calibration import CalibrationAnalysis, calibration_calls
 from fx16.casts import before_inserted_casts, is_cast, is_inserted
+from fx16.cost import flops, is_product
 from fx16.decisions import was_narrowed
 from fx16.errors import AccuracyBudgetError, InvalidOptionError
 from fx16.interpreter import LeanInterpreter
@@ -41,11 +52,15 @@ from fx16.ops import ASSERT_METADATA_OPS
 from fx16.passes.insert_fp16_casts import OUTPUTS
 from fx16.pipelines import fp16_passes, run_passes
 from fx16.program import Program
-from fx16.stats import outputs_error
+from fx16.stats import outputs_error, program_stats
 
 _LOW = (torch.float16, torch.bfloat16)
 # Evaluations after which the search returns every node to fp32 at once.
 _MOST_EVALUATIONS = 36
+# What an fp32 elementwise op or reduction costs per FLOP, next to an fp32 product's.
+_ELEMENTWISE_WEIGHT = 1 / 16
+# Products kept in fp32 offered back to 16-bit once the budget is met, at most.
+_GIVE_BACK = 6
 
 
 def stopping_share(inputs: int) -> float:
@@ -66,6 +81,7 @@ class AccuracySearch:
     evaluations: int  # runs of the cast program over the calibration inputs
     rounds: int
     fp32_nodes: tuple[str, ...]
+    flop_share_16bit: float = 1.0  # of matmul/conv/attention FLOPs, in the result
 
     @property
     def met(self) -> bool:
@@ -187,8 +203,15 @@ class _Search:
             forced, error = forced | _names(last_round), new_error
         if len(last_round) > 1:
             forced, error = self.shortest_prefix(last_round, forced - _names(last_round), error)
+        if last_round:
+            forced, error = self.give_back(forced, error)
         return AccuracySearch(
-            self.budget, error, self.evaluations, self.rounds, tuple(sorted(forced))
+            self.budget,
+            error,
+            self.evaluations,
+            self.rounds,
+            tuple(sorted(forced)),
+            program_stats(self.program.ep).flop_share_16bit,
         )
 
     def shortest_prefix(self, remedies: list, before: set[str], error: float):
@@ -197,7 +220,7 @@ class _Search:
         target, to within an eighth. Returns (fp32 set, error); the program is left
         cast with that set."""
         failed, found = 0, len(remedies)
-        while found - failed > max(1, found // 8):
+        while found - failed > 1:
             middle = (failed + found) // 2
             trial_error, _ = self.measure(before | _names(remedies[:middle]))
             if trial_error <= self.target:
@@ -208,6 +231,26 @@ class _Search:
         if self.holds != best:
             self.cast(best)
         return best, error
+
+    def give_back(self, forced: set[str], error: float) -> tuple[set[str], float]:
+        """Offer the products in ``forced`` back to 16-bit, the most expensive first
+        (at most ``_GIVE_BACK``), keeping each return that still meets the target.
+        Returns (fp32 set, error); the program is left cast with that set."""
+        nodes = {n.name: n for n in self.pristine_nodes() if n.name in forced and is_product(n)}
+        best = set(forced)
+        for name in sorted(nodes, key=lambda name: flops(nodes[name]), reverse=True)[:_GIVE_BACK]:
+            if self.evaluations >= _MOST_EVALUATIONS:
+                break
+            trial_error, _ = self.measure(best - {name})
+            if trial_error <= self.target:
+                best, error = best - {name}, trial_error
+        if self.holds != best:
+            self.cast(best)
+        return best, error
+
+    def pristine_nodes(self) -> list[Node]:
+        """The nodes of the reference (fp32) program, with their shapes."""
+        return list(self.reference.graph_module.graph.nodes)
 
     def everything(self, forced: set[str], error: float) -> tuple[set[str], float]:
         """Every node in fp32, the last resort; raises when even that misses the target
@@ -385,7 +428,8 @@ def _remedies(graph_module, reference: _Reference, observed: list[list], forced:
     Removing that rounding for that use takes the consumer in fp32 (``OUTPUTS`` for a
     program output), reading the value's producer in fp32 (the producer too, when it
     computes in 16-bit); its other consumers keep reading 16-bit. So fp32 regions grow
-    as connected pieces and stop where the error does.
+    as connected pieces and stop where the error does. Remedies come by score per
+    cost (``_fp32_cost`` of the nodes they return to fp32), best first.
     """
     errors = [
         [
@@ -418,8 +462,18 @@ def _remedies(graph_module, reference: _Reference, observed: list[list], forced:
             fix = frozenset(fix - forced)
             if fix:
                 best[fix] = max(best.get(fix, 0.0), impact(producer.name, consumer.name))
+    costs = {node.name: _fp32_cost(node) for node in reference.graph_module.graph.nodes}
     remedies = [(score, fix) for fix, score in best.items() if score > 0.0]
-    return sorted(remedies, key=lambda remedy: remedy[0], reverse=True)
+    return sorted(
+        remedies,
+        key=lambda remedy: remedy[0] / (1 + sum(costs.get(name, 0.0) for name in remedy[1])),
+        reverse=True,
+    )
+
+
+def _fp32_cost(node: Node) -> float:
+    """What computing ``node`` in fp32 costs, in product FLOPs (see the module)."""
+    return flops(node) * (1.0 if is_product(node) else _ELEMENTWISE_WEIGHT)
 
 
 def _stored_in_16_bit(node: Node) -> tuple[Node, bool] | None:

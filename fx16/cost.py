@@ -9,7 +9,8 @@ states every decision to keep something in fp32 in those terms.
 Products count two FLOPs per multiply-add, as ``torch.utils.flop_counter`` does
 (``mm``, ``bmm``, ``addmm``, ``linear``, ``matmul``, ``einsum``, convolutions and
 their transposes, ``scaled_dot_product_attention`` and its kernels, ``mv``,
-``dot``; a bias added is not counted); any other op
+``dot``, grouped products of mixtures of experts; a bias added is not counted);
+any other op
 counts one FLOP per element it produces or reads, whichever is more. Symbolic
 sizes count at the size export traced them with.
 """
@@ -156,6 +157,8 @@ _PRODUCTS = {
     "conv_transpose1d": _convolution,
     "conv_transpose2d": _convolution,
     "conv_transpose3d": _convolution,
+    "_grouped_mm": _matmul,  # each row meets one group's weight: 2 K per output element
+    "grouped_mm_fallback": _matmul,
     "scaled_dot_product_attention": _attention,
     "_scaled_dot_product_flash_attention": _attention,
     "_scaled_dot_product_flash_attention_for_cpu": _attention,

@@ -49,6 +49,10 @@ class Reason(str, enum.Enum):
         "a nonzero scalar below 16-bit's smallest subnormal, clamped to it instead of "
         "flushing to zero"
     )
+    ROUTER = (
+        "chooses a route (an expert, a token) by comparing values: the policy's "
+        "routing='fp32' keeps it in fp32"
+    )
     NOT_WORTH_FP32 = (
         "a rule would keep it in fp32, but on the calibration inputs fp32 does not "
         "measurably lower the output error"

@@ -313,6 +313,8 @@ COMPUTE_OPS = packets(
     "dot",
     "vdot",
     "_addmm_activation",
+    "_grouped_mm",
+    "grouped_mm_fallback",  # transformers' mixture-of-experts kernel, as exported
 )
 
 # Ops that accumulate over many elements: normalisations, softmax, sums, losses.

@@ -18,6 +18,7 @@ from fx16.analysis import (
     ConditioningAnalysis,
     ExplicitFp32Analysis,
     Fp32RulesAnalysis,
+    RoutingAnalysis,
     UnderflowAnalysis,
     UnsafeIndexAnalysis,
     UserReachabilityAnalysis,
@@ -56,7 +57,8 @@ def fp16_passes(
     Order: the analyses first, while the program still computes in fp32:
     calibration, unsafe indices, integer ranges (``input_ranges``; floats made from
     integers take their range from it), conditioning and underflow (which read
-    both), which of the model's own fp32 regions to keep, the safety rules that
+    both), the routers the policy keeps (which read the index marks), which of the
+    model's own fp32 regions to keep, the safety rules that
     read them all (``Fp32RulesAnalysis``), and the check of the verdicts that cost
     FLOPs or may not help (``VerdictCheckAnalysis``, on the calibration inputs);
     then state tensors and user inputs, so the cast inserter sees every graph input
@@ -79,6 +81,7 @@ def fp16_passes(
         ValueRangeAnalysis(program, input_ranges),
         ConditioningAnalysis(program, policy),
         UnderflowAnalysis(program, policy, overflow_margin),
+        RoutingAnalysis(program, policy),
         ExplicitFp32Analysis(program, policy, overflow_margin),
         Fp32RulesAnalysis.standard(policy.low, limit, force_fp32),
         VerdictCheckAnalysis(program, policy, calibration),

@@ -75,6 +75,8 @@ _ALL_LOW = {kind: Precision.LOW for kind in OpKind}
 
 # What becomes of the model's own fp32 regions (see PrecisionPolicy.explicit_fp32).
 EXPLICIT_FP32_CHOICES = ("calibrated", "keep", "retarget")
+# Where routers compute (see PrecisionPolicy.routing).
+ROUTING_CHOICES = ("fp32", "16-bit")
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,13 @@ class PrecisionPolicy:
         inputs, with the margin; an ill-conditioned op in it; a proven range; or no
         calibration input reaching it), "keep" keeps them all, "retarget" casts them
         all to 16-bit as coreai-opt does (the safety rules still apply op by op).
+    routing: where the ops that choose a route compute - a mixture-of-experts router
+        (the gate's product, its softmax, the top-k), a greedy decoder's argmax: "fp32"
+        keeps the selection and the ops between it and the product that scores the
+        choices in fp32, and that product too where it costs at most 1% of the
+        program's product FLOPs (a router's gate, not a decoder's vocabulary head);
+        nothing upstream (``fx16.analysis.routing``). "16-bit" casts them like the rest.
+        Either way every index chosen is valid; precision only changes which.
     cast_back: return results computed in fp32 by policy to the 16-bit dtype (False:
         later ops follow the fp32 result, as eager autocast does).
     precision_tolerance: the relative output error 16-bit rounding of an op's input
@@ -114,6 +123,7 @@ class PrecisionPolicy:
     op_table: Mapping[str, Precision] = field(default_factory=dict)
     keep_io_types: bool | frozenset[str] = False
     explicit_fp32: str = "calibrated"
+    routing: str = "fp32"
     cast_back: bool = True
     precision_tolerance: float | None = None
 
@@ -129,6 +139,11 @@ class PrecisionPolicy:
             raise InvalidOptionError(
                 f"explicit_fp32 must be one of {', '.join(map(repr, EXPLICIT_FP32_CHOICES))}, "
                 f"not {self.explicit_fp32!r}"
+            )
+        if self.routing not in ROUTING_CHOICES:
+            raise InvalidOptionError(
+                f"routing must be one of {', '.join(map(repr, ROUTING_CHOICES))}, "
+                f"not {self.routing!r}"
             )
         if self.precision_tolerance is not None:
             require_number(

@@ -128,7 +128,8 @@ class CastReport:
             lines.append(
                 f"accuracy: error {a.error:.3g} on the calibration inputs (budget {a.budget:.3g}) "
                 f"after {a.rounds} round(s), {a.evaluations} program evaluations, "
-                f"{len(a.fp32_nodes)} node(s) back in fp32"
+                f"{len(a.fp32_nodes)} node(s) back in fp32, {a.flop_share_16bit:.1%} of "
+                "matmul/conv/attention FLOPs in 16-bit"
             )
         return lines
 

@@ -42,6 +42,11 @@ class ProgramStats:
     def product_flops_16bit(self) -> int:
         return sum(self.product_flops_by_dtype.get(name, 0) for name in ("float16", "bfloat16"))
 
+    @property
+    def flop_share_16bit(self) -> float:
+        """The share of matmul/conv/attention FLOPs computed in 16-bit."""
+        return self.product_flops_16bit / self.product_flops if self.product_flops else 1.0
+
 
 def program_stats(ep: ExportedProgram) -> ProgramStats:
     """Count what a cast changed: state bytes, cast nodes, float ops per dtype."""

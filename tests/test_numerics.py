@@ -138,7 +138,8 @@ def test_tensor_to_fp16_is_bit_identical_to_the_definition(values, repeats, dtyp
     expected = _reference_to_16_bit(source, dtype)
     converted = tensor_to_fp16(source, dtype)
     assert converted.dtype == dtype
-    assert converted.stride() == expected.stride()
+    sized = [d for d in range(source.dim()) if source.shape[d] > 1]  # size 1: any stride
+    assert [converted.stride(d) for d in sized] == [source.stride(d) for d in sized]
     assert torch.equal(converted.view(torch.int16), expected.view(torch.int16))
 
 

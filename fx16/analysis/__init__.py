@@ -5,6 +5,7 @@ from fx16.analysis.castable_int16 import CastableInt16Analysis
 from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis
 from fx16.analysis.fp32_rules import Fp32RulesAnalysis
+from fx16.analysis.routing import RoutingAnalysis
 from fx16.analysis.underflow import UnderflowAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.user_reachability import UserReachabilityAnalysis
@@ -17,6 +18,7 @@ __all__ = [
     "ConditioningAnalysis",
     "ExplicitFp32Analysis",
     "Fp32RulesAnalysis",
+    "RoutingAnalysis",
     "Source",
     "UnderflowAnalysis",
     "UnsafeIndexAnalysis",

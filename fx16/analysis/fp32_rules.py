@@ -15,10 +15,11 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.conditioning import ConditioningAnalysis
+from fx16.analysis.routing import RoutingAnalysis
 from fx16.analysis.underflow import UnderflowAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.decisions import Decision, Reason
-from fx16.ops import is_custom_op
+from fx16.ops import SELECTION_OPS, is_custom_op
 from fx16.propagation import runs_narrowed
 from fx16.subgraphs import nested_graph_modules
 
@@ -28,12 +29,15 @@ FP32 = torch.float32
 @dataclass(frozen=True)
 class UnsafeIndexRule:
     """A float value that decides an index (positions turned into bucket ids) stays
-    fp32: rounding would pick another element. Reads ``meta["fx16.unsafe_index"]``."""
+    fp32: rounding would pick another element. A selection (topk, argmax) is not
+    one: its indices are valid whatever it compares (see RouterRule). Reads
+    ``meta["fx16.unsafe_index"]``."""
 
     reason = Reason.UNSAFE_INDEX
 
     def applies(self, node: Node) -> str | None:
-        return "" if node.meta.get(UnsafeIndexAnalysis.META_KEY) else None
+        marked = node.meta.get(UnsafeIndexAnalysis.META_KEY)
+        return "" if marked and node.target not in SELECTION_OPS else None
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,17 @@ class UnderflowRule:
         return node.meta.get(UnderflowAnalysis.META_KEY)
 
 
+@dataclass(frozen=True)
+class RouterRule:
+    """A router op the policy keeps in fp32 (``routing="fp32"``). Reads
+    ``meta["fx16.router"]``."""
+
+    reason = Reason.ROUTER
+
+    def applies(self, node: Node) -> str | None:
+        return node.meta.get(RoutingAnalysis.META_KEY)
+
+
 class Fp32RulesAnalysis(PassBase):
     """Ask each rule about every node (nested bodies too); publish the first answer.
 
@@ -117,7 +132,8 @@ class Fp32RulesAnalysis(PassBase):
         cls, low: torch.dtype, limit: float, force_fp32: frozenset[str] = frozenset()
     ) -> "Fp32RulesAnalysis":
         """fx16's rules, safety first: index, accuracy budget, observed overflow, custom
-        ops without a 16-bit fake kernel, underflow, conditioning."""
+        ops without a 16-bit fake kernel, underflow, conditioning; then the policy's
+        routers."""
         return cls(
             [
                 UnsafeIndexRule(),
@@ -126,6 +142,7 @@ class Fp32RulesAnalysis(PassBase):
                 FakeKernelRule(low),
                 UnderflowRule(),
                 ConditioningRule(),
+                RouterRule(),
             ]
         )
 

@@ -12,7 +12,8 @@ knowing what its verdict buys. Two kinds of verdict are worth asking:
   times what the tolerance allows: GELU's cube has 3): the rounding it amplifies
   may be damped by what follows (the cube is scaled by 0.044715 and added to x).
 
-Each is measured with ``fx16.emulation``: the output error on the calibration
+(A router the policy keeps in fp32, ``routing="fp32"``, is the policy's choice, and
+is not asked.) Each is measured with ``fx16.emulation``: the output error on the calibration
 inputs with every verdict, and without that one. It holds when the error without it
 exceeds ``MEASURABLE`` times the error with it (or is not finite); otherwise it is
 dropped, and its nodes say why. Verdicts of one kind in different layers (the same
@@ -160,7 +161,8 @@ class VerdictCheckAnalysis(PassBase):
                     found.islands.append((module, opening))
             for node in module.graph.nodes:
                 rule = fp32_rule(node)
-                if rule is not None and is_product(node) and flops(node) >= heavy:
+                checked = rule is not None and rule.reason in _CHECKED_REASONS
+                if checked and is_product(node) and flops(node) >= heavy:
                     found = group(f"{rule.reason.name.lower()} {op_label(node)} at {_pattern(node)}")
                     found.nodes.add(node)
                     found.cost += flops(node)
