@@ -275,3 +275,84 @@ class SpreadOfOffsetData(nn.Module):
         if self.by_hand:
             return ((x * x).mean(-1) - x.mean(-1) ** 2).sqrt()
         return x.std(-1)
+
+
+# ---- rotary LLMs with a static cache, as transformers exports them for devices -----------
+
+ROPE_LLMS = ("llama", "qwen3", "gemma2", "gemma3", "phi3", "mistral")
+
+
+def rope_llm(name: str, cache: int = 2048, sharpness: float = 1.5, layers: int = 2):
+    """A small transformers causal LM of architecture ``name`` (one of ``ROPE_LLMS``),
+    seeded, with attention as peaked as a trained model's (q/k norm weights, or q and k
+    projections, scaled by ``sharpness``), wrapped for on-device export with a static
+    cache of ``cache`` slots (``TorchExportableModuleWithStaticCache``): (input_ids,
+    cache_position) -> logits."""
+    import transformers
+    from transformers import GenerationConfig
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=cache,
+    )
+    configs = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, {"head_dim": 16}),
+        "gemma3": (
+            transformers.Gemma3TextConfig,
+            transformers.Gemma3ForCausalLM,
+            {"head_dim": 16},
+        ),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
+        "mistral": (
+            transformers.MistralConfig,
+            transformers.MistralForCausalLM,
+            {"sliding_window": None},
+        ),
+    }
+    config_class, model_class, extra = configs[name]
+    torch.manual_seed(0)
+    model = model_class(config_class(**common, **extra)).eval()
+    _sharpen(model, sharpness)
+    model.generation_config = GenerationConfig(
+        use_cache=True,
+        cache_implementation="static",
+        max_length=cache,
+        cache_config={"batch_size": 1, "max_cache_len": cache},
+    )
+    return TorchExportableModuleWithStaticCache(model, 1, cache)
+
+
+def _sharpen(model, factor: float) -> None:
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            if hasattr(attention, "q_norm"):
+                attention.q_norm.weight.mul_(factor)
+                attention.k_norm.weight.mul_(factor)
+            elif hasattr(attention, "qkv_proj"):  # phi3: q, k and v in one projection
+                rows = attention.qkv_proj.weight.shape[0]
+                attention.qkv_proj.weight[: 2 * rows // 3].mul_(factor)
+            else:
+                attention.q_proj.weight.mul_(factor)
+                attention.k_proj.weight.mul_(factor)
+
+
+def prefill_caches(step, programs, ids: torch.Tensor) -> None:
+    """Run ``step`` (the eager wrapper) on every id at once, then copy its caches into
+    each exported program's module in ``programs`` (in the dtype each holds them):
+    decoding can then start anywhere, without a step per position."""
+    with torch.no_grad():
+        step(input_ids=ids, cache_position=torch.arange(ids.shape[1]))
+    buffers = dict(step.named_buffers())
+    for module in programs:
+        for name, buffer in module.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name].to(buffer.dtype))
