@@ -301,3 +301,89 @@ class LSTMTagger(nn.Module):
     def forward(self, ids):
         hidden, _ = self.lstm(self.embed(ids))
         return self.head(hidden)
+
+
+def bert_gelu_tanh(layers: int = 2, width: int = 128) -> Logits:
+    """A BERT whose activation is GELU's tanh approximation written out (``gelu_new``,
+    GPT-2's): ``0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))``."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=512,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=4 * width,
+        max_position_embeddings=128,
+        hidden_act="gelu_new",
+    )
+    return Logits(BertModel(config).eval())
+
+
+def qwen2_moe(layers: int = 2, experts: int = 8) -> Logits:
+    """A mixture-of-experts LM from a Qwen2-MoE config: a router per layer picks the top
+    2 of ``experts`` experts for each token, next to a shared expert."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        use_cache=False,
+    )
+    return Logits(Qwen2MoeForCausalLM(config).eval())
+
+
+class RWKVLogits(nn.Module):
+    """An RWKV language model (transformers' RWKV-4): a recurrent state model whose
+    WKV recurrence keeps a running maximum that starts at -1e38."""
+
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        from transformers import RwkvConfig, RwkvForCausalLM
+
+        config = RwkvConfig(
+            vocab_size=512,
+            hidden_size=64,
+            num_hidden_layers=layers,
+            attention_hidden_size=64,
+            intermediate_size=128,
+            context_length=64,
+        )
+        self.model = RwkvForCausalLM(config).eval()
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+class DiffusionUNet(nn.Module):
+    """A small diffusers ``UNet2DConditionModel`` (a denoising step: noisy latents,
+    timestep, text states -> noise), with cross-attention blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from diffusers import UNet2DConditionModel
+
+        self.unet = UNet2DConditionModel(
+            sample_size=16,
+            in_channels=4,
+            out_channels=4,
+            layers_per_block=1,
+            block_out_channels=(32, 64),
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=32,
+            attention_head_dim=8,
+            norm_num_groups=8,
+        ).eval()
+
+    def forward(self, latents, timestep, text):
+        return self.unet(latents, timestep, encoder_hidden_states=text).sample

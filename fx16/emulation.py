@@ -31,7 +31,7 @@ from fx16.stats import outputs_error
 class _Emulator(BodyInterpreter):
     def __init__(self, graph_module: GraphModule, low: torch.dtype, wide: set[Node], inputs):
         super().__init__(graph_module)
-        self.low, self.wide, self.inputs = low, wide, inputs
+        self.low, self.wide, self.inputs = low, wide, inputs  # placeholders to round
 
     def inside(self, body: GraphModule) -> "_Emulator":
         return _Emulator(body, self.low, self.wide, frozenset())
@@ -74,9 +74,19 @@ class Emulation:
     """The fp32 program's outputs on the calibration calls, and the error of an
     emulated 16-bit run against them."""
 
-    def __init__(self, program: Program, calls: list[tuple[tuple, dict]], low: torch.dtype):
+    def __init__(
+        self,
+        program: Program,
+        calls: list[tuple[tuple, dict]],
+        low: torch.dtype,
+        round_weights: bool = False,
+    ):
+        """``round_weights``: round the state tensors too, for the error of the whole
+        16-bit program rather than a comparison of verdicts."""
         self.program, self.low, self.calls = program, low, calls
         self.user_inputs = frozenset(program.user_input_placeholders())
+        if round_weights:
+            self.user_inputs |= {slot.placeholder for slot in program.state_slots()}
         with torch.no_grad():
             self.reference = [
                 pytree.tree_leaves(program.graph_module(*self.graph_inputs(call))) for call in calls
