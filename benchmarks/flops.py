@@ -35,9 +35,9 @@ import torch.utils._pytree as pytree
 
 import fx16
 from benchmarks import zoo
+from benchmarks.markdown import table_row, write_results
 from fx16.casts import is_cast
 from fx16.emulation import Emulation
-from benchmarks.markdown import table_row, write_results
 from fx16.interpreter import BodyInterpreter
 from fx16.program import Program
 from fx16.stats import outputs_error, program_stats

@@ -62,7 +62,9 @@ def _zero_rows(seed: int) -> torch.Tensor:
 
 def cases():
     """(name, build, example args, unseen args)."""
-    targets = [torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    targets = [
+        torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    ]
     yield "entropy of a sharp softmax", Entropy, (_draw(1, 16, 32),), (_draw(2, 16, 32) * 1.5,)
     yield "KL of two sharp softmaxes", KLDivergence, (_draw(1, 16, 32),), (_draw(2, 16, 32) * 1.5,)
     yield (
@@ -72,9 +74,17 @@ def cases():
         (_draw(2, 16, 32) * 1.5, targets[1]),
     )
     yield "F.normalize, eps 1e-12", Normalized, (_draw(1, 16, 32),), (_zero_rows(2),)
-    yield "x / (norm + 1e-12)", lambda: Normalized(by_hand=True), (_draw(1, 16, 32),), (_zero_rows(2),)
+    yield (
+        "x / (norm + 1e-12)",
+        lambda: Normalized(by_hand=True),
+        (_draw(1, 16, 32),),
+        (_zero_rows(2),),
+    )
     yield "RMSNorm, eps 1e-12", RMSNormEps, (_draw(1, 16, 32),), (_zero_rows(2),)
-    tabular = lambda seed, scale=1.0: offset_features(64, TABULAR_MEANS * scale, TABULAR_SPREADS, seed)  # noqa: E731
+
+    def tabular(seed, scale=1.0):
+        return offset_features(64, TABULAR_MEANS * scale, TABULAR_SPREADS, seed)
+
     yield "BatchNorm1d on raw features", TabularBatchNorm, (tabular(1),), (tabular(2, 1.2),)
     yield "standardized by buffers", Standardized, (tabular(1),), (tabular(2, 1.1),)
     for kind, width in (("layer", 16), ("group", 64), ("instance", 64)):
@@ -101,21 +111,27 @@ def cases():
 
 def _fp64(model, args):
     with torch.no_grad():
-        return copy.deepcopy(model).double()(*[a.double() if a.is_floating_point() else a for a in args])
+        return copy.deepcopy(model).double()(
+            *[a.double() if a.is_floating_point() else a for a in args]
+        )
 
 
 def _judge(want: torch.Tensor, got: torch.Tensor) -> tuple[float, int]:
     want, got = want.double(), got.double()
     bad = int((~torch.isfinite(got) & torch.isfinite(want)).sum())
     finite = torch.isfinite(got) & torch.isfinite(want)
-    error = float((want - got)[finite].abs().max() / want[finite].abs().max()) if finite.any() else 1.0
+    error = (
+        float((want - got)[finite].abs().max() / want[finite].abs().max()) if finite.any() else 1.0
+    )
     return error, bad
 
 
 def _rules(ep) -> str:
     report = fx16.report.report_of(ep)
     kept = Counter(
-        row.rule for row in report.rows if row.kind == "float" and (not row.narrowed or row.rule == "scalar_clamped")
+        row.rule
+        for row in report.rows
+        if row.kind == "float" and (not row.narrowed or row.rule == "scalar_clamped")
     )
     return ", ".join(f"{rule} x{count}" for rule, count in kept.most_common()) or "-"
 
@@ -132,7 +148,9 @@ def fx16_results() -> dict:
         results[name] = (*_judge(_fp64(model, unseen), got), _rules(ep))
     for name in ("qwen3", "gemma3", "llama"):
         for strict in (False, True):
-            results[f"{name} RoPE, static cache 2048, {'strict' if strict else 'default'} export"] = _rope(name, strict)
+            results[
+                f"{name} RoPE, static cache 2048, {'strict' if strict else 'default'} export"
+            ] = _rope(name, strict)
     return results
 
 
@@ -160,7 +178,9 @@ def half_results() -> dict:
         torch.manual_seed(0)
         model = build().eval()
         with torch.no_grad():
-            got = copy.deepcopy(model).half()(*[a.half() if a.is_floating_point() else a for a in unseen])
+            got = copy.deepcopy(model).half()(
+                *[a.half() if a.is_floating_point() else a for a in unseen]
+            )
         results[name] = _judge(_fp64(model, unseen), got)
     return results
 
@@ -204,7 +224,8 @@ def main() -> None:
     print("| case | fx16 before | fx16 now | .half() | what fx16 kept in fp32 or clamped |")
     print("|---|---|---|---|---|")
     for name, result in now.items():
-        print(f"| {name} | {_cell(before.get(name))} | {_cell(result)} | {_cell(half.get(name))} | {result[2]} |")
+        cells = [_cell(before.get(name)), _cell(result), _cell(half.get(name)), result[2]]
+        print(f"| {name} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

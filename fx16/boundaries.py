@@ -58,7 +58,7 @@ class Boundaries:
         for body_placeholders in placeholders:
             for placeholder, operand in zip(body_placeholders, operands):
                 self._link(operand, placeholder)
-        for body, body_placeholders in zip(bodies, placeholders):
+        for body in bodies:
             if loop_body is not None and body is not loop_body:
                 continue  # a loop's condition returns the predicate, not a result
             outputs = _outputs(body)

@@ -155,6 +155,7 @@ class _Search:
         }
         self.evaluations = self.rounds = 0
         self.holds: set[str] | None = None  # the fp32 set the program is cast with now
+        self.answers: dict = {}  # VerdictCheckAnalysis's, measured on the first cast only
 
     def cast(self, forced: set[str]) -> None:
         """Cast the pristine program with ``forced`` kept in fp32."""
@@ -164,7 +165,11 @@ class _Search:
             gc.collect()  # the last round's graph (the transaction pauses the collector)
         self.holds = set(forced)
         passes = fp16_passes(
-            ep, calibration=self.calibration, force_fp32=frozenset(forced), **self.options
+            ep,
+            calibration=self.calibration,
+            force_fp32=frozenset(forced),
+            verdict_answers=self.answers,
+            **self.options,
         )
         run_passes([p for p in passes if not isinstance(p, CalibrationAnalysis)], ep.graph_module)
 

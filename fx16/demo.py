@@ -77,6 +77,11 @@ def run_demo(out: TextIO = sys.stdout) -> float:
     error = relative_error(reference, cast.module()(input_ids))
 
     rows = [
+        (
+            "matmul/attention FLOPs 16-bit",
+            f"{before.flop_share_16bit:.0%}",
+            f"{after.flop_share_16bit:.0%}",
+        ),
         ("weight bytes", before.weight_bytes, after.weight_bytes),
         ("casts", before.casts, after.casts),
         ("  of which inserted by fx16", before.inserted_casts, after.inserted_casts),

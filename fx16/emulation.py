@@ -49,10 +49,12 @@ class _Emulator(BodyInterpreter):
             return node in self.inputs
         computes = op_kind(node) not in (OpKind.DATA_MOVEMENT, OpKind.BOUNDARY)
         unpacks = node.target is operator.getitem  # its container was rounded
-        return node.op == "call_function" and computes and not unpacks and (
-            mutated_argument(node) is None
+        return (
+            node.op == "call_function"
+            and computes
+            and not unpacks
+            and (mutated_argument(node) is None)
         )
-
 
     def rounded(self, value):
         def round_leaf(leaf):
@@ -80,17 +82,22 @@ class Emulation:
         calls: list[tuple[tuple, dict]],
         low: torch.dtype,
         round_weights: bool = False,
+        reference: list[list] | None = None,
     ):
         """``round_weights``: round the state tensors too, for the error of the whole
-        16-bit program rather than a comparison of verdicts."""
+        16-bit program rather than a comparison of verdicts. ``reference``: the fp32
+        program's outputs on the calls, when known (calibration records them)."""
         self.program, self.low, self.calls = program, low, calls
         self.user_inputs = frozenset(program.user_input_placeholders())
         if round_weights:
             self.user_inputs |= {slot.placeholder for slot in program.state_slots()}
-        with torch.no_grad():
-            self.reference = [
-                pytree.tree_leaves(program.graph_module(*self.graph_inputs(call))) for call in calls
-            ]
+        if reference is None:
+            with torch.no_grad():
+                reference = [
+                    pytree.tree_leaves(program.graph_module(*self.graph_inputs(call)))
+                    for call in calls
+                ]
+        self.reference = reference
 
     def graph_inputs(self, call: tuple[tuple, dict]) -> list:
         """Each run starts from the buffers' values (a program may update them in place)."""

@@ -48,7 +48,9 @@ class Row:
         if self.narrowed or self.kind != "float" or self.rule == "left_as_is":
             return ""
         if self.flops:
-            return f"{human(self.flops)}FLOPs" + (" (matmul/conv/attention)" if self.product else "")
+            return f"{human(self.flops)}FLOPs" + (
+                " (matmul/conv/attention)" if self.product else ""
+            )
         return f"{human(self.bytes)}B" if self.bytes else ""  # a weight, an input
 
 
@@ -184,7 +186,11 @@ def _row(
     has no module stack)."""
     name = f"{body}.{node.name}" if body else node.name
     module = node_module_path(node) or (owners or {}).get(node.name, "")
-    costs = {"flops": flops(node), "product": is_product(node), "bytes": tensor_bytes(node_val(node))}
+    costs = {
+        "flops": flops(node),
+        "product": is_product(node),
+        "bytes": tensor_bytes(node_val(node)),
+    }
     if decision is None:
         dtype = node_dtype(node)
         narrowed = dtype == torch.float16

@@ -52,7 +52,10 @@ def variance(y, h):
     return y + h.pow(2).mean(-1, keepdim=True)
 
 
-REGIONS = {f: torch.compiler.nested_compile_region(f) for f in (angles, gather_rows, entropy_terms, variance)}
+REGIONS = {
+    f: torch.compiler.nested_compile_region(f)
+    for f in (angles, gather_rows, entropy_terms, variance)
+}
 
 
 def in_body(kind, fn, y, *others):
@@ -151,7 +154,9 @@ def test_a_loop_carries_its_values_both_ways():
     """while_loop: placeholder i <- operand i and <- the body's output i; result i <- both."""
     _, ep = _export("while_loop", angles)
     boundaries = Boundaries(ep.graph_module)
-    loop = next(n for n in ep.graph_module.graph.nodes if n.target is torch.ops.higher_order.while_loop)
+    loop = next(
+        n for n in ep.graph_module.graph.nodes if n.target is torch.ops.higher_order.while_loop
+    )
     body = getattr(ep.graph_module, loop.args[1].target)
     carried_y = body.graph.find_nodes(op="placeholder")[1]
     sources = boundaries.crossing_sources(carried_y)
@@ -221,7 +226,9 @@ def test_a_mark_made_inside_holds_on_the_operand_outside(kind):
 def test_an_index_inside_marks_its_operand_outside(kind):
     _, ep = _export(kind, gather_rows)
     UnsafeIndexAnalysis()(ep.graph_module)
-    remainder = next(n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.remainder.Scalar)
+    remainder = next(
+        n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.remainder.Scalar
+    )
     assert remainder.meta[UnsafeIndexAnalysis.META_KEY]
     assert _outer(ep, "positions").meta[UnsafeIndexAnalysis.META_KEY]
     assert not _outer(ep, "y").meta[UnsafeIndexAnalysis.META_KEY]

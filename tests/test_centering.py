@@ -50,7 +50,9 @@ def test_the_ratio_is_one_for_centred_data_and_mean_over_spread_for_offset_data(
     offset = 3000 + 2 * centred
     assert 300 < cancellation_ratio(Centered(offset, (1,))) < 1500
     against = Centered(offset, (0,), torch.full((32,), 3000.0))  # the center given
-    assert cancellation_ratio(against) == pytest.approx(cancellation_ratio(Centered(offset, (0,))), rel=0.2)
+    assert cancellation_ratio(against) == pytest.approx(
+        cancellation_ratio(Centered(offset, (0,))), rel=0.2
+    )
     assert cancellation_ratio(Centered(torch.ones(4, 8), (1,))) == 1.0  # nothing deviates
 
 
@@ -99,11 +101,31 @@ def test_centred_data_is_left_alone():
 CASES = {
     "batch norm": (TabularBatchNorm, TABULAR_MEANS, TABULAR_SPREADS, 1.2),
     "standardized by buffers": (Standardized, TABULAR_MEANS, TABULAR_SPREADS, 1.1),
-    "layer norm": (lambda: NormOfOffsetData("layer"), torch.full((16,), 3000.0), torch.full((16,), 2.0), 1.5),
-    "group norm": (lambda: NormOfOffsetData("group"), torch.full((64,), 3000.0), torch.full((64,), 2.0), 1.5),
-    "instance norm": (lambda: NormOfOffsetData("instance"), torch.full((64,), 3000.0), torch.full((64,), 2.0), 1.5),
+    "layer norm": (
+        lambda: NormOfOffsetData("layer"),
+        torch.full((16,), 3000.0),
+        torch.full((16,), 2.0),
+        1.5,
+    ),
+    "group norm": (
+        lambda: NormOfOffsetData("group"),
+        torch.full((64,), 3000.0),
+        torch.full((64,), 2.0),
+        1.5,
+    ),
+    "instance norm": (
+        lambda: NormOfOffsetData("instance"),
+        torch.full((64,), 3000.0),
+        torch.full((64,), 2.0),
+        1.5,
+    ),
     "std": (SpreadOfOffsetData, torch.full((64,), 100.0), torch.ones(64), 1.2),
-    "E[x^2] - E[x]^2": (lambda: SpreadOfOffsetData(by_hand=True), torch.full((64,), 100.0), torch.ones(64), 1.2),
+    "E[x^2] - E[x]^2": (
+        lambda: SpreadOfOffsetData(by_hand=True),
+        torch.full((64,), 100.0),
+        torch.ones(64),
+        1.2,
+    ),
 }
 
 

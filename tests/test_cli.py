@@ -274,6 +274,7 @@ def test_overwrite_with_force(program, tmp_path):
 def test_demo_and_console_script():
     result = fx16("demo")
     assert result.returncode == 0 and "max relative error" in result.stdout
+    assert "matmul/attention FLOPs 16-bit           0%        100%" in result.stdout
     help_text = subprocess.run(["fx16", "--help"], capture_output=True, text=True, timeout=120)
     assert help_text.returncode == 0 and "cast" in help_text.stdout
 

@@ -68,7 +68,11 @@ def test_every_product_kind_counts_what_pytorchs_counter_counts():
 def test_a_models_products_count_what_pytorchs_counter_counts(build):
     torch.manual_seed(0)
     model = build().eval()
-    args = (torch.randint(0, 1024, (1, 16)),) if hasattr(model, "model") else (torch.randn(1, 3, 16, 16),)
+    args = (
+        (torch.randint(0, 1024, (1, 16)),)
+        if hasattr(model, "model")
+        else (torch.randn(1, 3, 16, 16),)
+    )
     ep = export(model, *args)
     assert _product_flops(ep) == _counted(model, *args)
 

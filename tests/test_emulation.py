@@ -10,7 +10,7 @@ from fx16.emulation import Emulation
 from fx16.program import Program
 from fx16.subgraphs import nested_graph_modules
 from helpers import export, max_error, run
-from models import Branches, MLP
+from models import MLP, Branches
 
 
 def _emulation(ep):

@@ -19,7 +19,9 @@ class TinyMoE(nn.Module):
 
     def __init__(self, width=64, experts=4):
         super().__init__()
-        self.block = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.block = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
         self.gate = nn.Linear(width, experts, bias=False)
         self.experts = nn.Parameter(torch.randn(experts, width, width) / width**0.5)
 
@@ -72,7 +74,10 @@ def test_by_default_the_router_is_fp32_and_nothing_upstream():
 
 def test_routing_16_bit_keeps_nothing_in_fp32():
     torch.manual_seed(0)
-    ep = fx16.cast_fp32_to_fp16(export(TinyMoE().eval(), torch.randn(64, 64)), policy=fx16.PrecisionPolicy.default(routing="16-bit"))
+    ep = fx16.cast_fp32_to_fp16(
+        export(TinyMoE().eval(), torch.randn(64, 64)),
+        policy=fx16.PrecisionPolicy.default(routing="16-bit"),
+    )
     assert "router" not in _rules(ep).values()
     assert report_of(ep).totals.flop_share_16bit == 1.0
 

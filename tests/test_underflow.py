@@ -166,9 +166,7 @@ def test_an_eps_of_1e_12_is_clamped_with_a_recorded_reason_and_zero_rows_stay_fi
     error, bad = _error_and_nonfinite(model, ep, unseen)
     assert bad == 0 and error < 3e-3
     assert not torch.isfinite(_half(model, unseen)).all()
-    clamped = [
-        row for row in fx16.report.report_of(ep).rows if row.rule == "scalar_clamped"
-    ]
+    clamped = [row for row in fx16.report.report_of(ep).rows if row.rule == "scalar_clamped"]
     assert len(clamped) == 1 and "1e-12 -> 5.96e-08" in clamped[0].detail
 
 

@@ -17,7 +17,9 @@ def _past(ep, seed_name, **options):
     ValueRangeAnalysis(program)(ep.graph_module)
     ranges = FloatRanges(program)
     seed = node_named(ep, seed_name)
-    return [n.name for n in elementwise_past(seed, Boundaries(ep.graph_module), ranges.of, **options)]
+    return [
+        n.name for n in elementwise_past(seed, Boundaries(ep.graph_module), ranges.of, **options)
+    ]
 
 
 class HandVariance(nn.Module):

@@ -9,8 +9,8 @@ from fx16.analysis.routing import RoutingAnalysis
 from fx16.analysis.underflow import UnderflowAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.user_reachability import UserReachabilityAnalysis
-from fx16.analysis.verdict_check import VerdictCheckAnalysis
 from fx16.analysis.value_range import Source, ValueRange, ValueRangeAnalysis
+from fx16.analysis.verdict_check import VerdictCheckAnalysis
 
 __all__ = [
     "CalibrationAnalysis",

@@ -36,7 +36,9 @@ class CalibrationAnalysis(PassBase):
     overflow (recorded as inf), since fp16 cannot carry its value. Also
     ``node.meta["fx16.observed_int_range"]``, the (min, max) an integer tensor held
     (seen, not proven: ValueRangeAnalysis marks it observed). When there is nothing
-    to run on, writes nothing and says so in ``graph_module.meta["fx16.calibration"]``.
+    to run on, writes nothing and says so in ``graph_module.meta["fx16.calibration"]``;
+    otherwise ``graph_module.meta["fx16.calibration_outputs"]`` holds the program's
+    outputs on each input (the fp32 reference VerdictCheckAnalysis measures against).
     And ``node.meta["fx16.observed_interval"]``, the signed (min, max) of the finite
     values a float tensor held, sentinels left out (for the conditioning of exp and
     log, which depends on sign and distance from 1; e^(-1e38) is 0 in any
@@ -66,6 +68,7 @@ class CalibrationAnalysis(PassBase):
     SENTINEL_KEY = "fx16.observed_sentinel"
     CENTERING_KEY = "fx16.observed_centering"
     SMALLEST_KEY = "fx16.observed_smallest"
+    OUTPUTS_KEY = "fx16.calibration_outputs"
     INT_RANGE_KEY = "fx16.observed_int_range"
     STATUS_KEY = "fx16.calibration"
 
@@ -75,6 +78,7 @@ class CalibrationAnalysis(PassBase):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         calls = calibration_calls(self.program, self.calibration)
+        graph_module.meta.pop(self.OUTPUTS_KEY, None)
         if not calls:
             graph_module.meta[self.STATUS_KEY] = "skipped: no calibration inputs"
             return PassResult(graph_module, False)
@@ -84,12 +88,15 @@ class CalibrationAnalysis(PassBase):
             constant={slot.placeholder for slot in self.program.state_slots()},
             watched=_singular_arguments(boundaries),
         )
+        outputs = []
         with torch.no_grad():
             for index, (args, kwargs) in enumerate(calls):
                 try:
-                    recorder.run(*self.program.graph_inputs(args, kwargs, copy_buffers=True))
+                    inputs = self.program.graph_inputs(args, kwargs, copy_buffers=True)
+                    outputs.append(pytree.tree_leaves(recorder.run(*inputs)))
                 except Exception as error:
                     return self.failed(graph_module, index, error)
+        graph_module.meta[self.OUTPUTS_KEY] = outputs
         for node, magnitude in recorder.magnitudes.items():
             node.meta[self.META_KEY] = magnitude
         for node in _sentinels_fp16_cannot_carry(graph_module, recorder.sentinels):

@@ -45,6 +45,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.float_range import FloatRanges
+from fx16.boundaries import Boundaries
 from fx16.casts import cast_dtype, is_cast
 from fx16.decisions import Reason, decide
 from fx16.islands import asserted_dtype, is_sensitive, island_region
@@ -53,7 +54,6 @@ from fx16.numerics import largest
 from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
-from fx16.boundaries import Boundaries
 
 FP32 = torch.float32
 
@@ -162,9 +162,7 @@ def _magnitude(node: Node, ranges: FloatRanges) -> tuple[float | None, str]:
     return node.meta.get(CalibrationAnalysis.META_KEY), "observed"
 
 
-def _opened_region(
-    node: Node, order: dict[Node, int], boundaries: Boundaries
-) -> list[Node] | None:
+def _opened_region(node: Node, order: dict[Node, int], boundaries: Boundaries) -> list[Node] | None:
     """The ops of the fp32 region ``node`` opens (in bodies too), or None if it opens none."""
     if node.op != "call_function":
         return None

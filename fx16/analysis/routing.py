@@ -64,7 +64,9 @@ class RoutingAnalysis(PassBase):
         if self.policy.routing != "fp32" or not selections:
             return PassResult(graph_module, False)
         ranges = FloatRanges(self.program, boundaries)
-        total = sum(flops(n) for m in boundaries.graph_modules for n in m.graph.nodes if is_product(n))
+        total = sum(
+            flops(n) for m in boundaries.graph_modules for n in m.graph.nodes if is_product(n)
+        )
         for selection in selections:
             chain = elementwise_past(selection, boundaries, ranges.of)
             gates = {

@@ -10,8 +10,9 @@ Flushed, its result is an infinity, and the entropy term ``p * log(p)`` becomes
 
 Such an op is kept in fp32, with its argument's elementwise past
 (``fx16.analysis.upstream``: the softmax before the log, the mean of squares before
-the rsqrt; not the matrix product before them, nor a division's numerator), when the smallest nonzero magnitude its argument takes lies
-below the 16-bit smallest normal times the overflow margin: proven (an interval
+the rsqrt; not the matrix product before them, nor a division's numerator), when
+the smallest nonzero magnitude its argument takes lies below the 16-bit smallest
+normal times the overflow margin: proven (an interval
 that excludes zero), or observed on the calibration inputs. A scalar argument
 (``x / 1e-9``) is judged the same way. A scalar an op adds as a guard (``var +
 1e-12``) is clamped to the smallest subnormal instead of flushing to zero, as

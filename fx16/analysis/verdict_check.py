@@ -22,7 +22,8 @@ twelve GELU cubes are one question, not twelve. The most expensive are asked fir
 and each answer is kept for the next question. With no calibration input there is
 nothing to measure with, and every verdict holds.
 
-Reads: ``meta["fx16.fp32_rule"]`` (Fp32RulesAnalysis), the island verdicts
+Reads: ``meta["fx16.fp32_rule"]`` (Fp32RulesAnalysis), the fp32 outputs calibration
+recorded (``graph_module.meta["fx16.calibration_outputs"]``), the island verdicts
 (ExplicitFp32Analysis), the conditioning findings
 (``meta["fx16.conditioning"]``), the policy. Writes: on the nodes of a
 dropped verdict, ``meta["fx16.fp32_rule"]`` removed (an island's verdict made
@@ -38,7 +39,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fx16.analysis.calibration import calibration_calls
+from fx16.analysis.calibration import CalibrationAnalysis, calibration_calls
 from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis, islands
 from fx16.analysis.fp32_rules import Fp32RulesAnalysis, fp32_rule
@@ -89,22 +90,39 @@ class VerdictCheckAnalysis(PassBase):
         program: Program,
         policy: PrecisionPolicy | None = None,
         calibration: list | None = None,
+        answers: dict[str, str | None] | None = None,
     ) -> None:
+        """``answers``: by label, why each kind of verdict was dropped (None: it held),
+        from an earlier cast of the same program (the accuracy search casts it again
+        and again): kinds found there are not measured again, and new answers are
+        added to it."""
         self.program = program
         self.policy = policy or PrecisionPolicy.default()
         self.calibration = calibration
+        self.answers = answers
 
     def call(self, graph_module: GraphModule) -> PassResult:
         graph_module.meta[self.CHECKS_KEY] = []
+        calls = calibration_calls(self.program, self.calibration)
+        if not calls:
+            return PassResult(graph_module, False)
         modules = nested_graph_modules(graph_module)
         wide = self.wide_nodes(modules)
         groups = self.groups(modules, wide)
-        calls = calibration_calls(self.program, self.calibration) if groups else []
-        if not calls:
-            return PassResult(graph_module, False)
-        emulation = Emulation(self.program, calls, self.policy.low)
-        error = emulation.error(wide)
         findings = _findings(modules)
+        for label, why in (self.answers or {}).items():
+            group = groups.pop(label, None)
+            if group is not None and why is not None:
+                droppable = group.nodes - _needed_elsewhere(group, findings)
+                self.drop(group, droppable, why)
+                wide = wide - droppable
+        if not groups:
+            return PassResult(graph_module, False)
+        reference = graph_module.meta.get(CalibrationAnalysis.OUTPUTS_KEY)
+        if reference is not None and len(reference) != len(calls):
+            reference = None  # calibrated on other inputs
+        emulation = Emulation(self.program, calls, self.policy.low, reference=reference)
+        error = emulation.error(wide)
         for group in sorted(groups.values(), key=lambda g: g.cost, reverse=True):
             droppable = group.nodes - _needed_elsewhere(group, findings)
             without = emulation.error(wide - droppable)
@@ -113,6 +131,7 @@ class VerdictCheckAnalysis(PassBase):
             graph_module.meta[self.CHECKS_KEY].append(
                 Check(group.label, names, error, without, held)
             )
+            why = None
             if not held:
                 why = (
                     f"{group.label}: fp32 does not measurably lower the output error on the "
@@ -120,6 +139,8 @@ class VerdictCheckAnalysis(PassBase):
                 )
                 self.drop(group, droppable, why)
                 wide, error = wide - droppable, without
+            if self.answers is not None:
+                self.answers[group.label] = why
         return PassResult(graph_module, False)
 
     def wide_nodes(self, modules: list[GraphModule]) -> set[Node]:
@@ -163,7 +184,9 @@ class VerdictCheckAnalysis(PassBase):
                 rule = fp32_rule(node)
                 checked = rule is not None and rule.reason in _CHECKED_REASONS
                 if checked and is_product(node) and flops(node) >= heavy:
-                    found = group(f"{rule.reason.name.lower()} {op_label(node)} at {_pattern(node)}")
+                    found = group(
+                        f"{rule.reason.name.lower()} {op_label(node)} at {_pattern(node)}"
+                    )
                     found.nodes.add(node)
                     found.cost += flops(node)
         tolerance = self.policy.resolved_precision_tolerance
