@@ -42,6 +42,7 @@ from torch.fx.node import map_arg
 from tqdm import tqdm
 
 from fx16.analysis.calibration import CalibrationAnalysis, calibration_calls
+from fx16.analysis.verdict_check import VerdictCheckAnalysis
 from fx16.casts import before_inserted_casts, is_cast, is_inserted
 from fx16.cost import flops, is_product
 from fx16.decisions import was_narrowed
@@ -165,12 +166,11 @@ class _Search:
             gc.collect()  # the last round's graph (the transaction pauses the collector)
         self.holds = set(forced)
         passes = fp16_passes(
-            ep,
-            calibration=self.calibration,
-            force_fp32=frozenset(forced),
-            verdict_answers=self.answers,
-            **self.options,
+            ep, calibration=self.calibration, force_fp32=frozenset(forced), **self.options
         )
+        for stage in passes:
+            if isinstance(stage, VerdictCheckAnalysis):
+                stage.answers = self.answers  # each kind of verdict measured once
         run_passes([p for p in passes if not isinstance(p, CalibrationAnalysis)], ep.graph_module)
 
     def measure(self, forced: set[str]) -> tuple[float, list]:

@@ -50,7 +50,6 @@ def fp16_passes(
     overflow_margin: float = 2.0,
     input_ranges: dict | None = None,
     force_fp32: frozenset[str] = frozenset(),
-    verdict_answers: dict | None = None,
     **unknown,
 ) -> list[PassBase]:
     """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
@@ -65,9 +64,7 @@ def fp16_passes(
     then state tensors and user inputs, so the cast inserter sees every graph input
     in its final dtype; then the inserter walks the graph once; cleanup last,
     because it only removes casts and needs them all in place. Options: see
-    ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that must stay fp32;
-    ``verdict_answers`` carries VerdictCheckAnalysis's answers from one cast of the
-    program to the next (the accuracy search).
+    ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that must stay fp32.
     A policy that changes nothing (``always_fp32``) gives an empty list.
     """
     reject_unknown(fp16_passes, unknown)
@@ -87,7 +84,7 @@ def fp16_passes(
         RoutingAnalysis(program, policy),
         ExplicitFp32Analysis(program, policy, overflow_margin),
         Fp32RulesAnalysis.standard(policy.low, limit, force_fp32),
-        VerdictCheckAnalysis(program, policy, calibration, verdict_answers),
+        VerdictCheckAnalysis(program, policy, calibration),
         ConvertParametersPass(program, policy=policy, force_fp32=force_fp32),
         ConvertUserInputsPass(
             program, policy=policy, overflow_margin=overflow_margin, force_fp32=force_fp32

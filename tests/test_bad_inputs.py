@@ -330,7 +330,8 @@ def test_presets_take_overrides_of_any_field():
     _raises(
         fx16.InvalidOptionError,
         "unknown policy field(s) ['keep_io']; fields: name, low, kinds, ops, modules, nodes, "
-        "predicate, op_table, keep_io_types, explicit_fp32, cast_back, precision_tolerance",
+        "predicate, op_table, keep_io_types, explicit_fp32, routing, cast_back, "
+        "precision_tolerance",
         fx16.PrecisionPolicy.default,
         keep_io=True,
     )
