@@ -20,56 +20,61 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
+from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.interpreter import BodyInterpreter
 from fx16.nodes import mutated_argument
 from fx16.numerics import INF_LIKE, largest
 from fx16.policy import OpKind, op_kind
 from fx16.program import Program
 from fx16.stats import outputs_error
+from fx16.subgraphs import nested_graph_modules
 
 
 class _Emulator(BodyInterpreter):
-    def __init__(self, graph_module: GraphModule, low: torch.dtype, wide: set[Node], inputs):
+    def __init__(self, graph_module: GraphModule, emulation: "Emulation", wide: set[Node]):
         super().__init__(graph_module)
-        self.low, self.wide, self.inputs = low, wide, inputs  # placeholders to round
+        self.emulation, self.wide = emulation, wide
 
     def inside(self, body: GraphModule) -> "_Emulator":
-        return _Emulator(body, self.low, self.wide, frozenset())
+        return _Emulator(body, self.emulation, self.wide)
 
     def run_node(self, node: Node):
         result = super().run_node(node)
-        return self.rounded(result) if self.rounds(node) else result
+        if node not in self.emulation.rounding or node in self.wide:
+            return result
+        sentinels = self.emulation.sentinels
+        return _rounded(result, self.emulation.low, sentinels is None or node in sentinels)
 
-    def rounds(self, node: Node) -> bool:
-        """An op that computes values (not one that moves them, which may return a view
-        of its input that a later in-place op writes through; not an in-place op)."""
-        if node in self.wide:
-            return False
-        if node.op == "placeholder":
-            return node in self.inputs
-        computes = op_kind(node) not in (OpKind.DATA_MOVEMENT, OpKind.BOUNDARY)
-        unpacks = node.target is operator.getitem  # its container was rounded
-        return (
-            node.op == "call_function"
-            and computes
-            and not unpacks
-            and (mutated_argument(node) is None)
-        )
 
-    def rounded(self, value):
-        def round_leaf(leaf):
-            if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float32:
-                low = leaf.to(self.low)
-                if not bool(torch.isfinite(low).all()):  # sentinels saturate, as fx16's do
-                    top = largest(self.low)
-                    sentinel = (leaf.abs() >= INF_LIKE) & torch.isfinite(leaf)
-                    low = torch.where(sentinel, leaf.clamp(-top, top), leaf).to(self.low)
-                return low.to(torch.float32)
+def _rounded(value, low: torch.dtype, may_hold_sentinels: bool):
+    """``value`` with its fp32 tensors rounded to ``low``; an infinity-like sentinel
+    saturates to ``low``'s maximum, as fx16 makes it."""
+
+    def round_leaf(leaf):
+        if not (isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float32):
             return leaf
+        rounded = leaf.to(low)
+        if may_hold_sentinels and not bool(torch.isfinite(rounded).all()):
+            top = largest(low)
+            sentinel = (leaf.abs() >= INF_LIKE) & torch.isfinite(leaf)
+            rounded = torch.where(sentinel, leaf.clamp(-top, top), leaf).to(low)
+        return rounded.to(torch.float32)
 
-        if isinstance(value, torch.Tensor):
-            return round_leaf(value)
-        return pytree.tree_map(round_leaf, value) if isinstance(value, (list, tuple)) else value
+    if isinstance(value, torch.Tensor):
+        return round_leaf(value)
+    return pytree.tree_map(round_leaf, value) if isinstance(value, (list, tuple)) else value
+
+
+def _computes(node: Node) -> bool:
+    """An op that computes values: not one that moves them (it may return a view of
+    its input that a later in-place op writes through), not an in-place op, not the
+    unpacking of a result already rounded."""
+    return (
+        node.op == "call_function"
+        and op_kind(node) != OpKind.DATA_MOVEMENT
+        and node.target is not operator.getitem
+        and mutated_argument(node) is None
+    )
 
 
 class Emulation:
@@ -88,9 +93,17 @@ class Emulation:
         16-bit program rather than a comparison of verdicts. ``reference``: the fp32
         program's outputs on the calls, when known (calibration records them)."""
         self.program, self.low, self.calls = program, low, calls
-        self.user_inputs = frozenset(program.user_input_placeholders())
+        rounded_inputs = set(program.user_input_placeholders())
         if round_weights:
-            self.user_inputs |= {slot.placeholder for slot in program.state_slots()}
+            rounded_inputs |= {slot.placeholder for slot in program.state_slots()}
+        modules = nested_graph_modules(program.graph_module)
+        nodes = [node for module in modules for node in module.graph.nodes]
+        # what the emulation rounds: the computing ops, the inputs (and weights) chosen
+        self.rounding = {node for node in nodes if _computes(node)} | rounded_inputs
+        # where a sentinel may need saturating: what calibration saw hold one (all, unseen)
+        calibrated = CalibrationAnalysis.OUTPUTS_KEY in program.graph_module.meta
+        key = CalibrationAnalysis.SENTINEL_KEY
+        self.sentinels = {n for n in nodes if n.meta.get(key)} if calibrated else None
         if reference is None:
             with torch.no_grad():
                 reference = [
@@ -108,7 +121,7 @@ class Emulation:
         errors = []
         with torch.no_grad():
             for call, reference in zip(self.calls, self.reference):
-                emulator = _Emulator(self.program.graph_module, self.low, wide, self.user_inputs)
+                emulator = _Emulator(self.program.graph_module, self, wide)
                 outputs = pytree.tree_leaves(emulator.run(*self.graph_inputs(call)))
                 errors.append(outputs_error(reference, outputs))
         return max(errors, default=0.0)
