@@ -6,8 +6,9 @@ Each trap runs at its largest inputs: a diffusers-style timestep embedding at t 
 (int and float timesteps), a sinusoidal position table exported at seq = 16 with a
 dynamic length up to 2048 and run at 2048, and rotary attention decoding at positions
 1500-2040 after a prefill (sharp attention). ``--qwen3`` adds a small Qwen3 exported
-by transformers' on-device export (static cache of 2048), decoding token by token
-through every position (about a minute); its error is against the fp32 program.
+for devices as transformers does it (static cache of 2048, torch.export's default
+export), decoding at 1500-2040 after one prefill; its error is against the eager
+fp32 module.
 """
 
 import copy
@@ -21,7 +22,8 @@ from benchmarks.precision_zoo import (
     RotaryAttention,
     SinusoidalPositions,
     TimestepEmbedding,
-    qwen3_static_cache,
+    decode_outputs,
+    rope_llm,
 )
 from fx16.program import Program
 from fx16.stats import relative_error
@@ -79,19 +81,10 @@ def rotary(policy) -> float:
 
 
 def qwen3(policy, sharpness: float) -> float:
-    _, exported = qwen3_static_cache(sharpness=sharpness)
-    cast = fx16.cast_fp32_to_fp16(copy.deepcopy(exported), policy=policy).module()
-    reference = copy.deepcopy(exported).module()
-    generator = torch.Generator().manual_seed(1)
-    errors = []
-    with torch.no_grad():
-        for position in range(2041):
-            ids = torch.randint(0, 512, (1, 1), generator=generator)
-            want = reference(input_ids=ids, cache_position=torch.tensor([position]))
-            got = cast(input_ids=ids, cache_position=torch.tensor([position]))
-            if position >= 1500:
-                errors.append(relative_error(want, got.float()))
-    return max(errors)
+    step = rope_llm("qwen3", sharpness=sharpness)
+    example = {"input_ids": torch.tensor([[1]]), "cache_position": torch.tensor([0])}
+    cast = fx16.cast_fp32_to_fp16(torch.export.export(step, (), example), policy=policy)
+    return max(relative_error(want, got.float()) for want, got in decode_outputs(step, cast))
 
 
 def main() -> None:

@@ -80,47 +80,6 @@ class RotaryAttention(nn.Module):
         return weights @ self.values
 
 
-def sharpen_qwen3(model, factor: float = 6.0):
-    """Scale a Qwen3's q/k norm weights so attention is as peaked as a trained model's."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.mul_(factor)
-            layer.self_attn.k_norm.weight.mul_(factor)
-    return model
-
-
-def qwen3_static_cache(layers: int = 2, cache: int = 2048, sharpness: float = 6.0):
-    """A small Qwen3 with seeded weights, exported by transformers' on-device export
-    (``transformers.integrations.executorch``, static cache of ``cache`` slots).
-    Returns (eager module with the same cache, ExportedProgram)."""
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-    from transformers.integrations.executorch import (
-        TorchExportableModuleWithStaticCache,
-        convert_and_export_with_cache,
-    )
-
-    config = Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=cache,
-    )
-    torch.manual_seed(0)
-    model = sharpen_qwen3(Qwen3ForCausalLM(config).eval(), sharpness)
-    model.generation_config = GenerationConfig(
-        use_cache=True,
-        cache_implementation="static",
-        max_length=cache,
-        cache_config={"batch_size": 1, "max_cache_len": cache},
-    )
-    exported = convert_and_export_with_cache(model)
-    return TorchExportableModuleWithStaticCache(model, 1, cache), exported
-
-
 # ---- values that flush to zero where an op is singular (fx16.analysis.underflow) ----------
 
 
@@ -356,3 +315,27 @@ def prefill_caches(step, programs, ids: torch.Tensor) -> None:
         for name, buffer in module.named_buffers():
             if name in buffers:
                 buffer.copy_(buffers[name].to(buffer.dtype))
+
+
+DECODE_POSITIONS = (1500, 1750, 2000, 2040)
+
+
+def decode_outputs(step, cast, positions=DECODE_POSITIONS) -> list[tuple]:
+    """(fp32, cast) logits of one decode step at each of ``positions``, after one
+    prefill of every position before the last: ``step`` is the eager module that was
+    exported, ``cast`` the cast ExportedProgram."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (1, max(positions) + 1), generator=generator)
+    module = cast.module()
+    prefill_caches(step, [module], ids)
+    found = []
+    with torch.no_grad():
+        for position in positions:
+            token, where = ids[:, position : position + 1], torch.tensor([position])
+            found.append(
+                (
+                    step(input_ids=token, cache_position=where),
+                    module(input_ids=token, cache_position=where),
+                )
+            )
+    return found

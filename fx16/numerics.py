@@ -28,6 +28,12 @@ def largest(dtype: torch.dtype = torch.float16) -> float:
 
 
 @functools.cache
+def smallest_normal(dtype: torch.dtype = torch.float16) -> float:
+    """Below this a value loses significant bits (fp16: 6.1e-5)."""
+    return float(torch.finfo(dtype).tiny)
+
+
+@functools.cache
 def smallest_subnormal(dtype: torch.dtype = torch.float16) -> float:
     info = torch.finfo(dtype)
     return float(info.tiny * info.eps)

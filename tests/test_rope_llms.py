@@ -11,28 +11,15 @@ import pytest
 import torch
 
 import fx16
-from benchmarks.precision_zoo import ROPE_LLMS, prefill_caches, rope_llm
+from benchmarks.precision_zoo import ROPE_LLMS, decode_outputs, rope_llm
 from fx16.analysis.fp32_rules import ConditioningRule
 from fx16.pipelines import run_passes, without_rules
 from fx16.program import Program
 from fx16.stats import relative_error
 
-POSITIONS = (1500, 1750, 2000, 2040)  # after one prefill of every position
-
 
 def _decode_errors(step, cast) -> list[float]:
-    """Decode errors of ``cast`` against the eager fp32 ``step`` (the module exported)."""
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 512, (1, max(POSITIONS) + 1), generator=generator)
-    modules = [step, cast.module()]
-    prefill_caches(step, modules[1:], ids)
-    errors = []
-    with torch.no_grad():
-        for position in POSITIONS:
-            token, where = ids[:, position : position + 1], torch.tensor([position])
-            want, got = (m(input_ids=token, cache_position=where) for m in modules)
-            errors.append(relative_error(want, got.float()))
-    return errors
+    return [relative_error(want, got.float()) for want, got in decode_outputs(step, cast)]
 
 
 def _export(step, strict):

@@ -50,7 +50,7 @@ from fx16.casts import cast_dtype, is_cast
 from fx16.decisions import Reason, decide
 from fx16.islands import asserted_dtype, is_sensitive, island_region
 from fx16.nodes import FLOAT_DTYPES, node_dtype, node_val, op_label, requested_dtypes
-from fx16.numerics import largest
+from fx16.numerics import largest, smallest_normal
 from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
@@ -87,7 +87,7 @@ class ExplicitFp32Analysis(PassBase):
         self.policy = policy or PrecisionPolicy.default()
         self.limit = largest(self.policy.low) / overflow_margin
         # below this (the margin again) every value lies in the 16-bit subnormal range
-        self.smallest = torch.finfo(self.policy.low).tiny * overflow_margin
+        self.smallest = smallest_normal(self.policy.low) * overflow_margin
 
     def call(self, graph_module: GraphModule) -> PassResult:
         boundaries = Boundaries(graph_module)

@@ -36,6 +36,7 @@ from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.upstream import elementwise_past
 from fx16.boundaries import Boundaries
 from fx16.nodes import node_val
+from fx16.numerics import smallest_normal
 from fx16.ops import POWER_OPS, SINGULAR_AT_ZERO
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
@@ -54,9 +55,9 @@ class UnderflowAnalysis(PassBase):
         overflow_margin: float = 2.0,
     ) -> None:
         self.program = program
-        low = (policy or PrecisionPolicy.default()).low
         # below this (the margin again) a value is among the 16-bit subnormals, or zero
-        self.smallest_normal = torch.finfo(low).tiny * overflow_margin
+        self.smallest_normal = smallest_normal((policy or PrecisionPolicy.default()).low)
+        self.smallest_normal *= overflow_margin
 
     def call(self, graph_module: GraphModule) -> PassResult:
         boundaries = Boundaries(graph_module)
