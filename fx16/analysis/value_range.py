@@ -132,7 +132,9 @@ class ValueRangeAnalysis(PassBase):
     in [-N, N-1] in every valid call (``fx16.analysis.index_bounds``): proven, where
     nothing tighter is known (a cache position writing a static cache). Where
     none of these gives a range and CalibrationAnalysis saw the value, its observed
-    (min, max) is used, marked observed.
+    (min, max) is used, marked observed. Bodies of higher-order ops are ranged too
+    (``fx16.boundaries``): a body's placeholder has its operands' range, an op's result
+    its bodies' outputs'; a value a loop carries has only what calibration saw.
 
     Reads: the program's signature, state and range constraints, and
     ``meta["fx16.observed_int_range"]`` when calibration ran.

@@ -72,7 +72,11 @@ class Check:
 
 @dataclass
 class _Group:
+    """One question: ``nodes``, kept in fp32 by a rule of one of ``reasons`` (None: by an
+    island of the model's, opened at the ``islands``' nodes)."""
+
     label: str
+    reasons: frozenset
     nodes: set[Node] = field(default_factory=set)
     cost: int = 0
     islands: list[tuple[GraphModule, Node]] = field(default_factory=list)
@@ -113,7 +117,7 @@ class VerdictCheckAnalysis(PassBase):
         for label, why in (self.answers or {}).items():
             group = groups.pop(label, None)
             if group is not None and why is not None:
-                droppable = group.nodes - _needed_elsewhere(group, findings)
+                droppable = _droppable(group, findings)
                 self.drop(group, droppable, why)
                 wide = wide - droppable
         if not groups:
@@ -124,7 +128,7 @@ class VerdictCheckAnalysis(PassBase):
         emulation = Emulation(self.program, calls, self.policy.low, reference=reference)
         error = emulation.error(wide)
         for group in sorted(groups.values(), key=lambda g: g.cost, reverse=True):
-            droppable = group.nodes - _needed_elsewhere(group, findings)
+            droppable = _droppable(group, findings)
             without = emulation.error(wide - droppable)
             held = not math.isfinite(without) or without > MEASURABLE * error
             names = tuple(sorted(node.name for node in droppable))
@@ -165,8 +169,8 @@ class VerdictCheckAnalysis(PassBase):
         heavy = max(total * HEAVY_SHARE, 1)
         groups: dict[str, _Group] = {}
 
-        def group(label: str) -> _Group:
-            return groups.setdefault(label, _Group(label))
+        def group(label: str, *reasons) -> _Group:
+            return groups.setdefault(label, _Group(label, frozenset(reasons)))
 
         for module in modules:
             for island in islands(module):
@@ -176,7 +180,7 @@ class VerdictCheckAnalysis(PassBase):
                 cost = sum(flops(n) for n in nodes if is_product(n))
                 if cost >= heavy:
                     opening = next(n for n in module.graph.nodes if n.name == island.opening)
-                    found = group(f"explicit_fp32 {island.op} at {_pattern(opening)}")
+                    found = group(f"explicit_fp32 {island.op} at {_pattern(opening)}", None)
                     found.nodes.update([opening, *nodes])
                     found.cost += cost
                     found.islands.append((module, opening))
@@ -184,9 +188,8 @@ class VerdictCheckAnalysis(PassBase):
                 rule = fp32_rule(node)
                 checked = rule is not None and rule.reason in _CHECKED_REASONS
                 if checked and is_product(node) and flops(node) >= heavy:
-                    found = group(
-                        f"{rule.reason.name.lower()} {op_label(node)} at {_pattern(node)}"
-                    )
+                    label = f"{rule.reason.name.lower()} {op_label(node)} at {_pattern(node)}"
+                    found = group(label, rule.reason)
                     found.nodes.add(node)
                     found.cost += flops(node)
         tolerance = self.policy.resolved_precision_tolerance
@@ -194,7 +197,7 @@ class VerdictCheckAnalysis(PassBase):
         for finding in _findings(modules):
             if finding.kappa * roundoff < MODERATE * tolerance:
                 label = f"ill_conditioned {op_label(finding.seed)} at {_pattern(finding.seed)}"
-                found = group(label)
+                found = group(label, Reason.ILL_CONDITIONED)
                 found.nodes.update(n for n in (finding.seed, *finding.chain) if n in wide)
                 found.cost += sum(flops(n) for n in (finding.seed, *finding.chain))
         return groups
@@ -227,18 +230,19 @@ def _keeps_island(node: Node) -> bool:
     return verdict is not None and verdict.keep
 
 
-def _needed_elsewhere(group: _Group, findings: list) -> set[Node]:
-    """Nodes of ``group`` that other conditioning findings, or other rules, keep too."""
+def _droppable(group: _Group, findings: list) -> set[Node]:
+    """The nodes of ``group`` that only its question keeps in fp32: kept for one of its
+    reasons, and not for a conditioning finding outside it."""
     needed = set()
     for finding in findings:
         if finding.seed not in group.nodes:
             needed.update(finding.chain)
             needed.add(finding.seed)
-    for node in group.nodes:
-        rule = fp32_rule(node)
-        if rule is not None and rule.reason not in _CHECKED_REASONS:
-            needed.add(node)
-    return needed
+    return {
+        node
+        for node in group.nodes - needed
+        if (fp32_rule(node).reason if fp32_rule(node) else None) in group.reasons
+    }
 
 
 _CHECKED_REASONS = frozenset(
