@@ -12,7 +12,8 @@ their transposes, ``scaled_dot_product_attention`` and its kernels, ``mv``,
 ``dot``, grouped products of mixtures of experts; a bias added is not counted);
 any other op
 counts one FLOP per element it produces or reads, whichever is more. Symbolic
-sizes count at the size export traced them with.
+sizes count at the size export traced them with; each body of a higher-order op counts
+once (a loop's body once, both branches of a cond).
 """
 
 import math

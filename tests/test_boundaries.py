@@ -8,6 +8,8 @@ from outside, and checks that the analysis's fact holds on both sides.
 
 import pytest
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
 from torch._higher_order_ops.map import map as hop_map
 from torch._higher_order_ops.while_loop import while_loop
 
@@ -25,6 +27,7 @@ from fx16.boundaries import Boundaries
 from fx16.decisions import PRECISION, Reason
 from fx16.program import Program
 from fx16.subgraphs import nested_graph_modules
+from fx16.testing import programs
 from helpers import check_program, fp64_reference, max_error, run
 
 KINDS = ["set_grad_enabled", "autocast", "cond", "while_loop", "map", "invoke_subgraph"]
@@ -268,3 +271,25 @@ def test_an_island_opened_outside_reaches_into_the_body(kind):
     if kind not in ("invoke_subgraph", "autocast"):  # those bodies run as exported, in fp32
         assert all(n.meta[PRECISION].reason == Reason.EXPLICIT_FP32 for n in powers)
     assert all(n.meta["val"].dtype == torch.float32 for n in powers)
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(programs())
+def test_property_links_are_two_way_and_every_body_placeholder_is_fed(case):
+    """Random programs (cond, while_loop, map, autocast): each link is known from both
+    ends, every body placeholder has a source outside its body, and what calibration saw
+    a placeholder hold lies within what its operands held (outside a loop)."""
+    ep = case.export()
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    boundaries = Boundaries(ep.graph_module)
+    for module in boundaries.graph_modules[1:]:
+        for placeholder in module.graph.find_nodes(op="placeholder"):
+            sources = boundaries.crossing_sources(placeholder)
+            assert sources, placeholder.name
+            assert all(placeholder in boundaries.crossing_sinks(s) for s in sources)
+            seen = placeholder.meta.get(CalibrationAnalysis.INTERVAL_KEY)
+            outside = [s.meta.get(CalibrationAnalysis.INTERVAL_KEY) for s in sources]
+            looped = any(s.graph is module.graph for s in sources)  # carried by a loop
+            if seen is not None and None not in outside and not looped:
+                low, high = min(o[0] for o in outside), max(o[1] for o in outside)
+                assert low - 1e-6 * abs(low) <= seen[0] and seen[1] <= high + 1e-6 * abs(high)

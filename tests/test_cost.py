@@ -4,12 +4,16 @@ own FLOP counter (torch.utils.flop_counter) on the products it knows."""
 import pytest
 import torch
 import torch.nn.functional as F
+from fuzz_profile import examples
+from hypothesis import given, settings
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import zoo
 from fx16.cost import bytes_moved, flops, is_product
 from fx16.subgraphs import nested_graph_modules
+from fx16.testing import programs
+from fx16.testing.random_programs import MENU
 from helpers import export
 
 
@@ -89,3 +93,16 @@ def test_other_ops_count_an_element_each_and_bytes_count_what_moves():
     assert bytes_moved(nodes["exp"]) == 2 * 32 * 4  # reads and writes 32 fp32 values
     assert bytes_moved(nodes["sum_1"]) == (32 + 4) * 4
     assert flops(nodes["x"]) == 0  # placeholders compute nothing
+
+
+# PyTorch's counter cannot run a while_loop or a map; and fx16 counts each body once per
+# call (both branches of a cond, a loop's body once), where the counter counts what runs.
+_STRAIGHT = tuple(op for op in MENU if op not in ("while_loop", "map", "cond"))
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(programs(menu=_STRAIGHT))
+def test_property_any_programs_products_count_what_pytorchs_counter_counts(case):
+    """Random straight-line programs: matmuls, convolutions, linears among the rest."""
+    ep = case.export()
+    assert _product_flops(ep) == _counted(case.model, *case.args)

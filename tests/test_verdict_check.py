@@ -4,15 +4,19 @@ import copy
 import math
 
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
 from torch import nn
 
 import fx16
 from benchmarks import zoo
 from benchmarks.precision_zoo import TimestepEmbedding
-from fx16.analysis import VerdictCheckAnalysis
+from fx16.analysis import Fp32RulesAnalysis, VerdictCheckAnalysis
 from fx16.analysis.fp32_rules import ConditioningRule
+from fx16.analysis.verdict_check import MEASURABLE
 from fx16.pipelines import run_passes, without_rules
 from fx16.report import report_of
+from fx16.testing import programs
 from helpers import check_program, export, max_error, run
 
 
@@ -130,3 +134,23 @@ def test_gpt2_keeps_every_product_and_every_op_in_16_bit():
     with torch.no_grad():
         reference = [model(ids)]
         assert max_error(reference, run(ep, ids)) <= 1.05 * max_error(reference, [half(ids)])
+
+
+@settings(max_examples=examples(15), deadline=None)
+@given(programs())
+def test_property_every_answer_follows_its_measurement_and_dropped_verdicts_are_gone(case):
+    """Random programs: a question held exactly when fp32 measurably lowered the error;
+    the nodes of a dropped one carry no fp32 rule and say why."""
+    ep = fx16.cast_fp32_to_fp16(case.export())
+    nodes = {
+        n.name: n for m in ep.graph_module.modules() if hasattr(m, "graph") for n in m.graph.nodes
+    }
+    for check in _checks(ep):
+        measurable = not math.isfinite(check.error_without) or (
+            check.error_without > MEASURABLE * check.error_with
+        )
+        assert check.held == measurable
+        if not check.held:
+            for name in check.nodes:
+                assert Fp32RulesAnalysis.META_KEY not in nodes[name].meta
+                assert VerdictCheckAnalysis.META_KEY in nodes[name].meta
