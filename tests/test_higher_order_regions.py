@@ -6,6 +6,7 @@ import torch
 import fx16
 from fx16.decisions import PRECISION, Reason
 from fx16.passes import CleanupCastsPass
+from fx16.report import report_of
 from helpers import check_program, export, fp64_reference, max_error, run
 from models import AutocastRegions, Branches, GrowingLoop, MappedLayer
 
@@ -149,3 +150,55 @@ def test_a_map_body_is_cast():
     assert linear.meta["val"].dtype == torch.float16
     assert mapped.meta["val"][0].dtype == torch.float16
     assert max_error(fp64_reference(model, xs), run(ep, xs)) < 1e-2
+
+
+@torch.compiler.nested_compile_region
+def _shared_block(x, w):
+    return torch.nn.functional.gelu(x @ w) + x
+
+
+class SharedBody(torch.nn.Module):
+    """One body, two call sites (strict export makes it invoke_subgraph): the second
+    site's input is ``scale`` times the first's."""
+
+    def __init__(self, scale=1.0):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(16, 16) / 4)
+        self.fc = torch.nn.Linear(16, 4)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.fc(_shared_block(x, self.w) + _shared_block(x * self.scale, self.w))
+
+
+def _shared(scale):
+    torch.manual_seed(0)
+    model, x = SharedBody(scale).eval().requires_grad_(False), torch.randn(3, 16)
+    ep = torch.export.export(model, (x,), strict=True)
+    return model, x, fx16.cast_fp32_to_fp16(ep)
+
+
+def test_a_body_two_call_sites_share_is_cast_once_in_16_bit():
+    """invoke_subgraph x2 -> one body: its matmul and gelu fp16, both sites fed fp16."""
+    model, x, ep = _shared(1.0)
+    check_program(ep)
+    sites = _hops(ep, torch.ops.higher_order.invoke_subgraph)
+    assert len(sites) == 2 and len({s.args[0].target for s in sites}) == 1
+    body = getattr(ep.graph_module, sites[0].args[0].target)
+    matmul = next(n for n in body.graph.nodes if n.target == aten.matmul.default)
+    assert matmul.meta["val"].dtype == torch.float16
+    assert report_of(ep).totals.flop_share_16bit == 1.0
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 2e-3
+
+
+def test_a_shared_body_whose_values_overflow_at_one_site_is_fp32_at_every_site():
+    """The second site reads x * 3e4: beyond 65504 / 2, so the body's placeholder is fp32
+    and the first site's 16-bit operand is upcast to it."""
+    model, x, ep = _shared(3e4)
+    check_program(ep)
+    sites = _hops(ep, torch.ops.higher_order.invoke_subgraph)
+    body = getattr(ep.graph_module, sites[0].args[0].target)
+    first = body.graph.find_nodes(op="placeholder")[0]
+    assert first.meta["val"].dtype == torch.float32
+    assert all(site.args[2].meta["val"].dtype == torch.float32 for site in sites)
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 2e-3

@@ -67,6 +67,7 @@ from fx16.propagation import (
 from fx16.subgraphs import (
     AUTOCAST,
     COND,
+    INVOKE_SUBGRAPH,
     MAP,
     SET_GRAD,
     WHILE_LOOP,
@@ -236,6 +237,8 @@ class _Run:
             self.visit_autocast_region(node)
         elif node.target in (COND, SET_GRAD, WHILE_LOOP, MAP):
             self.visit_subgraphs(node)
+        elif node.target is INVOKE_SUBGRAPH:
+            self.visit_shared_body(node)
         elif isinstance(node.target, HigherOrderOperator):
             self.visit_opaque(node)
         elif mutated_argument(node) is not None:
@@ -387,8 +390,7 @@ class _Run:
 
     def visit_opaque(self, node: Node) -> None:
         """Run a region as exported, fed fp32: ``torch.autocast(enabled=False)`` regions
-        the model wrote, and higher-order ops fx16 does not look inside (scan,
-        invoke_subgraph, ...)."""
+        the model wrote, and higher-order ops fx16 does not look inside (scan, ...)."""
         if any(was_narrowed(arg) for arg in tensor_inputs(node)):
             self.upcast_inputs(node)
             disabled_autocast = node.target is AUTOCAST
@@ -461,6 +463,58 @@ class _Run:
             node.meta["val"] = tuple(node_val(out) for out in outputs)
         narrowed = any(node_dtype(out) == self.low for out in outputs)
         decide(node, self.low if narrowed else FP32, Reason.FITS if narrowed else Reason.FP32_INPUT)
+
+    def visit_shared_body(self, node: Node) -> None:
+        """``invoke_subgraph``: a body that several call sites may share is cast once.
+
+        At the first call site, each placeholder takes its operand's dtype, unless the
+        value it holds at any call site must stay fp32 (a safety rule keeps an operand,
+        or calibration saw the placeholder hold more than 16-bit's range over all the
+        sites): then fp32, and a 16-bit operand is upcast. At every later site, each
+        operand is cast to the dtype its placeholder took (calibration saw it fit)."""
+        body_node, _, *operands = node.args
+        body = getattr(self.graph_module, body_node.target)
+        placeholders = body.graph.find_nodes(op="placeholder")
+        if not any(decision_of(n) is not None for n in body.graph.nodes):
+            sites = [
+                site.args[2:]
+                for site in node.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH)
+                if getattr(self.graph_module, site.args[0].target) is body
+            ]
+            for index, placeholder in enumerate(placeholders):
+                operand = operands[index]
+                if node_dtype(placeholder) not in FLOAT_DTYPES:
+                    continue
+                held = [site[index] for site in sites if isinstance(site[index], Node)]
+                if any(self.forced(value) for value in held) or self.overflows(placeholder):
+                    decide(placeholder, FP32, Reason.FP32_INPUT)
+                    dtype = FP32
+                else:
+                    dtype = node_dtype(operand)
+                    if decision_of(operand) is not None:
+                        placeholder.meta[PRECISION] = decision_of(operand)
+                placeholder.meta["val"] = retype_val(placeholder.meta["val"], dtype)
+            observed = any(CalibrationAnalysis.META_KEY in n.meta for n in body.graph.nodes)
+            inner = _Run(body, self.policy, self.limit, calibrated=observed, root=self.root)
+            inner.walk()
+            self.modified |= inner.modified
+        aligned = [self.aligned(arg, node_dtype(p)) for arg, p in zip(operands, placeholders)]
+        if any(new is not old for new, old in zip(aligned, operands)):
+            node.args = (*node.args[:2], *aligned)
+            self.modified = True
+        outputs = body.graph.output_node().args[0]
+        node.meta["val"] = tuple(node_val(out) for out in outputs)
+        narrowed = any(node_dtype(out) == self.low for out in outputs)
+        decide(node, self.low if narrowed else FP32, Reason.FITS if narrowed else Reason.FP32_INPUT)
+
+    def aligned(self, value, dtype: torch.dtype | None):
+        """``value`` in ``dtype``, through a cast when it differs (a float operand)."""
+        current = node_dtype(value)
+        if current not in FLOAT_DTYPES or dtype not in FLOAT_DTYPES or current == dtype:
+            return value
+        if dtype == FP32:
+            return self.widened(value) if was_narrowed(value) else value
+        return self.casts.cast(value, dtype, WHY_NARROW)
 
     def upcast_carried(self, node: Node) -> None:
         """A while_loop's carried operands that fx16 narrowed go back to fp32."""
