@@ -42,11 +42,22 @@ def check_archive(path: Path) -> None:
         raise ArchiveError(f"{path} is not a .pt2 archive (torch.export.save writes a zip file)")
     try:
         with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()
+            damaged, names = archive.testzip(), archive.namelist()
     except (zipfile.BadZipFile, OSError, EOFError) as error:
         raise ArchiveError(f"{path} is damaged: {error}") from error
     if damaged is not None:
         raise ArchiveError(f"{path} is damaged: the CRC of {damaged} does not match its data")
+    if _written_by_torch_save(names):
+        raise ArchiveError(
+            f"{path} is a file written by torch.save (tensors or inputs), not a program "
+            "written by torch.export.save; pass it as --calibrate or --inputs"
+        )
+
+
+def _written_by_torch_save(names: list[str]) -> bool:
+    """A torch.save zip holds ``<name>/data.pkl``; a .pt2 archive holds ``archive_format``."""
+    entries = {name.partition("/")[2] for name in names}
+    return "data.pkl" in entries and "archive_format" not in entries
 
 
 def load_program(path: Path) -> torch.export.ExportedProgram:

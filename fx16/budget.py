@@ -46,7 +46,7 @@ from fx16.analysis.verdict_check import VerdictCheckAnalysis
 from fx16.casts import before_inserted_casts, is_cast, is_inserted
 from fx16.cost import flops, is_product
 from fx16.decisions import was_narrowed
-from fx16.errors import AccuracyBudgetError, InvalidOptionError
+from fx16.errors import AccuracyBudgetError, InvalidOptionError, require_number
 from fx16.interpreter import LeanInterpreter
 from fx16.nodes import node_dtype
 from fx16.ops import ASSERT_METADATA_OPS
@@ -83,19 +83,53 @@ class AccuracySearch:
     rounds: int
     fp32_nodes: tuple[str, ...]
     flop_share_16bit: float = 1.0  # of matmul/conv/attention FLOPs, in the result
+    target: float | None = None  # the calibration error the search aimed at
+    plain_error: float | None = None  # the plain cast's, before any node returned to fp32
 
     @property
     def met(self) -> bool:
         return self.error <= self.budget
 
+    @property
+    def plain_kept(self) -> bool:
+        """The plain cast met its target: no node returned to fp32."""
+        return not self.rounds and not self.fp32_nodes
+
+    def describe(self) -> str:
+        """One line: the error reached, the budget and target, and what it cost."""
+        aim = f"budget {self.budget:.3g}"
+        if self.target is not None and self.target != self.budget:
+            aim += f", target {self.target:.3g}"
+        if self.plain_kept:
+            return (
+                f"accuracy: error {self.error:.3g} on the calibration inputs ({aim}): the "
+                "plain cast meets it and is kept, nothing returned to fp32"
+            )
+        plain = f"; plain cast {self.plain_error:.3g}" if self.plain_error is not None else ""
+        return (
+            f"accuracy: error {self.error:.3g} on the calibration inputs ({aim}{plain}) "
+            f"after {self.rounds} round(s), {self.evaluations} program evaluations, "
+            f"{len(self.fp32_nodes)} node(s) back in fp32, {self.flop_share_16bit:.1%} of "
+            "matmul/conv/attention FLOPs in 16-bit"
+        )
+
 
 def cast_fp16_within_budget(
-    ep, budget: float, calibration: list | None, progress: bool | None, **options
+    ep,
+    budget: float,
+    calibration: list | None,
+    progress: bool | None,
+    target_share: float | None = None,
+    **options,
 ) -> AccuracySearch:
     """Cast ``ep`` to fp16 in place, returning nodes to fp32 until the error is within budget.
 
-    The search stops once the calibration error is below a share of ``budget`` (see
-    ``stopping_share``), a margin for inputs it has not seen. ``options`` are those
+    The plain cast is kept when its calibration error is within ``target_share`` of
+    ``budget`` (None: within the budget itself: the plain cast was not chosen to fit
+    the calibration inputs, so their error is a fair sample). Otherwise the search
+    stops once the calibration error is below ``target_share`` of the budget (None:
+    ``stopping_share``, a margin for inputs it has not seen: its choices were fitted
+    to these inputs, and fit unseen ones less well). ``options`` are those
     of ``fx16.fp16_passes``. Raises ``AccuracyBudgetError`` when every remedy is
     taken and the error is still over that share (the caller's transaction then
     restores the program). ``progress``: a progress bar of the evaluations on stderr
@@ -112,8 +146,14 @@ def cast_fp16_within_budget(
                 else "(this program has no example inputs)"
             )
         )
+    if target_share is not None:
+        require_number("target_share", target_share, 0, strict=True)
+        if target_share > 1:
+            raise InvalidOptionError(f"target_share must be at most 1, got {target_share!r}")
     CalibrationAnalysis(program, calibration)(ep.graph_module)
     search = _Search(program, calls, calibration, budget, progress, options)
+    search.target = (target_share or stopping_share(len(calls))) * budget
+    search.plain_target = (target_share or 1.0) * budget
     try:
         return search.run()
     except Exception as error:  # the stage that failed, for the caller's PassFailedError
@@ -136,7 +176,7 @@ class _Search:
             leave=False,
             disable=None if progress is None else not progress,
         )
-        self.target = stopping_share(len(calls)) * budget
+        self.target = self.plain_target = budget  # cast_fp16_within_budget sets both
         inputs = [program.graph_inputs(args, kwargs, copy_buffers=True) for args, kwargs in calls]
         reference_module = copy.deepcopy(program.ep.graph_module)
         buffers = {
@@ -165,9 +205,9 @@ class _Search:
             self.pristine.restore()
             gc.collect()  # the last round's graph (the transaction pauses the collector)
         self.holds = set(forced)
-        passes = fp16_passes(
-            ep, calibration=self.calibration, force_fp32=frozenset(forced), **self.options
-        )
+        options = dict(self.options)
+        kept = frozenset(forced) | options.pop("force_fp32", frozenset())  # the caller's too
+        passes = fp16_passes(ep, calibration=self.calibration, force_fp32=kept, **options)
         for stage in passes:
             if isinstance(stage, VerdictCheckAnalysis):
                 stage.answers = self.answers  # each kind of verdict measured once
@@ -193,8 +233,9 @@ class _Search:
     def run(self) -> AccuracySearch:
         forced: set[str] = set()
         error, outputs = self.measure(forced)
+        plain_error = error
         count, last_round = 1, []
-        while error > self.target:
+        while error > (self.plain_target if not self.rounds else self.target):
             self.rounds += 1
             remedies = _remedies(self.program.ep.graph_module, self.reference, outputs, forced)
             if not remedies or self.evaluations >= _MOST_EVALUATIONS:
@@ -217,6 +258,8 @@ class _Search:
             self.rounds,
             tuple(sorted(forced)),
             program_stats(self.program.ep).flop_share_16bit,
+            self.plain_target if not self.rounds else self.target,
+            plain_error,
         )
 
     def shortest_prefix(self, remedies: list, before: set[str], error: float):

@@ -6,16 +6,18 @@ the program is restored and a ``PassFailedError`` names the stage.
 """
 
 from collections.abc import Collection
+from dataclasses import replace
 
 from torch.export import ExportedProgram
 
+from fx16.analysis.calibration import calibration_calls
 from fx16.budget import cast_fp16_within_budget
-from fx16.errors import require_number
+from fx16.errors import InvalidOptionError, require_number
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
-from fx16.report import REPORT_KEY, build_report
-from fx16.stats import program_stats
+from fx16.report import REPORT_KEY, build_report, provenance
+from fx16.stats import record_stats_before
 
 
 def cast_fp32_to_fp16(
@@ -28,6 +30,8 @@ def cast_fp32_to_fp16(
     overflow_margin: float = 2.0,
     input_ranges: dict | None = None,
     max_rel_error: float | None = None,
+    target_share: float | None = None,
+    force_fp32: Collection[str] = frozenset(),
     progress: bool | None = None,
     **unknown,
 ) -> ExportedProgram:
@@ -63,12 +67,25 @@ def cast_fp32_to_fp16(
         on the calibration inputs (max |diff| / max |fp32| per output); while over
         budget, the nodes that add the most error return to fp32 (see fx16.budget).
         The search is recorded in the report's ``accuracy``.
+    target_share: with ``max_rel_error``, the share of the budget the calibration
+        error must reach, a margin for inputs not seen (0 < share <= 1). None: the
+        plain cast is kept when it meets the budget itself; a search aims at
+        ``1 - 0.5 / sqrt(inputs)`` of it (its choices fit the calibration inputs).
+    force_fp32: names of nodes (as in ``ep.graph``) that must stay fp32, whatever the
+        policy says; "output" returns outputs computed in fp32 as fp32.
     progress: show progress bars on stderr for the accuracy search and the weight
         conversion (None: only when stderr is a terminal).
 
-    Raises ``fx16.InvalidProgramError`` for an argument that is not an
-    ExportedProgram and ``fx16.PassFailedError`` when a stage fails; in both cases
-    ``ep`` is left exactly as it was.
+    Raises, leaving ``ep`` exactly as it was:
+
+    - ``fx16.InvalidProgramError`` for an argument that is not an ExportedProgram;
+    - ``fx16.InvalidOptionError`` for an unknown keyword, a malformed option, a name
+      (in ``keep_io_types``, the policy's ``modules``/``nodes``/``ops``,
+      ``force_fp32``) that names nothing in the program, or calibration inputs the
+      program does not take or fails on;
+    - ``fx16.AccuracyBudgetError`` when ``max_rel_error`` cannot be met even with
+      every node fx16 may return to fp32 in fp32;
+    - ``fx16.PassFailedError`` when a stage fails.
     """
     reject_unknown(cast_fp32_to_fp16, unknown)
     options = dict(
@@ -78,8 +95,10 @@ def cast_fp32_to_fp16(
         calibration=calibration,
         overflow_margin=overflow_margin,
         input_ranges=input_ranges,
+        force_fp32=frozenset(force_fp32),
     )
-    return _cast(ep, options, None, max_rel_error, progress)
+    budget = {"max_rel_error": max_rel_error, "target_share": target_share}
+    return _cast(ep, "cast_fp32_to_fp16", options, None, budget, progress)
 
 
 def cast_int32_to_int16(
@@ -114,13 +133,14 @@ def cast_int32_to_int16(
     """
     reject_unknown(cast_int32_to_int16, unknown)
     options = dict(input_ranges=input_ranges, int16=int16, calibration=calibration)
-    return _cast(ep, None, options, None, None)
+    return _cast(ep, "cast_int32_to_int16", None, options, {}, None)
 
 
 def cast_to_16_bit_precision(
     ep: ExportedProgram,
     *,
     max_rel_error: float | None = None,
+    target_share: float | None = None,
     progress: bool | None = None,
     **options,
 ) -> ExportedProgram:
@@ -128,29 +148,57 @@ def cast_to_16_bit_precision(
 
     Takes the keyword options of ``cast_fp32_to_fp16`` and ``cast_int32_to_int16``
     (``calibration`` serves both); an unknown one raises ``fx16.InvalidOptionError``.
-    The accuracy budget applies to the fp16 stage (int16 narrowing is exact).
+    The accuracy budget applies to the fp16 stage (int16 narrowing is exact). Raises
+    as both do.
     """
     fp16_options, int16_options = split_options(options)
-    return _cast(ep, fp16_options, int16_options, max_rel_error, progress)
+    budget = {"max_rel_error": max_rel_error, "target_share": target_share}
+    return _cast(ep, "cast_to_16_bit_precision", fp16_options, int16_options, budget, progress)
 
 
-def _cast(ep, fp16_options, int16_options, max_rel_error, progress) -> ExportedProgram:
-    """Run the fp16 stage (searching within ``max_rel_error`` if given), then the
-    int16 stage, as one transaction, whose commit converts the weights; store the
+def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> ExportedProgram:
+    """Run the fp16 stage (searching within ``budget["max_rel_error"]`` if given), then
+    the int16 stage, as one transaction, whose commit converts the weights; store the
     report. ``None`` options skip a stage."""
     program = Program(ep)
+    max_rel_error = budget.get("max_rel_error")
     if max_rel_error is not None:
         require_number("max_rel_error", max_rel_error, 0)
-    before = program_stats(ep)
+    elif budget.get("target_share") is not None:
+        raise InvalidOptionError("target_share needs max_rel_error")
+    made_by = provenance(entry_point, {**(fp16_options or {}), **(int16_options or {}), **budget})
+    before = record_stats_before(ep)
+    previous = ep.graph_module.meta.get(REPORT_KEY)
     accuracy = None
     with program.transaction(progress):
         if fp16_options is not None and max_rel_error is not None:
+            calibration = fp16_options.pop("calibration", None)
             accuracy = cast_fp16_within_budget(
-                ep, max_rel_error, fp16_options.pop("calibration", None), progress, **fp16_options
+                ep, max_rel_error, calibration, progress, budget["target_share"], **fp16_options
             )
         elif fp16_options is not None:
             run_passes(fp16_passes(ep, **fp16_options), ep.graph_module)
         if int16_options is not None:
             run_passes(int16_passes(ep, **int16_options), ep.graph_module)
-    ep.graph_module.meta[REPORT_KEY] = build_report(ep, before, accuracy)
+    if accuracy is None and previous is not None:  # a second cast keeps the first's search
+        accuracy = previous.accuracy
+    ep.graph_module.meta[REPORT_KEY] = replace(
+        build_report(ep, before, accuracy), provenance=made_by
+    )
     return ep
+
+
+def inputs_for(ep: ExportedProgram, *args, **kwargs) -> tuple[tuple, dict]:
+    """A call's arguments as the cast program takes them: each tensor converted to the
+    dtype its input has now (fp32 to fp16 where fx16 converted the input, int64 to int16
+    where it narrowed one; token ids stay integers). Returns ``(args, kwargs)``::
+
+        args, kwargs = fx16.inputs_for(ep, input_ids)
+        logits = ep.module()(*args, **kwargs)
+
+    Raises ``InvalidProgramError`` for a ``ep`` that is not an ExportedProgram and
+    ``InvalidOptionError`` for arguments that do not supply the program's inputs.
+    """
+    program = Program(ep)
+    (call,) = calibration_calls(program, [(args, kwargs)], label="inputs_for")
+    return program.adapt_call(*call)

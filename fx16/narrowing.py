@@ -8,15 +8,11 @@ from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.user_reachability import UserReachabilityAnalysis
 from fx16.analysis.value_range import Source, value_range
 from fx16.casts import before_inserted_casts
+from fx16.choices import INT16_MODES
 from fx16.decisions import Reason
 from fx16.errors import InvalidOptionError
 from fx16.nodes import node_dtype, value_scalars
 from fx16.ops import WIDE_INT_DTYPES
-
-# int16= modes: "proven" narrows only values whose proven or declared range fits;
-# "observed" also trusts ranges seen on calibration inputs; "assume_safe" narrows the
-# whole castable set unchecked, as coreai-opt does.
-INT16_MODES = ("off", "proven", "observed", "assume_safe")
 
 
 def check_mode(mode: str) -> str:

@@ -42,8 +42,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def op_label(node: Node) -> str:
-    """How the report names a node's op: "linear.default", or a placeholder's name."""
-    return node.name if node.op == "placeholder" else str(node.target).removeprefix("aten.")
+    """How the report names a node's op: "linear.default", "getitem" (a Python
+    function by its name), or "placeholder" (a graph input)."""
+    if node.op != "call_function":
+        return node.op
+    if isinstance(node.target, torch._ops.OpOverload):
+        return str(node.target).removeprefix("aten.")
+    return getattr(node.target, "__name__", str(node.target))
 
 
 def node_module_path(node: Node) -> str | None:

@@ -26,6 +26,7 @@ from fx16.analysis import (
     VerdictCheckAnalysis,
 )
 from fx16.errors import InvalidOptionError, require_number
+from fx16.names import check_names
 from fx16.narrowing import check_mode
 from fx16.passes import (
     CleanupCastsPass,
@@ -34,6 +35,7 @@ from fx16.passes import (
     ConvertUserInputsPass,
     InsertFP16CastsPass,
     InsertInt16CastsPass,
+    RecordStatsPass,
 )
 from fx16.passes.policy_pass import overflow_limit
 from fx16.policy import PrecisionPolicy
@@ -72,10 +74,12 @@ def fp16_passes(
     require_number("overflow_margin", overflow_margin, 1)
     program = Program(ep)
     policy = resolve_policy(policy, explicit_fp32=explicit_fp32, keep_io_types=keep_io_types)
+    check_names(program, policy, force_fp32)
     if policy.is_noop:
         return []
     limit = overflow_limit(policy, overflow_margin)
     return [
+        RecordStatsPass(program),
         CalibrationAnalysis(program, calibration),
         UnsafeIndexAnalysis(),
         ValueRangeAnalysis(program, input_ranges),
@@ -146,6 +150,7 @@ def int16_passes(
         return []
     observe = [CalibrationAnalysis(program, calibration)] if int16 == "observed" else []
     return [
+        RecordStatsPass(program),
         UserReachabilityAnalysis(program),
         UnsafeIndexAnalysis(),
         CastableInt16Analysis(program),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from torch.fx import Node
 
+from fx16.choices import EXPLICIT_FP32_CHOICES, POLICY_PRESETS, ROUTING_CHOICES
 from fx16.errors import InvalidOptionError, require_number
 from fx16.nodes import node_module_path
 from fx16.ops import AUTOCAST_CPU, AUTOCAST_CUDA, COMPUTE_OPS, DATA_MOVEMENT_OPS, REDUCTION_OPS
@@ -72,11 +73,6 @@ def _precisions(mapping: Mapping | None) -> dict:
 
 
 _ALL_LOW = {kind: Precision.LOW for kind in OpKind}
-
-# What becomes of the model's own fp32 regions (see PrecisionPolicy.explicit_fp32).
-EXPLICIT_FP32_CHOICES = ("calibrated", "keep", "retarget")
-# Where routers compute (see PrecisionPolicy.routing).
-ROUTING_CHOICES = ("fp32", "16-bit")
 
 
 @dataclass(frozen=True)
@@ -245,18 +241,11 @@ class PrecisionPolicy:
     @classmethod
     def named(cls, name: str) -> "PrecisionPolicy":
         """A preset by name ("auto_mixed_bf16", "autocast" = autocast("cpu", bf16), ...)."""
-        presets = {
-            "default": cls.default,
-            "always_fp32": cls.always_fp32,
-            "always_fp16": cls.always_fp16,
-            "auto_mixed": cls.auto_mixed,
-            "auto_mixed_conservative": cls.auto_mixed_conservative,
-            "auto_mixed_bf16": cls.auto_mixed_bf16,
-            "autocast": cls.autocast,
-        }
-        if name not in presets:
-            raise InvalidOptionError(f"unknown policy {name!r}; presets: {', '.join(presets)}")
-        return presets[name]()
+        if name not in POLICY_PRESETS:
+            raise InvalidOptionError(
+                f"unknown policy {name!r}; presets: {', '.join(POLICY_PRESETS)}"
+            )
+        return getattr(cls, name)()
 
     # ---- questions ---------------------------------------------------------------------
 
@@ -276,28 +265,39 @@ class PrecisionPolicy:
 
     def precision_for(self, node: Node, module_path: str | None = None) -> Precision:
         """The precision ``node`` asks for (``module_path``: a parameter's dotted name)."""
+        return self.matching_entry(node, module_path)[0]
+
+    def matching_entry(self, node: Node, module_path: str | None = None) -> tuple[Precision, str]:
+        """The precision ``node`` asks for, and the entry of the policy that says so
+        ("modules['model.layers.0'] = fp32", "kinds[reduction] = fp32")."""
         if node.name in self.nodes:
-            return self.nodes[node.name]
+            return self.nodes[node.name], _entry("nodes", node.name, self.nodes[node.name])
         if self.predicate is not None:
             decided = self.predicate(node)
             if decided is not None:
-                return _as_precision(decided)
+                precision = _as_precision(decided)
+                return precision, f"predicate = {precision.value}"
         path = module_path or node_module_path(node)
         if path is not None and self.modules:
             matches = [p for p in self.modules if path == p or path.startswith(p + ".")]
             if matches:
-                return self.modules[max(matches, key=len)]
+                longest = max(matches, key=len)
+                return self.modules[longest], _entry("modules", longest, self.modules[longest])
         name = op_name(node)
-        if name in self.ops:
-            return self.ops[name]
-        if name in self.op_table:
-            return self.op_table[name]
-        return self.kinds[op_kind(node)]
+        for table, entries in (("ops", self.ops), ("op_table", self.op_table)):
+            if name in entries:
+                return entries[name], _entry(table, name, entries[name])
+        kind = op_kind(node)
+        return self.kinds[kind], f"kinds[{kind.value}] = {self.kinds[kind].value}"
 
     def keeps_io(self, name: str) -> bool:
         return self.keep_io_types is True or (
             isinstance(self.keep_io_types, frozenset) and name in self.keep_io_types
         )
+
+
+def _entry(table: str, key: str, precision: Precision) -> str:
+    return f"{table}[{key!r}] = {precision.value}"
 
 
 def _check_fields(changes: dict) -> None:

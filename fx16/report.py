@@ -6,25 +6,32 @@ not saved in ``.pt2`` files, so write ``to_json()`` where you need it kept).
 """
 
 import json
+import math
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
+from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.explicit_fp32 import islands
-from fx16.analysis.value_range import ValueRangeAnalysis
+from fx16.analysis.value_range import ValueRange, ValueRangeAnalysis
 from fx16.budget import AccuracySearch
 from fx16.casts import INSERTED, WHY_RETARGETED, is_inserted
 from fx16.cost import flops, is_product, tensor_bytes
 from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason
 from fx16.nodes import dtype_name, node_dtype, node_module_path, node_val, op_label
 from fx16.ops import WIDE_INT_DTYPES
+from fx16.policy import PrecisionPolicy
 from fx16.program import Program
-from fx16.stats import ProgramStats, program_stats
+from fx16.stats import BEFORE_KEY, ProgramStats, program_stats
+from fx16.version import installed_version
 
 REPORT_KEY = "fx16.report"
+_SLOT_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer"}
 LEFT_AS_IS = "not fp32: left as the model computes it"
 
 
@@ -42,6 +49,11 @@ class Row:
     flops: int = 0  # what the op computes per call (in the dtype above)
     product: bool = False  # a matrix product, convolution or attention
     bytes: int = 0  # what the value holds (for a weight kept fp32, the bytes it keeps)
+    # the numbers behind the decision, where the analyses found them
+    observed: tuple[float, float] | None = None  # smallest and largest on calibration
+    observed_max_abs: float | None = None  # largest magnitude on calibration
+    proven: tuple[float, float] | None = None  # an integer value's proven range
+    condition_number: float | None = None  # an ill-conditioned op's
 
     def cost(self) -> str:
         """What keeping this value in fp32 costs per call, for a row that does."""
@@ -84,20 +96,33 @@ class CastReport:
     rows: list[Row]
     totals: Totals
     accuracy: AccuracySearch | None = None  # set when the cast had an accuracy budget
+    # what made it: fx16 and torch versions, the entry point, its options, the input file
+    provenance: dict = field(default_factory=dict)
 
     def kept_wide(self) -> list[Row]:
         return [row for row in self.rows if not row.narrowed]
 
+    def explained(self) -> list[Row]:
+        """The rows a reader asks "why" about: values kept wide, except integers the
+        int16 pipeline never considered (no decision: they bury the float rows)."""
+        return [row for row in self.kept_wide() if row.kind == "float" or row.rule != "left_as_is"]
+
     def to_json(self) -> str:
+        """The report as JSON: provenance, totals, accuracy, and a row per node with its
+        numbers (ranges, condition numbers; infinities as "inf"), for tools to read."""
         totals = {
             **asdict(self.totals),
             "flop_share_16bit": round(self.totals.flop_share_16bit, 6),
             "share_16bit": round(self.totals.share_16bit, 4),
         }
-        document = {"totals": totals, "nodes": [asdict(r) for r in self.rows]}
+        document = {
+            "provenance": self.provenance,
+            "totals": totals,
+            "nodes": [asdict(r) for r in self.rows],
+        }
         if self.accuracy is not None:
             document["accuracy"] = {**asdict(self.accuracy), "met": self.accuracy.met}
-        return json.dumps(document, indent=2)
+        return json.dumps(_finite(document), indent=2, allow_nan=False)
 
     def table(self, rows: list[Row] | None = None) -> str:
         """A fixed-width table of ``rows`` (default: every row), then the totals."""
@@ -126,13 +151,7 @@ class CastReport:
             f"integer values narrowed to int16: {narrowed}",
         ]
         if self.accuracy is not None:
-            a = self.accuracy
-            lines.append(
-                f"accuracy: error {a.error:.3g} on the calibration inputs (budget {a.budget:.3g}) "
-                f"after {a.rounds} round(s), {a.evaluations} program evaluations, "
-                f"{len(a.fp32_nodes)} node(s) back in fp32, {a.flop_share_16bit:.1%} of "
-                "matmul/conv/attention FLOPs in 16-bit"
-            )
+            lines.append(self.accuracy.describe())
         return lines
 
     def by_layer(self) -> list[str]:
@@ -164,6 +183,56 @@ class CastReport:
         return groups
 
 
+def _finite(value):
+    """``value`` with non-finite floats as strings ("inf"), which JSON cannot hold."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def provenance(entry_point: str, options: dict) -> dict:
+    """What made a cast, as JSON values: versions, the entry point and its options."""
+    return {
+        "fx16": installed_version(),
+        "torch": torch.__version__,
+        "entry_point": entry_point,
+        "options": {name: _option_value(value) for name, value in options.items()},
+    }
+
+
+def _option_value(value):
+    """An option as a JSON value: a policy by its settings, calibration by its size."""
+    if isinstance(value, PrecisionPolicy):
+        settings = {
+            "name": value.name,
+            "low": dtype_name(value.low),
+            "explicit_fp32": value.explicit_fp32,
+            "routing": value.routing,
+            "keep_io_types": value.keep_io_types
+            if isinstance(value.keep_io_types, bool)
+            else sorted(map(str, value.keep_io_types)),
+            "predicate": value.predicate is not None,
+            "precision_tolerance": value.precision_tolerance,
+        }
+        tables = ("kinds", "ops", "modules", "nodes")
+        return settings | {
+            t: {str(k): p.value for k, p in getattr(value, t).items()} for t in tables
+        }
+    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (str, int, float)):
+        return f"{len(value)} input(s)"  # calibration calls
+    if isinstance(value, (frozenset, set)):
+        return sorted(map(str, value))
+    if isinstance(value, dict):
+        return {str(k): _option_value(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
 def layer_flop_share(rows: list[Row]) -> str:
     """The share of the rows' matmul/conv/attention FLOPs in 16-bit ("-" without any)."""
     total = sum(row.flops for row in rows if row.product)
@@ -180,23 +249,27 @@ def human(amount: float) -> str:
 
 
 def _row(
-    node: Node, kind: str, decision: Decision | None, body: str = "", owners: dict | None = None
+    node: Node, kind: str, decision: Decision | None, body: str = "", inputs: dict | None = None
 ) -> Row:
-    """``owners``: the module owning each state placeholder, by name (a weight's node
-    has no module stack)."""
+    """``inputs``: each graph input of the program by name, as (its kind: "parameter",
+    "buffer", "constant", "input"; the module owning it: a weight's node has no module
+    stack)."""
     name = f"{body}.{node.name}" if body else node.name
-    module = node_module_path(node) or (owners or {}).get(node.name, "")
+    role, owner = ("", "") if body else (inputs or {}).get(node.name, ("", ""))
+    module = node_module_path(node) or owner
+    op = role or op_label(node)  # a body's input is a "placeholder"
     costs = {
         "flops": flops(node),
         "product": is_product(node),
         "bytes": tensor_bytes(node_val(node)),
+        **_numbers(node),
     }
     if decision is None:
         dtype = node_dtype(node)
         narrowed = dtype == torch.float16
         return Row(
             name,
-            op_label(node),
+            op,
             kind,
             dtype_name(dtype),
             narrowed,
@@ -208,7 +281,25 @@ def _row(
         )
     if not decision.detail and kind == "int" and node.meta.get(ValueRangeAnalysis.META_KEY):
         decision = replace(decision, detail=str(node.meta[ValueRangeAnalysis.META_KEY]))
-    return replace(_decision_row(name, op_label(node), kind, decision, module), **costs)
+    return replace(_decision_row(name, op, kind, decision, module), **costs)
+
+
+def _numbers(node: Node) -> dict:
+    """The ranges and condition number the analyses recorded on ``node``."""
+    numbers = {}
+    interval = node.meta.get(CalibrationAnalysis.INTERVAL_KEY)
+    if interval is not None:
+        numbers["observed"] = tuple(map(float, interval))
+    magnitude = node.meta.get(CalibrationAnalysis.META_KEY)
+    if magnitude is not None:
+        numbers["observed_max_abs"] = float(magnitude)
+    proven = node.meta.get(ValueRangeAnalysis.META_KEY)
+    if isinstance(proven, ValueRange):
+        numbers["proven"] = (float(proven.low), float(proven.high))
+    finding = node.meta.get(ConditioningAnalysis.FINDING_KEY)
+    if finding is not None:
+        numbers["condition_number"] = float(finding.kappa)
+    return numbers
 
 
 def _decision_row(name: str, op: str, kind: str, decision: Decision, module: str = "") -> Row:
@@ -269,18 +360,24 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
         and (not is_inserted(n) or n.meta[INSERTED] == WHY_RETARGETED)
     ]
     int16_ran = any(INT_PRECISION in n.meta for _, n in nodes)
-    owners = {
-        slot.placeholder.name: slot.target.rpartition(".")[0] for slot in Program(ep).state_slots()
+    program = Program(ep)
+    inputs = {p.name: ("input", "") for p in program.user_input_placeholders()}
+    inputs |= {
+        slot.placeholder.name: (
+            _SLOT_KINDS.get(slot.kind, "constant"),
+            slot.target.rpartition(".")[0],
+        )
+        for slot in program.state_slots()
     }
     rows = [
-        _row(n, "float", n.meta.get(PRECISION), body, owners)
+        _row(n, "float", n.meta.get(PRECISION), body, inputs)
         for body, n in nodes
         if PRECISION in n.meta or getattr(node_dtype(n), "is_floating_point", False)
     ]
     listed = {row.node for row in rows}
     rows += [row for body, module in graphs for row in _island_rows(module, body, listed)]
     rows += [
-        _row(n, "int", n.meta.get(INT_PRECISION), body, owners)
+        _row(n, "int", n.meta.get(INT_PRECISION), body, inputs)
         for body, n in nodes
         if INT_PRECISION in n.meta or (int16_ran and node_dtype(n) in WIDE_INT_DTYPES)
     ]
@@ -359,4 +456,4 @@ def report_of(ep: ExportedProgram) -> CastReport | None:
         if isinstance(module, GraphModule)
         for node in module.graph.nodes
     )
-    return build_report(ep, None) if decided else None
+    return build_report(ep, ep.graph_module.meta.get(BEFORE_KEY)) if decided else None

@@ -15,6 +15,8 @@ from fx16.subgraphs import nested_graph_modules
 from fx16.tensor_subclasses import inner_tensors
 
 _BOOKKEEPING = {"getitem"}
+# graph_module.meta key: the program's ProgramStats before fx16 first changed it
+BEFORE_KEY = "fx16.before"
 
 
 @dataclass(frozen=True)
@@ -64,27 +66,35 @@ def program_stats(ep: ExportedProgram) -> ProgramStats:
     casts = inserted = cast_bytes = 0
     ops: Counter[str] = Counter()
     products: Counter[str] = Counter()
-    for module in nested_graph_modules(ep.graph_module):
-        root = module is ep.graph_module
+    for module in nested_graph_modules(ep.graph_module):  # bodies of higher-order ops too
         for node in module.graph.nodes:
             if node.op != "call_function" or node.target in ASSERT_METADATA_OPS:
                 continue
             val = node_val(node)
             if is_cast(node):
-                casts += root
-                inserted += root and is_inserted(node) and node.meta[INSERTED] != WHY_RETARGETED
+                casts += 1
+                inserted += is_inserted(node) and node.meta[INSERTED] != WHY_RETARGETED
                 cast_bytes += bytes_moved(node)
                 continue
             if getattr(node.target, "__name__", "") in _BOOKKEEPING:
                 continue
             if not (isinstance(val, torch.Tensor) and val.dtype.is_floating_point):
                 continue
-            ops[dtype_name(val.dtype)] += root
+            ops[dtype_name(val.dtype)] += 1
             if is_product(node):
                 products[dtype_name(val.dtype)] += flops(node)
     return ProgramStats(
         weight_bytes, casts, inserted, dict(ops), dict(products), cast_bytes, fp32_weight_bytes
     )
+
+
+def record_stats_before(ep: ExportedProgram) -> ProgramStats:
+    """The figures of ``ep`` before fx16 first changed it: recorded in its graph
+    module's meta now unless they are already there (a second cast keeps the first's)."""
+    meta = ep.graph_module.meta
+    if BEFORE_KEY not in meta:
+        meta[BEFORE_KEY] = program_stats(ep)
+    return meta[BEFORE_KEY]
 
 
 def relative_error(reference: torch.Tensor, value: torch.Tensor) -> float:

@@ -27,6 +27,7 @@ from fx16.passes import (
     FuseCastChainsPass,
     InsertFP16CastsPass,
     InsertInt16CastsPass,
+    RecordStatsPass,
     RemoveNoopCastsPass,
 )
 from fx16.pipelines import run_passes
@@ -67,6 +68,7 @@ def test_pass_lists_are_fresh_instances():
     assert [type(p) for p in first] == [type(p) for p in second]
     assert not any(a is b for a, b in zip(first, second))
     assert [type(p) for p in first] == [
+        RecordStatsPass,
         CalibrationAnalysis,
         UnsafeIndexAnalysis,
         ValueRangeAnalysis,

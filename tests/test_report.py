@@ -7,7 +7,7 @@ import torch
 import fx16
 from fx16.report import decision_rows, format_rows, report_of
 from helpers import export
-from models import BucketHash, GrowingLoop, OverflowWeight
+from models import BucketHash, GrowingLoop, OverflowWeight, RMSNormMLP
 
 
 def test_rows_name_every_decision_with_its_reason():
@@ -130,20 +130,36 @@ def test_the_table_shows_full_names_and_modules_and_a_summary_per_layer():
 
 def test_a_pipeline_of_fx16_passes_has_a_report_too():
     """PassManager(fx16.fp16_passes(ep)) stores no report: report_of builds one from the
-    decisions in the nodes' meta, with the same rows and figures as the cast function's."""
+    decisions in the nodes' meta and the figures RecordStatsPass kept of the program
+    before the pipeline, the same as the cast function's (the model's own casts
+    counted before: not "casts: 0 -> 0")."""
     from torch.fx.passes.infra.pass_manager import PassManager
 
+    for model, width in ((OverflowWeight, 4), (RMSNormMLP, 16)):
+        torch.manual_seed(0)
+        by_function = fx16.cast_fp32_to_fp16(export(model(), torch.randn(2, width)))
+        torch.manual_seed(0)
+        by_manager = export(model(), torch.randn(2, width))
+        PassManager(fx16.fp16_passes(by_manager))(by_manager.graph_module)
+        built, stored = report_of(by_manager), report_of(by_function)
+        assert built is not None and built.rows == stored.rows
+        assert built.totals == stored.totals
+        assert built.summary() == stored.summary()
+    assert stored.totals.casts_before > 0 and stored.totals.model_casts_removed > 0
+
+
+def test_a_second_cast_keeps_the_first_casts_figures():
+    """Casting an already cast program again reports the weights against the original
+    (0.50x, not 1.00x) and keeps the accuracy search the first cast ran."""
     torch.manual_seed(0)
-    by_function = fx16.cast_fp32_to_fp16(export(OverflowWeight(), torch.randn(2, 4)))
-    torch.manual_seed(0)
-    by_manager = export(OverflowWeight(), torch.randn(2, 4))
-    PassManager(fx16.fp16_passes(by_manager))(by_manager.graph_module)
-    built, stored = report_of(by_manager), report_of(by_function)
-    assert built is not None and built.rows == stored.rows
-    assert built.totals.weight_bytes_before == stored.totals.weight_bytes_before
-    assert built.totals.float_ops_16bit == stored.totals.float_ops_16bit
-    assert built.totals.model_casts_removed is None  # the pipeline did not record it
-    assert "of the model's removed" not in "\n".join(built.summary())
+    ep = export(RMSNormMLP(), torch.randn(2, 16))
+    fx16.cast_fp32_to_fp16(ep, max_rel_error=0.05)
+    first = report_of(ep)
+    fx16.cast_fp32_to_fp16(ep)
+    second = report_of(ep)
+    assert second.totals == first.totals and second.rows == first.rows
+    assert second.accuracy == first.accuracy is not None
+    assert "(0.50x)" in "\n".join(second.summary())
 
 
 class ScoresBeyondFp16(torch.nn.Module):

@@ -210,10 +210,17 @@ def calibration_calls(
 
 
 def _check_shape(name: str, value, placeholder: Node) -> None:
-    """A tensor whose static sizes differ from what the program takes is refused."""
+    """A tensor whose static sizes differ from what the program takes is refused, and
+    so is a float tensor where it takes integers (token ids), or the reverse."""
     val = placeholder.meta.get("val")
     if not (isinstance(value, torch.Tensor) and isinstance(val, torch.Tensor)):
         return
+    if _dtype_kind(value.dtype) != _dtype_kind(val.dtype):
+        raise InvalidOptionError(
+            f"{name}: input {placeholder.name!r} is {_dtype_kind(value.dtype)} "
+            f"({str(value.dtype).removeprefix('torch.')}); the program takes "
+            f"{_dtype_kind(val.dtype)} ({str(val.dtype).removeprefix('torch.')})"
+        )
     expected = ["*" if not isinstance(size, int) else size for size in val.shape]
     fits = len(expected) == value.dim() and all(
         want == "*" or want == got for want, got in zip(expected, value.shape)
@@ -224,6 +231,14 @@ def _check_shape(name: str, value, placeholder: Node) -> None:
             f"{name}: input {placeholder.name!r} has shape "
             f"{tuple(value.shape)}; the program takes {takes} (* = any size)"
         )
+
+
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "boolean"
+    if dtype.is_complex:
+        return "complex"
+    return "floating point" if dtype.is_floating_point else "integer"
 
 
 def _is_args_kwargs(entry) -> bool:

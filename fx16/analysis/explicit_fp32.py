@@ -101,7 +101,10 @@ class ExplicitFp32Analysis(PassBase):
                 if region and any(is_sensitive(member) for member in region):
                     node.meta[self.META_KEY] = self.verdict(node, region, ranges)
                     verdicts.append(node.meta[self.META_KEY])
-            submodule.meta[self.META_KEY] = verdicts
+            # an earlier cast's verdicts on casts its cleanup removed stay in the report
+            names = {node.name for node in submodule.graph.nodes}
+            earlier = [v for v in submodule.meta.get(self.META_KEY, []) if v.opening not in names]
+            submodule.meta[self.META_KEY] = earlier + verdicts
         return PassResult(graph_module, False)
 
     def verdict(self, opening: Node, region: list[Node], ranges: FloatRanges) -> Island:

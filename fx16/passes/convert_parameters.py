@@ -51,8 +51,9 @@ class ConvertParametersPass(PolicyPass):
             if rule is not None:
                 slot.placeholder.meta[PRECISION] = rule
                 continue
-            if self.policy.precision_for(slot.placeholder, slot.target) != Precision.LOW:
-                decide(slot.placeholder, torch.float32, Reason.POLICY)
+            precision, entry = self.policy.matching_entry(slot.placeholder, slot.target)
+            if precision != Precision.LOW:
+                decide(slot.placeholder, torch.float32, Reason.POLICY, detail=entry)
                 continue
             if id(tensor) not in overflows:
                 overflows[id(tensor)] = _overflows(slot.placeholder, tensor, low)

@@ -40,8 +40,9 @@ class ConvertUserInputsPass(PolicyPass):
                 decide(placeholder, torch.float32, Reason.ACTIVATION_OVERFLOW)
                 continue
             low = self.policy.low
-            if self.policy.precision_for(placeholder) != Precision.LOW:
-                decide(placeholder, torch.float32, Reason.POLICY)
+            precision, entry = self.policy.matching_entry(placeholder)
+            if precision != Precision.LOW:
+                decide(placeholder, torch.float32, Reason.POLICY, detail=entry)
                 continue
             if self.policy.keeps_io(placeholder.name):
                 decide(placeholder, torch.float32, Reason.KEEP_IO)

@@ -37,6 +37,7 @@ from fx16.casts import (
 )
 from fx16.decisions import PRECISION, Reason, decide, decision_of, was_narrowed
 from fx16.islands import asserted_dtype, is_island
+from fx16.names import kept_output_positions, user_output_positions
 from fx16.nodes import (
     FLOAT_DTYPES,
     dtype_arguments,
@@ -120,10 +121,11 @@ class InsertFP16CastsPass(PolicyPass):
     def call(self, graph_module: GraphModule) -> PassResult:
         graph = graph_module.graph
         nodes_before = len(graph.nodes)
+        returned = graph.output_node().args[0]
         kept_outputs = {
-            index: node_dtype(value)
-            for index, value in enumerate(graph.output_node().args[0])
-            if isinstance(value, Node) and self.policy.keeps_io(value.name)
+            index: node_dtype(returned[index])
+            for index in self.kept_output_positions()
+            if isinstance(returned[index], Node)
         }
         if Fp32RulesAnalysis.RAN_KEY not in graph_module.meta:  # used on its own
             rules = Fp32RulesAnalysis.standard(self.policy.low, self.limit, self.force_fp32)
@@ -142,6 +144,13 @@ class InsertFP16CastsPass(PolicyPass):
         self.program.sync_output_specs()
         modified = run.modified or len(graph.nodes) != nodes_before
         return PassResult(graph_module, modified)
+
+    def kept_output_positions(self) -> set[int]:
+        """The output positions ``keep_io_types`` keeps at their dtypes."""
+        kept = self.policy.keep_io_types
+        if kept is True:
+            return set(user_output_positions(self.program))
+        return kept_output_positions(self.program, kept) if kept else set()
 
 
 # Reasons an fp32 value may have that still let a 16-bit op read it through a cast.
@@ -349,7 +358,7 @@ class _Run:
         elif self.policy.precision_for(node) == Precision.LOW:
             self.retarget(node, self.low)
         else:
-            decide(node, FP32, Reason.POLICY)
+            self.decide_fp32(node, Reason.POLICY)
 
     def visit_other_cast(self, node: Node) -> None:
         if cast_dtype(node) is None:
@@ -614,7 +623,8 @@ class _Run:
             self.run_in_fp32(node, Reason.SCALAR_OVERFLOW, True, self.policy.cast_back)
             return
         node.meta["val"] = result
-        decide(node, self.low if self.low in dtypes else FP32, Reason.POLICY_FOLLOW)
+        dtype = self.low if self.low in dtypes else FP32
+        decide(node, dtype, Reason.POLICY_FOLLOW, detail=self.policy.matching_entry(node)[1])
         self.modified = True
 
     def run_in_low(self, node: Node, scalars, dtype_args, produces_fp32: bool) -> None:
@@ -666,7 +676,11 @@ class _Run:
     def decide_fp32(self, node: Node, reason: Reason) -> None:
         """fp32 for ``reason``, with the rule's detail when a rule gave that reason."""
         rule = fp32_rule(node)
-        decide(node, FP32, reason, detail=rule.detail if rule and rule.reason == reason else "")
+        if reason == Reason.POLICY:
+            detail = self.policy.matching_entry(node)[1]
+        else:
+            detail = rule.detail if rule and rule.reason == reason else ""
+        decide(node, FP32, reason, detail=detail)
 
     def upcast_inputs(self, node: Node) -> None:
         substitute_inputs(node, self.widened)

@@ -1,0 +1,27 @@
+"""The named settings fx16 accepts, in a module that imports nothing heavy.
+
+The command line builds its parser (and answers ``--help`` and ``--version``) from
+these without importing torch; the modules that act on a setting check it against
+the same tuples.
+"""
+
+# What becomes of the model's own fp32 regions (see PrecisionPolicy.explicit_fp32).
+EXPLICIT_FP32_CHOICES = ("calibrated", "keep", "retarget")
+# Where routers compute (see PrecisionPolicy.routing).
+ROUTING_CHOICES = ("fp32", "16-bit")
+# int16= modes: "proven" narrows only values whose proven or declared range fits;
+# "observed" also trusts ranges seen on calibration inputs; "assume_safe" narrows the
+# whole castable set unchecked, as coreai-opt does.
+INT16_MODES = ("off", "proven", "observed", "assume_safe")
+# The policy presets by name (PrecisionPolicy.named), with what each means.
+POLICY_PRESETS = {
+    "default": "everything 16-bit where safe",
+    "always_fp32": "nothing changes",
+    "always_fp16": "every op 16-bit, the model's own fp32 casts too",
+    "auto_mixed": "everything 16-bit, reductions too",
+    "auto_mixed_conservative": "reductions fp32",
+    "auto_mixed_bf16": "auto_mixed in bfloat16",
+    "autocast": 'torch.autocast("cpu", dtype=torch.bfloat16), op by op',
+}
+# Precisions a policy override may ask for (PrecisionPolicy's modules/ops/nodes values).
+PRECISION_NAMES = ("16-bit", "fp16", "bf16", "fp32", "follow", "promote")

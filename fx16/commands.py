@@ -1,0 +1,294 @@
+"""What each ``fx16`` command does once ``fx16.cli`` has parsed it.
+
+Inputs are checked before anything runs: each input against what the program takes
+(count, shape, integer or float), and a program that fails on one (an id past the
+vocabulary) is one line on stderr naming the input, never a traceback.
+"""
+
+import os
+import sys
+import time
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from fx16.analysis.calibration import calibration_calls
+from fx16.archive import import_modules, load_program
+from fx16.casting import cast_to_16_bit_precision
+from fx16.cli import BAD_INPUT, BUDGET_NOT_MET
+from fx16.demo import run_demo
+from fx16.errors import AccuracyBudgetError, Fx16Error, one_line
+from fx16.nodes import dtype_name
+from fx16.pipelines import resolve_policy
+from fx16.policy import PrecisionPolicy
+from fx16.program import Program
+from fx16.report import format_rows, report_of
+from fx16.report_html import report_html
+from fx16.stats import relative_error
+
+# Above this many values, inspect opens with a summary per layer.
+LAYER_SUMMARY_ROWS = 60
+
+
+class CommandError(Exception):
+    """A problem with what the user asked for, reported as one line."""
+
+
+class ThresholdMissed(Exception):
+    """compare --max-rel-error: an output differs by more than the threshold."""
+
+
+class Timings:
+    """Seconds per stage, printed on stderr with ``--timings``."""
+
+    def __init__(self, started: float, enabled: bool) -> None:
+        self.enabled, self.last = enabled, started
+        self.stages: list[tuple[str, float]] = []
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.stages.append((stage, now - self.last))
+        self.last = now
+
+    def print(self) -> None:
+        if self.enabled:
+            total = sum(seconds for _, seconds in self.stages)
+            parts = ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in self.stages)
+            print(f"fx16 timings: {parts}; total {total:.2f} s", file=sys.stderr)
+
+
+def run(args, started: float) -> int:
+    """Run the parsed command; the exit code."""
+    timings = Timings(started, getattr(args, "timings", False))
+    timings.lap("start-up (Python, torch, fx16)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            code = COMMANDS[args.command](args, timings)
+        timings.print()
+        return code
+    except (CommandError, Fx16Error, ThresholdMissed) as error:
+        print(f"fx16: error: {error}", file=sys.stderr)
+        missed = isinstance(error, (AccuracyBudgetError, ThresholdMissed))
+        return BUDGET_NOT_MET if missed else BAD_INPUT
+    except BrokenPipeError:  # the reader stopped (fx16 inspect ... | head): not an error
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (the exit flush writes here)
+        return 0
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+
+def cast_command(args, timings: Timings) -> int:
+    source = _existing_program_path(args.input)
+    if args.output is None and not args.dry_run:
+        raise CommandError("the cast program needs somewhere to go: pass -o OUT.pt2 (or --dry-run)")
+    if args.output is not None:
+        target = args.output.expanduser()
+        if target.resolve() == source.resolve() and not args.force:
+            raise CommandError(f"{target} is the input file; pass --force to overwrite it")
+        if not target.parent.is_dir():
+            raise CommandError(f"directory {target.parent} does not exist")
+    _check_report_path(args.report)
+    ep, report, error = _cast(source, args, timings)
+    if not args.quiet:
+        _summarise(report, error, out=sys.stdout)
+    if args.report is not None:
+        args.report.write_text(report.to_json())
+    if not args.dry_run:
+        torch.export.save(ep, target)
+        timings.lap("save")
+        if not args.quiet:
+            print(f"wrote {target}")
+    return 0
+
+
+def inspect_command(args, timings: Timings) -> int:
+    if args.html is not None and not args.html.expanduser().parent.is_dir():
+        raise CommandError(f"directory {args.html.expanduser().parent} does not exist")
+    _check_report_path(args.report)
+    _, report, error = _cast(_existing_program_path(args.input), args, timings)
+    if args.html is not None:
+        args.html.expanduser().write_text(report_html(report, args.input.name))
+    if args.report is not None:
+        args.report.write_text(report.to_json())
+    rows = report.rows if args.all else report.explained()
+    if len(report.rows) > LAYER_SUMMARY_ROWS:  # a big model: its layers first
+        print("\n".join(report.by_layer()), end="\n\n")
+    print(format_rows(rows), end="\n\n")
+    _summarise(report, error, out=sys.stdout)
+    return 0
+
+
+def compare_command(args, timings: Timings) -> int:
+    first = _load(_existing_program_path(args.first), args)
+    second = _load(_existing_program_path(args.second), args)
+    timings.lap("load")
+    calls = _read_inputs(args.inputs) if args.inputs else _example_calls(first)
+    if not calls:
+        raise CommandError(f"{args.first} records no example inputs: pass --inputs INPUTS.pt")
+    for path, program in ((args.first, first), (args.second, second)):
+        calibration_calls(Program(program), calls, label=f"{path}'s inputs")
+    columns = ("input", "output", "shape", "A dtype", "B dtype", "max |A-B|", "rel. error")
+    print("{:>5} {:>6} {:18} {:10} {:10} {:>12} {:>11}".format(*columns))
+    worst = 0.0
+    for call, (call_args, call_kwargs) in enumerate(calls):
+        outputs = [
+            _run(program, (call_args, call_kwargs), f"{path}'s inputs[{call}]")
+            for path, program in ((args.first, first), (args.second, second))
+        ]
+        for index, (a, b) in enumerate(zip(*outputs)):
+            if not isinstance(a, torch.Tensor):
+                continue
+            difference = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+            error = relative_error(a, b)
+            worst = max(worst, error) if a.is_floating_point() else worst
+            print(
+                f"{call:>5} {index:>6} {str(tuple(a.shape)):18} {dtype_name(a.dtype):10} "
+                f"{dtype_name(b.dtype):10} {difference:>12.4g} {error:>11.3g}"
+            )
+    timings.lap("run both")
+    if args.max_rel_error is not None and worst > args.max_rel_error:
+        raise ThresholdMissed(
+            f"outputs differ by {worst:.3g} (relative), more than --max-rel-error "
+            f"{args.max_rel_error:g}"
+        )
+    return 0
+
+
+def demo_command(args, timings: Timings) -> int:
+    run_demo()
+    return 0
+
+
+COMMANDS = {
+    "cast": cast_command,
+    "inspect": inspect_command,
+    "compare": compare_command,
+    "demo": demo_command,
+}
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def _existing_program_path(path: Path) -> Path:
+    path = path.expanduser()
+    if not path.exists():
+        raise CommandError(f"{path} does not exist")
+    if not path.is_file():
+        raise CommandError(f"{path} is not a file")
+    return path
+
+
+def _check_report_path(path: Path | None) -> None:
+    if path is not None and not path.expanduser().parent.is_dir():
+        raise CommandError(f"directory {path.expanduser().parent} does not exist")
+
+
+def _load(path: Path, args):
+    """The program in ``path``, after importing the modules ``--import`` names."""
+    import_modules(args.imports)
+    return load_program(path)
+
+
+def _read_inputs(path: Path) -> list[tuple[tuple, dict]]:
+    if not path.exists():
+        raise CommandError(f"{path} does not exist")
+    try:
+        loaded = torch.load(path, weights_only=False)
+    except Exception as error:
+        raise CommandError(
+            f"cannot read inputs from {path}: expected a list of input tuples saved with "
+            f"torch.save ({one_line(error)})"
+        ) from error
+    entries = loaded if isinstance(loaded, list) else [loaded]
+    calls = []
+    for entry in entries:
+        if isinstance(entry, torch.Tensor):
+            entry = (entry,)
+        if not isinstance(entry, (tuple, list)):
+            raise CommandError(
+                f"{path} must hold a list of input tuples, found {type(entry).__name__}"
+            )
+        calls.append((tuple(entry), {}))
+    return calls
+
+
+def _example_calls(ep) -> list[tuple[tuple, dict]]:
+    return [ep.example_inputs] if ep.example_inputs is not None else []
+
+
+def _run(ep, call: tuple[tuple, dict], label: str) -> list:
+    """``ep``'s outputs on ``call``; one line naming the input if the program fails on it
+    (an id past the vocabulary, ...), whatever the type of its complaint."""
+    try:
+        return Program(ep).run(*call)
+    except Exception as error:
+        raise CommandError(f"{label}: the program fails on it: {one_line(error)}") from error
+
+
+def _policy(args) -> PrecisionPolicy:
+    """The preset ``--policy`` names, with the command line's settings and overrides."""
+    keep = True if args.keep_io_types else frozenset(args.keep_io) or None
+    policy = resolve_policy(args.policy, explicit_fp32=args.explicit_fp32, keep_io_types=keep)
+    overrides = {
+        table: {**getattr(policy, table), **dict(getattr(args, table))}
+        for table in ("modules", "ops", "nodes")
+        if getattr(args, table)
+    }
+    if not overrides:
+        return policy
+    return PrecisionPolicy.custom(policy, name=f"{policy.name} with overrides", **overrides)
+
+
+def _cast(source: Path, args, timings: Timings):
+    """Load, check the inputs, keep the fp32 outputs of the first as the reference,
+    cast and report."""
+    ep = _load(source, args)
+    timings.lap("load")
+    policy = _policy(args)
+    if args.target_share is not None and args.max_rel_error is None:
+        raise CommandError("--target-share needs --max-rel-error")
+    label = str(args.calibrate or "example inputs")
+    calls = _read_inputs(args.calibrate) if args.calibrate else _example_calls(ep)
+    calls = calibration_calls(Program(ep), calls, label=label)  # count, shapes, dtypes
+    references = [_run(ep, call, f"{label}[0]") for call in calls[:1]]
+    timings.lap("inputs checked and fp32 reference run")
+    cast_to_16_bit_precision(
+        ep,
+        policy=policy,
+        int16=args.int16,
+        input_ranges=dict(args.input_ranges) or None,
+        calibration=list(calls) if args.calibrate else None,
+        max_rel_error=args.max_rel_error,
+        target_share=args.target_share,
+        progress=False if args.quiet else None,
+    )
+    timings.lap("cast")
+    error = None
+    if references:
+        got = Program(ep).run(*calls[0])
+        error = max(
+            (
+                relative_error(r, g)
+                for r, g in zip(references[0], got)
+                if isinstance(r, torch.Tensor) and r.is_floating_point()
+            ),
+            default=None,
+        )
+    report = report_of(ep)
+    report = replace(report, provenance={**report.provenance, "input": str(source)})
+    timings.lap("error check and report")
+    return ep, report, error
+
+
+def _summarise(report, error, out) -> None:
+    """The report's totals (as ``inspect`` prints them) and the error against fp32: the
+    accuracy search's own, over the calibration inputs, when it ran."""
+    for line in report.summary():
+        print(line, file=out)
+    if report.accuracy is None and error is not None:
+        print(f"max relative error vs fp32: {error:.3g} on the first input", file=out)

@@ -1,0 +1,26 @@
+"""RecordStatsPass: the program's figures before fx16 changes it, for the report."""
+
+from torch.fx import GraphModule
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16.program import Program
+from fx16.stats import BEFORE_KEY, record_stats_before
+
+
+class RecordStatsPass(PassBase):
+    """Record the program's weight bytes, casts and ops before any fx16 pass runs, so
+    that the report compares with the program the user gave, on every route (a cast
+    function, or the pass lists run by ``PassManager``).
+
+    Reads: the program. Writes: ``graph_module.meta["fx16.before"]`` (a ProgramStats),
+    only when absent: a second pipeline on the same program (the int16 one after the
+    fp16 one, or a second cast) keeps the first record.
+    """
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        if BEFORE_KEY not in graph_module.meta:
+            record_stats_before(self.program.ep)
+        return PassResult(graph_module, False)

@@ -1,0 +1,89 @@
+"""fx16.names: every name a user gives must name something; outputs by position or the
+model's own name."""
+
+import pytest
+import torch
+
+import fx16
+from fx16 import InvalidOptionError, PrecisionPolicy
+from fx16.names import output_names
+from fx16.program import Program
+from helpers import assert_same_state, export, state_snapshot
+
+
+class TwoLayers(torch.nn.Module):
+    """Two linear layers returning a dict: outputs named "out" and "aux"."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return {"out": x, "aux": x.sum(-1)}
+
+
+def _program():
+    torch.manual_seed(0)
+    return export(TwoLayers(), torch.randn(2, 4))
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        ({"keep_io_types": ["nosuch"]}, "keep_io_types names nothing in this program: 'nosuch'"),
+        (
+            {"policy": PrecisionPolicy.custom(modules={"layers.9": "fp32"})},
+            "policy modules names nothing in this program: 'layers.9'; closest: ",
+        ),
+        (
+            {"policy": PrecisionPolicy.custom(nodes={"linear_999": "fp32"})},
+            "policy nodes names nothing in this program: 'linear_999'; closest: linear",
+        ),
+        ({"policy": PrecisionPolicy.custom(ops={"softmx": "fp32"})}, "no ATen op: 'softmx'"),
+        ({"force_fp32": frozenset({"nope"})}, "force_fp32 names nothing in this program"),
+    ],
+)
+def test_a_name_that_matches_nothing_is_refused_and_changes_nothing(options, words):
+    ep = _program()
+    before = state_snapshot(ep)
+    cast = fx16.cast_to_16_bit_precision if "force_fp32" in options else fx16.cast_fp32_to_fp16
+    with pytest.raises(InvalidOptionError, match=words.replace("(", r"\(")) as raised:
+        cast(ep, **options)
+    assert "\n" not in str(raised.value)
+    assert_same_state(state_snapshot(ep), before)
+
+
+def test_the_error_lists_the_names_there_are():
+    with pytest.raises(InvalidOptionError) as raised:
+        fx16.fp16_passes(_program(), keep_io_types=["nosuch"])
+    assert "x, 0 or out, 1 or aux" in str(raised.value)  # the input, each output both ways
+
+
+def test_outputs_have_the_models_names():
+    assert output_names(Program(_program())) == ["out", "aux"]
+
+    class Nested(torch.nn.Module):
+        def forward(self, x):
+            return x + 1, {"a": x * 2}
+
+    assert output_names(Program(export(Nested(), torch.randn(2)))) == ["0", "1.a"]
+
+
+@pytest.mark.parametrize(
+    "kept, stays_fp32",
+    [(["out"], {"out"}), ([1], {"aux"}), (["0", "aux"], {"out", "aux"}), (True, {"out", "aux"})],
+)
+def test_keep_io_types_addresses_outputs_by_position_and_by_name(kept, stays_fp32):
+    ep = fx16.cast_fp32_to_fp16(_program(), keep_io_types=kept)
+    args, kwargs = fx16.inputs_for(ep, torch.randn(2, 4))
+    outputs = ep.module()(*args, **kwargs)
+    assert {name for name, value in outputs.items() if value.dtype == torch.float32} == stays_fp32
+
+
+def test_names_that_exist_are_accepted_on_every_route():
+    policy = PrecisionPolicy.custom(modules={"layers.1": "fp32"}, nodes={"linear": "fp32"})
+    ep = fx16.cast_fp32_to_fp16(_program(), policy=policy, keep_io_types=["x", "aux"])
+    assert ep.module()(torch.randn(2, 4))["aux"].dtype == torch.float32
+    assert fx16.fp16_passes(_program(), policy=policy)
