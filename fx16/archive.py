@@ -55,9 +55,10 @@ def check_archive(path: Path) -> None:
 
 
 def _written_by_torch_save(names: list[str]) -> bool:
-    """A torch.save zip holds ``<name>/data.pkl``; a .pt2 archive holds ``archive_format``."""
+    """A torch.save zip holds ``<name>/data.pkl`` and ``<name>/version``; a .pt2
+    archive holds ``archive_format``."""
     entries = {name.partition("/")[2] for name in names}
-    return "data.pkl" in entries and "archive_format" not in entries
+    return {"data.pkl", "version"} <= entries and "archive_format" not in entries
 
 
 def load_program(path: Path) -> torch.export.ExportedProgram:

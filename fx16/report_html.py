@@ -6,7 +6,9 @@ cells, one per float value in graph order, coloured by the precision fx16 chose;
 hovering a cell shows the value's node, op, dtype, rule and reason - for an fp32
 value, why it stays fp32 and what that costs. The totals head the page, the share
 of matmul/conv/attention FLOPs in 16-bit first, and each layer gives its own; a
-button hides the 16-bit cells.
+button hides the 16-bit cells. Below the layers, a table lists every fp32 value
+with its rule, cost and reason in plain text (readable without hovering, printable,
+searchable); clicking an fp32 cell jumps to its line there.
 """
 
 import html
@@ -29,6 +31,10 @@ td.counts { white-space: nowrap; color: #5f6368; }
 .cell { margin: 1px; cursor: help; }
 .cell:hover { outline: 2px solid #202124; }
 body.fp32-only .cell.precision-16-bit { visibility: hidden; }
+h2 { font-size: 16px; margin: 24px 0 4px; }
+table.reasons td { font-size: 13px; }
+table.reasons td.node { font-family: ui-monospace, monospace; }
+table.reasons tr:target { background: #fde7d7; }
 #tip { position: fixed; pointer-events: none; background: #202124; color: #fff;
        padding: 6px 8px; border-radius: 4px; max-width: 520px; display: none; }
 """
@@ -43,6 +49,10 @@ document.querySelectorAll('.cell').forEach(cell => {
     tip.style.top = (event.clientY + 12) + 'px';
   });
   cell.addEventListener('mouseleave', () => { tip.style.display = 'none'; });
+  cell.addEventListener('click', () => {
+    const line = document.getElementById('why-' + cell.dataset.node);
+    if (line) { location.hash = line.id; }
+  });
 });
 document.getElementById('only-fp32').addEventListener('click', () => {
   document.body.classList.toggle('fp32-only');
@@ -67,8 +77,30 @@ def report_html(report: CastReport, title: str) -> str:
         f'<ul class="totals">{totals}</ul>'
         f'<div class="legend">{legend}<button id="only-fp32">show only fp32</button></div>'
         f'<table><tbody id="layers">{body}</tbody></table>'
+        f"{_reasons(report)}"
         f'<div id="tip"></div><script>{_SCRIPT}</script></body></html>\n'
     )
+
+
+def _reasons(report: CastReport) -> str:
+    """Every fp32 float value, with its rule, what fp32 costs, and why, as a table."""
+    rows = [row for row in report.explained() if _precision(row) == "fp32"]
+    lines = "".join(
+        f'<tr id="why-{html.escape(row.node)}"><td class="node">{html.escape(row.node)}</td>'
+        f"<td>{html.escape(row.module or '-')}</td><td>{html.escape(row.op)}</td>"
+        f"<td>{html.escape(row.rule)}</td><td>{html.escape(row.cost() or '-')}</td>"
+        f"<td>{html.escape(_why(row))}</td></tr>"
+        for row in rows
+        if row.kind == "float"
+    )
+    columns = ("node", "module", "op", "rule", "fp32 cost", "why")
+    header = "<tr>" + "".join(f"<th>{name}</th>" for name in columns) + "</tr>"
+    title = f"<h2>fp32 values and why ({len(rows)})</h2>"
+    return f'{title}<table class="reasons"><thead>{header}</thead><tbody>{lines}</tbody></table>'
+
+
+def _why(row: Row) -> str:
+    return f"{row.reason}: {row.detail}" if row.detail else row.reason
 
 
 def _precision(row: Row) -> str:
@@ -91,9 +123,7 @@ def _layer_row(name: str, rows: list[Row]) -> str:
 
 def _cell(row: Row) -> str:
     precision = _precision(row)
-    why = f"{row.node} ({row.op}): {row.dtype}, {row.rule}: {row.reason}"
-    if row.detail:
-        why += f": {row.detail}"
+    why = f"{row.node} ({row.op}): {row.dtype}, {row.rule}: {_why(row)}"
     if row.cost():
         why += f" (in fp32: {row.cost()})"
     return (

@@ -252,8 +252,8 @@ OPTION_ERRORS = [
     (
         fx16.cast_fp32_to_fp16,
         dict(calibration=[(torch.ones(3, 8, dtype=torch.int64),)]),
-        "calibration[0]: the program fails on it: RuntimeError: "
-        "mat1 and mat2 must have the same dtype, but got Long and Float",
+        "calibration[0]: input 'x' is integer (int64); the program takes floating point "
+        "(float32)",
     ),
     (
         fx16.cast_fp32_to_fp16,
@@ -269,8 +269,8 @@ OPTION_ERRORS = [
         fx16.cast_fp32_to_fp16,
         dict(keep_io=True),
         "cast_fp32_to_fp16: unknown option(s) ['keep_io']; accepted: ['calibration', "
-        "'explicit_fp32', 'input_ranges', 'keep_io_types', 'max_rel_error', 'overflow_margin', "
-        "'policy', 'progress']",
+        "'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'max_rel_error', "
+        "'overflow_margin', 'policy', 'progress', 'target_share']",
     ),
     (
         fx16.cast_int32_to_int16,

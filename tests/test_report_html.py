@@ -28,7 +28,10 @@ class _Cells(HTMLParser):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cells, self.external = [], []
+        self.cells, self.external, self.text = [], [], []
+
+    def handle_data(self, data):
+        self.text.append(data)
 
     def handle_starttag(self, tag, attrs):
         attributes = dict(attrs)
@@ -61,6 +64,17 @@ def test_one_cell_per_float_value_and_a_reason_on_every_fp32_cell():
     assert len(wide) == sum(not row.narrowed for row in floats) > 0
     assert all("explicit_fp32" in title and "reaches" in title for title in wide[:3])
     assert page.external == []  # self-contained: nothing to fetch
+
+
+def test_every_fp32_reason_is_on_the_page_as_text_not_only_on_hover():
+    report = report_of(fx16.cast_fp32_to_fp16(_kept_island_program()))
+    text = "".join(_cells(report_html(report, "norm.pt2")).text)
+    wide = [
+        r for r in report.rows if r.kind == "float" and not r.narrowed and r.rule != "left_as_is"
+    ]
+    assert wide and f"fp32 values and why ({len(wide)})" in text
+    for row in wide:
+        assert row.reason in text and row.detail in text and row.node in text
 
 
 @settings(max_examples=examples(10), deadline=None)
@@ -137,3 +151,4 @@ def test_inspect_html_renders_in_a_headless_browser(tmp_path):
     wide = [title for classes, title in rendered.cells if "precision-fp32" in classes]
     assert wide and all("kept" in title or "fp32" in title for title in wide)
     assert "fx16 decisions: norm.pt2" in dom
+    assert "fp32 values and why" in "".join(rendered.text)  # the reasons, rendered as text
