@@ -91,6 +91,11 @@ class Program:
         _register_missing_users(ep.graph_module)
         _unshare_meta(ep.graph_module)
 
+    @classmethod
+    def of(cls, program: "Program | ExportedProgram") -> "Program":
+        """``program`` itself, or a Program of an ExportedProgram: every pass takes either."""
+        return program if isinstance(program, Program) else cls(program)
+
     @property
     def graph_module(self) -> GraphModule:
         return self.ep.graph_module

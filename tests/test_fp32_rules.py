@@ -3,22 +3,32 @@ needs no change to the pass that applies them."""
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 from torch import nn
 
-from fx16.analysis import CalibrationAnalysis, Fp32RulesAnalysis, UnsafeIndexAnalysis
+import fx16
+from fx16 import PreconditionError
+from fx16.analysis import (
+    CalibrationAnalysis,
+    ConditioningAnalysis,
+    Fp32RulesAnalysis,
+    RoutingAnalysis,
+    UnsafeIndexAnalysis,
+)
 from fx16.analysis.fp32_rules import (
     AccuracyBudgetRule,
     ConditioningRule,
     ObservedOverflowRule,
+    RouterRule,
     UnsafeIndexRule,
     fp32_rule,
 )
 from fx16.decisions import PRECISION, Reason
 from fx16.passes import ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass
-from fx16.pipelines import run_passes
+from fx16.pipelines import run_passes, without_rules
 from fx16.program import Program
-from helpers import check_program, export
+from helpers import assert_same_state, check_program, export, state_snapshot
 
 
 class Model(nn.Module):
@@ -52,7 +62,26 @@ def test_each_rule_alone():
     assert index["tanh"].reason == Reason.UNSAFE_INDEX and index["mul"] is None
     budget = _rules(ep, [AccuracyBudgetRule(frozenset({"relu"}))])
     assert [name for name, rule in budget.items() if rule] == ["relu"]
+    with pytest.raises(PreconditionError, match="reads what ConditioningAnalysis finds"):
+        _rules(ep, [ConditioningRule()])  # its analysis has not run: not "nothing found"
+    ConditioningAnalysis(Program(ep))(ep.graph_module)
     assert not any(_rules(ep, [ConditioningRule()]).values())  # nothing ill-conditioned here
+
+
+def test_a_pipeline_without_the_index_analysis_names_it():
+    """Dropping UnsafeIndexAnalysis from fp16_passes would cast the floats that decide
+    an index: the rules that read it refuse to run, naming it; the program is intact."""
+    ep = export(Model(), torch.randn(2, 8))
+    before = state_snapshot(ep)
+    passes = [p for p in fx16.fp16_passes(ep) if not isinstance(p, UnsafeIndexAnalysis)]
+    with pytest.raises(PreconditionError, match="UnsafeIndexAnalysis"):
+        run_passes(passes, ep.graph_module)
+    assert_same_state(before, state_snapshot(ep))
+    trimmed = without_rules(fx16.fp16_passes(ep), UnsafeIndexRule, RouterRule)
+    run_passes(
+        [p for p in trimmed if not isinstance(p, (UnsafeIndexAnalysis, RoutingAnalysis))],
+        ep.graph_module,
+    )
 
 
 def test_the_first_rule_that_applies_wins():

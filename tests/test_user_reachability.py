@@ -84,3 +84,11 @@ def test_reachable_is_exactly_the_descendants_of_user_inputs(depth):
         if node.op == "call_function":
             expected = any(found[arg.name] for arg in node.all_input_nodes)
             assert found[node.name] == expected
+
+
+def test_every_pass_takes_the_exported_program_as_the_cast_functions_do():
+    """UserReachabilityAnalysis(ep), not only UserReachabilityAnalysis(Program(ep))."""
+    ep = export(ConstantBranch(), torch.arange(4))
+    by_program = _analyse(ep)
+    UserReachabilityAnalysis(ep)(ep.graph_module)
+    assert {n.name: n.meta[KEY] for n in ep.graph_module.graph.nodes} == by_program

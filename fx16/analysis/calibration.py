@@ -6,10 +6,11 @@ import warnings
 import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.centering import CENTERING_OPS, cancellation_ratio, centered_input
 from fx16.boundaries import Boundaries
+from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError, one_line
 from fx16.interpreter import BodyInterpreter
 from fx16.numerics import INF_LIKE
@@ -23,7 +24,7 @@ from fx16.program import Program
 from fx16.tensor_subclasses import inner_tensors, is_subclass
 
 
-class CalibrationAnalysis(PassBase):
+class CalibrationAnalysis(Analysis):
     """Run the program on calibration inputs and record how large each value gets.
 
     Reads: the program's state and ``calibration`` (a list of argument tuples, or
@@ -73,7 +74,7 @@ class CalibrationAnalysis(PassBase):
     STATUS_KEY = "fx16.calibration"
 
     def __init__(self, program: Program, calibration: list | None = None) -> None:
-        self.program = program
+        self.program = Program.of(program)
         self.calibration = calibration
 
     def call(self, graph_module: GraphModule) -> PassResult:

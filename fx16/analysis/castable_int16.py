@@ -3,10 +3,11 @@
 from collections import deque
 
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.user_reachability import UserReachabilityAnalysis
+from fx16.contracts import Analysis
 from fx16.errors import PreconditionError
 from fx16.nodes import node_dtype, value_scalars
 from fx16.ops import INT16_COMPUTE_OPS, WIDE_INT_DTYPES
@@ -21,7 +22,7 @@ def has_scalar_operand(node: Node) -> bool:
     return node.target in INT16_COMPUTE_OPS and bool(value_scalars(node))
 
 
-class CastableInt16Analysis(PassBase):
+class CastableInt16Analysis(Analysis):
     """Mark the castable set: integer nodes connected to an int16 computation.
 
     Seeds are integer add/sub/mul with only tensor operands. The set grows from them
@@ -39,7 +40,7 @@ class CastableInt16Analysis(PassBase):
     META_KEY = "fx16.castable_int16"
 
     def __init__(self, program: Program | None = None) -> None:
-        self.program = program
+        self.program = None if program is None else Program.of(program)
 
     def _missing(self, graph_module: GraphModule) -> bool:
         keys = (UserReachabilityAnalysis.META_KEY, UnsafeIndexAnalysis.META_KEY)

@@ -48,13 +48,14 @@ from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.centering import CENTERING_OPS, buffer_ratio, running_statistics
 from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.upstream import elementwise_past
 from fx16.boundaries import Boundaries
+from fx16.contracts import Analysis
 from fx16.nodes import node_val
 from fx16.numerics import INF_LIKE
 from fx16.ops import (
@@ -87,7 +88,7 @@ class Finding:
     chain: tuple[Node, ...]
 
 
-class ConditioningAnalysis(PassBase):
+class ConditioningAnalysis(Analysis):
     """Mark the ops whose condition number amplifies 16-bit input rounding past the
     policy's ``precision_tolerance``, with the values they read (see the module)."""
 
@@ -95,7 +96,7 @@ class ConditioningAnalysis(PassBase):
     FINDING_KEY = "fx16.conditioning"
 
     def __init__(self, program: Program, policy: PrecisionPolicy | None = None) -> None:
-        self.program = program
+        self.program = Program.of(program)
         self.policy = policy or PrecisionPolicy.default()
 
     def call(self, graph_module: GraphModule) -> PassResult:

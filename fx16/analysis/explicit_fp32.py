@@ -40,13 +40,14 @@ from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.float_range import FloatRanges
 from fx16.boundaries import Boundaries
 from fx16.casts import cast_dtype, is_cast
+from fx16.contracts import Analysis
 from fx16.decisions import Reason, decide
 from fx16.islands import asserted_dtype, is_sensitive, island_region
 from fx16.nodes import FLOAT_DTYPES, node_dtype, node_val, op_label, requested_dtypes
@@ -72,7 +73,7 @@ class Island:
     members: frozenset[str]
 
 
-class ExplicitFp32Analysis(PassBase):
+class ExplicitFp32Analysis(Analysis):
     """Decide every fp32 region the model opens itself (see the module)."""
 
     META_KEY = "fx16.explicit_fp32"
@@ -83,7 +84,7 @@ class ExplicitFp32Analysis(PassBase):
         policy: PrecisionPolicy | None = None,
         overflow_margin: float = 2.0,
     ) -> None:
-        self.program = program
+        self.program = Program.of(program)
         self.policy = policy or PrecisionPolicy.default()
         self.limit = largest(self.policy.low) / overflow_margin
         # below this (the margin again) every value lies in the 16-bit subnormal range

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.routing import RoutingAnalysis
 from fx16.analysis.underflow import UnderflowAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
+from fx16.contracts import Analysis
 from fx16.decisions import Decision, Reason
 from fx16.ops import SELECTION_OPS, is_custom_op
 from fx16.propagation import runs_narrowed
@@ -33,6 +34,7 @@ class UnsafeIndexRule:
     one: its indices are valid whatever it compares (see RouterRule). Reads
     ``meta["fx16.unsafe_index"]``."""
 
+    needs = (UnsafeIndexAnalysis,)
     reason = Reason.UNSAFE_INDEX
 
     def applies(self, node: Node) -> str | None:
@@ -58,6 +60,7 @@ class ObservedOverflowRule:
     ``meta["fx16.observed_range"]``."""
 
     limit: float
+    needs = (CalibrationAnalysis,)
     reason = Reason.ACTIVATION_OVERFLOW
 
     def applies(self, node: Node) -> str | None:
@@ -85,6 +88,7 @@ class ConditioningRule:
     """An op the conditioning analysis found ill-conditioned, and the values it reads.
     Reads ``meta["fx16.ill_conditioned"]``."""
 
+    needs = (ConditioningAnalysis,)
     reason = Reason.ILL_CONDITIONED
 
     def applies(self, node: Node) -> str | None:
@@ -96,6 +100,7 @@ class UnderflowRule:
     """An op singular at zero whose argument would flush to zero or be subnormal in
     16-bit, and its elementwise past. Reads ``meta["fx16.underflow"]``."""
 
+    needs = (UnderflowAnalysis,)
     reason = Reason.UNDERFLOW
 
     def applies(self, node: Node) -> str | None:
@@ -107,14 +112,18 @@ class RouterRule:
     """A router op the policy keeps in fp32 (``routing="fp32"``). Reads
     ``meta["fx16.router"]``."""
 
+    needs = (RoutingAnalysis,)
     reason = Reason.ROUTER
 
     def applies(self, node: Node) -> str | None:
         return node.meta.get(RoutingAnalysis.META_KEY)
 
 
-class Fp32RulesAnalysis(PassBase):
+class Fp32RulesAnalysis(Analysis):
     """Ask each rule about every node (nested bodies too); publish the first answer.
+
+    Requires: the analyses its rules read (each rule's ``needs``) to have run; a
+    pipeline that leaves one out gets a ``PreconditionError`` naming it.
 
     Writes: ``node.meta["fx16.fp32_rule"]``, a ``Decision(torch.float32, reason,
     detail)``, on each node a rule keeps in fp32; absent elsewhere. Also
@@ -126,6 +135,8 @@ class Fp32RulesAnalysis(PassBase):
 
     def __init__(self, rules: list) -> None:
         self.rules = list(rules)
+        # the analyses whose facts the rules read (a rule's ``needs``)
+        self.needs = tuple({a: None for rule in self.rules for a in getattr(rule, "needs", ())})
 
     @classmethod
     def standard(

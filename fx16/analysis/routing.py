@@ -22,14 +22,14 @@ import operator
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.upstream import elementwise_past
 from fx16.boundaries import Boundaries
+from fx16.contracts import Analysis
 from fx16.cost import flops, is_product
-from fx16.errors import PreconditionError
 from fx16.nodes import node_val
 from fx16.ops import SELECTION_OPS
 from fx16.policy import PrecisionPolicy
@@ -40,18 +40,16 @@ from fx16.program import Program
 ROUTER_SHARE = 0.01
 
 
-class RoutingAnalysis(PassBase):
+class RoutingAnalysis(Analysis):
     """Mark the router ops the policy keeps in fp32 (see the module)."""
 
     META_KEY = "fx16.router"
 
     def __init__(self, program: Program, policy: PrecisionPolicy | None = None) -> None:
-        self.program = program
+        self.program = Program.of(program)
         self.policy = policy or PrecisionPolicy.default()
 
-    def requires(self, graph_module: GraphModule) -> None:
-        if not any(UnsafeIndexAnalysis.META_KEY in n.meta for n in graph_module.graph.nodes):
-            raise PreconditionError("RoutingAnalysis: run UnsafeIndexAnalysis first")
+    needs = (UnsafeIndexAnalysis,)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         boundaries = Boundaries(graph_module)

@@ -29,12 +29,13 @@ import math
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.upstream import elementwise_past
 from fx16.boundaries import Boundaries
+from fx16.contracts import Analysis
 from fx16.nodes import node_val
 from fx16.numerics import smallest_normal
 from fx16.ops import POWER_OPS, SINGULAR_AT_ZERO
@@ -42,7 +43,7 @@ from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 
 
-class UnderflowAnalysis(PassBase):
+class UnderflowAnalysis(Analysis):
     """Mark the ops singular at zero whose argument would flush to zero or lose its
     precision among 16-bit's subnormals, with their elementwise past (see the module)."""
 
@@ -54,7 +55,7 @@ class UnderflowAnalysis(PassBase):
         policy: PrecisionPolicy | None = None,
         overflow_margin: float = 2.0,
     ) -> None:
-        self.program = program
+        self.program = Program.of(program)
         # below this (the margin again) a value is among the 16-bit subnormals, or zero
         self.smallest_normal = smallest_normal((policy or PrecisionPolicy.default()).low)
         self.smallest_normal *= overflow_margin

@@ -5,15 +5,16 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.boundaries import Boundaries
+from fx16.contracts import Analysis
 from fx16.cost import is_product
 from fx16.nodes import node_val
 from fx16.ops import INDEX_ARGUMENTS, SELECTION_OPS
 
 
-class UnsafeIndexAnalysis(PassBase):
+class UnsafeIndexAnalysis(Analysis):
     """Mark every node whose exact value decides an index, along any path.
 
     Index arguments are listed in ``fx16.ops.INDEX_ARGUMENTS``: embedding ids,

@@ -1,12 +1,13 @@
 """UserReachabilityAnalysis: which nodes depend on a user input."""
 
 from torch.fx import GraphModule
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
+from fx16.contracts import Analysis
 from fx16.program import Program
 
 
-class UserReachabilityAnalysis(PassBase):
+class UserReachabilityAnalysis(Analysis):
     """Mark every node with whether its value depends on a user input.
 
     Reads: the program's signature (which placeholders are user inputs).
@@ -18,7 +19,7 @@ class UserReachabilityAnalysis(PassBase):
     META_KEY = "fx16.user_reachable"
 
     def __init__(self, program: Program) -> None:
-        self.program = program
+        self.program = Program.of(program)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         reachable = set(self.program.user_input_placeholders())

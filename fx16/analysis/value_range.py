@@ -8,12 +8,13 @@ from typing import Any
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._sympy.value_ranges import bound_sympy
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.index_bounds import index_bounds
 from fx16.boundaries import Boundaries
+from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError
 from fx16.nodes import named_argument, node_val
 from fx16.ops import CAST_OPS, INT_DTYPES, POSITION_OPS, VALUE_PRESERVING_OPS, overloads
@@ -120,7 +121,7 @@ def _checked_ranges(input_ranges) -> dict[str, tuple[int, int]]:
     return dict(input_ranges)
 
 
-class ValueRangeAnalysis(PassBase):
+class ValueRangeAnalysis(Analysis):
     """Give every integer (and bool) value an interval, with its source.
 
     Facts come from integer constants and buffers, sizes bounded by the program's
@@ -145,7 +146,7 @@ class ValueRangeAnalysis(PassBase):
     META_KEY = "fx16.value_range"
 
     def __init__(self, program: Program, input_ranges: dict | None = None) -> None:
-        self.program = program
+        self.program = Program.of(program)
         self.input_ranges = _checked_ranges(input_ranges or {})
 
     def call(self, graph_module: GraphModule) -> PassResult:

@@ -37,12 +37,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
+from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.calibration import CalibrationAnalysis, calibration_calls
 from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis, islands
 from fx16.analysis.fp32_rules import Fp32RulesAnalysis, fp32_rule
+from fx16.contracts import Analysis
 from fx16.cost import flops, is_product
 from fx16.decisions import Reason
 from fx16.emulation import Emulation
@@ -82,12 +83,13 @@ class _Group:
     islands: list[tuple[GraphModule, Node]] = field(default_factory=list)
 
 
-class VerdictCheckAnalysis(PassBase):
+class VerdictCheckAnalysis(Analysis):
     """Measure the costly and the moderate fp32 verdicts; drop those fp32 does not pay
     for (see the module)."""
 
     META_KEY = "fx16.not_worth_fp32"
     CHECKS_KEY = "fx16.verdict_checks"
+    needs = (Fp32RulesAnalysis,)
 
     def __init__(
         self,
@@ -100,7 +102,7 @@ class VerdictCheckAnalysis(PassBase):
         from an earlier cast of the same program (the accuracy search casts it again
         and again): kinds found there are not measured again, and new answers are
         added to it."""
-        self.program = program
+        self.program = Program.of(program)
         self.policy = policy or PrecisionPolicy.default()
         self.calibration = calibration
         self.answers = answers

@@ -29,7 +29,7 @@ class CastRule(PassBase):
     """
 
     def __init__(self, program: Program) -> None:
-        self.program = program
+        self.program = Program.of(program)
 
     def candidates(self, graph: Graph) -> list[Node]:
         """The nodes ``match`` may accept, in graph order: by default the cast-op nodes

@@ -129,7 +129,7 @@ class InsertFP16CastsPass(PolicyPass):
         }
         if Fp32RulesAnalysis.RAN_KEY not in graph_module.meta:  # used on its own
             rules = Fp32RulesAnalysis.standard(self.policy.low, self.limit, self.force_fp32)
-            rules(graph_module)
+            rules.call(graph_module)  # on whatever facts the graph holds
         if ExplicitFp32Analysis.META_KEY not in graph_module.meta:  # used on its own
             ExplicitFp32Analysis(self.program, self.policy, self.overflow_margin)(graph_module)
         run = _Run(
@@ -676,10 +676,10 @@ class _Run:
     def decide_fp32(self, node: Node, reason: Reason) -> None:
         """fp32 for ``reason``, with the rule's detail when a rule gave that reason."""
         rule = fp32_rule(node)
-        if reason == Reason.POLICY:
-            detail = self.policy.matching_entry(node)[1]
+        if rule and rule.reason == reason:
+            detail = rule.detail
         else:
-            detail = rule.detail if rule and rule.reason == reason else ""
+            detail = self.policy.matching_entry(node)[1] if reason == Reason.POLICY else ""
         decide(node, FP32, reason, detail=detail)
 
     def upcast_inputs(self, node: Node) -> None:

@@ -11,5 +11,5 @@ class Int16Pass(PassBase):
     (see ``fx16.narrowing``); "off" is handled by the pipeline, which then has no passes."""
 
     def __init__(self, program: Program, *, mode: str = "proven") -> None:
-        self.program = program
+        self.program = Program.of(program)
         self.mode = check_mode(mode)

@@ -27,7 +27,7 @@ class PolicyPass(PassBase):
         overflow_margin: float = 2.0,
         force_fp32: frozenset[str] = frozenset(),
     ) -> None:
-        self.program = program
+        self.program = Program.of(program)
         self.policy = policy or PrecisionPolicy.default()
         self.overflow_margin = overflow_margin
         self.force_fp32 = frozenset(force_fp32)

@@ -18,7 +18,7 @@ class RecordStatsPass(PassBase):
     """
 
     def __init__(self, program: Program) -> None:
-        self.program = program
+        self.program = Program.of(program)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         if BEFORE_KEY not in graph_module.meta:
