@@ -63,3 +63,24 @@ def test_a_cast_that_overflows_is_caught():
     check_cast(case, fx16.cast_fp32_to_fp16)
     with pytest.raises(AssertionError, match="introduced inf/nan"):
         check_cast(case, lambda ep: fx16.cast_fp32_to_fp16(ep, calibration=[]))
+
+
+def test_a_broken_pass_fails_small_quiet_and_with_the_numbers(capfd, caplog):
+    """fuzz_pass on a pass that breaks integer additions: one PassBroke naming a program
+    of the one step the failure needs, with expected and actual values, and nothing
+    from torch's logs or warnings in the output."""
+    caplog.set_level("DEBUG")
+    with pytest.raises(fx16.testing.PassBroke) as raised:
+        fx16.testing.fuzz_pass(AddBecomesSub, max_examples=examples(40))
+    message = str(raised.value)
+    assert "integer output" in message and "expected" in message and ", got " in message
+    assert "on a program of 1 step(s): steps=[('int_" in message
+    captured = capfd.readouterr()
+    assert "DEBUG" not in captured.out + captured.err
+    assert not [r for r in caplog.records if r.name.startswith("torch")]
+
+
+def test_the_check_shows_the_values_that_differ():
+    case = _case([("int_add", 0, 1, 0.0)])
+    with pytest.raises(AssertionError, match=r"elements: at \(0, 0\) expected -?\d+, got -?\d+"):
+        check_pass(case, AddBecomesSub())

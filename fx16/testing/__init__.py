@@ -17,6 +17,10 @@ where the original's outputs are finite::
     def test_my_pass(case):
         check_pass(case, MyPass())
 
+``fuzz_pass(MyPass)`` does the same in one call and, when the pass breaks a program,
+reduces it to the steps the failure needs (a few dozen checks, not hypothesis'
+minutes of shrinking) and raises ``PassBroke`` with them and the values that differ.
+
 Needs hypothesis: ``pip install "fx16[testing]"``.
 """
 
@@ -32,15 +36,18 @@ from fx16.testing.checks import (
     check_pass,
     check_valid_program,
 )
+from fx16.testing.fuzz import PassBroke, fuzz_pass
 from fx16.testing.strategies import ProgramCase, programs, well_conditioned_programs
 
 __all__ = [
+    "PassBroke",
     "ProgramCase",
     "assert_meta_matches_runtime",
     "check_cast",
     "check_cast_program",
     "check_pass",
     "check_valid_program",
+    "fuzz_pass",
     "programs",
     "well_conditioned_programs",
 ]

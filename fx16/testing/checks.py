@@ -7,9 +7,12 @@ asserts, beyond validity, that integer outputs stay bit-exact and that no inf or
 appears where the original program's outputs are finite.
 """
 
+import contextlib
 import copy
 import io
-from collections.abc import Callable
+import logging
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -64,23 +67,62 @@ def assert_meta_matches_runtime(ep: ExportedProgram, args, kwargs=None) -> None:
 
 
 def check_cast_program(original: ExportedProgram, cast: ExportedProgram, args: tuple) -> None:
-    """``cast`` (a rewrite of ``original``) is valid, gives bit-exact integer outputs on
-    ``args``, and no inf or nan where ``original``'s outputs are finite (values fp32
-    holds as infinity-like sentinels may saturate)."""
-    check_valid_program(cast)
-    expected = Program(original).run(args)
-    got = Program(cast).run(args)
-    assert len(expected) == len(got), f"{len(got)} outputs, the original gives {len(expected)}"
-    for index, (want, have) in enumerate(zip(expected, got)):
-        if not isinstance(want, torch.Tensor):
-            continue
-        if not want.is_floating_point():
-            assert have.dtype == want.dtype and torch.equal(have, want), (
-                f"integer output {index} changed"
-            )
-            continue
-        ordinary = torch.isfinite(want) & (want.abs() < _SENTINEL)
-        assert torch.isfinite(have[ordinary]).all(), f"output {index}: the cast introduced inf/nan"
+    """``cast`` (a rewrite of ``original``) gives bit-exact integer outputs on ``args``,
+    no inf or nan where ``original``'s outputs are finite (values fp32 holds as
+    infinity-like sentinels may saturate), and is valid. The outputs are checked
+    first: a broken pass fails there in a fraction of the time validity takes, which
+    is most of hypothesis' shrinking. A failure shows the values, expected and got."""
+    with quiet():
+        expected = Program(original).run(args)
+        got = Program(cast).run(args)
+        assert len(expected) == len(got), f"{len(got)} outputs, the original gives {len(expected)}"
+        for index, (want, have) in enumerate(zip(expected, got)):
+            if isinstance(want, torch.Tensor):
+                _check_output(index, want, have)
+        check_valid_program(cast)
+
+
+def _check_output(index: int, want: torch.Tensor, have: torch.Tensor) -> None:
+    if not want.is_floating_point():
+        assert have.dtype == want.dtype, (
+            f"integer output {index} changed dtype: expected {want.dtype}, got {have.dtype}"
+        )
+        differs = have != want
+        assert not bool(differs.any()), (
+            f"integer output {index} changed at {int(differs.sum())} of {want.numel()} "
+            f"elements: {_first(differs, want, have)}"
+        )
+        return
+    ordinary = torch.isfinite(want) & (want.abs() < _SENTINEL)
+    broken = ordinary & ~torch.isfinite(have)
+    assert not bool(broken.any()), (
+        f"output {index}: the cast introduced inf/nan at {int(broken.sum())} of "
+        f"{want.numel()} elements: {_first(broken, want, have)}"
+    )
+
+
+def _first(mask: torch.Tensor, want: torch.Tensor, have: torch.Tensor, shown: int = 3) -> str:
+    """The first ``shown`` positions where ``mask`` holds, as "at (i, j) expected a, got b"."""
+    positions = mask.nonzero()[:shown].tolist()
+    return "; ".join(
+        f"at {tuple(p)} expected {want[tuple(p)].item():.6g}, got {have[tuple(p)].item():.6g}"
+        for p in positions
+    )
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """No warnings and no torch log records below ERROR while a check runs: a failing
+    example's report shows the failure, not torch's trace of the export."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def check_pass(case, graph_pass: Callable[[GraphModule], object]) -> ExportedProgram:
@@ -97,9 +139,11 @@ def check_pass(case, graph_pass: Callable[[GraphModule], object]) -> ExportedPro
 
 def check_cast(case, cast: Callable[[ExportedProgram], object]) -> ExportedProgram:
     """Apply ``cast`` (a function rewriting an ``ExportedProgram`` in place, such as
-    ``fx16.cast_fp32_to_fp16``) to a fresh export of ``case`` and check the result
-    with ``check_cast_program``. Returns the program."""
-    original, ep = case.export(), case.export()
+    ``fx16.cast_fp32_to_fp16``) to a copy of an export of ``case`` and check the
+    result with ``check_cast_program``. Returns the program."""
+    with quiet():
+        original = case.export()
+        ep = copy.deepcopy(original)
     cast(ep)
     check_cast_program(original, ep, case.args)
     return ep
