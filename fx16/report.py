@@ -31,6 +31,10 @@ from fx16.stats import BEFORE_KEY, ProgramStats, program_stats
 from fx16.version import installed_version
 
 REPORT_KEY = "fx16.report"
+# Rules of integer rows outside the castable set (see CastReport.explained).
+_NEVER_INT16_CANDIDATES = frozenset(
+    {"left_as_is", "not_user_reachable", "not_castable", "unsafe_index"}
+)
 _SLOT_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer"}
 LEFT_AS_IS = "not fp32: left as the model computes it"
 
@@ -103,9 +107,15 @@ class CastReport:
         return [row for row in self.rows if not row.narrowed]
 
     def explained(self) -> list[Row]:
-        """The rows a reader asks "why" about: values kept wide, except integers the
-        int16 pipeline never considered (no decision: they bury the float rows)."""
-        return [row for row in self.kept_wide() if row.kind == "float" or row.rule != "left_as_is"]
+        """The rows a reader asks "why" about: values kept wide, except integers that
+        were never int16 candidates (outside the castable set: constant-foldable, not
+        integer arithmetic, index computations; or undecided). A model has many such
+        integers (positions, masks, shapes) and they would bury the float rows."""
+        return [
+            row
+            for row in self.kept_wide()
+            if row.kind == "float" or row.rule not in _NEVER_INT16_CANDIDATES
+        ]
 
     def to_json(self) -> str:
         """The report as JSON: provenance, totals, accuracy, and a row per node with its
@@ -222,7 +232,9 @@ def _option_value(value):
         return settings | {
             t: {str(k): p.value for k, p in getattr(value, t).items()} for t in tables
         }
-    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (str, int, float)):
+    if isinstance(value, (list, tuple)):
+        if all(isinstance(item, (str, int, float)) for item in value):
+            return list(value)  # a range
         return f"{len(value)} input(s)"  # calibration calls
     if isinstance(value, (frozenset, set)):
         return sorted(map(str, value))

@@ -95,6 +95,42 @@ def test_budget_already_met_changes_nothing_more():
     assert search.rounds == 0 and search.fp32_nodes == () and search.evaluations == 1
 
 
+def test_a_plain_cast_within_the_budget_is_kept_and_the_target_is_printed():
+    """The plain cast's calibration error is a fair sample (nothing was chosen to fit
+    those inputs): within the budget, it is kept, even on one input where a search
+    would aim at half the budget. With ``target_share`` the caller asks for a margin,
+    and the search runs to it; the summary prints the target either way."""
+    torch.manual_seed(0)
+    model = SharpSoftmax(scale=3.0).eval()
+    calibration = _calibration(1, 1)
+    plain = fx16.cast_fp32_to_fp16(export(model, *calibration[0]), calibration=calibration)
+    with torch.no_grad():
+        error = relative_error(model(*calibration[0]), run(plain, *calibration[0])[0])
+    budget = 1.2 * error  # met, but above half of it (stopping_share of one input)
+    kept = report_of(
+        fx16.cast_fp32_to_fp16(
+            export(model, *calibration[0]), calibration=calibration, max_rel_error=budget
+        )
+    )
+    assert kept.accuracy.plain_kept and kept.accuracy.evaluations == 1
+    assert kept.accuracy.plain_error == kept.accuracy.error <= budget
+    assert "the plain cast meets it and is kept" in "\n".join(kept.summary())
+    assert kept.totals.flop_share_16bit == 1.0
+    searched = report_of(
+        fx16.cast_fp32_to_fp16(
+            export(model, *calibration[0]),
+            calibration=calibration,
+            max_rel_error=budget,
+            target_share=0.5,
+        )
+    )
+    assert searched.accuracy.fp32_nodes and searched.accuracy.error <= 0.5 * budget
+    assert searched.accuracy.target == pytest.approx(0.5 * budget)
+    assert f"target {0.5 * budget:.3g}; plain cast {error:.3g})" in "\n".join(searched.summary())
+    with pytest.raises(fx16.InvalidOptionError, match="target_share needs max_rel_error"):
+        fx16.cast_fp32_to_fp16(export(model, *calibration[0]), target_share=0.5)
+
+
 def test_a_zero_budget_is_reached_by_returning_everything_that_matters():
     torch.manual_seed(0)
     model = SharpSoftmax().eval()

@@ -338,3 +338,102 @@ def test_an_output_type_registered_elsewhere_is_named_with_import(tmp_path):
     assert "; pass --import MODULE" in without.stderr
     with_import = fx16("inspect", tmp_path / "pair.pt2", "--import", "pair_registry", path=tmp_path)
     assert with_import.returncode == 0, with_import.stderr
+
+
+class TokenModel(torch.nn.Module):
+    """Token ids through an embedding of 10 rows, then a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, ids):
+        return self.fc(self.embed(ids))
+
+
+@pytest.mark.parametrize(
+    "inputs, words",
+    [
+        (
+            lambda: [(torch.rand(2, 5),)],
+            "input 'ids' is floating point (float32); the program takes",
+        ),
+        (lambda: [(torch.full((2, 5), 50),)], "INPUTS.pt[0]: the program fails on it: IndexError"),
+    ],
+)
+def test_calibration_inputs_are_checked_before_anything_runs(tmp_path, inputs, words):
+    """Float ids where the program takes int64, ids past the vocabulary: one line, exit 2."""
+    source = tmp_path / "tokens.pt2"
+    torch.export.save(export(TokenModel(), torch.randint(0, 10, (2, 5))), source)
+    torch.save(inputs(), tmp_path / "INPUTS.pt")
+    result = fx16("cast", source, "--dry-run", "--calibrate", "INPUTS.pt", cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert words in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_tensor_file_given_as_the_program_is_named_as_such(program, tmp_path):
+    _, inputs = program
+    result = fx16("cast", inputs, "--dry-run")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "written by torch.save (tensors or inputs), not a program" in result.stderr
+
+
+def test_the_command_line_covers_the_api(tmp_path):
+    """Input ranges, per-module/op/node overrides, --keep-io by the model's output
+    name, inspect --report, --version, --timings."""
+    from models import Int32Arithmetic
+
+    source = tmp_path / "ints.pt2"
+    numbers = torch.arange(6, dtype=torch.int32)
+    torch.export.save(export(Int32Arithmetic(), numbers, numbers), source)
+    report = tmp_path / "r.json"
+    ranges = ["--input-ranges", "a=0:100", "--input-ranges", "b=0:100"]
+    narrowed = fx16("inspect", source, *ranges, "--report", report)
+    assert narrowed.returncode == 0, narrowed.stderr
+    assert "integer values narrowed to int16: 0" not in narrowed.stdout
+    document = json.loads(report.read_text())
+    assert document["provenance"]["options"]["input_ranges"] == {"a": [0, 100], "b": [0, 100]}
+    assert document["provenance"]["input"] == str(source)
+
+    mlp = tmp_path / "mlp.pt2"
+    torch.manual_seed(0)
+    torch.export.save(export(MLP(), torch.randn(4, 8)), mlp)
+    overrides = ["--module", "layers.1=fp32", "--op", "gelu=fp32", "--keep-io", "0"]
+    result = fx16("cast", mlp, "--dry-run", "--report", report, "--timings", *overrides)
+    assert result.returncode == 0, result.stderr
+    rows = {row["node"]: row for row in json.loads(report.read_text())["nodes"]}
+    assert rows["linear_1"]["detail"] == "modules['layers.1'] = fp32"
+    assert rows["gelu"]["detail"] == "ops['gelu'] = fp32"
+    assert "fx16 timings: start-up" in result.stderr and "cast " in result.stderr
+    assert not (tmp_path / "mlp16.pt2").exists()  # --dry-run: no -o, and nothing written
+    unknown = fx16("cast", mlp, "--dry-run", "--module", "layers.9=fp32")
+    assert unknown.returncode == 2 and "closest: " in unknown.stderr
+    version = fx16("--version")
+    assert version.returncode == 0 and version.stdout.startswith("fx16 ")
+
+
+def test_help_covers_every_option_and_needs_no_torch():
+    text = fx16("cast", "--help").stdout
+    for option in ("--int16", "--keep-io-types", "--max-rel-error", "--input-ranges", "--node"):
+        line = text[text.index(option) :].split("\n--")[0]
+        assert len(line.split()) > 4, option  # the option, its metavar and words about it
+    assert 'torch.autocast("cpu", dtype=torch.bfloat16)' in text
+    assert "a list of input tuples" in fx16("compare", "--help").stdout
+    check = (
+        "import sys\nfrom fx16.cli import main\n"
+        "try:\n    main(['cast', '--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'fx16 --help imported torch'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_compare_has_a_threshold_for_ci(program, tmp_path):
+    source, inputs = program
+    target = tmp_path / "mlp16.pt2"
+    assert fx16("cast", source, "-o", target, "--quiet").returncode == 0
+    tight = fx16("compare", source, target, "--inputs", inputs, "--max-rel-error", "1e-7")
+    loose = fx16("compare", source, target, "--inputs", inputs, "--max-rel-error", "1e-2")
+    assert tight.returncode == 3 and "more than --max-rel-error 1e-07" in tight.stderr
+    assert loose.returncode == 0, loose.stderr

@@ -30,3 +30,30 @@ def test_ci_runs_the_readme_commands():
     assert f"python -m pip install -q {torch_pin}" in script
     assert 'python -m pip install -q -e ".[test,coreai]" && python -m fx16 demo' in script
     assert script.rstrip().endswith("python -m pytest -q")
+
+
+def test_cpu_only_users_are_told_the_cpu_index():
+    """PyPI's default torch wheel on Linux is the CUDA build: the README gives the index."""
+    readme = (ROOT / "README.md").read_text()
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme
+
+
+def test_the_quick_start_runs_as_written():
+    """Both quick-start examples (float inputs, token ids) run as the README shows them."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) >= 2 and any("input_ids" in block for block in blocks)
+    for block in blocks:
+        exec(compile(block, "README quick start", "exec"), {})
+
+
+def test_the_cast_functions_document_every_option_and_error():
+    import fx16
+
+    for function in (fx16.cast_fp32_to_fp16, fx16.cast_to_16_bit_precision):
+        doc = function.__doc__
+        assert "InvalidOptionError" in doc or "Raises as both do" in doc
+    doc = fx16.cast_fp32_to_fp16.__doc__
+    for word in ("InvalidOptionError", "AccuracyBudgetError", "force_fp32:", "target_share:"):
+        assert word in doc, word

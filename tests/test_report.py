@@ -7,7 +7,7 @@ import torch
 import fx16
 from fx16.report import decision_rows, format_rows, report_of
 from helpers import export
-from models import BucketHash, GrowingLoop, OverflowWeight, RMSNormMLP
+from models import BucketHash, CumsumCounter, GrowingLoop, OverflowWeight, RMSNormMLP
 
 
 def test_rows_name_every_decision_with_its_reason():
@@ -209,3 +209,63 @@ def test_the_summary_opens_with_the_16_bit_flop_share_and_fp32_rows_state_their_
     assert report.summary()[0].startswith("matmul/conv/attention FLOPs in 16-bit: ")
     assert f"{totals.flop_share_16bit:.2%}" in report.summary()[0]
     assert "fp32-cost" in report.table(wide)
+
+
+class NoGradAngles(torch.nn.Module):
+    """Rotary-style angles under ``torch.no_grad()``: export puts them in a
+    ``wrap_with_set_grad_enabled`` body, where cos of positions up to 2047 stays fp32."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8))
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, positions):
+        with torch.no_grad():
+            angles = positions.float()[:, None] * self.inv_freq
+            rotation = torch.cat([angles.cos(), angles.sin()], dim=-1)
+        return self.fc(x) * rotation
+
+
+def test_the_totals_count_the_ops_inside_higher_order_op_bodies():
+    """The summary's float ops and casts include a body's: the rotary body's fp32 ops
+    are not "16-bit: 100%"."""
+    positions = torch.arange(2000, 2048)
+    ep = torch.export.export(NoGradAngles(), (torch.randn(48, 8), positions))
+    bodies = [m for name, m in ep.graph_module.named_modules() if name]
+    assert bodies  # the set_grad_enabled body
+    fx16.cast_fp32_to_fp16(ep)
+    report = report_of(ep)
+    in_bodies = [
+        row
+        for row in report.rows
+        if row.kind == "float"
+        and "." in row.node
+        and row.op not in ("placeholder", "getitem", "to.dtype", "_to_copy.default")
+    ]
+    wide = [row for row in in_bodies if not row.narrowed]
+    assert wide  # cos/sin of large angles kept fp32 inside the body
+    totals = report.totals
+    assert totals.float_ops - totals.float_ops_16bit >= len(wide)
+    assert totals.casts_inserted >= 1
+    assert f"of {totals.float_ops} (" in "\n".join(report.summary())
+
+
+def test_rows_name_ops_plainly_and_integers_never_considered_are_left_out_of_why():
+    """Inputs are "input", weights "parameter", getitem "getitem"; ``explained()`` (what
+    inspect lists) leaves out integers outside the castable set (positions, index
+    computations, constant-foldable values) and keeps the refused candidates."""
+    from models import PositionsAndMask
+
+    ids, mask = torch.randint(0, 100, (2, 6)), torch.ones(2, 6, dtype=torch.bool)
+    report = report_of(fx16.cast_to_16_bit_precision(export(PositionsAndMask(), ids, mask)))
+    ops = {row.node: row.op for row in report.rows}
+    assert ops["ids"] == "input" and ops["p_embed_weight"] == "parameter"
+    assert "<built-in" not in " ".join(ops.values())
+    explained = report.explained()
+    outside = [row for row in report.rows if row.rule in ("not_user_reachable", "unsafe_index")]
+    assert outside and not [row for row in outside if row in explained]
+    refused = report_of(
+        fx16.cast_to_16_bit_precision(export(CumsumCounter(), torch.arange(6), torch.arange(6)))
+    )
+    assert [row for row in refused.explained() if row.kind == "int"]  # range_unknown rows
