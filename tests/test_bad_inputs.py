@@ -252,8 +252,7 @@ OPTION_ERRORS = [
     (
         fx16.cast_fp32_to_fp16,
         dict(calibration=[(torch.ones(3, 8, dtype=torch.int64),)]),
-        "calibration[0]: input 'x' is integer (int64); the program takes floating point "
-        "(float32)",
+        "calibration[0]: input 'x' is integer (int64); the program takes floating point (float32)",
     ),
     (
         fx16.cast_fp32_to_fp16,
