@@ -1,0 +1,31 @@
+"""RecordStatsPass: the program's figures before fx16 changed it, recorded once."""
+
+import torch
+
+import fx16
+from fx16.passes import RecordStatsPass
+from fx16.stats import BEFORE_KEY, program_stats
+from helpers import export
+from models import RMSNormMLP
+
+
+def test_it_records_the_figures_before_the_cast_and_keeps_the_first_record():
+    """Reads the program, changes nothing; a second run (the int16 list after the fp16
+    one, a second cast) keeps the first record, so the report compares with the
+    program the user gave."""
+    torch.manual_seed(0)
+    ep = export(RMSNormMLP(), torch.randn(2, 16))
+    code, before = ep.graph_module.code, program_stats(ep)
+    result = RecordStatsPass(ep)(ep.graph_module)
+    assert not result.modified and ep.graph_module.code == code
+    assert ep.graph_module.meta[BEFORE_KEY] == before and before.casts > 0
+    fx16.cast_fp32_to_fp16(ep)
+    RecordStatsPass(ep)(ep.graph_module)  # after the cast: the first record stays
+    assert ep.graph_module.meta[BEFORE_KEY] == before
+    assert program_stats(ep).weight_bytes * 2 == before.weight_bytes
+
+
+def test_both_pass_lists_start_with_it():
+    ep = export(RMSNormMLP(), torch.randn(2, 16))
+    assert isinstance(fx16.fp16_passes(ep)[0], RecordStatsPass)
+    assert isinstance(fx16.int16_passes(ep)[0], RecordStatsPass)
