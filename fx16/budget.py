@@ -151,9 +151,9 @@ def cast_fp16_within_budget(
         if target_share > 1:
             raise InvalidOptionError(f"target_share must be at most 1, got {target_share!r}")
     CalibrationAnalysis(program, calibration)(ep.graph_module)
-    search = _Search(program, calls, calibration, budget, progress, options)
-    search.target = (target_share or stopping_share(len(calls))) * budget
-    search.plain_target = (target_share or 1.0) * budget
+    plain_share, search_share = target_share or 1.0, target_share or stopping_share(len(calls))
+    targets = (plain_share * budget, search_share * budget)
+    search = _Search(program, calls, calibration, budget, targets, progress, options)
     try:
         return search.run()
     except Exception as error:  # the stage that failed, for the caller's PassFailedError
@@ -166,9 +166,12 @@ def cast_fp16_within_budget(
 class _Search:
     """One budget search: the reference, the current fp32 set, and the counts."""
 
-    def __init__(self, program, calls, calibration, budget, progress, options) -> None:
+    def __init__(self, program, calls, calibration, budget, targets, progress, options) -> None:
+        """``targets``: the error the plain cast must reach to be kept, and the one a
+        search aims at (see ``cast_fp16_within_budget``)."""
         self.program, self.calls, self.calibration = program, calls, calibration
         self.budget, self.options = budget, options
+        self.plain_target, self.target = targets
         self.progress = tqdm(
             total=_MOST_EVALUATIONS,
             desc="fx16 accuracy search",
@@ -176,7 +179,6 @@ class _Search:
             leave=False,
             disable=None if progress is None else not progress,
         )
-        self.target = self.plain_target = budget  # cast_fp16_within_budget sets both
         inputs = [program.graph_inputs(args, kwargs, copy_buffers=True) for args, kwargs in calls]
         reference_module = copy.deepcopy(program.ep.graph_module)
         buffers = {

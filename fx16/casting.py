@@ -14,7 +14,7 @@ from fx16.analysis.calibration import calibration_calls
 from fx16.budget import cast_fp16_within_budget
 from fx16.errors import InvalidOptionError, require_number
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
-from fx16.policy import PrecisionPolicy
+from fx16.policy import PrecisionPolicy, as_names
 from fx16.program import Program
 from fx16.report import REPORT_KEY, build_report, provenance
 from fx16.stats import record_stats_before
@@ -95,7 +95,7 @@ def cast_fp32_to_fp16(
         calibration=calibration,
         overflow_margin=overflow_margin,
         input_ranges=input_ranges,
-        force_fp32=frozenset(force_fp32),
+        force_fp32=force_fp32,
     )
     budget = {"max_rel_error": max_rel_error, "target_share": target_share}
     return _cast(ep, "cast_fp32_to_fp16", options, None, budget, progress)
@@ -166,6 +166,8 @@ def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> Exp
         require_number("max_rel_error", max_rel_error, 0)
     elif budget.get("target_share") is not None:
         raise InvalidOptionError("target_share needs max_rel_error")
+    if fp16_options is not None and "force_fp32" in fp16_options:
+        fp16_options["force_fp32"] = as_names(fp16_options["force_fp32"])  # one name, or many
     made_by = provenance(entry_point, {**(fp16_options or {}), **(int16_options or {}), **budget})
     before = record_stats_before(ep)
     previous = ep.graph_module.meta.get(REPORT_KEY)

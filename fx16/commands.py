@@ -144,7 +144,7 @@ def compare_command(args, timings: Timings) -> int:
                 continue
             difference = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
             error = relative_error(a, b)
-            worst = max(worst, error) if a.is_floating_point() else worst
+            worst = max(worst, error)
             print(
                 f"{call:>5} {index:>6} {str(tuple(a.shape)):18} {dtype_name(a.dtype):10} "
                 f"{dtype_name(b.dtype):10} {difference:>12.4g} {error:>11.3g}"

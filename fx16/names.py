@@ -56,14 +56,19 @@ def user_output_positions(program: Program) -> list[int]:
 
 
 def kept_output_positions(program: Program, entries: Iterable) -> set[int]:
-    """The graph output positions that ``entries`` (keep_io_types) name: a user output
-    by position or by the model's name, or the node the graph returns now."""
+    """The graph output positions that ``entries`` (keep_io_types) name."""
+    addresses = _output_addresses(program)
+    return {addresses[str(entry)] for entry in entries if str(entry) in addresses}
+
+
+def _output_addresses(program: Program) -> dict[str, int]:
+    """Every name a user output answers to - its position, the model's name for it,
+    the node the graph returns now - with its position in the graph's output node."""
     positions = user_output_positions(program)
     returned = program.output_node().args[0]
-    by_name = {name: positions[i] for i, name in enumerate(output_names(program))}
-    by_name |= {str(i): position for i, position in enumerate(positions)}
-    by_name |= {v.name: p for p in positions if isinstance(v := returned[p], Node)}
-    return {by_name[str(entry)] for entry in entries if str(entry) in by_name}
+    addresses = {name: positions[i] for i, name in enumerate(output_names(program))}
+    addresses |= {str(i): position for i, position in enumerate(positions)}
+    return addresses | {v.name: p for p in positions if isinstance(v := returned[p], Node)}
 
 
 def check_names(program: Program, policy, force_fp32: Iterable[str] = ()) -> None:
@@ -72,18 +77,18 @@ def check_names(program: Program, policy, force_fp32: Iterable[str] = ()) -> Non
     or an ``ops`` entry that is no ATen op."""
     if not isinstance(policy.keep_io_types, bool):
         inputs = [p.name for p in program.user_input_placeholders()]
-        outputs = _output_labels(program)
-        returned = program.output_node().args[0]
-        current = {v.name for v in returned if isinstance(v, Node)}
-        valid = {*inputs, *current, *(label for names in outputs for label in names)}
+        valid = {*inputs, *_output_addresses(program)}
         _refuse(
             NOTHING.format("keep_io_types"),
             [e for e in policy.keep_io_types if str(e) not in valid],
-            [*inputs, *(" or ".join(names) for names in outputs)],
+            [*inputs, *(" or ".join(names) for names in _output_labels(program))],
             "inputs and outputs (an output by position or by the model's name)",
         )
     graph_modules = [m for m in program.graph_module.modules() if isinstance(m, GraphModule)]
-    nodes = {n.name for m in graph_modules for n in m.graph.nodes}
+    if policy.nodes or force_fp32:
+        nodes = {n.name for m in graph_modules for n in m.graph.nodes}
+        for option, names in (("policy nodes", policy.nodes), ("force_fp32", force_fp32)):
+            _refuse(NOTHING.format(option), [n for n in names if n not in nodes], nodes, "nodes")
     if policy.modules:
         paths = _module_paths(program, graph_modules)
         _refuse(
@@ -92,10 +97,6 @@ def check_names(program: Program, policy, force_fp32: Iterable[str] = ()) -> Non
             paths,
             "modules",
         )
-    _refuse(
-        NOTHING.format("policy nodes"), [n for n in policy.nodes if n not in nodes], nodes, "nodes"
-    )
-    _refuse(NOTHING.format("force_fp32"), [n for n in force_fp32 if n not in nodes], nodes, "nodes")
     _refuse(
         "policy ops names no ATen op",
         [op for op in policy.ops if not hasattr(torch.ops.aten, op)],

@@ -38,7 +38,7 @@ from fx16.passes import (
     RecordStatsPass,
 )
 from fx16.passes.policy_pass import overflow_limit
-from fx16.policy import PrecisionPolicy
+from fx16.policy import PrecisionPolicy, as_names
 from fx16.program import Program
 
 
@@ -51,7 +51,7 @@ def fp16_passes(
     calibration: list | None = None,
     overflow_margin: float = 2.0,
     input_ranges: dict | None = None,
-    force_fp32: frozenset[str] = frozenset(),
+    force_fp32: Collection[str] | str = frozenset(),
     **unknown,
 ) -> list[PassBase]:
     """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
@@ -74,6 +74,7 @@ def fp16_passes(
     require_number("overflow_margin", overflow_margin, 1)
     program = Program(ep)
     policy = resolve_policy(policy, explicit_fp32=explicit_fp32, keep_io_types=keep_io_types)
+    force_fp32 = as_names(force_fp32)
     check_names(program, policy, force_fp32)
     if policy.is_noop:
         return []

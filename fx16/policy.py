@@ -130,7 +130,7 @@ class PrecisionPolicy:
         for name in ("ops", "modules", "nodes", "op_table"):
             object.__setattr__(self, name, _precisions(getattr(self, name)))
         if not isinstance(self.keep_io_types, bool):
-            object.__setattr__(self, "keep_io_types", frozenset(self.keep_io_types))
+            object.__setattr__(self, "keep_io_types", as_names(self.keep_io_types))
         if self.explicit_fp32 not in EXPLICIT_FP32_CHOICES:
             raise InvalidOptionError(
                 f"explicit_fp32 must be one of {', '.join(map(repr, EXPLICIT_FP32_CHOICES))}, "
@@ -294,6 +294,11 @@ class PrecisionPolicy:
         return self.keep_io_types is True or (
             isinstance(self.keep_io_types, frozenset) and name in self.keep_io_types
         )
+
+
+def as_names(value) -> frozenset:
+    """Names given as one name (a str or an output position) or a collection of them."""
+    return frozenset([value] if isinstance(value, (str, int)) else value)
 
 
 def _entry(table: str, key: str, precision: Precision) -> str:

@@ -3,11 +3,14 @@ model's own name."""
 
 import pytest
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
 
 import fx16
 from fx16 import InvalidOptionError, PrecisionPolicy
-from fx16.names import output_names
+from fx16.names import check_names, kept_output_positions, output_names
 from fx16.program import Program
+from fx16.testing import programs
 from helpers import assert_same_state, export, state_snapshot
 
 
@@ -87,3 +90,29 @@ def test_names_that_exist_are_accepted_on_every_route():
     ep = fx16.cast_fp32_to_fp16(_program(), policy=policy, keep_io_types=["x", "aux"])
     assert ep.module()(torch.randn(2, 4))["aux"].dtype == torch.float32
     assert fx16.fp16_passes(_program(), policy=policy)
+
+
+def test_one_name_may_be_given_without_a_list():
+    """keep_io_types="aux", force_fp32="linear": one name, not a set of its letters."""
+    ep = fx16.cast_to_16_bit_precision(_program(), keep_io_types="aux", force_fp32="linear")
+    nodes = {node.name: node for node in ep.graph_module.graph.nodes}
+    assert nodes["linear"].meta["val"].dtype == torch.float32
+    assert ep.module()(torch.randn(2, 4).half())["aux"].dtype == torch.float32
+
+
+@settings(max_examples=examples(15), deadline=None)
+@given(programs())
+def test_every_name_a_program_has_is_accepted_and_outputs_answer_to_their_positions(case):
+    """On any program: each node name (bodies too) is a valid node override and
+    force_fp32 entry, each output is addressable by position, and the model's output
+    names are as many as its user outputs."""
+    ep = case.export()
+    program = Program(ep)
+    graphs = [m.graph for m in ep.graph_module.modules() if hasattr(m, "graph")]
+    names = {node.name for graph in graphs for node in graph.nodes}
+    policy = PrecisionPolicy.custom(
+        nodes=dict.fromkeys(names, "16-bit"),
+        keep_io_types=range(len(output_names(program))),
+    )
+    check_names(program, policy, names)
+    assert len(kept_output_positions(program, policy.keep_io_types)) == len(output_names(program))

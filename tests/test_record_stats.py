@@ -1,10 +1,13 @@
 """RecordStatsPass: the program's figures before fx16 changed it, recorded once."""
 
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
 
 import fx16
 from fx16.passes import RecordStatsPass
 from fx16.stats import BEFORE_KEY, program_stats
+from fx16.testing import programs
 from helpers import export
 from models import RMSNormMLP
 
@@ -29,3 +32,12 @@ def test_both_pass_lists_start_with_it():
     ep = export(RMSNormMLP(), torch.randn(2, 16))
     assert isinstance(fx16.fp16_passes(ep)[0], RecordStatsPass)
     assert isinstance(fx16.int16_passes(ep)[0], RecordStatsPass)
+
+
+@settings(max_examples=examples(15), deadline=None)
+@given(programs())
+def test_on_any_program_the_record_is_the_programs_figures_and_nothing_changes(case):
+    ep = case.export()
+    code, before = ep.graph_module.code, program_stats(ep)
+    RecordStatsPass(ep)(ep.graph_module)
+    assert ep.graph_module.code == code and ep.graph_module.meta[BEFORE_KEY] == before

@@ -13,6 +13,7 @@ from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError, one_line
 from fx16.interpreter import BodyInterpreter
+from fx16.nodes import dtype_name
 from fx16.numerics import INF_LIKE
 from fx16.ops import (
     INT_DTYPES,
@@ -219,8 +220,8 @@ def _check_shape(name: str, value, placeholder: Node) -> None:
     if _dtype_kind(value.dtype) != _dtype_kind(val.dtype):
         raise InvalidOptionError(
             f"{name}: input {placeholder.name!r} is {_dtype_kind(value.dtype)} "
-            f"({str(value.dtype).removeprefix('torch.')}); the program takes "
-            f"{_dtype_kind(val.dtype)} ({str(val.dtype).removeprefix('torch.')})"
+            f"({dtype_name(value.dtype)}); the program takes "
+            f"{_dtype_kind(val.dtype)} ({dtype_name(val.dtype)})"
         )
     expected = ["*" if not isinstance(size, int) else size for size in val.shape]
     fits = len(expected) == value.dim() and all(

@@ -136,7 +136,8 @@ class Fp32RulesAnalysis(Analysis):
     def __init__(self, rules: list) -> None:
         self.rules = list(rules)
         # the analyses whose facts the rules read (a rule's ``needs``)
-        self.needs = tuple({a: None for rule in self.rules for a in getattr(rule, "needs", ())})
+        needs = (analysis for rule in self.rules for analysis in getattr(rule, "needs", ()))
+        self.needs = tuple(dict.fromkeys(needs))
 
     @classmethod
     def standard(

@@ -44,12 +44,11 @@ class RoutingAnalysis(Analysis):
     """Mark the router ops the policy keeps in fp32 (see the module)."""
 
     META_KEY = "fx16.router"
+    needs = (UnsafeIndexAnalysis,)
 
     def __init__(self, program: Program, policy: PrecisionPolicy | None = None) -> None:
         self.program = Program.of(program)
         self.policy = policy or PrecisionPolicy.default()
-
-    needs = (UnsafeIndexAnalysis,)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         boundaries = Boundaries(graph_module)
