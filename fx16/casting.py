@@ -16,7 +16,8 @@ from fx16.errors import InvalidOptionError, require_number
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
 from fx16.policy import PrecisionPolicy, as_names
 from fx16.program import Program
-from fx16.report import REPORT_KEY, build_report, provenance
+from fx16.provenance import provenance
+from fx16.report import REPORT_KEY, build_report
 from fx16.stats import record_stats_before
 
 

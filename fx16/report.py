@@ -25,15 +25,14 @@ from fx16.cost import flops, is_product, tensor_bytes
 from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason
 from fx16.nodes import dtype_name, node_dtype, node_module_path, node_val, op_label
 from fx16.ops import WIDE_INT_DTYPES
-from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.stats import BEFORE_KEY, ProgramStats, program_stats
-from fx16.version import installed_version
 
 REPORT_KEY = "fx16.report"
 # Rules of integer rows outside the castable set (see CastReport.explained).
+_OUTSIDE_CASTABLE_SET = (Reason.NOT_USER_REACHABLE, Reason.NOT_CASTABLE, Reason.UNSAFE_INDEX)
 _NEVER_INT16_CANDIDATES = frozenset(
-    {"left_as_is", "not_user_reachable", "not_castable", "unsafe_index"}
+    {"left_as_is"} | {r.name.lower() for r in _OUTSIDE_CASTABLE_SET}
 )
 _SLOT_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer"}
 LEFT_AS_IS = "not fp32: left as the model computes it"
@@ -202,47 +201,6 @@ def _finite(value):
     if isinstance(value, (list, tuple)):
         return [_finite(item) for item in value]
     return value
-
-
-def provenance(entry_point: str, options: dict) -> dict:
-    """What made a cast, as JSON values: versions, the entry point and its options."""
-    return {
-        "fx16": installed_version(),
-        "torch": torch.__version__,
-        "entry_point": entry_point,
-        "options": {name: _option_value(value) for name, value in options.items()},
-    }
-
-
-def _option_value(value):
-    """An option as a JSON value: a policy by its settings, calibration by its size."""
-    if isinstance(value, PrecisionPolicy):
-        settings = {
-            "name": value.name,
-            "low": dtype_name(value.low),
-            "explicit_fp32": value.explicit_fp32,
-            "routing": value.routing,
-            "keep_io_types": value.keep_io_types
-            if isinstance(value.keep_io_types, bool)
-            else sorted(map(str, value.keep_io_types)),
-            "predicate": value.predicate is not None,
-            "precision_tolerance": value.precision_tolerance,
-        }
-        tables = ("kinds", "ops", "modules", "nodes")
-        return settings | {
-            t: {str(k): p.value for k, p in getattr(value, t).items()} for t in tables
-        }
-    if isinstance(value, (list, tuple)):
-        if all(isinstance(item, (str, int, float)) for item in value):
-            return list(value)  # a range
-        return f"{len(value)} input(s)"  # calibration calls
-    if isinstance(value, (frozenset, set)):
-        return sorted(map(str, value))
-    if isinstance(value, dict):
-        return {str(k): _option_value(v) for k, v in value.items()}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return repr(value)
 
 
 def layer_flop_share(rows: list[Row]) -> str:
