@@ -146,6 +146,11 @@ def test_compare_shows_both_dtypes(program, tmp_path):
     assert header.split()[:2] == ["input", "output"]
     assert len(rows) == 3 and all("float32    float16" in row for row in rows)
     assert [row.split()[0] for row in rows] == ["0", "1", "2"]  # one row per input
+    # --max-rel-error: a check for CI, exit 3 over the threshold
+    tight = fx16("compare", source, target, "--inputs", inputs, "--max-rel-error", "1e-7")
+    loose = fx16("compare", source, target, "--inputs", inputs, "--max-rel-error", "1e-2")
+    assert tight.returncode == 3 and "more than --max-rel-error 1e-07" in tight.stderr
+    assert loose.returncode == 0, loose.stderr
 
 
 def test_cast_and_inspect_print_the_same_summary(program, tmp_path):
@@ -427,13 +432,3 @@ def test_help_covers_every_option_and_needs_no_torch():
     )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-
-
-def test_compare_has_a_threshold_for_ci(program, tmp_path):
-    source, inputs = program
-    target = tmp_path / "mlp16.pt2"
-    assert fx16("cast", source, "-o", target, "--quiet").returncode == 0
-    tight = fx16("compare", source, target, "--inputs", inputs, "--max-rel-error", "1e-7")
-    loose = fx16("compare", source, target, "--inputs", inputs, "--max-rel-error", "1e-2")
-    assert tight.returncode == 3 and "more than --max-rel-error 1e-07" in tight.stderr
-    assert loose.returncode == 0, loose.stderr

@@ -100,7 +100,7 @@ def test_one_name_may_be_given_without_a_list():
     assert ep.module()(torch.randn(2, 4).half())["aux"].dtype == torch.float32
 
 
-@settings(max_examples=examples(15), deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(programs())
 def test_every_name_a_program_has_is_accepted_and_outputs_answer_to_their_positions(case):
     """On any program: each node name (bodies too) is a valid node override and

@@ -34,7 +34,7 @@ def test_both_pass_lists_start_with_it():
     assert isinstance(fx16.int16_passes(ep)[0], RecordStatsPass)
 
 
-@settings(max_examples=examples(15), deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(programs())
 def test_on_any_program_the_record_is_the_programs_figures_and_nothing_changes(case):
     ep = case.export()
