@@ -94,13 +94,37 @@ class Totals:
         return self.product_flops_16bit / self.product_flops if self.product_flops else 1.0
 
 
+class Rows:
+    """A report's rows, built from the program's node decisions when first read.
+
+    A cast does not pay for rows nobody reads (building them costs about as much as
+    the walk that decides). They show the decisions as the graph holds them when they
+    are first read: read them before rewriting the graph further."""
+
+    def __init__(self, ep: ExportedProgram) -> None:
+        self.ep = ep  # an attribute, not a closure: a deep copy of the program gets its own
+        self.built: list[Row] | None = None
+
+    def __call__(self) -> list[Row]:
+        if self.built is None:
+            self.built = decision_rows(self.ep)
+            self.ep = None
+        return self.built
+
+
 @dataclass(frozen=True)
 class CastReport:
-    rows: list[Row]
+    row_source: "list[Row] | Rows" = field(repr=False)
     totals: Totals
     accuracy: AccuracySearch | None = None  # set when the cast had an accuracy budget
     # what made it: fx16 and torch versions, the entry point, its options, the input file
     provenance: dict = field(default_factory=dict)
+
+    @property
+    def rows(self) -> list[Row]:
+        """One row per value fx16 decided (see ``decision_rows``), built on first use."""
+        source = self.row_source
+        return source() if isinstance(source, Rows) else source
 
     def kept_wide(self) -> list[Row]:
         return [row for row in self.rows if not row.narrowed]
@@ -361,10 +385,9 @@ def build_report(
     not recorded; the weight bytes before then follow from the decisions, and the
     model's casts the cleanup removed are not known)."""
     after = program_stats(ep)
-    rows = decision_rows(ep)
     model_casts = after.casts - after.inserted_casts
     return CastReport(
-        rows,
+        Rows(ep),
         Totals(
             weight_bytes_before=before.weight_bytes if before else _bytes_before(ep),
             weight_bytes_after=after.weight_bytes,
