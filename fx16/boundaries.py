@@ -28,8 +28,9 @@ class Boundaries:
     """The values that cross the boundaries of the higher-order ops fx16 looks into,
     for ``root`` and every body nested in it."""
 
-    def __init__(self, root: GraphModule) -> None:
-        self.graph_modules = nested_graph_modules(root)
+    def __init__(self, root: GraphModule, graph_modules: list[GraphModule] | None = None) -> None:
+        """``graph_modules``: ``root`` and its nested bodies, when already found."""
+        self.graph_modules = graph_modules or nested_graph_modules(root)
         self.looked_into: set[Node] = set()  # the higher-order op nodes whose bodies are linked
         self._sources: dict[Node, list[Node]] = defaultdict(list)
         self._sinks: dict[Node, list[Node]] = defaultdict(list)

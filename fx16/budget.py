@@ -135,7 +135,7 @@ def cast_fp16_within_budget(
     restores the program). ``progress``: a progress bar of the evaluations on stderr
     (None: when stderr is a terminal).
     """
-    program = Program(ep)
+    program = Program.of(ep)
     calls = calibration_calls(program, calibration)
     if not calls:
         raise InvalidOptionError(

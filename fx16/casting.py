@@ -161,7 +161,7 @@ def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> Exp
     """Run the fp16 stage (searching within ``budget["max_rel_error"]`` if given), then
     the int16 stage, as one transaction, whose commit converts the weights; store the
     report. ``None`` options skip a stage."""
-    program = Program(ep)
+    program = Program.of(ep)
     max_rel_error = budget.get("max_rel_error")
     if max_rel_error is not None:
         require_number("max_rel_error", max_rel_error, 0)
@@ -202,6 +202,6 @@ def inputs_for(ep: ExportedProgram, *args, **kwargs) -> tuple[tuple, dict]:
     Raises ``InvalidProgramError`` for a ``ep`` that is not an ExportedProgram and
     ``InvalidOptionError`` for arguments that do not supply the program's inputs.
     """
-    program = Program(ep)
+    program = Program.of(ep)
     (call,) = calibration_calls(program, [(args, kwargs)], label="inputs_for")
     return program.adapt_call(*call)

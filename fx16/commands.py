@@ -130,7 +130,7 @@ def compare_command(args, timings: Timings) -> int:
     if not calls:
         raise CommandError(f"{args.first} records no example inputs: pass --inputs INPUTS.pt")
     for path, program in ((args.first, first), (args.second, second)):
-        calibration_calls(Program(program), calls, label=f"{path}'s inputs")
+        calibration_calls(Program.of(program), calls, label=f"{path}'s inputs")
     columns = ("input", "output", "shape", "A dtype", "B dtype", "max |A-B|", "rel. error")
     print("{:>5} {:>6} {:18} {:10} {:10} {:>12} {:>11}".format(*columns))
     worst = 0.0
@@ -225,7 +225,7 @@ def _run(ep, call: tuple[tuple, dict], label: str) -> list:
     """``ep``'s outputs on ``call``; one line naming the input if the program fails on it
     (an id past the vocabulary, ...), whatever the type of its complaint."""
     try:
-        return Program(ep).run(*call)
+        return Program.of(ep).run(*call)
     except Exception as error:
         raise CommandError(f"{label}: the program fails on it: {one_line(error)}") from error
 
@@ -254,7 +254,7 @@ def _cast(source: Path, args, timings: Timings):
         raise CommandError("--target-share needs --max-rel-error")
     label = str(args.calibrate or "example inputs")
     calls = _read_inputs(args.calibrate) if args.calibrate else _example_calls(ep)
-    calls = calibration_calls(Program(ep), calls, label=label)  # count, shapes, dtypes
+    calls = calibration_calls(Program.of(ep), calls, label=label)  # count, shapes, dtypes
     references = [_run(ep, call, f"{label}[0]") for call in calls[:1]]
     timings.lap("inputs checked and fp32 reference run")
     cast_to_16_bit_precision(
@@ -270,7 +270,7 @@ def _cast(source: Path, args, timings: Timings):
     timings.lap("cast")
     error = None
     if references:
-        got = Program(ep).run(*calls[0])
+        got = Program.of(ep).run(*calls[0])
         error = max(
             (
                 relative_error(r, g)

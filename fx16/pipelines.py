@@ -72,7 +72,7 @@ def fp16_passes(
     reject_unknown(fp16_passes, unknown)
     # a margin below 1 would count values beyond the 16-bit maximum as fitting
     require_number("overflow_margin", overflow_margin, 1)
-    program = Program(ep)
+    program = Program.of(ep)
     policy = resolve_policy(policy, explicit_fp32=explicit_fp32, keep_io_types=keep_io_types)
     force_fp32 = as_names(force_fp32)
     check_names(program, policy, force_fp32)
@@ -144,7 +144,7 @@ def int16_passes(
     gives an empty list. Options: see ``fx16.cast_int32_to_int16``.
     """
     reject_unknown(int16_passes, unknown)
-    program = Program(ep)
+    program = Program.of(ep)
     if check_mode(int16) == "off":
         if input_ranges:
             raise InvalidOptionError("input_ranges has no effect with int16='off'; drop one")

@@ -69,6 +69,10 @@ def _unshare_meta(graph_module: GraphModule) -> None:
                 seen.add(id(node.meta))
 
 
+# The Program of each ExportedProgram that Program.of was asked for.
+_PROGRAMS: "weakref.WeakKeyDictionary[ExportedProgram, Program]" = weakref.WeakKeyDictionary()
+
+
 class Program:
     """Reads and updates one ExportedProgram's state on behalf of the passes."""
 
@@ -90,11 +94,20 @@ class Program:
         self.ep = ep
         _register_missing_users(ep.graph_module)
         _unshare_meta(ep.graph_module)
+        self.repaired = ep.graph_module  # the graph module those repairs were made on
 
     @classmethod
     def of(cls, program: "Program | ExportedProgram") -> "Program":
-        """``program`` itself, or a Program of an ExportedProgram: every pass takes either."""
-        return program if isinstance(program, Program) else cls(program)
+        """``program`` itself, or the Program of an ExportedProgram: every pass takes
+        either. One Program per program and graph: a cast's stages share it, and its
+        repairs of the graph run once."""
+        if isinstance(program, Program):
+            return program
+        shared = _PROGRAMS.get(program) if isinstance(program, ExportedProgram) else None
+        if shared is None or shared.repaired is not program.graph_module:
+            shared = cls(program)
+            _PROGRAMS[program] = shared
+        return shared
 
     @property
     def graph_module(self) -> GraphModule:

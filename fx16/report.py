@@ -94,28 +94,28 @@ class Totals:
         return self.product_flops_16bit / self.product_flops if self.product_flops else 1.0
 
 
-class Rows:
-    """A report's rows, built from the program's node decisions when first read.
+class Pending:
+    """A report's rows and totals, built from the program when first read.
 
-    A cast does not pay for rows nobody reads (building them costs about as much as
-    the walk that decides). They show the decisions as the graph holds them when they
-    are first read: read them before rewriting the graph further."""
+    A cast does not pay for a report nobody reads (building it costs about as much as
+    the walk that decides). It shows the program as it is when first read: read it
+    before rewriting the graph further."""
 
-    def __init__(self, ep: ExportedProgram) -> None:
+    def __init__(self, ep: ExportedProgram, before: ProgramStats | None) -> None:
         self.ep = ep  # an attribute, not a closure: a deep copy of the program gets its own
-        self.built: list[Row] | None = None
+        self.before = before
+        self.built: tuple[list[Row], Totals] | None = None
 
-    def __call__(self) -> list[Row]:
+    def __call__(self) -> tuple[list[Row], Totals]:
         if self.built is None:
-            self.built = decision_rows(self.ep)
+            self.built = decision_rows(self.ep), totals(self.ep, self.before)
             self.ep = None
         return self.built
 
 
 @dataclass(frozen=True)
 class CastReport:
-    row_source: "list[Row] | Rows" = field(repr=False)
-    totals: Totals
+    source: "Pending | tuple[list[Row], Totals]" = field(repr=False)
     accuracy: AccuracySearch | None = None  # set when the cast had an accuracy budget
     # what made it: fx16 and torch versions, the entry point, its options, the input file
     provenance: dict = field(default_factory=dict)
@@ -123,8 +123,15 @@ class CastReport:
     @property
     def rows(self) -> list[Row]:
         """One row per value fx16 decided (see ``decision_rows``), built on first use."""
-        source = self.row_source
-        return source() if isinstance(source, Rows) else source
+        return self.built()[0]
+
+    @property
+    def totals(self) -> Totals:
+        return self.built()[1]
+
+    def built(self) -> tuple[list[Row], Totals]:
+        source = self.source
+        return source() if isinstance(source, Pending) else source
 
     def kept_wide(self) -> list[Row]:
         return [row for row in self.rows if not row.narrowed]
@@ -354,7 +361,7 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
         and (not is_inserted(n) or n.meta[INSERTED] == WHY_RETARGETED)
     ]
     int16_ran = any(INT_PRECISION in n.meta for _, n in nodes)
-    program = Program(ep)
+    program = Program.of(ep)
     inputs = {p.name: ("input", "") for p in program.user_input_placeholders()}
     inputs |= {
         slot.placeholder.name: (
@@ -381,34 +388,35 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
 def build_report(
     ep: ExportedProgram, before: ProgramStats | None, accuracy: AccuracySearch | None = None
 ) -> CastReport:
-    """The report of a cast of ``ep``; ``before``: the program's figures before it (None:
-    not recorded; the weight bytes before then follow from the decisions, and the
-    model's casts the cleanup removed are not known)."""
+    """The report of a cast of ``ep``, built when first read; ``before``: the program's
+    figures before it (None: not recorded; the weight bytes before then follow from the
+    decisions, and the model's casts the cleanup removed are not known)."""
+    return CastReport(Pending(ep, before), accuracy)
+
+
+def totals(ep: ExportedProgram, before: ProgramStats | None) -> Totals:
+    """The figures of ``ep`` after its cast, beside ``before``'s."""
     after = program_stats(ep)
     model_casts = after.casts - after.inserted_casts
-    return CastReport(
-        Rows(ep),
-        Totals(
-            weight_bytes_before=before.weight_bytes if before else _bytes_before(ep),
-            weight_bytes_after=after.weight_bytes,
-            casts_before=before.casts if before else model_casts,
-            casts_after=after.casts,
-            casts_inserted=after.inserted_casts,
-            model_casts_removed=max(before.casts - model_casts, 0) if before else None,
-            float_ops=after.float_ops,
-            float_ops_16bit=after.ops_in(torch.float16) + after.ops_in(torch.bfloat16),
-            product_flops=after.product_flops,
-            product_flops_16bit=after.product_flops_16bit,
-            cast_bytes=after.cast_bytes,
-            fp32_weight_bytes=after.fp32_weight_bytes,
-        ),
-        accuracy,
+    return Totals(
+        weight_bytes_before=before.weight_bytes if before else _bytes_before(ep),
+        weight_bytes_after=after.weight_bytes,
+        casts_before=before.casts if before else model_casts,
+        casts_after=after.casts,
+        casts_inserted=after.inserted_casts,
+        model_casts_removed=max(before.casts - model_casts, 0) if before else None,
+        float_ops=after.float_ops,
+        float_ops_16bit=after.ops_in(torch.float16) + after.ops_in(torch.bfloat16),
+        product_flops=after.product_flops,
+        product_flops_16bit=after.product_flops_16bit,
+        cast_bytes=after.cast_bytes,
+        fp32_weight_bytes=after.fp32_weight_bytes,
     )
 
 
 def _bytes_before(ep: ExportedProgram) -> int:
     """The state's bytes before a cast: each tensor narrowed from fp32 took twice its size."""
-    total, program = program_stats(ep).weight_bytes, Program(ep)
+    total, program = program_stats(ep).weight_bytes, Program.of(ep)
     for slot in program.state_slots():
         tensor = program.state_tensor(slot.target)
         decision = slot.placeholder.meta.get(PRECISION)

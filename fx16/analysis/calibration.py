@@ -12,6 +12,7 @@ from fx16.analysis.centering import CENTERING_OPS, cancellation_ratio, centered_
 from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError, one_line
+from fx16.facts import Facts
 from fx16.interpreter import BodyInterpreter
 from fx16.nodes import dtype_name
 from fx16.numerics import INF_LIKE
@@ -84,7 +85,7 @@ class CalibrationAnalysis(Analysis):
         if not calls:
             graph_module.meta[self.STATUS_KEY] = "skipped: no calibration inputs"
             return PassResult(graph_module, False)
-        boundaries = Boundaries(graph_module)
+        boundaries = Facts.of(graph_module).boundaries
         recorder = _MagnitudeRecorder(
             graph_module,
             constant={slot.placeholder for slot in self.program.state_slots()},

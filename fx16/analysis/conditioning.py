@@ -54,8 +54,8 @@ from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.centering import CENTERING_OPS, buffer_ratio, running_statistics
 from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.upstream import elementwise_past
-from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
+from fx16.facts import Facts
 from fx16.nodes import node_val
 from fx16.numerics import INF_LIKE
 from fx16.ops import (
@@ -100,8 +100,8 @@ class ConditioningAnalysis(Analysis):
         self.policy = policy or PrecisionPolicy.default()
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        boundaries = Boundaries(graph_module)
-        ranges = FloatRanges(self.program, boundaries)
+        boundaries = Facts.of(graph_module).boundaries
+        ranges = Facts.of(graph_module).float_ranges(self.program)
         roundoff = torch.finfo(self.policy.low).eps / 2
         tolerance = self.policy.resolved_precision_tolerance
         seeds: list[tuple[Node, float]] = []

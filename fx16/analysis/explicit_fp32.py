@@ -49,6 +49,7 @@ from fx16.boundaries import Boundaries
 from fx16.casts import cast_dtype, is_cast
 from fx16.contracts import Analysis
 from fx16.decisions import Reason, decide
+from fx16.facts import Facts
 from fx16.islands import asserted_dtype, is_sensitive, island_region
 from fx16.nodes import FLOAT_DTYPES, node_dtype, node_val, op_label, requested_dtypes
 from fx16.numerics import largest, smallest_normal
@@ -91,8 +92,8 @@ class ExplicitFp32Analysis(Analysis):
         self.smallest = smallest_normal(self.policy.low) * overflow_margin
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        boundaries = Boundaries(graph_module)
-        ranges = FloatRanges(self.program, boundaries)
+        boundaries = Facts.of(graph_module).boundaries
+        ranges = Facts.of(graph_module).float_ranges(self.program)
         for submodule in boundaries.graph_modules:
             order = {node: index for index, node in enumerate(submodule.graph.nodes)}
             verdicts = []

@@ -20,9 +20,9 @@ from fx16.analysis.underflow import UnderflowAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.contracts import Analysis
 from fx16.decisions import Decision, Reason
+from fx16.facts import Facts
 from fx16.ops import SELECTION_OPS, is_custom_op
 from fx16.propagation import runs_narrowed
-from fx16.subgraphs import nested_graph_modules
 
 FP32 = torch.float32
 
@@ -159,7 +159,7 @@ class Fp32RulesAnalysis(Analysis):
         )
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        for submodule in nested_graph_modules(graph_module):
+        for submodule in Facts.of(graph_module).graph_modules:
             for node in submodule.graph.nodes:
                 node.meta.pop(self.META_KEY, None)
                 if node.op not in ("placeholder", "call_function"):

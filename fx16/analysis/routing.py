@@ -24,12 +24,12 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.upstream import elementwise_past
 from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
 from fx16.cost import flops, is_product
+from fx16.facts import Facts
 from fx16.nodes import node_val
 from fx16.ops import SELECTION_OPS
 from fx16.policy import PrecisionPolicy
@@ -51,7 +51,7 @@ class RoutingAnalysis(Analysis):
         self.policy = policy or PrecisionPolicy.default()
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        boundaries = Boundaries(graph_module)
+        boundaries = Facts.of(graph_module).boundaries
         selections = []
         for module in boundaries.graph_modules:
             for node in module.graph.nodes:
@@ -60,7 +60,7 @@ class RoutingAnalysis(Analysis):
                     selections.append(node)
         if self.policy.routing != "fp32" or not selections:
             return PassResult(graph_module, False)
-        ranges = FloatRanges(self.program, boundaries)
+        ranges = Facts.of(graph_module).float_ranges(self.program)
         total = sum(
             flops(n) for m in boundaries.graph_modules for n in m.graph.nodes if is_product(n)
         )

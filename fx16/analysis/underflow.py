@@ -34,8 +34,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.upstream import elementwise_past
-from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
+from fx16.facts import Facts
 from fx16.nodes import node_val
 from fx16.numerics import smallest_normal
 from fx16.ops import POWER_OPS, SINGULAR_AT_ZERO
@@ -61,8 +61,8 @@ class UnderflowAnalysis(Analysis):
         self.smallest_normal *= overflow_margin
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        boundaries = Boundaries(graph_module)
-        ranges = FloatRanges(self.program, boundaries)
+        boundaries = Facts.of(graph_module).boundaries
+        ranges = Facts.of(graph_module).float_ranges(self.program)
         seeds = []
         for module in boundaries.graph_modules:
             for node in module.graph.nodes:

@@ -7,9 +7,9 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
 from fx16.cost import is_product
+from fx16.facts import Facts
 from fx16.nodes import node_val
 from fx16.ops import INDEX_ARGUMENTS, SELECTION_OPS
 
@@ -46,7 +46,7 @@ class UnsafeIndexAnalysis(Analysis):
     META_KEY = "fx16.unsafe_index"
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        boundaries = Boundaries(graph_module)
+        boundaries = Facts.of(graph_module).boundaries
         pending: list[Node] = []
         for module in boundaries.graph_modules:
             for node in module.graph.nodes:

@@ -13,9 +13,9 @@ from torch.utils._sympy.value_ranges import bound_sympy
 
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.index_bounds import index_bounds
-from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError
+from fx16.facts import Facts
 from fx16.nodes import named_argument, node_val
 from fx16.ops import CAST_OPS, INT_DTYPES, POSITION_OPS, VALUE_PRESERVING_OPS, overloads
 from fx16.program import Program
@@ -163,7 +163,7 @@ class ValueRangeAnalysis(Analysis):
         }
         state = {slot.placeholder: slot.target for slot in self.program.state_slots()}
         rules = _Rules(self.program.range_constraints())
-        boundaries = Boundaries(graph_module)
+        boundaries = Facts.of(graph_module).boundaries
         walk = _Walk(self.program, boundaries, declared, state, rules)
         forward = walk.forward(graph_module, {})
         bounds = index_bounds(graph_module.graph, _known(forward), rules.size_bound)

@@ -47,10 +47,10 @@ from fx16.contracts import Analysis
 from fx16.cost import flops, is_product
 from fx16.decisions import Reason
 from fx16.emulation import Emulation
+from fx16.facts import Facts
 from fx16.nodes import node_module_path, op_label
 from fx16.policy import Precision, PrecisionPolicy
 from fx16.program import Program
-from fx16.subgraphs import nested_graph_modules
 
 # A verdict that puts at least this share of the program's product FLOPs in fp32 is heavy.
 HEAVY_SHARE = 0.005
@@ -112,7 +112,7 @@ class VerdictCheckAnalysis(Analysis):
         calls = calibration_calls(self.program, self.calibration)
         if not calls:
             return PassResult(graph_module, False)
-        modules = nested_graph_modules(graph_module)
+        modules = Facts.of(graph_module).graph_modules
         wide = self.wide_nodes(modules)
         groups = self.groups(modules, wide)
         findings = _findings(modules)

@@ -61,7 +61,7 @@ class _DtypeChecker(torch.fx.Interpreter):
 
 def assert_meta_matches_runtime(ep: ExportedProgram, args, kwargs=None) -> None:
     """Every node's recorded dtype is the dtype it computes when the graph runs."""
-    inputs = Program(ep).graph_inputs(args, kwargs)
+    inputs = Program.of(ep).graph_inputs(args, kwargs)
     with torch.no_grad():
         _DtypeChecker(ep.graph_module).run(*inputs)
 
@@ -73,8 +73,8 @@ def check_cast_program(original: ExportedProgram, cast: ExportedProgram, args: t
     first: a broken pass fails there in a fraction of the time validity takes, which
     is most of hypothesis' shrinking. A failure shows the values, expected and got."""
     with quiet():
-        expected = Program(original).run(args)
-        got = Program(cast).run(args)
+        expected = Program.of(original).run(args)
+        got = Program.of(cast).run(args)
         assert len(expected) == len(got), f"{len(got)} outputs, the original gives {len(expected)}"
         for index, (want, have) in enumerate(zip(expected, got)):
             if isinstance(want, torch.Tensor):
