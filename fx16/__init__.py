@@ -10,6 +10,7 @@ import importlib.util
 # Each public name, and the module that defines it.
 _PUBLIC = {
     "AccuracyBudgetError": "fx16.errors",
+    "Fp16Options": "fx16.options",
     "Fx16Error": "fx16.errors",
     "InvalidOptionError": "fx16.errors",
     "InvalidProgramError": "fx16.errors",

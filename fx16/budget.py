@@ -32,7 +32,7 @@ all-fp32 misses it.
 import copy
 import gc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.utils._pytree as pytree
@@ -41,17 +41,25 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 from tqdm import tqdm
 
-from fx16.analysis.calibration import CalibrationAnalysis, calibration_calls
+from fx16.analysis.calibration import calibration_calls
 from fx16.analysis.verdict_check import VerdictCheckAnalysis
 from fx16.casts import before_inserted_casts, is_cast, is_inserted
 from fx16.cost import flops, is_product
 from fx16.decisions import was_narrowed
-from fx16.errors import AccuracyBudgetError, InvalidOptionError, require_number
+from fx16.errors import (
+    AccuracyBudgetError,
+    Fx16Error,
+    InvalidOptionError,
+    PassFailedError,
+    require_number,
+)
 from fx16.interpreter import LeanInterpreter
 from fx16.nodes import node_dtype
 from fx16.ops import ASSERT_METADATA_OPS
+from fx16.options import Fp16Options
 from fx16.passes.insert_fp16_casts import OUTPUTS
-from fx16.pipelines import fp16_passes, run_passes
+from fx16.pipelines import fp16_stages, run_passes
+from fx16.policy import as_names
 from fx16.program import Program
 from fx16.stats import outputs_error, program_stats
 
@@ -120,7 +128,7 @@ def cast_fp16_within_budget(
     calibration: list | None,
     progress: bool | None,
     target_share: float | None = None,
-    **options,
+    options: Fp16Options | None = None,
 ) -> AccuracySearch:
     """Cast ``ep`` to fp16 in place, returning nodes to fp32 until the error is within budget.
 
@@ -129,8 +137,8 @@ def cast_fp16_within_budget(
     the calibration inputs, so their error is a fair sample). Otherwise the search
     stops once the calibration error is below ``target_share`` of the budget (None:
     ``stopping_share``, a margin for inputs it has not seen: its choices were fitted
-    to these inputs, and fit unseen ones less well). ``options`` are those
-    of ``fx16.fp16_passes``. Raises ``AccuracyBudgetError`` when every remedy is
+    to these inputs, and fit unseen ones less well). ``options``: the cast's
+    (its ``calibration`` is ``calibration``). Raises ``AccuracyBudgetError`` when every remedy is
     taken and the error is still over that share (the caller's transaction then
     restores the program). ``progress``: a progress bar of the evaluations on stderr
     (None: when stderr is a terminal).
@@ -150,15 +158,18 @@ def cast_fp16_within_budget(
         require_number("target_share", target_share, 0, strict=True)
         if target_share > 1:
             raise InvalidOptionError(f"target_share must be at most 1, got {target_share!r}")
-    CalibrationAnalysis(program, calibration)(ep.graph_module)
+    options = replace(options or Fp16Options(), calibration=calibration)
+    analyses, _ = fp16_stages(ep, options)
+    run_passes(analyses, ep.graph_module)  # once: what they find does not depend on the fp32 set
     plain_share, search_share = target_share or 1.0, target_share or stopping_share(len(calls))
     targets = (plain_share * budget, search_share * budget)
     search = _Search(program, calls, calibration, budget, targets, progress, options)
     try:
         return search.run()
-    except Exception as error:  # the stage that failed, for the caller's PassFailedError
-        error.fx16_stage = getattr(error, "fx16_stage", "accuracy search")
+    except Fx16Error:
         raise
+    except Exception as error:
+        raise PassFailedError("accuracy search", error, restored=False) from error
     finally:
         search.progress.close()
 
@@ -207,13 +218,12 @@ class _Search:
             self.pristine.restore()
             gc.collect()  # the last round's graph (the transaction pauses the collector)
         self.holds = set(forced)
-        options = dict(self.options)
-        kept = frozenset(forced) | options.pop("force_fp32", frozenset())  # the caller's too
-        passes = fp16_passes(ep, calibration=self.calibration, force_fp32=kept, **options)
+        kept = frozenset(forced) | as_names(self.options.force_fp32)  # the caller's too
+        _, passes = fp16_stages(ep, replace(self.options, force_fp32=kept))
         for stage in passes:
             if isinstance(stage, VerdictCheckAnalysis):
                 stage.answers = self.answers  # each kind of verdict measured once
-        run_passes([p for p in passes if not isinstance(p, CalibrationAnalysis)], ep.graph_module)
+        run_passes(passes, ep.graph_module)  # the analyses' findings came with the snapshot
 
     def measure(self, forced: set[str]) -> tuple[float, list]:
         """Cast with ``forced`` in fp32 and run it on every input: (error, outputs)."""

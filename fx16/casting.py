@@ -5,7 +5,6 @@ Each works in place, returns the program it was given, stores a CastReport in
 the program is restored and a ``PassFailedError`` names the stage.
 """
 
-from collections.abc import Collection
 from dataclasses import replace
 
 from torch.export import ExportedProgram
@@ -13,28 +12,23 @@ from torch.export import ExportedProgram
 from fx16.analysis.calibration import calibration_calls
 from fx16.budget import cast_fp16_within_budget
 from fx16.errors import InvalidOptionError, require_number
+from fx16.options import Fp16Options, shows_fp16_options
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
-from fx16.policy import PrecisionPolicy, as_names
+from fx16.policy import as_names
 from fx16.program import Program
 from fx16.provenance import provenance
 from fx16.report import REPORT_KEY, build_report
 from fx16.stats import record_stats_before
 
 
+@shows_fp16_options
 def cast_fp32_to_fp16(
     ep: ExportedProgram,
     *,
-    policy: PrecisionPolicy | str | None = None,
-    explicit_fp32: str | None = None,
-    keep_io_types: bool | Collection[str] | None = None,
-    calibration: list | None = None,
-    overflow_margin: float = 2.0,
-    input_ranges: dict | None = None,
     max_rel_error: float | None = None,
     target_share: float | None = None,
-    force_fp32: Collection[str] = frozenset(),
     progress: bool | None = None,
-    **unknown,
+    **options,
 ) -> ExportedProgram:
     """Rewrite ``ep`` in place to compute in fp16 where that is safe, and return it.
 
@@ -88,18 +82,10 @@ def cast_fp32_to_fp16(
       every node fx16 may return to fp32 in fp32;
     - ``fx16.PassFailedError`` when a stage fails.
     """
-    reject_unknown(cast_fp32_to_fp16, unknown)
-    options = dict(
-        policy=policy,
-        explicit_fp32=explicit_fp32,
-        keep_io_types=keep_io_types,
-        calibration=calibration,
-        overflow_margin=overflow_margin,
-        input_ranges=input_ranges,
-        force_fp32=force_fp32,
-    )
+    own = ("max_rel_error", "progress", "target_share")
+    fp16_options = Fp16Options.of("cast_fp32_to_fp16", also=own, **options)
     budget = {"max_rel_error": max_rel_error, "target_share": target_share}
-    return _cast(ep, "cast_fp32_to_fp16", options, None, budget, progress)
+    return _cast(ep, "cast_fp32_to_fp16", fp16_options, None, budget, progress)
 
 
 def cast_int32_to_int16(
@@ -152,7 +138,8 @@ def cast_to_16_bit_precision(
     The accuracy budget applies to the fp16 stage (int16 narrowing is exact). Raises
     as both do.
     """
-    fp16_options, int16_options = split_options(options)
+    fp16_keywords, int16_options = split_options(options)
+    fp16_options = Fp16Options.of("cast_to_16_bit_precision", **fp16_keywords)
     budget = {"max_rel_error": max_rel_error, "target_share": target_share}
     return _cast(ep, "cast_to_16_bit_precision", fp16_options, int16_options, budget, progress)
 
@@ -167,20 +154,25 @@ def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> Exp
         require_number("max_rel_error", max_rel_error, 0)
     elif budget.get("target_share") is not None:
         raise InvalidOptionError("target_share needs max_rel_error")
-    if fp16_options is not None and "force_fp32" in fp16_options:
-        fp16_options["force_fp32"] = as_names(fp16_options["force_fp32"])  # one name, or many
-    made_by = provenance(entry_point, {**(fp16_options or {}), **(int16_options or {}), **budget})
+    if fp16_options is not None:  # one name, or many
+        fp16_options = replace(fp16_options, force_fp32=as_names(fp16_options.force_fp32))
+    fp16_keywords = fp16_options.as_keywords() if fp16_options is not None else {}
+    made_by = provenance(entry_point, {**fp16_keywords, **(int16_options or {}), **budget})
     before = record_stats_before(ep)
     previous = ep.graph_module.meta.get(REPORT_KEY)
     accuracy = None
     with program.transaction(progress):
         if fp16_options is not None and max_rel_error is not None:
-            calibration = fp16_options.pop("calibration", None)
             accuracy = cast_fp16_within_budget(
-                ep, max_rel_error, calibration, progress, budget["target_share"], **fp16_options
+                ep,
+                max_rel_error,
+                fp16_options.calibration,
+                progress,
+                budget["target_share"],
+                fp16_options,
             )
         elif fp16_options is not None:
-            run_passes(fp16_passes(ep, **fp16_options), ep.graph_module)
+            run_passes(fp16_passes(ep, fp16_options), ep.graph_module)
         if int16_options is not None:
             run_passes(int16_passes(ep, **int16_options), ep.graph_module)
     if accuracy is None and previous is not None:  # a second cast keeps the first's search

@@ -20,7 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
-from fx16.analysis.calibration import CalibrationAnalysis
+from fx16 import meta
 from fx16.interpreter import BodyInterpreter
 from fx16.nodes import mutated_argument
 from fx16.numerics import INF_LIKE, largest
@@ -101,9 +101,8 @@ class Emulation:
         # what the emulation rounds: the computing ops, the inputs (and weights) chosen
         self.rounding = {node for node in nodes if _computes(node)} | rounded_inputs
         # where a sentinel may need saturating: what calibration saw hold one (all, unseen)
-        calibrated = CalibrationAnalysis.OUTPUTS_KEY in program.graph_module.meta
-        key = CalibrationAnalysis.SENTINEL_KEY
-        self.sentinels = {n for n in nodes if n.meta.get(key)} if calibrated else None
+        calibrated = meta.CALIBRATION_OUTPUTS in program.graph_module.meta
+        self.sentinels = {n for n in nodes if meta.holds_sentinel(n)} if calibrated else None
         if reference is None:
             with torch.no_grad():
                 reference = [

@@ -33,15 +33,16 @@ class AccuracyBudgetError(Fx16Error):
 class PassFailedError(Fx16Error):
     """A stage of a pipeline raised; the message names the stage.
 
-    The public entry points raise it only after restoring the caller's program,
-    and keep the original exception as ``__cause__``.
+    It is raised ``from`` the original exception (kept as ``__cause__``). The public
+    entry points raise it only after restoring the caller's program (``restored``);
+    ``fx16.pipelines.run_passes`` run on its own raises it where the stage failed.
     """
 
-    def __init__(self, stage: str, cause: BaseException) -> None:
-        super().__init__(
-            f"fx16 stage {stage} failed: {one_line(cause)}. The program was left unchanged."
-        )
+    def __init__(self, stage: str, cause: BaseException, restored: bool = True) -> None:
+        after = " The program was left unchanged." if restored else ""
+        super().__init__(f"fx16 stage {stage} failed: {one_line(cause)}.{after}")
         self.stage = stage
+        self.restored = restored
 
 
 def one_line(error: BaseException) -> str:

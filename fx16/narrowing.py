@@ -3,9 +3,8 @@
 import torch
 from torch.fx import Node
 
-from fx16.analysis.castable_int16 import CastableInt16Analysis, has_scalar_operand
-from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
-from fx16.analysis.user_reachability import UserReachabilityAnalysis
+from fx16 import meta
+from fx16.analysis.castable_int16 import has_scalar_operand
 from fx16.analysis.value_range import Source, value_range
 from fx16.casts import before_inserted_casts
 from fx16.choices import INT16_MODES
@@ -27,14 +26,13 @@ def int16_verdict(node: Node, mode: str) -> tuple[Reason, str]:
     Reads the findings of the four int16 analyses. The second item gives the
     ranges involved when they decided it.
     """
-    meta = node.meta
-    if not meta.get(UserReachabilityAnalysis.META_KEY):
+    if not meta.user_reachable(node):
         return Reason.NOT_USER_REACHABLE, ""
-    if meta.get(UnsafeIndexAnalysis.META_KEY):
+    if meta.flows_into_index(node):
         return Reason.UNSAFE_INDEX, ""
     if has_scalar_operand(node):
         return Reason.SCALAR_OPERAND, ""
-    if not meta.get(CastableInt16Analysis.META_KEY):
+    if not meta.castable_int16(node):
         return Reason.NOT_CASTABLE, ""
     if mode == "assume_safe":
         return Reason.ASSUMED_SAFE, ""

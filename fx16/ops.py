@@ -6,6 +6,7 @@ torch are skipped, so the tables work across the supported torch versions.
 """
 
 import math
+import operator
 
 import torch
 
@@ -675,3 +676,16 @@ LOGARITHM_OPS = overloads("log.default", "log2.default", "log10.default")
 POWER_OF_SCALAR_OPS = overloads("pow.Scalar")
 POWER_BY_SCALAR_OPS = overloads("pow.Tensor_Scalar")
 SUM_OPS = overloads("add.Tensor", "sub.Tensor")
+
+
+def is_known_op(target) -> bool:
+    """An op whose precision behaviour fx16 knows: one of its op-kind tables (products,
+    reductions, data movement), a cast or creation op, or an ATen op tagged pointwise
+    (it computes in its inputs' dtype, element by element). Anything else computes
+    16-bit as its inputs are, and the report says it was not known."""
+    if target in CAST_OPS or target in CREATION_OPS or target is operator.getitem:
+        return True
+    name = getattr(target, "_opname", None)
+    if name in COMPUTE_OPS or name in REDUCTION_OPS or name in DATA_MOVEMENT_OPS:
+        return True
+    return torch.Tag.pointwise in getattr(target, "tags", ())

@@ -6,7 +6,6 @@ handed to ``torch.fx.passes.infra.pass_manager.PassManager`` as it is, or edited
 """
 
 import inspect
-from collections.abc import Collection
 from dataclasses import replace
 
 from torch.fx import GraphModule
@@ -25,9 +24,10 @@ from fx16.analysis import (
     ValueRangeAnalysis,
     VerdictCheckAnalysis,
 )
-from fx16.errors import InvalidOptionError, require_number
+from fx16.errors import Fx16Error, InvalidOptionError, PassFailedError, require_number
 from fx16.names import check_names
 from fx16.narrowing import check_mode
+from fx16.options import Fp16Options
 from fx16.passes import (
     CleanupCastsPass,
     ConvertIntInputsPass,
@@ -42,18 +42,7 @@ from fx16.policy import PrecisionPolicy, as_names
 from fx16.program import Program
 
 
-def fp16_passes(
-    ep,
-    *,
-    policy: PrecisionPolicy | str | None = None,
-    explicit_fp32: str | None = None,
-    keep_io_types: bool | Collection[str] | None = None,
-    calibration: list | None = None,
-    overflow_margin: float = 2.0,
-    input_ranges: dict | None = None,
-    force_fp32: Collection[str] | str = frozenset(),
-    **unknown,
-) -> list[PassBase]:
+def fp16_passes(ep, options: Fp16Options | None = None, **keywords) -> list[PassBase]:
     """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
 
     Order: the analyses first, while the program still computes in fp32:
@@ -69,36 +58,57 @@ def fp16_passes(
     ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that must stay fp32.
     A policy that changes nothing (``always_fp32``) gives an empty list.
     """
-    reject_unknown(fp16_passes, unknown)
-    # a margin below 1 would count values beyond the 16-bit maximum as fitting
-    require_number("overflow_margin", overflow_margin, 1)
+    analyses, rewrites = fp16_stages(ep, Fp16Options.of("fp16_passes", options, **keywords))
+    return analyses + rewrites
+
+
+def fp16_stages(ep, options: Fp16Options) -> tuple[list[PassBase], list[PassBase]]:
+    """``fp16_passes`` in two parts: the analyses, which only read the program (and
+    calibrate it), and the stages from the safety rules on, the only ones
+    ``force_fp32`` changes: an accuracy search runs the first part once."""
     program = Program.of(ep)
-    policy = resolve_policy(policy, explicit_fp32=explicit_fp32, keep_io_types=keep_io_types)
-    force_fp32 = as_names(force_fp32)
-    check_names(program, policy, force_fp32)
+    options, policy = _checked(program, options)
     if policy.is_noop:
-        return []
-    limit = overflow_limit(policy, overflow_margin)
+        return [], []
+    return _analyses(program, options, policy), _rewrites(program, options, policy)
+
+
+def _analyses(program: Program, options: Fp16Options, policy: PrecisionPolicy) -> list[PassBase]:
     return [
         RecordStatsPass(program),
-        CalibrationAnalysis(program, calibration),
+        CalibrationAnalysis(program, options.calibration),
         UnsafeIndexAnalysis(),
-        ValueRangeAnalysis(program, input_ranges),
+        ValueRangeAnalysis(program, options.input_ranges),
         ConditioningAnalysis(program, policy),
-        UnderflowAnalysis(program, policy, overflow_margin),
+        UnderflowAnalysis(program, policy, options.overflow_margin),
         RoutingAnalysis(program, policy),
-        ExplicitFp32Analysis(program, policy, overflow_margin),
-        Fp32RulesAnalysis.standard(policy.low, limit, force_fp32),
-        VerdictCheckAnalysis(program, policy, calibration),
-        ConvertParametersPass(program, policy=policy, force_fp32=force_fp32),
-        ConvertUserInputsPass(
-            program, policy=policy, overflow_margin=overflow_margin, force_fp32=force_fp32
-        ),
-        InsertFP16CastsPass(
-            program, policy=policy, overflow_margin=overflow_margin, force_fp32=force_fp32
-        ),
+        ExplicitFp32Analysis(program, policy, options.overflow_margin),
+    ]
+
+
+def _rewrites(program: Program, options: Fp16Options, policy: PrecisionPolicy) -> list[PassBase]:
+    margin, forced = options.overflow_margin, options.force_fp32
+    return [
+        Fp32RulesAnalysis.standard(policy.low, overflow_limit(policy, margin), forced),
+        VerdictCheckAnalysis(program, policy, options.calibration),
+        ConvertParametersPass(program, policy=policy, force_fp32=forced),
+        ConvertUserInputsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
+        InsertFP16CastsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
         CleanupCastsPass(program),
     ]
+
+
+def _checked(program: Program, options: Fp16Options) -> tuple[Fp16Options, PrecisionPolicy]:
+    """``options`` with ``force_fp32`` as a set of names, and the policy they resolve to;
+    ``InvalidOptionError`` for a bad margin or a name that matches nothing."""
+    # a margin below 1 would count values beyond the 16-bit maximum as fitting
+    require_number("overflow_margin", options.overflow_margin, 1)
+    policy = resolve_policy(
+        options.policy, explicit_fp32=options.explicit_fp32, keep_io_types=options.keep_io_types
+    )
+    options = replace(options, force_fp32=as_names(options.force_fp32))
+    check_names(program, policy, options.force_fp32)
+    return options, policy
 
 
 def without_rules(passes: list[PassBase], *rule_types: type) -> list[PassBase]:
@@ -169,7 +179,7 @@ def split_options(options: dict) -> tuple[dict, dict]:
     An option both accept (``calibration``) goes to both; one neither accepts
     raises ``InvalidOptionError`` naming the accepted ones.
     """
-    accepted = [keyword_options(f) for f in (fp16_passes, int16_passes)]
+    accepted = [Fp16Options.names(), keyword_options(int16_passes)]
     unknown = sorted(set(options) - accepted[0] - accepted[1])
     if unknown:
         raise InvalidOptionError(
@@ -198,16 +208,18 @@ def run_passes(passes: list[PassBase], graph_module: GraphModule) -> bool:
     """Run ``passes`` in order on ``graph_module``, recompiling once at the end.
 
     Same effect as ``PassManager(passes)(graph_module)``, which recompiles after
-    every pass. An exception raised by a pass carries its name in ``fx16_stage``.
+    every pass. A pass that raises anything but an ``Fx16Error`` raises a
+    ``PassFailedError`` naming it, from the original exception.
     Returns whether any pass modified the graph.
     """
     modified = False
     for pass_ in passes:
         try:
             result = pass_(graph_module)
-        except Exception as error:
-            error.fx16_stage = type(pass_).__name__
+        except Fx16Error:
             raise
+        except Exception as error:
+            raise PassFailedError(type(pass_).__name__, error, restored=False) from error
         modified = modified or bool(result and result.modified)
     graph_module.recompile()
     return modified

@@ -343,10 +343,11 @@ class Program:
             meta.pop(_DEFERRING, None)
         if error is None:
             return
+        if isinstance(error, PassFailedError) and not error.restored:  # now it is
+            raise PassFailedError(error.stage, error.__cause__) from error.__cause__
         if isinstance(error, Fx16Error) or not isinstance(error, Exception):
             raise error
-        stage = getattr(error, "fx16_stage", "commit" if saved.released else "unknown")
-        raise PassFailedError(stage, error) from error
+        raise PassFailedError("commit" if saved.released else "unknown", error) from error
 
 
 def _copied_meta(meta: dict) -> dict:

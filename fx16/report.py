@@ -15,10 +15,9 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 
-from fx16.analysis.calibration import CalibrationAnalysis
-from fx16.analysis.conditioning import ConditioningAnalysis
+from fx16 import meta
 from fx16.analysis.explicit_fp32 import islands
-from fx16.analysis.value_range import ValueRange, ValueRangeAnalysis
+from fx16.analysis.value_range import ValueRange
 from fx16.budget import AccuracySearch
 from fx16.casts import INSERTED, WHY_RETARGETED, is_inserted
 from fx16.cost import flops, is_product, tensor_bytes
@@ -280,24 +279,24 @@ def _row(
             module,
             **costs,
         )
-    if not decision.detail and kind == "int" and node.meta.get(ValueRangeAnalysis.META_KEY):
-        decision = replace(decision, detail=str(node.meta[ValueRangeAnalysis.META_KEY]))
+    if not decision.detail and kind == "int" and meta.proven_range(node):
+        decision = replace(decision, detail=str(meta.proven_range(node)))
     return replace(_decision_row(name, op, kind, decision, module), **costs)
 
 
 def _numbers(node: Node) -> dict:
     """The ranges and condition number the analyses recorded on ``node``."""
     numbers = {}
-    interval = node.meta.get(CalibrationAnalysis.INTERVAL_KEY)
+    interval = meta.observed_interval(node)
     if interval is not None:
         numbers["observed"] = tuple(map(float, interval))
-    magnitude = node.meta.get(CalibrationAnalysis.META_KEY)
+    magnitude = meta.observed_max_abs(node)
     if magnitude is not None:
         numbers["observed_max_abs"] = float(magnitude)
-    proven = node.meta.get(ValueRangeAnalysis.META_KEY)
+    proven = meta.proven_range(node)
     if isinstance(proven, ValueRange):
         numbers["proven"] = (float(proven.low), float(proven.high))
-    finding = node.meta.get(ConditioningAnalysis.FINDING_KEY)
+    finding = meta.conditioning_finding(node)
     if finding is not None:
         numbers["condition_number"] = float(finding.kappa)
     return numbers

@@ -29,15 +29,11 @@ def _analyse(ep):
 
 def test_needs_its_inputs_analysed_first():
     ep = export(BucketHash(), torch.arange(5))
-    with pytest.raises(PreconditionError, match="run UserReachabilityAnalysis and"):
-        CastableInt16Analysis()(ep.graph_module)
-
-
-def test_works_alone_when_given_the_program():
-    ep = export(BucketHash(), torch.arange(5))
-    assert not CastableInt16Analysis(Program(ep))(ep.graph_module).modified
-    castable = {node.name for node in ep.graph_module.graph.nodes if node.meta[KEY]}
-    assert castable == {"ids", "add", "remainder"}
+    for analysis in (CastableInt16Analysis(), CastableInt16Analysis(Program(ep))):
+        with pytest.raises(PreconditionError, match="UnsafeIndexAnalysis, UserReachabilityAnal"):
+            analysis(ep.graph_module)
+    assert not any(KEY in node.meta for node in ep.graph_module.graph.nodes)
+    assert _analyse(ep) == {"ids", "add", "remainder"}
 
 
 def test_seeds_grow_to_producers_and_consumers():

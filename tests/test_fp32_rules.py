@@ -12,6 +12,7 @@ from fx16 import PreconditionError
 from fx16.analysis import (
     CalibrationAnalysis,
     ConditioningAnalysis,
+    ExplicitFp32Analysis,
     Fp32RulesAnalysis,
     RoutingAnalysis,
     UnsafeIndexAnalysis,
@@ -107,6 +108,7 @@ def test_a_new_rule_is_applied_by_the_pass_without_changing_it():
     run_passes(
         [
             Fp32RulesAnalysis([KeepRelu()]),
+            ExplicitFp32Analysis(program),
             ConvertParametersPass(program),
             ConvertUserInputsPass(program),
             InsertFP16CastsPass(program),
@@ -120,10 +122,11 @@ def test_a_new_rule_is_applied_by_the_pass_without_changing_it():
     check_program(ep)
 
 
-def test_the_pass_used_alone_runs_the_standard_rules():
+def test_the_inserter_used_alone_names_the_analyses_it_reads_and_changes_nothing():
     ep = export(Model(), torch.randn(2, 8))
     CalibrationAnalysis(Program(ep))(ep.graph_module)
-    InsertFP16CastsPass(Program(ep))(ep.graph_module)
-    assert Fp32RulesAnalysis.RAN_KEY in ep.graph_module.meta
-    fx16_reason = next(n for n in ep.graph_module.graph.nodes if n.name == "mul").meta[PRECISION]
-    assert fx16_reason.reason == Reason.ACTIVATION_OVERFLOW
+    code = ep.graph_module.code
+    with pytest.raises(PreconditionError, match="ExplicitFp32Analysis, Fp32RulesAnalysis finds"):
+        InsertFP16CastsPass(Program(ep))(ep.graph_module)
+    assert ep.graph_module.code == code
+    assert not any(PRECISION in n.meta for n in ep.graph_module.graph.nodes)

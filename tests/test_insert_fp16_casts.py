@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fx16.analysis import ExplicitFp32Analysis, Fp32RulesAnalysis
 from fx16.casts import INSERTED
 from fx16.decisions import PRECISION, Reason
 from fx16.numerics import round_scalar_to_fp16
@@ -20,10 +21,19 @@ from models import MLP, CreationOps, OverflowWeight
 aten = torch.ops.aten
 
 
+def _analyses(program, policy, forced=frozenset()):
+    """The analyses the inserter reads, without calibration or ranges."""
+    return [
+        Fp32RulesAnalysis.needing_nothing(policy.low, 65504 / 2, forced),
+        ExplicitFp32Analysis(program, policy),
+    ]
+
+
 def _insert(ep, explicit_fp32="keep"):
     program = Program(ep)
-    run_passes([ConvertParametersPass(program), ConvertUserInputsPass(program)], ep.graph_module)
     policy = PrecisionPolicy.custom(explicit_fp32=explicit_fp32)
+    stages = [*_analyses(program, policy), ConvertParametersPass(program)]
+    run_passes([*stages, ConvertUserInputsPass(program)], ep.graph_module)
     result = InsertFP16CastsPass(program, policy=policy)(ep.graph_module)
     ep.graph_module.recompile()
     return result
@@ -381,6 +391,7 @@ def test_an_input_kept_fp32_by_the_budget_is_read_in_fp16_by_its_other_consumers
     policy = PrecisionPolicy.default()
     run_passes(
         [
+            *_analyses(program, policy, forced),
             ConvertUserInputsPass(program, policy=policy, force_fp32=forced),
             InsertFP16CastsPass(program, policy=policy, force_fp32=forced),
         ],

@@ -8,6 +8,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
+from fx16 import meta
 from fx16.analysis.centering import CENTERING_OPS, cancellation_ratio, centered_input
 from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
@@ -66,14 +67,14 @@ class CalibrationAnalysis(Analysis):
     and the reason in ``graph_module.meta["fx16.calibration"]``.
     """
 
-    META_KEY = "fx16.observed_range"
-    INTERVAL_KEY = "fx16.observed_interval"
-    SENTINEL_KEY = "fx16.observed_sentinel"
-    CENTERING_KEY = "fx16.observed_centering"
-    SMALLEST_KEY = "fx16.observed_smallest"
-    OUTPUTS_KEY = "fx16.calibration_outputs"
-    INT_RANGE_KEY = "fx16.observed_int_range"
-    STATUS_KEY = "fx16.calibration"
+    META_KEY = meta.OBSERVED_MAX_ABS
+    INTERVAL_KEY = meta.OBSERVED_INTERVAL
+    SENTINEL_KEY = meta.OBSERVED_SENTINEL
+    CENTERING_KEY = meta.OBSERVED_CENTERING
+    SMALLEST_KEY = meta.OBSERVED_SMALLEST
+    OUTPUTS_KEY = meta.CALIBRATION_OUTPUTS
+    INT_RANGE_KEY = meta.OBSERVED_INT_RANGE
+    STATUS_KEY = meta.CALIBRATION_STATUS
 
     def __init__(self, program: Program, calibration: list | None = None) -> None:
         self.program = Program.of(program)

@@ -5,10 +5,10 @@ from collections import deque
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
+from fx16 import meta
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.user_reachability import UserReachabilityAnalysis
 from fx16.contracts import Analysis
-from fx16.errors import PreconditionError
 from fx16.nodes import node_dtype, value_scalars
 from fx16.ops import INT16_COMPUTE_OPS, WIDE_INT_DTYPES
 from fx16.program import Program
@@ -32,33 +32,20 @@ class CastableInt16Analysis(Analysis):
     ranges: ValueRangeAnalysis and the int16 inserter decide whether a castable
     node really fits.
 
-    Reads: ``meta["fx16.user_reachable"]`` and ``meta["fx16.unsafe_index"]``; given
-    the program, it runs the two analyses itself when their findings are missing.
+    Requires: UserReachabilityAnalysis and UnsafeIndexAnalysis have run (else
+    ``PreconditionError``). Reads: ``meta["fx16.user_reachable"]`` and
+    ``meta["fx16.unsafe_index"]``.
     Writes: ``node.meta["fx16.castable_int16"]`` (bool) on every node.
     """
 
-    META_KEY = "fx16.castable_int16"
+    META_KEY = meta.CASTABLE_INT16
+
+    needs = (UserReachabilityAnalysis, UnsafeIndexAnalysis)
 
     def __init__(self, program: Program | None = None) -> None:
         self.program = None if program is None else Program.of(program)
 
-    def _missing(self, graph_module: GraphModule) -> bool:
-        keys = (UserReachabilityAnalysis.META_KEY, UnsafeIndexAnalysis.META_KEY)
-        return any(key not in node.meta for node in graph_module.graph.nodes for key in keys)
-
-    def requires(self, graph_module: GraphModule) -> None:
-        if self.program is None and self._missing(graph_module):
-            raise PreconditionError(
-                f"{type(self).__name__} needs {UserReachabilityAnalysis.META_KEY} and "
-                f"{UnsafeIndexAnalysis.META_KEY}: run UserReachabilityAnalysis and "
-                "UnsafeIndexAnalysis first, or give it the Program"
-            )
-
     def call(self, graph_module: GraphModule) -> PassResult:
-        if self._missing(graph_module):
-            UserReachabilityAnalysis(self.program)(graph_module)
-            UnsafeIndexAnalysis()(graph_module)
-
         def eligible(node: Node) -> bool:
             return (
                 node.op in ("placeholder", "call_function")

@@ -50,6 +50,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
+from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.centering import CENTERING_OPS, buffer_ratio, running_statistics
 from fx16.analysis.float_range import FloatRanges
@@ -92,8 +93,8 @@ class ConditioningAnalysis(Analysis):
     """Mark the ops whose condition number amplifies 16-bit input rounding past the
     policy's ``precision_tolerance``, with the values they read (see the module)."""
 
-    META_KEY = "fx16.ill_conditioned"
-    FINDING_KEY = "fx16.conditioning"
+    META_KEY = meta.ILL_CONDITIONED
+    FINDING_KEY = meta.CONDITIONING
 
     def __init__(self, program: Program, policy: PrecisionPolicy | None = None) -> None:
         self.program = Program.of(program)
@@ -141,14 +142,14 @@ class _Ranges:
                 return None
             return found.low, found.high
         if isinstance(arg, Node):
-            return arg.meta.get(CalibrationAnalysis.INTERVAL_KEY)
+            return meta.observed_interval(arg)
         return None
 
     def magnitude(self, arg) -> float | None:
         found = self.interval(arg)
         if found is not None:
             return max(abs(found[0]), abs(found[1]))
-        return arg.meta.get(CalibrationAnalysis.META_KEY) if isinstance(arg, Node) else None
+        return meta.observed_max_abs(arg)
 
 
 def _condition(node: Node, ranges: _Ranges) -> tuple[float, str] | None:

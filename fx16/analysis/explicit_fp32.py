@@ -42,15 +42,14 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fx16.analysis.calibration import CalibrationAnalysis
-from fx16.analysis.conditioning import ConditioningAnalysis
+from fx16 import meta
 from fx16.analysis.float_range import FloatRanges
 from fx16.boundaries import Boundaries
 from fx16.casts import cast_dtype, is_cast
 from fx16.contracts import Analysis
-from fx16.decisions import Reason, decide
 from fx16.facts import Facts
 from fx16.islands import asserted_dtype, is_sensitive, island_region
+from fx16.meta import island_verdict
 from fx16.nodes import FLOAT_DTYPES, node_dtype, node_val, op_label, requested_dtypes
 from fx16.numerics import largest, smallest_normal
 from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
@@ -77,7 +76,7 @@ class Island:
 class ExplicitFp32Analysis(Analysis):
     """Decide every fp32 region the model opens itself (see the module)."""
 
-    META_KEY = "fx16.explicit_fp32"
+    META_KEY = meta.ISLAND
 
     def __init__(
         self,
@@ -131,7 +130,7 @@ class ExplicitFp32Analysis(Analysis):
             val = node_val(node)
             if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
                 continue
-            conditioning = node.meta.get(ConditioningAnalysis.META_KEY)
+            conditioning = meta.ill_conditioned(node)
             if conditioning:
                 return True, f"{node.name} is ill-conditioned in 16-bit ({conditioning})"
             magnitude, seen = _magnitude(node, ranges)
@@ -164,7 +163,7 @@ def _magnitude(node: Node, ranges: FloatRanges) -> tuple[float | None, str]:
     proven = ranges.of(node)
     if proven is not None and math.isfinite(proven.low) and math.isfinite(proven.high):
         return max(abs(proven.low), abs(proven.high)), "proven"
-    return node.meta.get(CalibrationAnalysis.META_KEY), "observed"
+    return meta.observed_max_abs(node), "observed"
 
 
 def _opened_region(node: Node, order: dict[Node, int], boundaries: Boundaries) -> list[Node] | None:
@@ -187,17 +186,6 @@ def _opened_region(node: Node, order: dict[Node, int], boundaries: Boundaries) -
     return None
 
 
-def island_verdict(node: Node) -> Island | None:
-    """The verdict ExplicitFp32Analysis published on a node that opens a region."""
-    return node.meta.get(ExplicitFp32Analysis.META_KEY)
-
-
-def keeps_island(node: Node) -> bool:
-    """``node`` opens a region of the model's that stays fp32."""
-    verdict = island_verdict(node)
-    return verdict is not None and verdict.keep
-
-
 def island_readers(opening: Node, later: list[Node]) -> list[Node]:
     """Of the ops after the fp32 assertion ``opening``, those that read the cast it
     stands for: the island's ops (a residual add reads the 16-bit value, as in the
@@ -215,19 +203,6 @@ def outside_island(opening: Node) -> list[Node]:
     verdict = island_verdict(opening)
     members = verdict.members if verdict is not None else frozenset()
     return [user for user in opening.users if user.name not in members]
-
-
-def decide_island(node: Node, dtype: torch.dtype) -> None:
-    """Record ``dtype`` for ``node`` with the reason its verdict gives: inside a kept
-    island, or the model's fp32 cast made 16-bit, and the evidence; an ordinary fit
-    for a node that opens no region."""
-    verdict = island_verdict(node)
-    if verdict is None:
-        decide(node, dtype, Reason.FITS)
-    else:
-        kept = verdict.keep and dtype == FP32
-        reason = Reason.EXPLICIT_FP32 if kept else Reason.EXPLICIT_FP32_RETARGETED
-        decide(node, dtype, reason, detail=verdict.why)
 
 
 def islands(graph_module: GraphModule) -> list[Island]:

@@ -13,6 +13,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
+from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.routing import RoutingAnalysis
@@ -38,7 +39,7 @@ class UnsafeIndexRule:
     reason = Reason.UNSAFE_INDEX
 
     def applies(self, node: Node) -> str | None:
-        marked = node.meta.get(UnsafeIndexAnalysis.META_KEY)
+        marked = meta.flows_into_index(node)
         return "" if marked and node.target not in SELECTION_OPS else None
 
 
@@ -66,8 +67,11 @@ class ObservedOverflowRule:
     def applies(self, node: Node) -> str | None:
         if node.op != "call_function":
             return None
-        observed = node.meta.get(CalibrationAnalysis.META_KEY, 0.0)
-        return f"observed {observed:.4g}" if observed > self.limit else None
+        return (
+            f"observed {meta.observed_max_abs(node):.4g}"
+            if meta.overflows(node, self.limit)
+            else None
+        )
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ class ConditioningRule:
     reason = Reason.ILL_CONDITIONED
 
     def applies(self, node: Node) -> str | None:
-        return node.meta.get(ConditioningAnalysis.META_KEY)
+        return meta.ill_conditioned(node)
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ class UnderflowRule:
     reason = Reason.UNDERFLOW
 
     def applies(self, node: Node) -> str | None:
-        return node.meta.get(UnderflowAnalysis.META_KEY)
+        return meta.underflows(node)
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,7 @@ class RouterRule:
     reason = Reason.ROUTER
 
     def applies(self, node: Node) -> str | None:
-        return node.meta.get(RoutingAnalysis.META_KEY)
+        return meta.routes(node)
 
 
 class Fp32RulesAnalysis(Analysis):
@@ -130,14 +134,23 @@ class Fp32RulesAnalysis(Analysis):
     ``graph_module.meta["fx16.fp32_rules"]``: the rules' class names, in order.
     """
 
-    META_KEY = "fx16.fp32_rule"
-    RAN_KEY = "fx16.fp32_rules"
+    META_KEY = meta.FP32_RULE
+    RAN_KEY = meta.FP32_RULES_RAN
 
     def __init__(self, rules: list) -> None:
         self.rules = list(rules)
         # the analyses whose facts the rules read (a rule's ``needs``)
         needs = (analysis for rule in self.rules for analysis in getattr(rule, "needs", ()))
         self.needs = tuple(dict.fromkeys(needs))
+
+    @classmethod
+    def needing_nothing(
+        cls, low: torch.dtype, limit: float, force_fp32: frozenset[str] = frozenset()
+    ) -> "Fp32RulesAnalysis":
+        """The standard rules that read no analysis (the budget's names, custom ops
+        without a 16-bit fake kernel, ...): for a pipeline that runs none."""
+        rules = cls.standard(low, limit, force_fp32).rules
+        return cls([rule for rule in rules if not getattr(rule, "needs", ())])
 
     @classmethod
     def standard(
@@ -175,4 +188,4 @@ class Fp32RulesAnalysis(Analysis):
 
 def fp32_rule(node: Node) -> Decision | None:
     """The rule keeping ``node`` in fp32, as Fp32RulesAnalysis published it."""
-    return node.meta.get(Fp32RulesAnalysis.META_KEY)
+    return meta.fp32_rule(node)

@@ -24,6 +24,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
+from fx16 import meta
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.upstream import elementwise_past
 from fx16.boundaries import Boundaries
@@ -43,7 +44,7 @@ ROUTER_SHARE = 0.01
 class RoutingAnalysis(Analysis):
     """Mark the router ops the policy keeps in fp32 (see the module)."""
 
-    META_KEY = "fx16.router"
+    META_KEY = meta.ROUTER
     needs = (UnsafeIndexAnalysis,)
 
     def __init__(self, program: Program, policy: PrecisionPolicy | None = None) -> None:
@@ -101,7 +102,7 @@ def _routes(selection: Node, boundaries: Boundaries) -> bool:
         if node in seen:
             continue
         seen.add(node)
-        if node.meta.get(UnsafeIndexAnalysis.META_KEY):
+        if meta.flows_into_index(node):
             return True
         pending.extend(boundaries.readers(node))
     return False

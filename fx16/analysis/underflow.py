@@ -31,6 +31,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
+from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.upstream import elementwise_past
@@ -47,7 +48,7 @@ class UnderflowAnalysis(Analysis):
     """Mark the ops singular at zero whose argument would flush to zero or lose its
     precision among 16-bit's subnormals, with their elementwise past (see the module)."""
 
-    META_KEY = "fx16.underflow"
+    META_KEY = meta.UNDERFLOW
 
     def __init__(
         self,

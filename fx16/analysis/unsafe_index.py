@@ -7,6 +7,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.fx.passes.infra.pass_base import PassResult
 
+from fx16 import meta
 from fx16.contracts import Analysis
 from fx16.cost import is_product
 from fx16.facts import Facts
@@ -43,7 +44,7 @@ class UnsafeIndexAnalysis(Analysis):
     node, subgraphs included.
     """
 
-    META_KEY = "fx16.unsafe_index"
+    META_KEY = meta.UNSAFE_INDEX
 
     def call(self, graph_module: GraphModule) -> PassResult:
         boundaries = Facts.of(graph_module).boundaries

@@ -3,6 +3,7 @@
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
+from fx16 import meta
 from fx16.contracts import Analysis
 from fx16.program import Program
 
@@ -16,7 +17,7 @@ class UserReachabilityAnalysis(Analysis):
     narrowing it gains nothing.
     """
 
-    META_KEY = "fx16.user_reachable"
+    META_KEY = meta.USER_REACHABLE
 
     def __init__(self, program: Program) -> None:
         self.program = Program.of(program)

@@ -11,6 +11,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 from torch.utils._sympy.value_ranges import bound_sympy
 
+from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.index_bounds import index_bounds
 from fx16.contracts import Analysis
@@ -143,7 +144,7 @@ class ValueRangeAnalysis(Analysis):
     ops with several outputs; absent where nothing is known.
     """
 
-    META_KEY = "fx16.value_range"
+    META_KEY = meta.PROVEN_RANGE
 
     def __init__(self, program: Program, input_ranges: dict | None = None) -> None:
         self.program = Program.of(program)

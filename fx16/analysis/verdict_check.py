@@ -39,6 +39,7 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
+from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis, calibration_calls
 from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis, islands
@@ -87,8 +88,8 @@ class VerdictCheckAnalysis(Analysis):
     """Measure the costly and the moderate fp32 verdicts; drop those fp32 does not pay
     for (see the module)."""
 
-    META_KEY = "fx16.not_worth_fp32"
-    CHECKS_KEY = "fx16.verdict_checks"
+    META_KEY = meta.NOT_WORTH_FP32
+    CHECKS_KEY = meta.VERDICT_CHECKS
     needs = (Fp32RulesAnalysis,)
 
     def __init__(
@@ -157,7 +158,7 @@ class VerdictCheckAnalysis(Analysis):
             for node in module.graph.nodes:
                 if node.op not in ("placeholder", "call_function"):
                     continue
-                kept_island = node.name in members or _keeps_island(node)
+                kept_island = node.name in members or meta.keeps_island(node)
                 by_policy = node.op == "call_function" and (
                     self.policy.precision_for(node) == Precision.FP32
                 )
@@ -225,11 +226,6 @@ class VerdictCheckAnalysis(Analysis):
 def _findings(modules: list[GraphModule]) -> list:
     key = ConditioningAnalysis.FINDING_KEY
     return [node.meta[key] for module in modules for node in module.graph.nodes if key in node.meta]
-
-
-def _keeps_island(node: Node) -> bool:
-    verdict = node.meta.get(ExplicitFp32Analysis.META_KEY)
-    return verdict is not None and verdict.keep
 
 
 def _droppable(group: _Group, findings: list) -> set[Node]:

@@ -12,6 +12,7 @@ from fx16.casts import (
     represents_exactly,
     source_dtype,
 )
+from fx16.facts import Facts
 from fx16.nodes import mutated_argument
 from fx16.ops import ASSERT_METADATA_OPS
 from fx16.program import Program
@@ -58,6 +59,7 @@ class CastRule(PassBase):
                 node.meta[KEPT_CAST] = reason
         if modified and graph_module is self.program.graph_module:
             self.program.sync_output_specs()
+        Facts.invalidate(graph_module)  # nodes added, removed or rewired
         return PassResult(graph_module, modified)
 
 

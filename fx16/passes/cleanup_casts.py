@@ -4,6 +4,7 @@ from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.errors import PassFailedError
+from fx16.facts import Facts
 from fx16.passes.bypass_branching_casts import BypassBranchingCastsPass
 from fx16.passes.cast_rule import CastRule
 from fx16.passes.deduplicate_casts import DeduplicateCastsPass
@@ -43,6 +44,7 @@ class CleanupCastsPass(PassBase):
                 modified = True
                 if module is not graph_module:
                     module.recompile()  # a body's code must match before its op runs
+        Facts.invalidate(graph_module)  # nodes added, removed or rewired
         return PassResult(graph_module, modified)
 
     def _to_fixed_point(self, graph_module: GraphModule) -> bool:

@@ -6,6 +6,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.casts import INSERTED, WHY_CAST_BACK, WHY_NARROW, CastInserter, retype_val
 from fx16.decisions import INT_PRECISION, Reason, decide
+from fx16.facts import Facts
 from fx16.narrowing import int16_verdict, may_narrow
 from fx16.nodes import node_dtype
 from fx16.ops import WIDE_INT_DTYPES
@@ -53,4 +54,5 @@ class ConvertIntInputsPass(Int16Pass):
             converted = True
         if converted:
             self.program.adapt_example_inputs()
+        Facts.invalidate(graph_module)  # nodes added, removed or rewired
         return PassResult(graph_module, converted)

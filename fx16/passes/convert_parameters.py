@@ -4,7 +4,7 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fx16.analysis.calibration import CalibrationAnalysis
+from fx16 import meta
 from fx16.decisions import PRECISION, Reason, decide
 from fx16.numerics import largest
 from fx16.passes.policy_pass import PolicyPass
@@ -83,8 +83,8 @@ def _overflows(placeholder, tensor: torch.Tensor, low: torch.dtype) -> bool:
     """A finite element of the state tensor exceeds ``low``'s maximum. Read from the
     interval calibration recorded on its placeholder when it ran (the same values: no
     second pass over the weights), else from the tensor."""
-    observed = placeholder.meta.get(CalibrationAnalysis.INTERVAL_KEY)
-    if placeholder.meta.get(CalibrationAnalysis.SENTINEL_KEY):
+    observed = meta.observed_interval(placeholder)
+    if meta.holds_sentinel(placeholder):
         return True  # a -1e38 would become -inf, and -inf - -inf is nan where -1e38 - -1e38 is 0
     if observed is not None:
         return max(-observed[0], observed[1]) > largest(low)

@@ -4,9 +4,10 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fx16.analysis.calibration import CalibrationAnalysis
+from fx16 import meta
 from fx16.casts import WHY_NARROW, CastInserter, retype_val
 from fx16.decisions import PRECISION, Reason, decide
+from fx16.facts import Facts
 from fx16.nodes import node_dtype
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision
@@ -36,7 +37,7 @@ class ConvertUserInputsPass(PolicyPass):
             if rule is not None:
                 placeholder.meta[PRECISION] = rule
                 continue
-            if placeholder.meta.get(CalibrationAnalysis.META_KEY, 0.0) > self.limit:
+            if meta.overflows(placeholder, self.limit):
                 decide(placeholder, torch.float32, Reason.ACTIVATION_OVERFLOW)
                 continue
             low = self.policy.low
@@ -54,4 +55,5 @@ class ConvertUserInputsPass(PolicyPass):
             converted = True
         if converted:
             self.program.adapt_example_inputs()
+        Facts.invalidate(graph_module)  # nodes added, removed or rewired
         return PassResult(graph_module, converted or modified)

@@ -18,6 +18,7 @@ from fx16.casts import (
     set_cast_dtype,
 )
 from fx16.decisions import INT_PRECISION, Reason, decide
+from fx16.facts import Facts
 from fx16.narrowing import int16_verdict, may_narrow
 from fx16.nodes import (
     accepts_keyword,
@@ -73,6 +74,7 @@ class InsertInt16CastsPass(Int16Pass):
                 modified = True
         if modified:
             self.program.sync_output_specs()
+        Facts.invalidate(graph_module)  # nodes added, removed or rewired
         return PassResult(graph_module, modified)
 
     def _narrow(self, node: Node, casts: CastInserter) -> bool:

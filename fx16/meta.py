@@ -1,0 +1,129 @@
+"""Every ``node.meta`` and ``graph_module.meta`` key fx16 uses, and typed readers for them.
+
+The analyses publish their facts in meta; every other module reads them here, by
+function, never by key: a key is written by exactly one analysis, and renaming or
+reshaping it touches this module and that analysis only. Torch-free: importing it
+loads no analysis.
+"""
+
+from typing import Any
+
+# ---- node.meta: what the analyses found ----------------------------------------------
+OBSERVED_MAX_ABS = "fx16.observed_range"  # CalibrationAnalysis: largest |value| seen
+OBSERVED_INTERVAL = "fx16.observed_interval"  # CalibrationAnalysis: (smallest, largest)
+OBSERVED_SENTINEL = "fx16.observed_sentinel"  # CalibrationAnalysis: holds a -1e38 mask value
+OBSERVED_CENTERING = "fx16.observed_centering"  # CalibrationAnalysis: a norm's cancellation
+OBSERVED_SMALLEST = "fx16.observed_smallest"  # CalibrationAnalysis: smallest nonzero |value|
+OBSERVED_INT_RANGE = "fx16.observed_int_range"  # CalibrationAnalysis: an integer's range
+PROVEN_RANGE = "fx16.value_range"  # ValueRangeAnalysis: a ValueRange
+UNSAFE_INDEX = "fx16.unsafe_index"  # UnsafeIndexAnalysis: flows into an index
+USER_REACHABLE = "fx16.user_reachable"  # UserReachabilityAnalysis
+CASTABLE_INT16 = "fx16.castable_int16"  # CastableInt16Analysis
+ILL_CONDITIONED = "fx16.ill_conditioned"  # ConditioningAnalysis: why, where it keeps fp32
+CONDITIONING = "fx16.conditioning"  # ConditioningAnalysis: the finding (kappa, ...)
+UNDERFLOW = "fx16.underflow"  # UnderflowAnalysis: why
+ROUTER = "fx16.router"  # RoutingAnalysis: why
+ISLAND = "fx16.explicit_fp32"  # ExplicitFp32Analysis: the verdict on a region's opening
+FP32_RULE = "fx16.fp32_rule"  # Fp32RulesAnalysis: the Decision of the rule that fired
+NOT_WORTH_FP32 = "fx16.not_worth_fp32"  # VerdictCheckAnalysis: why a verdict was refuted
+CAST_BACK_SKIPPED = "fx16.cast_back_skipped"  # the inserter: why an fp32 result has none
+
+# ---- graph_module.meta ---------------------------------------------------------------
+CALIBRATION_OUTPUTS = "fx16.calibration_outputs"  # CalibrationAnalysis: fp32 reference
+CALIBRATION_STATUS = "fx16.calibration"  # CalibrationAnalysis: how it went
+ISLANDS = ISLAND  # ExplicitFp32Analysis: every verdict of one graph, a list
+FP32_RULES_RAN = "fx16.fp32_rules"  # Fp32RulesAnalysis: the rules that ran
+VERDICT_CHECKS = "fx16.verdict_checks"  # VerdictCheckAnalysis: what each check measured
+
+
+def observed_max_abs(node: Any) -> float | None:
+    """The largest magnitude calibration saw the node hold (None: not observed)."""
+    return _meta(node).get(OBSERVED_MAX_ABS)
+
+
+def observed_interval(node: Any) -> tuple[float, float] | None:
+    """The smallest and largest value calibration saw (None: not observed)."""
+    return _meta(node).get(OBSERVED_INTERVAL)
+
+
+def was_observed(node: Any) -> bool:
+    return OBSERVED_MAX_ABS in _meta(node)
+
+
+def holds_sentinel(node: Any) -> bool:
+    """Calibration saw the node hold a masking sentinel (-1e38, finfo.min)."""
+    return bool(_meta(node).get(OBSERVED_SENTINEL))
+
+
+def overflows(node: Any, limit: float) -> bool:
+    """Calibration saw the node hold a magnitude above ``limit`` (the 16-bit maximum over
+    the overflow margin): the one overflow test every rule and pass applies."""
+    return (_meta(node).get(OBSERVED_MAX_ABS) or 0.0) > limit
+
+
+def proven_range(node: Any):
+    """The ValueRange the integer range analysis proved (None: unknown)."""
+    return _meta(node).get(PROVEN_RANGE)
+
+
+def flows_into_index(node: Any) -> bool:
+    return bool(_meta(node).get(UNSAFE_INDEX))
+
+
+def user_reachable(node: Any) -> bool:
+    return bool(_meta(node).get(USER_REACHABLE))
+
+
+def castable_int16(node: Any) -> bool:
+    return bool(_meta(node).get(CASTABLE_INT16))
+
+
+def ill_conditioned(node: Any) -> str | None:
+    """Why the conditioning analysis keeps the node in fp32 (None: it does not)."""
+    return _meta(node).get(ILL_CONDITIONED)
+
+
+def conditioning_finding(node: Any):
+    """What the conditioning analysis measured on the node (its condition number)."""
+    return _meta(node).get(CONDITIONING)
+
+
+def underflows(node: Any) -> str | None:
+    """Why the underflow analysis keeps the node in fp32 (None: it does not)."""
+    return _meta(node).get(UNDERFLOW)
+
+
+def routes(node: Any) -> str | None:
+    """Why the routing analysis keeps the node in fp32 (None: it does not)."""
+    return _meta(node).get(ROUTER)
+
+
+def fp32_rule(node: Any):
+    """The Decision of the safety rule that keeps the node in fp32 (None: none does)."""
+    return _meta(node).get(FP32_RULE)
+
+
+def refuted(node: Any) -> str | None:
+    """Why the verdict check found fp32 not worth its cost here (None: not refuted)."""
+    return _meta(node).get(NOT_WORTH_FP32)
+
+
+def island_verdict(node: Any):
+    """The ExplicitFp32Analysis verdict on a node that opens a region (None: none)."""
+    return _meta(node).get(ISLAND)
+
+
+def keeps_island(node: Any) -> bool:
+    """``node`` opens a region of the model's own that ExplicitFp32Analysis keeps fp32."""
+    verdict = island_verdict(node)
+    return verdict is not None and verdict.keep
+
+
+def cast_back_skipped(node: Any) -> str | None:
+    """Why an fp32 result hands its consumers fp32 rather than a cast back to 16-bit."""
+    return _meta(node).get(CAST_BACK_SKIPPED)
+
+
+def _meta(node: Any) -> dict:
+    meta = getattr(node, "meta", None)
+    return meta if isinstance(meta, dict) else {}

@@ -1,0 +1,315 @@
+"""Which precision an op gets, and why: one ordered rule list per node kind, as data.
+
+The fp16 cast inserter asks ``choose`` about a node before it rewrites anything
+around it. ``choose`` reads the node, the dtypes and decisions its inputs carry
+now, the safety rules' verdicts (``meta["fx16.fp32_rule"]``), the island verdicts
+(``meta["fx16.explicit_fp32"]``), calibration and the policy, and changes nothing:
+it returns a ``Choice`` (an action, the reason, the detail that names the evidence
+or the input responsible, and the rule that chose). Applying it is the inserter's
+job (``fx16.passes.fp16_rewrite``).
+
+Each list is tried in order and the first rule that applies chooses, as TVM's
+ALWAYS / FOLLOW / NEVER lists are data: the precedence of the reasons is the order
+of the rules below, and a decision can be tested by calling ``choose`` on a node,
+without a rewrite. Three kinds of node have lists: compute ops (every op that is not
+a cast, a creation op, a higher-order op or bookkeeping), the model's casts to fp32,
+and creation ops that make fp32 tensors (``full``, ``arange``, ``zeros_like``).
+"""
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch.fx import Node
+
+from fx16 import meta
+from fx16.decisions import Decision, Reason, decision_of, was_narrowed
+from fx16.islands import is_island
+from fx16.nodes import (
+    FLOAT_DTYPES,
+    has_fp32_part,
+    node_dtype,
+    node_val,
+    requested_dtypes,
+    tensor_inputs,
+    value_scalars,
+)
+from fx16.numerics import round_scalar_to_fp16
+from fx16.ops import is_custom_op, is_known_op
+from fx16.policy import Precision, PrecisionPolicy
+
+FP32 = torch.float32
+
+
+class Action(enum.Enum):
+    """What the inserter does with a node (see ``fx16.passes.fp16_rewrite``)."""
+
+    LOW = "compute in 16-bit: fp32 inputs that may be narrowed are, dtype arguments follow"
+    FP32 = "compute in fp32: 16-bit inputs widened, the result cast back where it fits"
+    OPEN_REGION = "open the model's own fp32 region (kept by ExplicitFp32Analysis)"
+    IN_REGION = "inside the model's fp32 region: fp32 as the model computes it, no casts"
+    FOLLOW = "take the dtype its inputs give it"
+    PROMOTE = "widen its inputs to the widest of them, then follow"
+    RETARGET = "point the model's cast at the 16-bit dtype"
+    KEEP = "keep the model's cast to fp32 of an fp32 value as it is"
+    LEAVE = "nothing to decide: no input was narrowed"
+
+
+@dataclass(frozen=True)
+class Choice:
+    action: Action
+    reason: Reason | None = None
+    detail: str = ""
+    rule: str = ""  # the precedence rule that chose
+    cast_back: bool = True  # for FP32: whether consumers may read a 16-bit copy
+
+
+@dataclass
+class View:
+    """What the rules read of one node, each fact computed once."""
+
+    node: Node
+    policy: PrecisionPolicy
+    limit: float  # calibration magnitudes above it overflow 16-bit (with the margin)
+
+    @property
+    def low(self) -> torch.dtype:
+        return self.policy.low
+
+    @cached_property
+    def float_inputs(self) -> list[Node]:
+        return [arg for arg in tensor_inputs(self.node) if node_dtype(arg) in FLOAT_DTYPES]
+
+    @cached_property
+    def fp32_inputs(self) -> list[Node]:
+        return [arg for arg in self.float_inputs if node_dtype(arg) == FP32]
+
+    @cached_property
+    def produces_fp32(self) -> bool:
+        return has_fp32_part(node_val(self.node))
+
+    @cached_property
+    def precision(self) -> Precision:
+        return self.policy.precision_for(self.node)
+
+    @cached_property
+    def scalars(self) -> list:
+        return value_scalars(self.node)
+
+    def entry(self) -> str:
+        """The policy entry that matched the node ("ops['softmax'] = fp32")."""
+        return self.policy.matching_entry(self.node)[1]
+
+    def overflowing_scalar(self) -> float | None:
+        """A scalar argument beyond the 16-bit range, if any."""
+        for _, value in self.scalars:
+            if round_scalar_to_fp16(float(value), self.low) is None:
+                return value
+        return None
+
+    def downcastable(self, value: Node) -> bool:
+        """An fp32 value kept wide for precision (by the policy, the accuracy budget for
+        some of its uses, or a loop carrying it), not by a safety rule, and that fits
+        16-bit: a 16-bit op reading it may cast it down, as eager autocast does with
+        weights."""
+        decision = decision_of(value)
+        return (
+            decision is not None
+            and decision.reason in DOWNCASTABLE
+            and not meta.overflows(value, self.limit)
+        )
+
+
+# Reasons an fp32 value may have that still let a 16-bit op read it through a cast.
+DOWNCASTABLE = frozenset(
+    {
+        Reason.POLICY,
+        Reason.POLICY_FOLLOW,
+        Reason.ACCURACY_FALLBACK,
+        Reason.LOOP_CARRIED,
+        Reason.FIXED_OUTPUT_DTYPE,
+        Reason.ILL_CONDITIONED,
+        Reason.UNDERFLOW,
+    }
+)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One entry of a precedence list: ``test`` returns a Choice when it applies."""
+
+    name: str
+    test: Callable[[View], Choice | None]
+
+    def __call__(self, view: View) -> Choice | None:
+        choice = self.test(view)
+        return None if choice is None else Choice(**{**choice.__dict__, "rule": self.name})
+
+
+def choose(rules: tuple[Rule, ...], view: View) -> Choice:
+    """The choice of the first rule in ``rules`` that applies to ``view``'s node."""
+    for rule in rules:
+        choice = rule(view)
+        if choice is not None:
+            return choice
+    raise AssertionError(f"no precedence rule applies to {view.node.name}")  # lists end total
+
+
+def _why_input(value: Node) -> str:
+    decision = decision_of(value)
+    why = f": {decision.reason.name.lower()}" if decision is not None else ""
+    return f"from {value.name}{why}"
+
+
+def _safety_rule(view: View) -> Choice | None:
+    rule: Decision | None = meta.fp32_rule(view.node)
+    return Choice(Action.FP32, rule.reason, rule.detail) if rule is not None else None
+
+
+def _policy_fp32(view: View) -> Choice | None:
+    if view.precision == Precision.FP32:
+        return Choice(Action.FP32, Reason.POLICY, view.entry(), cast_back=view.policy.cast_back)
+    return None
+
+
+def _scalar_overflow(view: View) -> Choice | None:
+    value = view.overflowing_scalar()
+    if value is None:
+        return None
+    return Choice(Action.FP32, Reason.SCALAR_OVERFLOW, f"scalar {value:g}")
+
+
+# ---- compute ops -------------------------------------------------------------------
+
+
+def _nothing_narrowed(view: View) -> Choice | None:
+    if any(was_narrowed(arg) or node_dtype(arg) == FP32 for arg in view.float_inputs):
+        return None
+    if view.produces_fp32 and not view.float_inputs:
+        return Choice(Action.LEAVE, Reason.NO_FLOAT_INPUT)
+    return Choice(Action.LEAVE)
+
+
+def _opens_region(view: View) -> Choice | None:
+    if FP32 in requested_dtypes(view.node) and meta.keeps_island(view.node):
+        return Choice(Action.OPEN_REGION, Reason.EXPLICIT_FP32)
+    return None
+
+
+def _inside_region(view: View) -> Choice | None:
+    if view.fp32_inputs and all(is_island(arg) for arg in view.float_inputs):
+        return Choice(
+            Action.IN_REGION, Reason.EXPLICIT_FP32, decision_of(view.fp32_inputs[0]).detail
+        )
+    return None
+
+
+def _policy_follow(view: View) -> Choice | None:
+    if view.precision in (Precision.FOLLOW, Precision.PROMOTE):
+        action = Action.PROMOTE if view.precision == Precision.PROMOTE else Action.FOLLOW
+        return Choice(action, Reason.POLICY_FOLLOW, view.entry())
+    return None
+
+
+def _fp32_input(view: View) -> Choice | None:
+    kept = [arg for arg in view.fp32_inputs if not view.downcastable(arg)]
+    return Choice(Action.FP32, Reason.FP32_INPUT, _why_input(kept[0])) if kept else None
+
+
+def _mixed_float_dtypes(view: View) -> Choice | None:
+    other = [arg for arg in view.float_inputs if node_dtype(arg) not in (view.low, FP32)]
+    if other and view.produces_fp32:
+        dtype = str(node_dtype(other[0])).removeprefix("torch.")
+        return Choice(Action.FP32, Reason.MIXED_FLOAT_DTYPES, f"{other[0].name} is {dtype}")
+    return None
+
+
+def _fits(view: View) -> Choice:
+    node = view.node
+    known = is_known_op(node.target) or is_custom_op(node.target)
+    detail = "" if known else "an op fx16's tables do not list: computed as its inputs are"
+    return Choice(Action.LOW, Reason.FITS, detail)
+
+
+COMPUTE_RULES = (
+    Rule("no_narrowed_input", _nothing_narrowed),
+    Rule("opens_model_fp32_region", _opens_region),
+    Rule("inside_model_fp32_region", _inside_region),
+    Rule("safety_rule", _safety_rule),
+    Rule("policy_fp32", _policy_fp32),
+    Rule("policy_follow", _policy_follow),
+    Rule("fp32_input", _fp32_input),
+    Rule("scalar_overflow", _scalar_overflow),
+    Rule("mixed_float_dtypes", _mixed_float_dtypes),
+    Rule("fits", _fits),
+)
+
+
+# ---- the model's casts to fp32 -------------------------------------------------------
+
+
+def _way_back(view: View) -> Choice | None:
+    source = view.node.args[0]
+    if node_dtype(source) == FP32 and is_island(source) and view.policy.cast_back:
+        return Choice(Action.RETARGET, Reason.FITS, "the way back from the model's fp32 region")
+    return None
+
+
+def _fp32_source(view: View) -> Choice | None:
+    source = view.node.args[0]
+    if node_dtype(source) != FP32:
+        return None
+    decision = decision_of(source)
+    reason = decision.reason if decision is not None else Reason.FP32_INPUT
+    return Choice(Action.KEEP, reason, _why_input(source))
+
+
+def _cast_opens_region(view: View) -> Choice | None:
+    source_dtype = node_dtype(view.node.args[0])
+    if source_dtype in (torch.float16, torch.bfloat16) and meta.keeps_island(view.node):
+        return Choice(Action.OPEN_REGION, Reason.EXPLICIT_FP32)
+    return None
+
+
+def _policy_16bit(view: View) -> Choice | None:
+    return Choice(Action.RETARGET, Reason.FITS) if view.precision == Precision.LOW else None
+
+
+def _policy_keeps_cast(view: View) -> Choice:
+    return Choice(Action.FP32, Reason.POLICY, view.entry())
+
+
+CAST_TO_FP32_RULES = (
+    Rule("safety_rule", _safety_rule),
+    Rule("way_back_from_model_fp32_region", _way_back),
+    Rule("fp32_source", _fp32_source),
+    Rule("opens_model_fp32_region", _cast_opens_region),
+    Rule("policy_16bit", _policy_16bit),
+    Rule("policy_fp32", _policy_keeps_cast),
+)
+
+
+# ---- creation ops --------------------------------------------------------------------
+
+
+def _creation_follows(view: View) -> Choice | None:
+    if view.precision not in (Precision.FOLLOW, Precision.PROMOTE):
+        return None
+    if any(was_narrowed(arg) for arg in tensor_inputs(view.node)):  # *_like of a 16-bit value
+        return Choice(Action.FOLLOW, Reason.POLICY_FOLLOW, view.entry())
+    return Choice(Action.LEAVE)
+
+
+def _creation_fits(view: View) -> Choice:
+    return Choice(Action.LOW, Reason.FITS)
+
+
+CREATION_RULES = (
+    Rule("policy_follow", _creation_follows),
+    Rule("safety_rule", _safety_rule),
+    Rule("policy_fp32", _policy_fp32),
+    Rule("scalar_overflow", _scalar_overflow),
+    Rule("fits", _creation_fits),
+)
