@@ -7,9 +7,9 @@ import json
 import warnings
 
 import pytest
+from pipeline_fingerprints import GOLDEN, RANDOM_SEEDS, fingerprint, random_case, zoo_cases
 
 import fx16
-from pipeline_fingerprints import GOLDEN, RANDOM_SEEDS, fingerprint, random_case, zoo_cases
 
 BEFORE = json.loads(GOLDEN.read_text())
 
