@@ -80,6 +80,7 @@ class SchemaArgument:
 
 
 _SCHEMA_CACHE: dict[Any, tuple[SchemaArgument, ...] | None] = {}
+_BY_NAME: dict[Any, dict[str, SchemaArgument]] = {}  # each op's arguments by name
 
 
 def op_arguments(target: Any) -> tuple[SchemaArgument, ...] | None:
@@ -117,7 +118,9 @@ def schema_arguments(node: Node) -> Iterator[tuple[Location, SchemaArgument, Any
     for index, value in enumerate(node.args[: len(arguments)]):
         yield ("args", index), arguments[index], value
     if node.kwargs:
-        by_name = {argument.name: argument for argument in arguments}
+        by_name = _BY_NAME.get(node.target)
+        if by_name is None:
+            by_name = _BY_NAME[node.target] = {argument.name: argument for argument in arguments}
         for name, value in node.kwargs.items():
             if name in by_name:
                 yield ("kwargs", name), by_name[name], value
@@ -125,6 +128,8 @@ def schema_arguments(node: Node) -> Iterator[tuple[Location, SchemaArgument, Any
 
 def value_scalars(node: Node) -> list[tuple[Location, int | float]]:
     """Numbers passed in ``Scalar``, ``float`` or ``Tensor`` arguments (bools excluded)."""
+    if not _passes_any(node, (int, float)):
+        return []
     found = []
     for location, argument, value in schema_arguments(node):
         if argument.type in _SCALAR_TYPES and isinstance(value, (int, float)):
@@ -143,12 +148,15 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
     For a custom op, a dtype argument left to a float32 default counts too, as the
     keyword that would pass it (torchao's ``dequantize_affine(..., output_dtype=float32)``):
     its dtype arguments name its output type, which follows the cast."""
+    custom = is_custom_op(node.target)
+    if not custom and not _passes_any(node, torch.dtype):
+        return []
     found = [
         (location, value)
         for location, _, value in schema_arguments(node)
         if isinstance(value, torch.dtype)
     ]
-    if is_custom_op(node.target):
+    if custom:
         passed = {argument.name for _, argument, _ in schema_arguments(node)}
         found += [
             (("kwargs", argument.name), torch.float32)
@@ -159,6 +167,13 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
             and argument.name not in passed
         ]
     return found
+
+
+def _passes_any(node: Node, types) -> bool:
+    """``node`` passes a value of ``types`` directly (not in a list) in its arguments."""
+    return any(isinstance(value, types) for value in node.args) or any(
+        isinstance(value, types) for value in node.kwargs.values()
+    )
 
 
 def requested_dtypes(node: Node) -> list[torch.dtype]:

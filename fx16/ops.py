@@ -679,6 +679,20 @@ SUM_OPS = overloads("add.Tensor", "sub.Tensor")
 
 
 def is_known_op(target) -> bool:
+    """Whether ``_known_op`` (below), asked once per op."""
+    try:
+        return _KNOWN[target]
+    except KeyError:
+        _KNOWN[target] = known = _known_op(target)
+        return known
+    except TypeError:  # not hashable: not an op
+        return False
+
+
+_KNOWN: dict = {}
+
+
+def _known_op(target) -> bool:
     """An op whose precision behaviour fx16 knows: one of its op-kind tables (products,
     reductions, data movement), a cast or creation op, or an ATen op tagged pointwise
     (it computes in its inputs' dtype, element by element). Anything else computes

@@ -18,7 +18,7 @@ and creation ops that make fp32 tensors (``full``, ``arange``, ``zeros_like``).
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -143,17 +143,14 @@ class Rule:
     name: str
     test: Callable[[View], Choice | None]
 
-    def __call__(self, view: View) -> Choice | None:
-        choice = self.test(view)
-        return None if choice is None else Choice(**{**choice.__dict__, "rule": self.name})
-
 
 def choose(rules: tuple[Rule, ...], view: View) -> Choice:
-    """The choice of the first rule in ``rules`` that applies to ``view``'s node."""
+    """The choice of the first rule in ``rules`` that applies to ``view``'s node, with
+    that rule's name."""
     for rule in rules:
-        choice = rule(view)
+        choice = rule.test(view)
         if choice is not None:
-            return choice
+            return replace(choice, rule=rule.name)
     raise AssertionError(f"no precedence rule applies to {view.node.name}")  # lists end total
 
 

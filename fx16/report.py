@@ -56,6 +56,8 @@ class Row:
     observed_max_abs: float | None = None  # largest magnitude on calibration
     proven: tuple[float, float] | None = None  # an integer value's proven range
     condition_number: float | None = None  # an ill-conditioned op's
+    # an fp32 result whose consumers read it in fp32 (no cast back to 16-bit): why
+    cast_back_skipped: str = ""
 
     def cost(self) -> str:
         """What keeping this value in fp32 costs per call, for a row that does."""
@@ -285,7 +287,8 @@ def _row(
 
 
 def _numbers(node: Node) -> dict:
-    """The ranges and condition number the analyses recorded on ``node``."""
+    """The ranges and condition number the analyses recorded on ``node``, and why its
+    consumers read it in fp32 where the inserter gave it no cast-back."""
     numbers = {}
     interval = meta.observed_interval(node)
     if interval is not None:
@@ -299,6 +302,8 @@ def _numbers(node: Node) -> dict:
     finding = meta.conditioning_finding(node)
     if finding is not None:
         numbers["condition_number"] = float(finding.kappa)
+    if meta.cast_back_skipped(node):
+        numbers["cast_back_skipped"] = meta.cast_back_skipped(node)
     return numbers
 
 
@@ -439,7 +444,8 @@ def format_rows(rows: list[Row]) -> str:
     lines = [" ".join(f"{title:{w}}" for (title, _), w in zip(columns, widths)) + " why"]
     for index, row in enumerate(rows):
         cells = " ".join(f"{cells[index]:{w}}" for (_, cells), w in zip(columns, widths))
-        lines.append(f"{cells} {row.reason}" + (f": {row.detail}" if row.detail else ""))
+        skipped = f" (no cast back: {row.cast_back_skipped})" if row.cast_back_skipped else ""
+        lines.append(f"{cells} {row.reason}" + (f": {row.detail}" if row.detail else "") + skipped)
     return "\n".join(lines)
 
 

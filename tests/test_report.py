@@ -43,6 +43,7 @@ def test_integer_rows_carry_ranges_and_json_round_trips():
         "observed_max_abs",
         "proven",
         "condition_number",
+        "cast_back_skipped",
     }
     assert add_row(report_of(ep))["proven"] == [0, 999999]  # numbers, not only text
     table = format_rows(rows)

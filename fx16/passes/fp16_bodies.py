@@ -119,10 +119,9 @@ def visit_shared_body(run, node: Node) -> None:
             if node_dtype(placeholder) not in FLOAT_DTYPES:
                 continue
             held = [site[index] for site in sites if isinstance(site[index], Node)]
-            if any(meta.fp32_rule(value) for value in held) or meta.overflows(
-                placeholder, run.limit
-            ):
-                decide(placeholder, FP32, Reason.FP32_INPUT)
+            why = _why_fp32_operand(run, placeholder, held)
+            if why:
+                decide(placeholder, FP32, Reason.FP32_INPUT, detail=why)
                 dtype = FP32
             else:
                 dtype = node_dtype(operand)
@@ -139,9 +138,21 @@ def visit_shared_body(run, node: Node) -> None:
     _decide_by_outputs(run, node, outputs)
 
 
+def _why_fp32_operand(run, placeholder: Node, held: list[Node]) -> str:
+    """Why a shared body's placeholder stays fp32 ("" when it need not)."""
+    kept = [value for value in held if meta.fp32_rule(value)]
+    if kept:
+        return f"from {kept[0].name}: {meta.fp32_rule(kept[0]).reason.name.lower()}"
+    if meta.overflows(placeholder, run.limit):
+        return f"observed {meta.observed_max_abs(placeholder):.4g} over its call sites"
+    return ""
+
+
 def _decide_by_outputs(run, node: Node, outputs) -> None:
-    narrowed = any(node_dtype(out) == run.low for out in outputs)
-    decide(node, run.low if narrowed else FP32, Reason.FITS if narrowed else Reason.FP32_INPUT)
+    if any(node_dtype(out) == run.low for out in outputs):
+        decide(node, run.low, Reason.FITS)
+    else:
+        decide(node, FP32, Reason.FP32_INPUT, detail="no output of its bodies is 16-bit")
 
 
 def _upcast_carried(run, node: Node) -> None:

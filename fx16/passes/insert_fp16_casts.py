@@ -252,7 +252,7 @@ class _Run(Rewriter):
         if decision is None:
             return
         dtype = element.dtype if element.dtype in FLOAT_DTYPES else decision.dtype
-        decide(node, dtype, decision.reason)
+        decide(node, dtype, decision.reason, detail=decision.detail)
         if original == FP32 and element.dtype == FP32 and not is_island(node):
             self.cast_back(node, decision.reason)
 

@@ -1,0 +1,105 @@
+"""fx16.precedence: each node's precision chosen from ordered rule lists, without a rewrite."""
+
+import torch
+
+import fx16
+from fx16.options import Fp16Options
+from fx16.pipelines import fp16_stages, run_passes
+from fx16.policy import PrecisionPolicy
+from fx16.precedence import (
+    CAST_TO_FP32_RULES,
+    COMPUTE_RULES,
+    CREATION_RULES,
+    Action,
+    View,
+    choose,
+)
+from fx16.report import report_of
+from helpers import export
+
+LIMIT = 65504 / 2
+
+
+class Ops(torch.nn.Module):
+    """Ops that read the inputs directly, each a case of one rule."""
+
+    def forward(self, x, small):
+        return x.exp(), small * 1e5, x + 1, x.softmax(-1), torch.diff(x)
+
+
+def _ready(ep, policy):
+    """The analyses, the safety rules and the input converters: what the inserter
+    reads, with the inserter itself left out."""
+    analyses, rewrites = fp16_stages(ep, Fp16Options(policy=policy))
+    rules, _, parameters, inputs, _, _ = rewrites
+    run_passes([*analyses, rules, parameters, inputs], ep.graph_module)
+
+
+def test_choices_are_made_without_touching_the_graph():
+    x = torch.randn(4, 8) * 12  # exp overflows fp16 on these calibration inputs
+    ep = export(Ops(), x, torch.rand(4, 8) * 1e-3)
+    policy = PrecisionPolicy.custom(ops={"softmax": "fp32"})
+    _ready(ep, policy)
+    code, ops = ep.graph_module.code, list(ep.graph_module.graph.nodes)
+    chosen = {
+        node.name: choose(COMPUTE_RULES, View(node, policy, LIMIT))
+        for node in ops
+        if node.op == "call_function"
+    }
+    assert ep.graph_module.code == code and list(ep.graph_module.graph.nodes) == ops
+    assert not any("fx16.precision" in n.meta for n in ops if n.op == "call_function")
+    rules = {name: (choice.action, choice.rule) for name, choice in chosen.items()}
+    assert rules == {
+        "exp": (Action.FP32, "safety_rule"),
+        "mul": (Action.FP32, "scalar_overflow"),
+        "add": (Action.LOW, "fits"),
+        "softmax": (Action.FP32, "policy_fp32"),
+        "diff": (Action.LOW, "fits"),
+    }
+    assert chosen["exp"].detail.startswith("observed ")
+    assert chosen["mul"].detail == "scalar 100000"
+    assert chosen["softmax"].detail == "ops['softmax'] = fp32"
+    assert chosen["add"].detail == ""
+    assert "tables do not list" in chosen["diff"].detail  # an unknown op is said so
+
+
+def test_each_list_is_ordered_data_that_ends_in_a_rule_that_always_applies():
+    assert [rule.name for rule in COMPUTE_RULES] == [
+        "no_narrowed_input",
+        "opens_model_fp32_region",
+        "inside_model_fp32_region",
+        "safety_rule",
+        "policy_fp32",
+        "policy_follow",
+        "fp32_input",
+        "scalar_overflow",
+        "mixed_float_dtypes",
+        "fits",
+    ]
+    assert [rule.name for rule in CAST_TO_FP32_RULES][0] == "safety_rule"
+    assert [rule.name for rule in CREATION_RULES][-1] == "fits"
+    ep = export(Ops(), torch.randn(4, 8), torch.randn(4, 8))
+    node = next(n for n in ep.graph_module.graph.nodes if n.op == "call_function")
+    view = View(node, PrecisionPolicy.default(), LIMIT)
+    for rules in (COMPUTE_RULES, CAST_TO_FP32_RULES, CREATION_RULES):
+        assert rules[-1].test(view) is not None
+
+
+class Chain(torch.nn.Module):
+    def forward(self, x):
+        return x.exp().clamp(max=100.0)
+
+
+def test_an_fp32_input_is_named_and_a_skipped_cast_back_says_why():
+    x = torch.randn(4, 8) * 12
+    ep = fx16.cast_fp32_to_fp16(export(Chain(), x))
+    rows = {row.node: row for row in report_of(ep).rows}
+    assert rows["exp"].rule == "activation_overflow"
+    assert rows["exp"].cast_back_skipped.startswith("observed ")
+    assert "beyond 16-bit" in rows["exp"].cast_back_skipped
+    assert rows["clamp"].rule == "fp32_input"
+    assert rows["clamp"].detail == "from exp: activation_overflow"
+    assert "(no cast back: observed" in report_of(ep).table()
+    got = ep.module()(x.half())
+    expected = x.half().float().exp().clamp(max=100.0)
+    assert torch.allclose(got.float(), expected, rtol=1e-3, atol=1e-7)  # exp computed in fp32
