@@ -18,8 +18,7 @@ and creation ops that make fp32 tensors (``full``, ``arange``, ``zeros_like``).
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from functools import cached_property
+from dataclasses import dataclass
 
 import torch
 from torch.fx import Node
@@ -57,7 +56,7 @@ class Action(enum.Enum):
     LEAVE = "nothing to decide: no input was narrowed"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Choice:
     action: Action
     reason: Reason | None = None
@@ -66,37 +65,45 @@ class Choice:
     cast_back: bool = True  # for FP32: whether consumers may read a 16-bit copy
 
 
-@dataclass
 class View:
-    """What the rules read of one node, each fact computed once."""
+    """What the rules read of one node, each fact computed once (the lazy ones on
+    first use)."""
 
-    node: Node
-    policy: PrecisionPolicy
-    limit: float  # calibration magnitudes above it overflow 16-bit (with the margin)
+    __slots__ = (
+        "node",
+        "policy",
+        "limit",
+        "float_inputs",
+        "fp32_inputs",
+        "produces_fp32",
+        "_precision",
+        "_scalars",
+    )
+
+    def __init__(self, node: Node, policy: PrecisionPolicy, limit: float) -> None:
+        self.node = node
+        self.policy = policy
+        self.limit = limit  # calibration magnitudes above it overflow 16-bit (with the margin)
+        self.float_inputs = [arg for arg in tensor_inputs(node) if node_dtype(arg) in FLOAT_DTYPES]
+        self.fp32_inputs = [arg for arg in self.float_inputs if node_dtype(arg) == FP32]
+        self.produces_fp32 = has_fp32_part(node_val(node))
+        self._precision = self._scalars = None
 
     @property
     def low(self) -> torch.dtype:
         return self.policy.low
 
-    @cached_property
-    def float_inputs(self) -> list[Node]:
-        return [arg for arg in tensor_inputs(self.node) if node_dtype(arg) in FLOAT_DTYPES]
-
-    @cached_property
-    def fp32_inputs(self) -> list[Node]:
-        return [arg for arg in self.float_inputs if node_dtype(arg) == FP32]
-
-    @cached_property
-    def produces_fp32(self) -> bool:
-        return has_fp32_part(node_val(self.node))
-
-    @cached_property
+    @property
     def precision(self) -> Precision:
-        return self.policy.precision_for(self.node)
+        if self._precision is None:
+            self._precision = self.policy.precision_for(self.node)
+        return self._precision
 
-    @cached_property
+    @property
     def scalars(self) -> list:
-        return value_scalars(self.node)
+        if self._scalars is None:
+            self._scalars = value_scalars(self.node)
+        return self._scalars
 
     def entry(self) -> str:
         """The policy entry that matched the node ("ops['softmax'] = fp32")."""
@@ -150,7 +157,8 @@ def choose(rules: tuple[Rule, ...], view: View) -> Choice:
     for rule in rules:
         choice = rule.test(view)
         if choice is not None:
-            return replace(choice, rule=rule.name)
+            choice.rule = rule.name
+            return choice
     raise AssertionError(f"no precedence rule applies to {view.node.name}")  # lists end total
 
 

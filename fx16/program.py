@@ -350,6 +350,10 @@ class Program:
         raise PassFailedError("commit" if saved.released else "unknown", error) from error
 
 
+def _arg_name(spec) -> str | None:
+    return spec.arg.name if isinstance(spec.arg, TensorArgument) else None
+
+
 def _copied_meta(meta: dict) -> dict:
     """A graph module's meta, with its own copy of the pending conversions (the one
     entry the program changes in place)."""
@@ -405,7 +409,9 @@ class Snapshot:
         }
         self._state_dict, self._constants = dict(ep.state_dict), dict(ep.constants)
         self.released = False
-        self._signature = copy.deepcopy(ep.graph_signature)
+        # a cast changes only which node each output spec names (``sync_output_specs``)
+        self._signature = ep.graph_signature
+        self._output_names = [_arg_name(spec) for spec in ep.graph_signature.output_specs]
         self._example_inputs = ep.example_inputs
         self._meta = _copied_meta(self._graph_module.meta)
 
@@ -431,7 +437,10 @@ class Snapshot:
             current = dict(store)
             store.clear()
             store.update({key: _strong(value, current.get(key)) for key, value in saved.items()})
-        ep._graph_signature = copy.deepcopy(self._signature)
+        ep._graph_signature = self._signature
+        for spec, name in zip(self._signature.output_specs, self._output_names):
+            if name is not None:
+                spec.arg.name = name
         ep._example_inputs = self._example_inputs
         self._graph_module.meta.clear()
         self._graph_module.meta.update(_copied_meta(self._meta))
