@@ -78,6 +78,26 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"exit with {BUDGET_NOT_MET} when an output's relative error (max |A-B| / "
         "max |A|) exceeds X: a check for CI",
     )
+    compare.add_argument(
+        "--per-node",
+        action="store_true",
+        help="A is the fp32 program, B its cast: compare every value, not only the outputs, "
+        "and name the first that diverges and the ops that amplify error most, with their "
+        "module and source line (values aligned by the ids fx16 gives nodes before casting)",
+    )
+    compare.add_argument(
+        "--threshold",
+        type=float,
+        default=1e-2,
+        metavar="T",
+        help="with --per-node: the relative error that counts as diverging (default 0.01)",
+    )
+    compare.add_argument(
+        "--json",
+        type=Path,
+        metavar="OUT.json",
+        help="with --per-node: also write every value's error and amplification as JSON",
+    )
     _add_import_option(compare)
     _add_timings_option(compare)
 

@@ -131,6 +131,9 @@ def compare_command(args, timings: Timings) -> int:
         raise CommandError(f"{args.first} records no example inputs: pass --inputs INPUTS.pt")
     for path, program in ((args.first, first), (args.second, second)):
         calibration_calls(Program.of(program), calls, label=f"{path}'s inputs")
+    if args.per_node:
+        _compare_per_node(first, second, calls, args, timings)
+        print()
     columns = ("input", "output", "shape", "A dtype", "B dtype", "max |A-B|", "rel. error")
     print("{:>5} {:>6} {:18} {:10} {:10} {:>12} {:>11}".format(*columns))
     worst = 0.0
@@ -156,6 +159,24 @@ def compare_command(args, timings: Timings) -> int:
             f"{args.max_rel_error:g}"
         )
     return 0
+
+
+def _compare_per_node(reference, cast, calls, args, timings: Timings) -> None:
+    """``compare --per-node``: the diagnosis of ``cast`` against ``reference``: the values
+    over the threshold as a table (the first ``PER_NODE_ROWS``), then the first
+    divergence and the strongest amplifiers (the outputs' comparison follows)."""
+    from fx16.diagnose import diagnose
+
+    diagnosis = diagnose(reference, cast, calls, threshold=args.threshold)
+    timings.lap("run both, value by value")
+    over = [value for value in diagnosis.values if value.error > args.threshold]
+    print(f"{len(diagnosis.values)} values compared, {len(over)} over {args.threshold:g}")
+    print(diagnosis.table(over[:PER_NODE_ROWS]))
+    if args.json:
+        args.json.write_text(diagnosis.to_json())
+
+
+PER_NODE_ROWS = 20
 
 
 def demo_command(args, timings: Timings) -> int:

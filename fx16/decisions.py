@@ -84,6 +84,10 @@ class Decision:
     def narrowed(self) -> bool:
         return self.dtype in (torch.float16, torch.bfloat16, torch.int16)
 
+    def said(self) -> str:
+        """The rule and the evidence, as text: "activation_overflow: observed 7e+04"."""
+        return self.reason.name.lower() + (f": {self.detail}" if self.detail else "")
+
 
 def decide(
     node: Node, dtype: torch.dtype, reason: Reason, *, key: str = PRECISION, detail: str = ""

@@ -7,18 +7,22 @@ program used). So before the first change, every op node gets an id in
 ``node.meta["custom"]["fx16_id"]``, which ``torch.export.save`` keeps: the path of
 its graph (``true_graph_0.`` for a cond branch, empty for the program's own graph)
 and its name. Nodes fx16 inserts get none; a placeholder's id is its name, which
-no cast changes (``torch.export.save`` does not keep a placeholder's custom meta).
+no cast changes (``torch.export.save`` does not keep a placeholder's custom meta),
+and a ``getitem``'s its container's id and index (a loaded one carries its
+container's custom meta).
 
 An fp32 program that was never cast has no ids: ``node_id`` gives the id it would
 get, so the fp32 reference and the cast program align either way.
 """
 
+import operator
 from collections.abc import Iterator
 
 from torch.fx import GraphModule, Node
 
 CUSTOM = "custom"  # the node meta key torch.export serializes for users
 ID = "fx16_id"
+DECISION = "fx16_decision"  # the rule and reason of a node's precision, as text
 
 
 def assign_ids(root: GraphModule) -> None:
@@ -38,6 +42,10 @@ def node_id(node: Node, prefix: str, assigned: bool) -> str | None:
         return prefix + node.name
     if node.op != "call_function":
         return None
+    if node.target is operator.getitem and isinstance(node.args[0], Node):
+        # by its container: torch.export.load gives a getitem its producer's custom meta
+        container = node_id(node.args[0], prefix, assigned)
+        return None if container is None else f"{container}[{node.args[1]}]"
     custom = node.meta.get(CUSTOM) or {}
     if ID in custom:
         return custom[ID]
@@ -58,3 +66,18 @@ def graph_modules(root: GraphModule) -> Iterator[tuple[str, GraphModule]]:
     for name, module in root.named_modules():
         if isinstance(module, GraphModule):
             yield (f"{name}." if name else ""), module
+
+
+def keep_decisions(root: GraphModule, decision_of) -> None:
+    """Copy each node's precision decision (``decision_of(node)``) into its custom meta
+    as "rule: detail", so a saved and loaded cast program still says why."""
+    for _, module in graph_modules(root):
+        for node in module.graph.nodes:
+            decision = decision_of(node)
+            if decision is not None and node.op == "call_function":
+                node.meta[CUSTOM] = {**node.meta.get(CUSTOM, {}), DECISION: decision.said()}
+
+
+def kept_decision(node: Node) -> str:
+    """The decision ``keep_decisions`` stored on ``node`` ("" if none)."""
+    return (node.meta.get(CUSTOM) or {}).get(DECISION, "")

@@ -1,8 +1,10 @@
-"""RecordStatsPass: the program's figures before fx16 changes it, for the report."""
+"""RecordStatsPass: the program's figures before fx16 changes it, for the report, and
+every node's stable id, for the per-node diagnosis."""
 
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from fx16.node_ids import assign_ids
 from fx16.program import Program
 from fx16.stats import BEFORE_KEY, record_stats_before
 
@@ -14,7 +16,9 @@ class RecordStatsPass(PassBase):
 
     Reads: the program. Writes: ``graph_module.meta["fx16.before"]`` (a ProgramStats),
     only when absent: a second pipeline on the same program (the int16 one after the
-    fp16 one, or a second cast) keeps the first record.
+    fp16 one, or a second cast) keeps the first record; and each op node's id
+    (``fx16.node_ids``) where it has none, so that ``fx16.diagnose`` aligns the cast
+    program with the fp32 one whatever the cast rewrites.
     """
 
     def __init__(self, program: Program) -> None:
@@ -23,4 +27,5 @@ class RecordStatsPass(PassBase):
     def call(self, graph_module: GraphModule) -> PassResult:
         if BEFORE_KEY not in graph_module.meta:
             record_stats_before(self.program.ep)
+        assign_ids(graph_module)
         return PassResult(graph_module, False)

@@ -1,0 +1,356 @@
+"""Where a cast program loses accuracy: every value against fp32, the first divergence,
+and the ops that amplify error most.
+
+``diagnose(reference, cast, inputs)`` runs the fp32 program and the cast program
+side by side, node by node, and aligns their values by stable node id
+(``fx16.node_ids``), never by guessing from names: casts fx16 inserted have no id
+and are skipped, retargeted casts keep theirs, removed casts are simply not met in
+the cast program, and the bodies of ``cond``, ``while_loop``, ``map`` and
+``invoke_subgraph`` are walked too (each iteration, each slice: a value's error is
+its worst over them). Autocast and ``set_grad_enabled`` regions run whole: their
+results are compared, not the values inside.
+
+For every value: its relative error against fp32 (max |cast - fp32| / max |fp32|,
+in fp64, its worst over the inputs), and its amplification: that error divided by
+the worst error of the values it reads (at least the 16-bit unit roundoff, so an op
+that only rounds its result has an amplification near 1).
+
+Memory: both programs run in lockstep, one node at a time; each frees a value after
+its last use, and a reference value waits only until the cast program computes the
+same node (the order is the same: a cast only inserts and removes casts). What is
+kept per value is a few numbers. So the extra memory is a few activations of each
+program, not two full sets.
+"""
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.fx import GraphModule, Node
+
+from fx16.analysis.calibration import calibration_calls
+from fx16.decisions import decision_of
+from fx16.node_ids import has_ids, kept_decision, node_id
+from fx16.nodes import dtype_name, node_module_path, op_label
+from fx16.program import Program
+from fx16.stats import relative_error
+from fx16.subgraphs import COND, INVOKE_SUBGRAPH, MAP, WHILE_LOOP
+
+DEFAULT_THRESHOLD = 1e-2
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_TORCH_FILE = re.compile(r"[/\\]torch[/\\]")
+
+
+@dataclass
+class ValueReport:
+    """One value of the program, compared with fp32."""
+
+    id: str
+    op: str
+    module: str
+    source: str  # file:line of the model code that made it (from stack_trace), or ""
+    dtype: str  # as the cast program computes it
+    error: float  # relative to fp32, its worst over the inputs (and iterations)
+    amplification: float = 1.0
+    decision: str = ""  # fx16's rule and reason for it in the cast program
+
+    def describe(self) -> str:
+        where = " ".join(part for part in (self.module, self.source) if part)
+        decided = f"; fx16: {self.decision}" if self.decision else ""
+        return (
+            f"{self.id} ({self.op}, {self.dtype}) error {self.error:.3g}, amplifies "
+            f"{self.amplification:.3g}x{' at ' + where if where else ''}{decided}"
+        )
+
+
+@dataclass
+class Diagnosis:
+    """Every aligned value in the reference's order, with what stands out."""
+
+    values: list[ValueReport]
+    threshold: float
+    first_divergence: ValueReport | None
+    amplifiers: list[ValueReport] = field(default_factory=list)
+    unaligned: int = 0  # reference values the cast program does not compute (removed casts)
+
+    def summary(self) -> list[str]:
+        lines = []
+        if self.first_divergence is None:
+            lines.append(f"no value differs from fp32 by more than {self.threshold:g}")
+        else:
+            lines.append(f"first value over {self.threshold:g}: {self.first_divergence.describe()}")
+        if self.amplifiers:
+            lines.append("amplifying most:")
+            lines += [f"  {value.describe()}" for value in self.amplifiers]
+        return lines
+
+    def table(self, rows: list[ValueReport] | None = None) -> str:
+        """A fixed-width table of ``rows`` (default: every value), then the summary."""
+        rows = self.values if rows is None else rows
+        header = ("id", "op", "dtype", "rel. error", "amplifies", "module", "source")
+        cells = [
+            (v.id, v.op, v.dtype, f"{v.error:.3g}", f"{v.amplification:.3g}x", v.module, v.source)
+            for v in rows
+        ]
+        widths = [
+            max([len(title), *(len(row[i]) for row in cells)]) for i, title in enumerate(header)
+        ]
+        lines = [" ".join(f"{t:{w}}" for t, w in zip(header, widths))]
+        lines += [" ".join(f"{c:{w}}" for c, w in zip(row, widths)) for row in cells]
+        return "\n".join([*lines, "", *self.summary()])
+
+    def to_json(self) -> str:
+        def plain(value):
+            if isinstance(value, float) and not math.isfinite(value):
+                return str(value)
+            if isinstance(value, dict):
+                return {key: plain(item) for key, item in value.items()}
+            if isinstance(value, list):
+                return [plain(item) for item in value]
+            return value
+
+        document = {
+            "threshold": self.threshold,
+            "first_divergence": self.first_divergence and asdict(self.first_divergence),
+            "amplifiers": [asdict(value) for value in self.amplifiers],
+            "unaligned": self.unaligned,
+            "values": [asdict(value) for value in self.values],
+        }
+        return json.dumps(plain(document), indent=2, allow_nan=False)
+
+    def by_id(self) -> dict[str, ValueReport]:
+        return {value.id: value for value in self.values}
+
+
+def diagnose(
+    reference: ExportedProgram,
+    cast: ExportedProgram,
+    inputs: list | None = None,
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+    top: int = 5,
+) -> Diagnosis:
+    """Compare every value of ``cast`` with the fp32 program ``reference`` on ``inputs``
+    (a list of argument tuples or ``(args, kwargs)`` pairs; None: the reference's
+    example inputs). ``threshold``: the relative error that counts as diverging;
+    ``top``: how many of the most amplifying ops to name."""
+    reference_program, cast_program = Program.of(reference), Program.of(cast)
+    calls = calibration_calls(reference_program, inputs, label="diagnose inputs")
+    records: dict[str, _Record] = {}
+    with torch.no_grad():  # here, not inside the interleaved runs: each would undo the other's
+        for args, kwargs in calls:
+            _compare(reference_program, cast_program, args, kwargs, records)
+    return _diagnosis(reference.graph_module, records, _unit_roundoff(cast), threshold, top)
+
+
+@dataclass
+class _Record:
+    reference: Node
+    cast: Node
+    error: float
+    dtype: torch.dtype
+
+
+def _compare(reference: Program, cast: Program, args, kwargs, records: dict) -> None:
+    """Run both programs on one call in lockstep and record each aligned value's error."""
+    cast_ids = _ids(cast.graph_module)
+    ahead: dict = {}  # reference values computed before the cast program reached them
+    ref_stream = _values(reference.graph_module, reference.graph_inputs(args, kwargs))
+    cast_inputs = cast.graph_inputs(*cast.adapt_call(args, kwargs))
+    for key, node, value in _values(cast.graph_module, cast_inputs):
+        while key not in ahead:
+            try:
+                ref_key, ref_node, ref_value = next(ref_stream)
+            except StopIteration:
+                break
+            if ref_key[0] in cast_ids:  # a removed cast is never asked for: do not keep it
+                ahead[ref_key] = (ref_node, ref_value)
+        if key not in ahead:
+            continue
+        ref_node, ref_value = ahead.pop(key)
+        if not (isinstance(value, torch.Tensor) and isinstance(ref_value, torch.Tensor)):
+            continue
+        if value.shape != ref_value.shape or not ref_value.is_floating_point():
+            error = 0.0 if torch.equal(value, ref_value.to(value.dtype)) else math.inf
+        else:
+            error = relative_error(ref_value, value)
+        known = records.get(key[0])
+        if known is None or error > known.error:
+            records[key[0]] = _Record(ref_node, node, error, value.dtype)
+
+
+def _ids(root: GraphModule) -> set[str]:
+    assigned = has_ids(root)
+    found = set()
+    for prefix, module in _graph_modules(root):
+        for node in module.graph.nodes:
+            found.add(node_id(node, prefix, assigned))
+    return found
+
+
+def _graph_modules(root: GraphModule):
+    for name, module in root.named_modules():
+        if isinstance(module, GraphModule):
+            yield (f"{name}." if name else ""), module
+
+
+def _values(root: GraphModule, inputs: list) -> Iterator[tuple[tuple[str, int], Node, Any]]:
+    """Run ``root`` on its flat graph inputs, yielding ``((id, occurrence), node, value)``
+    for every value with an id, in execution order."""
+    counts: dict[str, int] = {}
+    yield from _run_graph(root, "", has_ids(root), inputs, counts, root)
+
+
+def _run_graph(module, prefix, assigned, inputs, counts, root):
+    """A generator interpreter: runs ``module``'s graph, yields its values (and those of
+    the bodies it runs), returns its outputs. Each value is dropped after its last use."""
+    nodes = list(module.graph.nodes)
+    last_use: dict[Node, Node] = {}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            last_use[arg] = node
+    env: dict[Node, Any] = {}
+    feed = iter(inputs)
+    for node in nodes:
+        if node.op == "placeholder":
+            value = next(feed)
+        elif node.op == "get_attr":
+            value = _attribute(module, node.target)
+        elif node.op == "output":
+            return pytree.tree_map(
+                lambda arg: env[arg] if isinstance(arg, Node) else arg, node.args[0]
+            )
+        else:
+            args, kwargs = pytree.tree_map(
+                lambda arg: env[arg] if isinstance(arg, Node) else arg, (node.args, node.kwargs)
+            )
+            value = yield from _call(node, prefix, assigned, args, kwargs, counts, root, module)
+        env[node] = value
+        identity = node_id(node, prefix, assigned)
+        if identity is not None:
+            counts[identity] = counts.get(identity, 0) + 1
+            yield (identity, counts[identity]), node, value
+        for arg in node.all_input_nodes:
+            if last_use.get(arg) is node:
+                env.pop(arg, None)
+    return None
+
+
+def _call(node, prefix, assigned, args, kwargs, counts, root, module):
+    """Run one op; the bodies of the higher-order ops fx16 looks into, node by node."""
+    target = node.target
+
+    def body_prefix(body_node: Node) -> str:
+        return f"{prefix}{body_node.target}."
+
+    def run(body_node, operands):
+        body = _attribute(module, body_node.target)
+        return (
+            yield from _run_graph(
+                body, body_prefix(body_node), assigned, list(operands), counts, root
+            )
+        )
+
+    if target is COND:
+        predicate, _, _, operands = args
+        chosen = node.args[1] if bool(predicate) else node.args[2]
+        return tuple((yield from run(chosen, operands)))
+    if target is WHILE_LOOP:
+        _, _, carried, additional = args
+        carried = tuple(carried)
+        while True:
+            go = yield from run(node.args[0], (*carried, *additional))
+            if not bool(pytree.tree_leaves(go)[0]):
+                return carried
+            carried = tuple((yield from run(node.args[1], (*carried, *additional))))
+    if target is MAP and args[1][0].shape[0] > 0:
+        _, mapped, others = args
+        slices = []
+        for index in range(mapped[0].shape[0]):
+            operands = (*(tensor[index] for tensor in mapped), *others)
+            slices.append((yield from run(node.args[0], operands)))
+        return [torch.stack(parts) for parts in zip(*slices)]
+    if target is INVOKE_SUBGRAPH:
+        return tuple((yield from run(node.args[0], args[2:])))
+    return target(*args, **kwargs)  # an autocast or set_grad region runs whole
+
+
+def _attribute(module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def _unit_roundoff(cast: ExportedProgram) -> float:
+    """Half the machine epsilon of the 16-bit dtype the cast program computes in."""
+    dtypes = {
+        value.dtype
+        for node in cast.graph_module.graph.nodes
+        for value in [node.meta.get("val")]
+        if isinstance(value, torch.Tensor)
+    }
+    low = (
+        torch.bfloat16
+        if torch.bfloat16 in dtypes and torch.float16 not in dtypes
+        else torch.float16
+    )
+    return torch.finfo(low).eps / 2
+
+
+def _diagnosis(reference_root, records, roundoff, threshold, top) -> Diagnosis:
+    assigned = has_ids(reference_root)
+    ordered, unaligned = [], 0
+    for prefix, module in _graph_modules(reference_root):
+        for node in module.graph.nodes:
+            identity = node_id(node, prefix, assigned)
+            if identity is None or node.op != "call_function":
+                continue
+            record = records.get(identity)
+            if record is None:
+                unaligned += 1
+                continue
+            read = [records.get(node_id(arg, prefix, assigned)) for arg in node.all_input_nodes]
+            worst_read = max((r.error for r in read if r is not None), default=0.0)
+            ordered.append(_value(identity, record, worst_read, roundoff))
+    first = next((value for value in ordered if value.error > threshold), None)
+    noticeable = [value for value in ordered if value.error > roundoff]
+    amplifiers = sorted(noticeable, key=lambda value: -value.amplification)[:top]
+    return Diagnosis(ordered, threshold, first, amplifiers, unaligned)
+
+
+def _value(identity: str, record: _Record, worst_read: float, roundoff: float) -> ValueReport:
+    error = record.error
+    amplification = error / max(worst_read, roundoff) if math.isfinite(error) else math.inf
+    decision = decision_of(record.cast)  # a loaded program keeps only its text
+    said = decision.said() if decision is not None else kept_decision(record.cast)
+    return ValueReport(
+        id=identity,
+        op=op_label(record.reference),
+        module=node_module_path(record.reference) or "",
+        source=source_line(record.reference),
+        dtype=dtype_name(record.dtype),
+        error=error,
+        amplification=amplification,
+        decision=said,
+    )
+
+
+def source_line(node: Node) -> str:
+    """file:line of the model code that made ``node``: the innermost frame of its
+    ``stack_trace`` outside torch (a Linear's frame is the model's ``self.fc(x)``, not
+    torch's ``F.linear``), relative to the working directory when under it; "" if
+    unknown."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    outside_torch = [frame for frame in frames if not _TORCH_FILE.search(frame[0])]
+    path, line = (outside_torch or frames)[-1]
+    relative = os.path.relpath(path)
+    return f"{path if relative.startswith('..') else relative}:{line}"
