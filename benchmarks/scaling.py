@@ -87,7 +87,7 @@ def main(argv=None) -> None:
         ratio = seconds[names[-1]] / seconds["fx16"] if len(names) > 1 else float("nan")
         recompile = _median_time(lambda candidate: candidate.graph_module.recompile(), ep, 3)
         module = ep.module()
-        forward = _median_time(lambda _: module(*inputs), ep, 3)
+        forward = _median_time(lambda _, module=module, inputs=inputs: module(*inputs), ep, 3)
         uncalibrated = seconds["fx16, calibration=[]"] / recompile
         default = seconds["fx16"] / (forward + 2 * recompile)
         print(

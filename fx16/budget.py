@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.utils._pytree as pytree
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Node
 from torch.fx.node import map_arg
 from tqdm import tqdm
@@ -54,6 +54,8 @@ from fx16.errors import (
     require_number,
 )
 from fx16.interpreter import LeanInterpreter
+from fx16.metrics import relative
+from fx16.metrics import resolve as resolve_metric
 from fx16.nodes import node_dtype
 from fx16.ops import ASSERT_METADATA_OPS
 from fx16.options import Fp16Options
@@ -61,7 +63,7 @@ from fx16.passes.insert_fp16_casts import OUTPUTS
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.policy import as_names
 from fx16.program import Program
-from fx16.stats import outputs_error, program_stats
+from fx16.stats import program_stats
 
 _LOW = (torch.float16, torch.bfloat16)
 # Evaluations after which the search returns every node to fp32 at once.
@@ -93,10 +95,17 @@ class AccuracySearch:
     flop_share_16bit: float = 1.0  # of matmul/conv/attention FLOPs, in the result
     target: float | None = None  # the calibration error the search aimed at
     plain_error: float | None = None  # the plain cast's, before any node returned to fp32
+    metric: str = "rel"  # the metric the errors are in (fx16.metrics)
+    validation_error: float | None = None  # on the validation inputs, which the search never saw
 
     @property
     def met(self) -> bool:
         return self.error <= self.budget
+
+    @property
+    def validation_met(self) -> bool | None:
+        """The validation error is within the budget (None: no validation inputs)."""
+        return None if self.validation_error is None else self.validation_error <= self.budget
 
     @property
     def plain_kept(self) -> bool:
@@ -104,21 +113,29 @@ class AccuracySearch:
         return not self.rounds and not self.fp32_nodes
 
     def describe(self) -> str:
-        """One line: the error reached, the budget and target, and what it cost."""
+        """One line: the error reached (and on validation), the budget and target, and
+        what it cost."""
         aim = f"budget {self.budget:.3g}"
         if self.target is not None and self.target != self.budget:
             aim += f", target {self.target:.3g}"
+        metric = "" if self.metric == "rel" else f"{self.metric} "
+        validation = ""
+        if self.validation_error is not None:
+            verdict = "within" if self.validation_met else "OVER"
+            validation = (
+                f"; {self.validation_error:.3g} on the validation inputs ({verdict} budget)"
+            )
         if self.plain_kept:
             return (
-                f"accuracy: error {self.error:.3g} on the calibration inputs ({aim}): the "
-                "plain cast meets it and is kept, nothing returned to fp32"
+                f"accuracy: {metric}error {self.error:.3g} on the calibration inputs ({aim}): "
+                f"the plain cast meets it and is kept, nothing returned to fp32{validation}"
             )
         plain = f"; plain cast {self.plain_error:.3g}" if self.plain_error is not None else ""
         return (
-            f"accuracy: error {self.error:.3g} on the calibration inputs ({aim}{plain}) "
+            f"accuracy: {metric}error {self.error:.3g} on the calibration inputs ({aim}{plain}) "
             f"after {self.rounds} round(s), {self.evaluations} program evaluations, "
             f"{len(self.fp32_nodes)} node(s) back in fp32, {self.flop_share_16bit:.1%} of "
-            "matmul/conv/attention FLOPs in 16-bit"
+            f"matmul/conv/attention FLOPs in 16-bit{validation}"
         )
 
 
@@ -129,6 +146,8 @@ def cast_fp16_within_budget(
     progress: bool | None,
     target_share: float | None = None,
     options: Fp16Options | None = None,
+    metric=None,
+    validation: list | None = None,
 ) -> AccuracySearch:
     """Cast ``ep`` to fp16 in place, returning nodes to fp32 until the error is within budget.
 
@@ -138,10 +157,12 @@ def cast_fp16_within_budget(
     stops once the calibration error is below ``target_share`` of the budget (None:
     ``stopping_share``, a margin for inputs it has not seen: its choices were fitted
     to these inputs, and fit unseen ones less well). ``options``: the cast's
-    (its ``calibration`` is ``calibration``). Raises ``AccuracyBudgetError`` when every remedy is
-    taken and the error is still over that share (the caller's transaction then
-    restores the program). ``progress``: a progress bar of the evaluations on stderr
-    (None: when stderr is a terminal).
+    (its ``calibration`` is ``calibration``). ``metric``: what the errors measure, a
+    preset name or a callable (``fx16.metrics``; default "rel"). ``validation``: inputs
+    the search never uses; the error on them is reported beside the calibration error.
+    Raises ``AccuracyBudgetError`` when every remedy is taken and the error is still over
+    that share (the caller's transaction then restores the program). ``progress``: a
+    progress bar of the evaluations on stderr (None: when stderr is a terminal).
     """
     program = Program.of(ep)
     calls = calibration_calls(program, calibration)
@@ -163,7 +184,11 @@ def cast_fp16_within_budget(
     run_passes(analyses, ep.graph_module)  # once: what they find does not depend on the fp32 set
     plain_share, search_share = target_share or 1.0, target_share or stopping_share(len(calls))
     targets = (plain_share * budget, search_share * budget)
+    metric_name, measure = resolve_metric(metric)
+    held_out = calibration_calls(program, validation, label="validation") if validation else []
     search = _Search(program, calls, calibration, budget, targets, progress, options)
+    search.metric, search.metric_name = measure, metric_name
+    search.validation = held_out, [search.reference_outputs(call) for call in held_out]
     try:
         return search.run()
     except Fx16Error:
@@ -208,6 +233,12 @@ class _Search:
             if node.op in ("placeholder", "call_function")
         }
         self.evaluations = self.rounds = 0
+        self.metric, self.metric_name = relative, "rel"
+        self.validation: tuple[list, list] = ([], [])  # calls and their fp32 outputs
+        specs = program.ep.graph_signature.output_specs
+        self.user_positions = [
+            i for i, spec in enumerate(specs) if spec.kind == OutputKind.USER_OUTPUT
+        ]
         self.holds: set[str] | None = None  # the fp32 set the program is cast with now
         self.answers: dict = {}  # VerdictCheckAnalysis's, measured on the first cast only
 
@@ -229,18 +260,39 @@ class _Search:
         """Cast with ``forced`` in fp32 and run it on every input: (error, outputs)."""
         self.cast(forced)
         self.evaluations += 1
-        graph_module = self.program.ep.graph_module
-        outputs = []
-        with torch.no_grad():
-            for args, kwargs in self.calls:
-                inputs = self.program.graph_inputs(*self.program.adapt_call(args, kwargs))
-                outputs.append(pytree.tree_leaves(graph_module(*inputs)))
-        error = max(outputs_error(ref, obs) for ref, obs in zip(self.reference.outputs, outputs))
+        outputs = self.run_cast(self.calls)
+        error = self.error(self.reference.outputs, outputs)
         self.progress.set_postfix_str(
             f"error {error:.3g} (budget {self.budget:.3g}), {len(forced)} node(s) in fp32"
         )
         self.progress.update()
         return error, outputs
+
+    def run_cast(self, calls: list) -> list[list]:
+        """The cast program's flat graph outputs on each call."""
+        graph_module, outputs = self.program.ep.graph_module, []
+        with torch.no_grad():
+            for args, kwargs in calls:
+                inputs = self.program.graph_inputs(*self.program.adapt_call(args, kwargs))
+                outputs.append(pytree.tree_leaves(graph_module(*inputs)))
+        return outputs
+
+    def reference_outputs(self, call) -> list:
+        """The fp32 program's flat graph outputs on ``call`` (run before any change)."""
+        inputs = self.program.graph_inputs(*call, copy_buffers=True)
+        return _reference_outputs(self.reference.graph_module, inputs)
+
+    def error(self, reference: list[list], outputs: list[list]) -> float:
+        """The metric over the user outputs of every call."""
+
+        def users(per_call: list[list]) -> list[list]:
+            return [[flat[i] for i in self.user_positions] for flat in per_call]
+
+        return float(self.metric(users(reference), users(outputs)))
+
+    def validate(self) -> float | None:
+        calls, reference = self.validation
+        return self.error(reference, self.run_cast(calls)) if calls else None
 
     def run(self) -> AccuracySearch:
         forced: set[str] = set()
@@ -272,6 +324,8 @@ class _Search:
             program_stats(self.program.ep).flop_share_16bit,
             self.plain_target if not self.rounds else self.target,
             plain_error,
+            self.metric_name,
+            self.validate(),
         )
 
     def shortest_prefix(self, remedies: list, before: set[str], error: float):

@@ -29,6 +29,8 @@ def cast_fp32_to_fp16(
     *,
     max_rel_error: float | None = None,
     target_share: float | None = None,
+    metric=None,
+    validation: list | None = None,
     progress: bool | None = None,
     **options,
 ) -> ExportedProgram:
@@ -64,6 +66,14 @@ def cast_fp32_to_fp16(
         on the calibration inputs (max |diff| / max |fp32| per output); while over
         budget, the nodes that add the most error return to fp32 (see fx16.budget).
         The search is recorded in the report's ``accuracy``.
+    metric: with ``max_rel_error``, what the budget measures: "rel" (default: the
+        largest relative error of any output), "cosine" (1 - cosine similarity), "top1"
+        (the share of rows whose argmax differs), or a callable
+        ``metric(reference_outputs, outputs) -> float``, lower is better, given one list
+        of user outputs per input call for each program (see ``fx16.metrics``).
+    validation: with ``max_rel_error``, inputs the search never uses (a list like
+        ``calibration``): the error on them is reported as the search's
+        ``validation_error``, beside the calibration error.
     target_share: with ``max_rel_error``, the share of the budget the calibration
         error must reach, a margin for inputs not seen (0 < share <= 1). None: the
         plain cast is kept when it meets the budget itself; a search aims at
@@ -84,9 +94,14 @@ def cast_fp32_to_fp16(
       every node fx16 may return to fp32 in fp32;
     - ``fx16.PassFailedError`` when a stage fails.
     """
-    own = ("max_rel_error", "progress", "target_share")
+    own = ("max_rel_error", "metric", "progress", "target_share", "validation")
     fp16_options = Fp16Options.of("cast_fp32_to_fp16", also=own, **options)
-    budget = {"max_rel_error": max_rel_error, "target_share": target_share}
+    budget = {
+        "max_rel_error": max_rel_error,
+        "target_share": target_share,
+        "metric": metric,
+        "validation": validation,
+    }
     return _cast(ep, "cast_fp32_to_fp16", fp16_options, None, budget, progress)
 
 
@@ -130,6 +145,8 @@ def cast_to_16_bit_precision(
     *,
     max_rel_error: float | None = None,
     target_share: float | None = None,
+    metric=None,
+    validation: list | None = None,
     progress: bool | None = None,
     **options,
 ) -> ExportedProgram:
@@ -142,7 +159,12 @@ def cast_to_16_bit_precision(
     """
     fp16_keywords, int16_options = split_options(options)
     fp16_options = Fp16Options.of("cast_to_16_bit_precision", **fp16_keywords)
-    budget = {"max_rel_error": max_rel_error, "target_share": target_share}
+    budget = {
+        "max_rel_error": max_rel_error,
+        "target_share": target_share,
+        "metric": metric,
+        "validation": validation,
+    }
     return _cast(ep, "cast_to_16_bit_precision", fp16_options, int16_options, budget, progress)
 
 
@@ -154,8 +176,10 @@ def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> Exp
     max_rel_error = budget.get("max_rel_error")
     if max_rel_error is not None:
         require_number("max_rel_error", max_rel_error, 0)
-    elif budget.get("target_share") is not None:
-        raise InvalidOptionError("target_share needs max_rel_error")
+    else:
+        for name in ("target_share", "metric", "validation"):
+            if budget.get(name) is not None:
+                raise InvalidOptionError(f"{name} needs max_rel_error")
     if fp16_options is not None:  # one name, or many
         fp16_options = replace(fp16_options, force_fp32=as_names(fp16_options.force_fp32))
     fp16_keywords = fp16_options.as_keywords() if fp16_options is not None else {}
@@ -173,6 +197,8 @@ def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> Exp
                 progress,
                 budget["target_share"],
                 fp16_options,
+                budget["metric"],
+                budget["validation"],
             )
         elif fp16_options is not None:
             run_passes(fp16_passes(ep, fp16_options), ep.graph_module)

@@ -16,7 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-from fx16.choices import EXPLICIT_FP32_CHOICES, INT16_MODES, POLICY_PRESETS, PRECISION_NAMES
+from fx16.choices import (
+    EXPLICIT_FP32_CHOICES,
+    INT16_MODES,
+    METRIC_PRESETS,
+    POLICY_PRESETS,
+    PRECISION_NAMES,
+)
 from fx16.version import installed_version
 
 # Exit codes besides 0.
@@ -209,6 +215,21 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
         help="with --max-rel-error: the share of X the calibration error must reach, a "
         "margin for unseen inputs (default: the plain cast is kept when it meets X; a "
         "search aims at 1 - 0.5/sqrt(inputs) of X)",
+    )
+    parser.add_argument(
+        "--metric",
+        choices=METRIC_PRESETS,
+        help="with --max-rel-error: what X measures: rel (default: max |diff| / max |fp32| "
+        "of any output), cosine (1 - cosine similarity of an output with fp32's), top1 "
+        "(the share of rows whose argmax differs from fp32's)",
+    )
+    parser.add_argument(
+        "--validate",
+        type=Path,
+        metavar="INPUTS.pt",
+        help="with --max-rel-error: inputs the search never sees (a list of input tuples "
+        f"saved with torch.save); their error is printed, and the exit code is "
+        f"{BUDGET_NOT_MET} when it exceeds X (the program is written all the same)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
     _add_timings_option(parser)

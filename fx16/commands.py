@@ -102,6 +102,7 @@ def cast_command(args, timings: Timings) -> int:
         timings.lap("save")
         if not args.quiet:
             print(f"wrote {target}")
+    _validation_missed(report)
     return 0
 
 
@@ -119,6 +120,7 @@ def inspect_command(args, timings: Timings) -> int:
         print("\n".join(report.by_layer()), end="\n\n")
     print(format_rows(rows), end="\n\n")
     _summarise(report, error, out=sys.stdout)
+    _validation_missed(report)
     return 0
 
 
@@ -238,6 +240,24 @@ def _read_inputs(path: Path) -> list[tuple[tuple, dict]]:
     return calls
 
 
+def _validation_calls(ep, args) -> list | None:
+    """``--validate``'s inputs, checked against the program like the calibration's."""
+    if args.validate is None:
+        return None
+    calls = _read_inputs(args.validate)
+    return calibration_calls(Program.of(ep), calls, label=str(args.validate))
+
+
+def _validation_missed(report) -> None:
+    """Exit code 3 (after the program is written) when ``--validate`` misses the budget."""
+    search = report.accuracy
+    if search is not None and search.validation_met is False:
+        raise ThresholdMissed(
+            f"the validation inputs' error {search.validation_error:.3g} exceeds the budget "
+            f"{search.budget:.3g} (calibration: {search.error:.3g})"
+        )
+
+
 def _example_calls(ep) -> list[tuple[tuple, dict]]:
     return [ep.example_inputs] if ep.example_inputs is not None else []
 
@@ -271,8 +291,9 @@ def _cast(source: Path, args, timings: Timings):
     ep = _load(source, args)
     timings.lap("load")
     policy = _policy(args)
-    if args.target_share is not None and args.max_rel_error is None:
-        raise CommandError("--target-share needs --max-rel-error")
+    for option in ("target_share", "metric", "validate"):
+        if getattr(args, option) is not None and args.max_rel_error is None:
+            raise CommandError(f"--{option.replace('_', '-')} needs --max-rel-error")
     label = str(args.calibrate or "example inputs")
     calls = _read_inputs(args.calibrate) if args.calibrate else _example_calls(ep)
     calls = calibration_calls(Program.of(ep), calls, label=label)  # count, shapes, dtypes
@@ -286,6 +307,8 @@ def _cast(source: Path, args, timings: Timings):
         calibration=list(calls) if args.calibrate else None,
         max_rel_error=args.max_rel_error,
         target_share=args.target_share,
+        metric=args.metric,
+        validation=_validation_calls(ep, args),
         progress=False if args.quiet else None,
     )
     timings.lap("cast")

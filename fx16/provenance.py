@@ -51,4 +51,6 @@ def _option_value(value):
         return {str(k): _option_value(v) for k, v in value.items()}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if callable(value):  # a metric
+        return getattr(value, "__qualname__", repr(value))
     return repr(value)

@@ -1,6 +1,8 @@
 """Shared test helpers: export small models, run casts, check programs like a downstream user."""
 
 import copy
+import subprocess
+import sys
 from collections import Counter
 
 import torch
@@ -116,3 +118,15 @@ def apply_rule(rule_class, ep):
 def eager(model, *args):
     with torch.no_grad():
         return model(*args)
+
+
+def command(*args, cwd=None):
+    """Run the ``fx16`` command as a user does, in a subprocess: (exit code, stdout, stderr)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "fx16", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
+    return result.returncode, result.stdout, result.stderr

@@ -12,7 +12,7 @@ from fx16.casts import is_cast
 from fx16.diagnose import diagnose
 from fx16.node_ids import graph_modules, has_ids, node_id
 from fx16.pipelines import run_passes, without_rules
-from helpers import export
+from helpers import command, export
 from models import Branches, RMSNormMLP
 
 
@@ -138,3 +138,27 @@ def test_values_inside_higher_order_op_bodies_align_and_survive_save_and_load():
     ]
     assert [v.decision for v in from_disk.values] == [v.decision for v in in_memory.values]
     _aligned_ops_match(reference, loaded, from_disk)
+
+
+def test_compare_per_node_names_the_first_diverging_op_and_its_line(tmp_path):
+    reference, x = _trap()
+    cast = copy.deepcopy(reference)
+    run_passes(without_rules(fx16.fp16_passes(cast), UnderflowRule), cast.graph_module)
+    torch.export.save(reference, tmp_path / "fp32.pt2")
+    torch.export.save(cast, tmp_path / "fp16.pt2")
+    torch.save([(x,)], tmp_path / "inputs.pt")
+    code, out, err = command(
+        "compare",
+        "--per-node",
+        tmp_path / "fp32.pt2",
+        tmp_path / "fp16.pt2",
+        "--inputs",
+        tmp_path / "inputs.pt",
+        "--json",
+        tmp_path / "values.json",
+    )
+    assert code == 0, err
+    first = next(line for line in out.splitlines() if line.startswith("first value over"))
+    assert "log (log.default, float16)" in first and _line("# LOG_LINE") in first
+    assert json.loads((tmp_path / "values.json").read_text())["first_divergence"]["id"] == "log"
+    assert "rel. error" in out  # the outputs' comparison follows
