@@ -110,9 +110,12 @@ def inspect_command(args, timings: Timings) -> int:
     if args.html is not None and not args.html.expanduser().parent.is_dir():
         raise CommandError(f"directory {args.html.expanduser().parent} does not exist")
     _check_report_path(args.report)
-    _, report, error = _cast(_existing_program_path(args.input), args, timings)
+    source = _existing_program_path(args.input)
+    cast, report, error = _cast(source, args, timings)
     if args.html is not None:
-        args.html.expanduser().write_text(report_html(report, args.input.name))
+        errors = _errors_against_fp32(source, cast, args)
+        args.html.expanduser().write_text(report_html(report, args.input.name, errors))
+        timings.lap("errors vs fp32, value by value, and the page")
     if args.report is not None:
         args.report.write_text(report.to_json())
     rows = report.rows if args.all else report.explained()
@@ -238,6 +241,19 @@ def _read_inputs(path: Path) -> list[tuple[tuple, dict]]:
             )
         calls.append((tuple(entry), {}))
     return calls
+
+
+def _errors_against_fp32(source: Path, cast, args) -> dict | None:
+    """Each node's (relative error, amplification) against the fp32 program on the first
+    calibration input, by name (None without inputs)."""
+    from fx16.diagnose import diagnose
+
+    reference = _load(source, args)
+    calls = _read_inputs(args.calibrate) if args.calibrate else _example_calls(reference)
+    if not calls:
+        return None
+    found = diagnose(reference, cast, calls[:1])
+    return {value.id: (value.error, value.amplification) for value in found.values}
 
 
 def _validation_calls(ep, args) -> list | None:

@@ -9,9 +9,14 @@ of matmul/conv/attention FLOPs in 16-bit first, and each layer gives its own; a
 button hides the 16-bit cells. Below the layers, a table lists every fp32 value
 with its rule, cost and reason in plain text (readable without hovering, printable,
 searchable); clicking an fp32 cell jumps to its line there.
+
+Given the per-node errors against fp32 (``fx16.diagnose``), each layer gets a heat
+column, its worst relative error, white below 16-bit rounding and deepening to red
+at 100%; each cell's text says its own error and amplification.
 """
 
 import html
+import math
 
 from fx16.report import CastReport, Row, layer_flop_share
 
@@ -28,6 +33,7 @@ table { border-collapse: collapse; margin-top: 12px; }
 td { padding: 3px 8px; vertical-align: top; border-bottom: 1px solid #eee; }
 td.layer { font-family: ui-monospace, monospace; white-space: nowrap; }
 td.counts { white-space: nowrap; color: #5f6368; }
+td.heat { white-space: nowrap; font-variant-numeric: tabular-nums; }
 .cell { margin: 1px; cursor: help; }
 .cell:hover { outline: 2px solid #202124; }
 body.fp32-only .cell.precision-16-bit { visibility: hidden; }
@@ -60,15 +66,16 @@ document.getElementById('only-fp32').addEventListener('click', () => {
 """
 
 
-def report_html(report: CastReport, title: str) -> str:
-    """The page for ``report`` of the program named ``title``."""
+def report_html(report: CastReport, title: str, errors: dict | None = None) -> str:
+    """The page for ``report`` of the program named ``title``; ``errors``: each node's
+    (relative error, amplification) against fp32 by name, for the heat column."""
     layers = report.layers()
     legend = "".join(
         f'<span><i style="background:{colour}"></i>{name}</span>'
         for name, colour in _COLOURS.items()
     )
     totals = "".join(f"<li>{html.escape(line)}</li>" for line in report.summary())
-    body = "".join(_layer_row(name, rows) for name, rows in layers.items())
+    body = "".join(_layer_row(name, rows, errors) for name, rows in layers.items())
     return (
         "<!DOCTYPE html>\n"
         f'<html lang="en"><head><meta charset="utf-8"><title>fx16: {html.escape(title)}</title>'
@@ -109,21 +116,43 @@ def _precision(row: Row) -> str:
     return "16-bit" if row.narrowed else "fp32"
 
 
-def _layer_row(name: str, rows: list[Row]) -> str:
+def _layer_row(name: str, rows: list[Row], errors: dict | None) -> str:
     wide = sum(_precision(row) == "fp32" for row in rows)
-    cells = "".join(_cell(row) for row in rows)
+    cells = "".join(_cell(row, errors) for row in rows)
     share = layer_flop_share(rows)
     flops = f"{share} of matmul/conv/attention FLOPs 16-bit, " if share != "-" else ""
+    heat = ""
+    if errors is not None:
+        worst = max((errors[row.node][0] for row in rows if row.node in errors), default=None)
+        heat = _heat_cell(worst)
     return (
         f'<tr data-layer="{html.escape(name)}"><td class="layer">{html.escape(name)}</td>'
         f'<td class="counts">{flops}{len(rows) - wide} 16-bit, {wide} fp32</td>'
-        f"<td>{cells}</td></tr>"
+        f"{heat}<td>{cells}</td></tr>"
     )
 
 
-def _cell(row: Row) -> str:
+def _heat_cell(error: float | None) -> str:
+    """The layer's worst error vs fp32, as text on a white (<= 2**-11) to red (>= 1) ground."""
+    if error is None:
+        return '<td class="heat">-</td>'
+    if math.isfinite(error):
+        depth = min(max((math.log10(max(error, 1e-12)) + 3.3) / 3.3, 0.0), 1.0)
+    else:
+        depth = 1.0
+    ground = f"rgb(255,{round(255 * (1 - depth))},{round(255 * (1 - depth))})"
+    return (
+        f'<td class="heat" style="background:{ground}" data-error="{error:.3g}">'
+        f"error {error:.3g}</td>"
+    )
+
+
+def _cell(row: Row, errors: dict | None = None) -> str:
     precision = _precision(row)
     why = f"{row.node} ({row.op}): {row.dtype}, {row.rule}: {_why(row)}"
+    if errors is not None and row.node in errors:
+        error, amplification = errors[row.node]
+        why += f"; error vs fp32 {error:.3g} (amplifies {amplification:.3g}x)"
     if row.cost():
         why += f" (in fp32: {row.cost()})"
     return (

@@ -2,7 +2,9 @@
 reason for each fp32 value on hover; rendered in a real headless browser (Debian's
 chromium; CI installs it, see .ci/run)."""
 
+import copy
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from fuzz_profile import examples
 from hypothesis import given, settings
 
 import fx16
+from fx16.diagnose import diagnose
 from fx16.report import report_of
 from fx16.report_html import report_html
 from fx16.testing import programs
@@ -75,6 +78,20 @@ def test_every_fp32_reason_is_on_the_page_as_text_not_only_on_hover():
     assert wide and f"fp32 values and why ({len(wide)})" in text
     for row in wide:
         assert row.reason in text and row.detail in text and row.node in text
+
+
+def test_a_heat_column_gives_each_layers_worst_error_against_fp32():
+    reference = _kept_island_program()
+    cast = fx16.cast_fp32_to_fp16(copy.deepcopy(reference))
+    found = diagnose(reference, cast, [(torch.randn(3, 16) * 300,)])
+    errors = {value.id: (value.error, value.amplification) for value in found.values}
+    page = report_html(report_of(cast), "norm.pt2", errors)
+    heats = re.findall(r'class="heat" style="background:rgb\((\d+),(\d+),(\d+)\)"', page)
+    worst = max(error for error, _ in errors.values())
+    assert heats and f'data-error="{worst:.3g}"' in page  # the layer holding the worst value
+    assert all(int(red) == 255 for red, _, _ in heats)  # white to red
+    assert "error vs fp32" in "".join(title for _, title in _cells(page).cells)
+    assert 'class="heat"' not in report_html(report_of(cast), "norm.pt2")  # only when given
 
 
 @settings(max_examples=examples(10), deadline=None)
@@ -152,3 +169,4 @@ def test_inspect_html_renders_in_a_headless_browser(tmp_path):
     assert wide and all("kept" in title or "fp32" in title for title in wide)
     assert "fx16 decisions: norm.pt2" in dom
     assert "fp32 values and why" in "".join(rendered.text)  # the reasons, rendered as text
+    assert "error " in "".join(rendered.text) and 'class="heat"' in dom  # errors vs fp32
