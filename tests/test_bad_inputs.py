@@ -269,7 +269,7 @@ OPTION_ERRORS = [
         dict(keep_io=True),
         "cast_fp32_to_fp16: unknown option(s) ['keep_io']; accepted: ['calibration', "
         "'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'max_rel_error', "
-        "'overflow_margin', 'policy', 'progress', 'target_share']",
+        "'metric', 'overflow_margin', 'policy', 'progress', 'target_share', 'validation']",
     ),
     (
         fx16.cast_int32_to_int16,
