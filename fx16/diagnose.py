@@ -162,9 +162,9 @@ def _compare(reference: Program, cast: Program, args, kwargs, records: dict) -> 
     """Run both programs on one call in lockstep and record each aligned value's error."""
     cast_ids = _ids(cast.graph_module)
     ahead: dict = {}  # reference values computed before the cast program reached them
-    ref_stream = _values(reference.graph_module, reference.graph_inputs(args, kwargs))
+    ref_stream = _values(reference, reference.graph_inputs(args, kwargs))
     cast_inputs = cast.graph_inputs(*cast.adapt_call(args, kwargs))
-    for key, node, value in _values(cast.graph_module, cast_inputs):
+    for key, node, value in _values(cast, cast_inputs):
         while key not in ahead:
             try:
                 ref_key, ref_node, ref_value = next(ref_stream)
@@ -201,16 +201,21 @@ def _graph_modules(root: GraphModule):
             yield (f"{name}." if name else ""), module
 
 
-def _values(root: GraphModule, inputs: list) -> Iterator[tuple[tuple[str, int], Node, Any]]:
-    """Run ``root`` on its flat graph inputs, yielding ``((id, occurrence), node, value)``
-    for every value with an id, in execution order."""
+def _values(program: Program, inputs: list) -> Iterator[tuple[tuple[str, int], Node, Any]]:
+    """Run ``program``'s graph on its flat graph inputs, yielding ``((id, occurrence),
+    node, value)`` for every value with an id, in execution order. The state (weights,
+    buffers) is not yielded: its rounding is the cast's to report, and comparing a
+    vocabulary's embedding in fp64 would take more memory than all the activations."""
+    root = program.graph_module
+    state = {slot.placeholder for slot in program.state_slots()}
     counts: dict[str, int] = {}
-    yield from _run_graph(root, "", has_ids(root), inputs, counts, root)
+    yield from _run_graph(root, "", has_ids(root), inputs, counts, state)
 
 
-def _run_graph(module, prefix, assigned, inputs, counts, root):
+def _run_graph(module, prefix, assigned, inputs, counts, state):
     """A generator interpreter: runs ``module``'s graph, yields its values (and those of
-    the bodies it runs), returns its outputs. Each value is dropped after its last use."""
+    the bodies it runs; not the ``state`` placeholders'), returns its outputs. Each value
+    is dropped after its last use."""
     nodes = list(module.graph.nodes)
     last_use: dict[Node, Node] = {}
     for node in nodes:
@@ -231,10 +236,10 @@ def _run_graph(module, prefix, assigned, inputs, counts, root):
             args, kwargs = pytree.tree_map(
                 lambda arg: env[arg] if isinstance(arg, Node) else arg, (node.args, node.kwargs)
             )
-            value = yield from _call(node, prefix, assigned, args, kwargs, counts, root, module)
+            value = yield from _call(node, prefix, assigned, args, kwargs, counts, state, module)
         env[node] = value
         identity = node_id(node, prefix, assigned)
-        if identity is not None:
+        if identity is not None and node not in state:
             counts[identity] = counts.get(identity, 0) + 1
             yield (identity, counts[identity]), node, value
         for arg in node.all_input_nodes:
@@ -243,7 +248,7 @@ def _run_graph(module, prefix, assigned, inputs, counts, root):
     return None
 
 
-def _call(node, prefix, assigned, args, kwargs, counts, root, module):
+def _call(node, prefix, assigned, args, kwargs, counts, state, module):
     """Run one op; the bodies of the higher-order ops fx16 looks into, node by node."""
     target = node.target
 
@@ -254,7 +259,7 @@ def _call(node, prefix, assigned, args, kwargs, counts, root, module):
         body = _attribute(module, body_node.target)
         return (
             yield from _run_graph(
-                body, body_prefix(body_node), assigned, list(operands), counts, root
+                body, body_prefix(body_node), assigned, list(operands), counts, state
             )
         )
 
