@@ -96,12 +96,9 @@ def cast_fp32_to_fp16(
     """
     own = ("max_rel_error", "metric", "progress", "target_share", "validation")
     fp16_options = Fp16Options.of("cast_fp32_to_fp16", also=own, **options)
-    budget = {
-        "max_rel_error": max_rel_error,
-        "target_share": target_share,
-        "metric": metric,
-        "validation": validation,
-    }
+    budget = dict(
+        max_rel_error=max_rel_error, target_share=target_share, metric=metric, validation=validation
+    )
     return _cast(ep, "cast_fp32_to_fp16", fp16_options, None, budget, progress)
 
 
@@ -159,12 +156,9 @@ def cast_to_16_bit_precision(
     """
     fp16_keywords, int16_options = split_options(options)
     fp16_options = Fp16Options.of("cast_to_16_bit_precision", **fp16_keywords)
-    budget = {
-        "max_rel_error": max_rel_error,
-        "target_share": target_share,
-        "metric": metric,
-        "validation": validation,
-    }
+    budget = dict(
+        max_rel_error=max_rel_error, target_share=target_share, metric=metric, validation=validation
+    )
     return _cast(ep, "cast_to_16_bit_precision", fp16_options, int16_options, budget, progress)
 
 

@@ -27,7 +27,6 @@ from fx16.passes.fp16_bodies import (
 from fx16.passes.fp16_regions import visit_assert
 from fx16.passes.fp16_rewrite import Rewriter, decide_island
 from fx16.passes.policy_pass import PolicyPass
-from fx16.policy import PrecisionPolicy
 from fx16.precedence import (
     CAST_TO_FP32_RULES,
     COMPUTE_RULES,
@@ -119,16 +118,12 @@ class InsertFP16CastsPass(PolicyPass):
 class _Run(Rewriter):
     """One walk over one graph: each node's choice (``fx16.precedence``), then its edit."""
 
-    def __init__(
-        self,
-        graph_module: GraphModule,
-        policy: PrecisionPolicy,
-        limit: float,
-        calibrated: bool = True,
-        root: GraphModule | None = None,
-    ) -> None:
-        super().__init__(graph_module, policy, limit, calibrated)
-        self.root = root or graph_module
+    def __init__(self, *rewriter, root: GraphModule | None = None) -> None:
+        """``rewriter``: ``Rewriter``'s arguments; ``root``: the program's graph module
+        when this walk is in a body (it recompiles the body, and the root is left to the
+        pipeline)."""
+        super().__init__(*rewriter)
+        self.root = root or self.graph_module
         self.nodes: list[Node] = []
         self.positions: dict[Node, int] | None = None  # built on first need
 
@@ -144,7 +139,7 @@ class _Run(Rewriter):
 
     def walk_body(self, body: GraphModule, calibrated: bool) -> "_Run":
         """Walk a higher-order op's body (``calibrated``: a calibration run reached it)."""
-        inner = _Run(body, self.policy, self.limit, calibrated=calibrated, root=self.root)
+        inner = _Run(body, self.policy, self.limit, calibrated, root=self.root)
         inner.walk()
         return inner
 
