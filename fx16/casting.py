@@ -48,6 +48,9 @@ def cast_fp32_to_fp16(
         proven range or the lack of any observation show 16-bit would spoil it;
         "keep" keeps them all; "retarget" casts them to fp16, as coreai-opt does.
         None: the policy's setting ("calibrated" by default).
+    stabilize: rewrite patterns 16-bit spoils into stable forms first (RMSNorm's
+        variance scaled, log(softmax) as log_softmax, ...; ``fx16.passes.stabilize``),
+        so they need no fp32. None: the policy's setting (False).
     keep_io_types: keep user inputs and outputs in their original dtypes, with casts
         at the boundary (onnxconverter-common's option): True, or the names of the
         inputs and outputs to keep. None: the policy's setting (False).

@@ -32,6 +32,13 @@ _PROVENANCE_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_
 _PRESERVE = (None, torch.preserve_format)
 
 
+def copy_provenance(source: Node, made: Node) -> None:
+    """Give a node fx16 made the module path and source line of the one it stands for."""
+    for key in _PROVENANCE_KEYS:
+        if key in source.meta:
+            made.meta[key] = source.meta[key]
+
+
 def substitute_inputs(node: Node, replace) -> bool:
     """Make ``node`` read ``replace(arg)`` instead of each input node ``arg``.
 
@@ -181,9 +188,7 @@ class CastInserter:
         with self.graph.inserting_after(anchor):
             cast = self.graph.call_function(aten._to_copy.default, (source,), {"dtype": dtype})
         cast.meta["val"] = retype_val(source.meta["val"], dtype)
-        for key in _PROVENANCE_KEYS:
-            if key in source.meta:
-                cast.meta[key] = source.meta[key]
+        copy_provenance(source, cast)
         cast.meta[INSERTED] = why
         return cast
 

@@ -148,6 +148,13 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
         help="the model's own fp32 regions: kept on evidence (calibrated, the policy's "
         "default), always (keep) or never (retarget)",
     )
+    parser.add_argument(
+        "--stabilize",
+        action="store_true",
+        help="rewrite patterns 16-bit spoils into stable forms before casting (RMSNorm's "
+        "variance scaled by the row's largest magnitude, log(softmax) as log_softmax, "
+        "log(1+x) as log1p, ...), so that they need no fp32",
+    )
     for flag, table, example in (
         ("--module", "modules", "model.layers.0.mlp=fp32"),
         ("--op", "ops", "softmax=fp32"),

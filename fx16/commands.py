@@ -290,7 +290,12 @@ def _run(ep, call: tuple[tuple, dict], label: str) -> list:
 def _policy(args) -> PrecisionPolicy:
     """The preset ``--policy`` names, with the command line's settings and overrides."""
     keep = True if args.keep_io_types else frozenset(args.keep_io) or None
-    policy = resolve_policy(args.policy, explicit_fp32=args.explicit_fp32, keep_io_types=keep)
+    policy = resolve_policy(
+        args.policy,
+        explicit_fp32=args.explicit_fp32,
+        keep_io_types=keep,
+        stabilize=True if args.stabilize else None,
+    )
     overrides = {
         table: {**getattr(policy, table), **dict(getattr(args, table))}
         for table in ("modules", "ops", "nodes")

@@ -27,6 +27,8 @@ ISLAND = "fx16.explicit_fp32"  # ExplicitFp32Analysis: the verdict on a region's
 FP32_RULE = "fx16.fp32_rule"  # Fp32RulesAnalysis: the Decision of the rule that fired
 NOT_WORTH_FP32 = "fx16.not_worth_fp32"  # VerdictCheckAnalysis: why a verdict was refuted
 CAST_BACK_SKIPPED = "fx16.cast_back_skipped"  # the inserter: why an fp32 result has none
+STABILIZED = "fx16.stabilized"  # StabilizePass: (rule name, detail) on a rewrite's result
+NEGLIGIBLE = "fx16.negligible"  # StabilizePass: why flushing this value to 0 loses nothing
 
 # ---- graph_module.meta ---------------------------------------------------------------
 CALIBRATION_OUTPUTS = "fx16.calibration_outputs"  # CalibrationAnalysis: fp32 reference
@@ -117,6 +119,17 @@ def keeps_island(node: Any) -> bool:
     """``node`` opens a region of the model's own that ExplicitFp32Analysis keeps fp32."""
     verdict = island_verdict(node)
     return verdict is not None and verdict.keep
+
+
+def stabilized(node: Any) -> tuple[str, str] | None:
+    """(rule name, detail) where StabilizePass rewrote a pattern into this node's value."""
+    return _meta(node).get(STABILIZED)
+
+
+def negligible(node: Any) -> str | None:
+    """Why flushing this value to zero in 16-bit changes nothing that matters (a value
+    StabilizePass made, added to a far larger one); None for any other value."""
+    return _meta(node).get(NEGLIGIBLE)
 
 
 def cast_back_skipped(node: Any) -> str | None:

@@ -36,6 +36,7 @@ from fx16.passes import (
     InsertFP16CastsPass,
     InsertInt16CastsPass,
     RecordStatsPass,
+    StabilizePass,
 )
 from fx16.passes.policy_pass import overflow_limit
 from fx16.policy import PrecisionPolicy, as_names
@@ -45,7 +46,8 @@ from fx16.program import Program
 def fp16_passes(ep, options: Fp16Options | None = None, **keywords) -> list[PassBase]:
     """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
 
-    Order: the analyses first, while the program still computes in fp32:
+    Order: with the policy's ``stabilize``, the stable rewrites of patterns 16-bit
+    spoils (``StabilizePass``); the analyses next, while the program still computes in fp32:
     calibration, unsafe indices, integer ranges (``input_ranges``; floats made from
     integers take their range from it), conditioning and underflow (which read
     both), the routers the policy keeps (which read the index marks), which of the
@@ -74,8 +76,10 @@ def fp16_stages(ep, options: Fp16Options) -> tuple[list[PassBase], list[PassBase
 
 
 def _analyses(program: Program, options: Fp16Options, policy: PrecisionPolicy) -> list[PassBase]:
+    stabilize = [StabilizePass(policy.low)] if policy.stabilize else []
     return [
         RecordStatsPass(program),
+        *stabilize,
         CalibrationAnalysis(program, options.calibration),
         UnsafeIndexAnalysis(),
         ValueRangeAnalysis(program, options.input_ranges),
@@ -104,7 +108,10 @@ def _checked(program: Program, options: Fp16Options) -> tuple[Fp16Options, Preci
     # a margin below 1 would count values beyond the 16-bit maximum as fitting
     require_number("overflow_margin", options.overflow_margin, 1)
     policy = resolve_policy(
-        options.policy, explicit_fp32=options.explicit_fp32, keep_io_types=options.keep_io_types
+        options.policy,
+        explicit_fp32=options.explicit_fp32,
+        keep_io_types=options.keep_io_types,
+        stabilize=options.stabilize,
     )
     options = replace(options, force_fp32=as_names(options.force_fp32))
     check_names(program, policy, options.force_fp32)

@@ -103,6 +103,10 @@ class PrecisionPolicy:
         Either way every index chosen is valid; precision only changes which.
     cast_back: return results computed in fp32 by policy to the 16-bit dtype (False:
         later ops follow the fp32 result, as eager autocast does).
+    stabilize: rewrite patterns that 16-bit spoils into stable forms before casting
+        (``fx16.passes.stabilize``: RMSNorm's variance scaled by the row's largest
+        magnitude, log(softmax) as log_softmax, log(1 + x) as log1p, ...), so that they
+        need no fp32. Off by default: the rewrite changes the program's ops.
     precision_tolerance: the relative output error 16-bit rounding of an op's input
         may cause through the op's condition number before the op stays fp32
         (``fx16.analysis.conditioning``); None: two roundings of ``low`` (its eps:
@@ -122,6 +126,7 @@ class PrecisionPolicy:
     routing: str = "fp32"
     cast_back: bool = True
     precision_tolerance: float | None = None
+    stabilize: bool = False
 
     def __post_init__(self) -> None:
         if self.low not in (torch.float16, torch.bfloat16):

@@ -58,6 +58,8 @@ class Row:
     condition_number: float | None = None  # an ill-conditioned op's
     # an fp32 result whose consumers read it in fp32 (no cast back to 16-bit): why
     cast_back_skipped: str = ""
+    # the stable rewrite (StabilizePass) that made this value: "rule: detail"
+    stabilized: str = ""
 
     def cost(self) -> str:
         """What keeping this value in fp32 costs per call, for a row that does."""
@@ -191,6 +193,10 @@ class CastReport:
             f"{'; ' if low else ''}{', '.join(low)})",
             f"integer values narrowed to int16: {narrowed}",
         ]
+        stabilized = Counter(row.stabilized.split(":")[0] for row in self.rows if row.stabilized)
+        if stabilized:
+            kinds = ", ".join(f"{name} x{count}" for name, count in stabilized.items())
+            lines.append(f"stabilized (rewritten for 16-bit): {kinds}")
         if self.accuracy is not None:
             lines.append(self.accuracy.describe())
         return lines
@@ -287,8 +293,9 @@ def _row(
 
 
 def _numbers(node: Node) -> dict:
-    """The ranges and condition number the analyses recorded on ``node``, and why its
-    consumers read it in fp32 where the inserter gave it no cast-back."""
+    """The ranges and condition number the analyses recorded on ``node``, why its
+    consumers read it in fp32 where the inserter gave it no cast-back, and the stable
+    rewrite that made it."""
     numbers = {}
     interval = meta.observed_interval(node)
     if interval is not None:
@@ -304,6 +311,9 @@ def _numbers(node: Node) -> dict:
         numbers["condition_number"] = float(finding.kappa)
     if meta.cast_back_skipped(node):
         numbers["cast_back_skipped"] = meta.cast_back_skipped(node)
+    if meta.stabilized(node):
+        name, detail = meta.stabilized(node)
+        numbers["stabilized"] = f"{name}: {detail}" if detail else name
     return numbers
 
 
@@ -445,7 +455,9 @@ def format_rows(rows: list[Row]) -> str:
     for index, row in enumerate(rows):
         cells = " ".join(f"{cells[index]:{w}}" for (_, cells), w in zip(columns, widths))
         skipped = f" (no cast back: {row.cast_back_skipped})" if row.cast_back_skipped else ""
-        lines.append(f"{cells} {row.reason}" + (f": {row.detail}" if row.detail else "") + skipped)
+        made = f" (stabilized: {row.stabilized})" if row.stabilized else ""
+        why = row.reason + (f": {row.detail}" if row.detail else "")
+        lines.append(f"{cells} {why}{skipped}{made}")
     return "\n".join(lines)
 
 

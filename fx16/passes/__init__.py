@@ -12,6 +12,7 @@ from fx16.passes.insert_int16_casts import InsertInt16CastsPass
 from fx16.passes.record_stats import RecordStatsPass
 from fx16.passes.remove_noop_casts import RemoveNoopCastsPass
 from fx16.passes.remove_unused_casts import RemoveUnusedCastsPass
+from fx16.passes.stabilize import StabilizePass
 
 __all__ = [
     "BypassBranchingCastsPass",
@@ -26,4 +27,5 @@ __all__ = [
     "RecordStatsPass",
     "RemoveNoopCastsPass",
     "RemoveUnusedCastsPass",
+    "StabilizePass",
 ]

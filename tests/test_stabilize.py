@@ -1,0 +1,195 @@
+"""StabilizePass: each rewrite equals its pattern in fp64, beats it in 16-bit on the
+pattern's hard inputs, and leaves a program without the pattern as it was."""
+
+import copy
+
+import pytest
+import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fx16
+from fx16.meta import stabilized
+from fx16.passes import StabilizePass
+from fx16.report import report_of
+from helpers import command, export
+from models import MLP
+
+
+class RmsNorm(torch.nn.Module):
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class LogSoftmax(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(torch.softmax(x, dim=-1))
+
+
+class LogSigmoid(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(torch.sigmoid(x))
+
+
+class Log1p(torch.nn.Module):
+    def forward(self, x):
+        return torch.log(x + 1)
+
+
+class Expm1(torch.nn.Module):
+    def forward(self, x):
+        return torch.exp(x) - 1
+
+
+class NaiveVariance(torch.nn.Module):
+    def forward(self, x):
+        return x.pow(2).mean(-1, keepdim=True) - x.mean(-1, keepdim=True).pow(2)
+
+
+class TinyEps(torch.nn.Module):
+    def forward(self, x):
+        return torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
+
+
+# rule name -> (pattern, the input domain's magnitudes, tolerance in units of fp64's eps,
+# scaled by the result's (or for cancelling forms, the terms') magnitude)
+CASES = {
+    "rms_norm_scaling": (RmsNorm, (1e-3, 1e4), 8),
+    "log_softmax": (LogSoftmax, (1e-3, 50.0), 64),
+    "log_sigmoid": (LogSigmoid, (1e-3, 30.0), 64),
+    "log1p": (Log1p, (1e-12, 0.9), 8),
+    "expm1": (Expm1, (1e-12, 10.0), 8),
+    "two_pass_variance": (NaiveVariance, (1e-3, 1e3), 64),
+}
+
+
+def _stabilized(model, x):
+    ep = export(model, x)
+    rewritten = copy.deepcopy(ep)
+    assert StabilizePass()(rewritten.graph_module).modified
+    rewritten.graph_module.recompile()
+    return ep.graph_module, rewritten.graph_module
+
+
+def _scale(name: str, x: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """The magnitude a few ulps are measured against: the result's, or for a form that
+    cancels (exp(x) - 1, E[x^2] - E[x]^2) the magnitude of the terms it subtracts."""
+    if name == "expm1":
+        return x.exp().abs().clamp(min=1)
+    if name == "two_pass_variance":
+        return x.pow(2).mean(-1, keepdim=True)
+    return before.abs().clamp(min=1)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@settings(max_examples=examples(25), deadline=None)
+@given(data=st.data())
+def test_each_rewrite_equals_its_pattern_in_fp64(name, data):
+    model, (smallest, largest), ulps = CASES[name]
+    magnitude = data.draw(st.floats(smallest, largest))
+    seed = data.draw(st.integers(0, 2**16))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(seed)) * magnitude
+    if name == "log1p":
+        x = x.clamp(-0.9, 0.9)
+    before, after = _stabilized(model(), x)
+    x64 = x.double()
+    expected, got = before(x64)[0], after(x64)[0]
+    tolerance = ulps * torch.finfo(torch.float64).eps * _scale(name, x64, expected)
+    assert ((got - expected).abs() <= tolerance).all(), (expected, got)
+    rule = [stabilized(n) for n in after.graph.nodes if stabilized(n)]
+    assert [r[0] for r in rule] == [name]
+
+
+# rule name -> inputs on which the pattern computed in 16-bit goes wrong
+HARD_INPUTS = {
+    "rms_norm_scaling": torch.tensor([[300.0, -200.0, 1.0, 0.5], [1e3, 2.0, -3.0, 4.0]]),
+    "log_softmax": torch.tensor([[0.0, -20.0, -40.0, 10.0]]),
+    "log_sigmoid": torch.tensor([[-5.0, -20.0, -30.0, 3.0]]),
+    "log1p": torch.tensor([[1e-4, -3e-4, 2e-5, 5e-4]]),
+    "expm1": torch.tensor([[1e-4, -3e-4, 2e-5, 5e-4]]),
+    "two_pass_variance": torch.tensor([[100.0, 100.5, 99.5, 100.25]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HARD_INPUTS))
+def test_each_rewrite_lowers_the_16_bit_error_on_hard_inputs(name):
+    x = HARD_INPUTS[name]
+    model = CASES[name][0]()
+    before, after = _stabilized(model, x)
+    reference = model.double()(x.double())
+    errors = []
+    for graph_module in (before, after):
+        got = graph_module(x.half())[0].double()
+        bad = ~torch.isfinite(got)
+        errors.append(float("inf") if bad.any() else float((got - reference).abs().max()))
+    plain, stable = errors
+    assert stable < plain / 4, (name, plain, stable)
+
+
+def test_the_eps_clamp_states_its_change_and_keeps_the_result_finite():
+    x = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    before, after = _stabilized(TinyEps(), x)
+    rule, detail = next(stabilized(n) for n in after.graph.nodes if stabilized(n))
+    assert rule == "eps_clamp" and detail.startswith("eps 1e-12 -> 6.1e-05")
+    assert torch.isinf(before(x.half())[0][0]).all()  # 1e-12 flushes: rsqrt(0)
+    got = after(x.half())[0]
+    assert torch.isfinite(got).all() and torch.allclose(got[1].float(), torch.tensor([0.2]), 1e-3)
+
+
+def test_a_program_without_a_pattern_is_left_byte_identical():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    ep = export(MLP(), x)
+    code = ep.graph_module.code
+    assert not StabilizePass()(ep.graph_module).modified
+    assert ep.graph_module.code == code
+    plain = fx16.cast_fp32_to_fp16(export(MLP(), x))
+    stable = fx16.cast_fp32_to_fp16(export(MLP(), x), stabilize=True)
+    assert stable.graph_module.code == plain.graph_module.code
+
+
+class NormMLP(torch.nn.Module):
+    """An RMSNorm in its own fp32 region, fed activations whose squares overflow fp16."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+        self.norm = RmsNorm()
+
+    def forward(self, x):
+        h = self.fc(x) * 40.0
+        return self.norm(h.float()).to(h.dtype)
+
+
+def test_stabilize_lets_the_norm_run_in_16_bit_and_says_so():
+    torch.manual_seed(0)
+    x, model = torch.randn(4, 16) * 30, NormMLP()
+    plain = fx16.cast_fp32_to_fp16(export(model, x))
+    stable = fx16.cast_fp32_to_fp16(export(model, x), stabilize=True)
+    wide = [r for r in report_of(plain).rows if r.kind == "float" and r.dtype == "float32"]
+    assert wide  # without it, the squares overflow: fp32
+    rows = report_of(stable).rows
+    assert not [r for r in rows if r.kind == "float" and r.dtype == "float32"]
+    assert any(r.stabilized.startswith("rms_norm_scaling") for r in rows)
+    assert "stabilized (rewritten for 16-bit): rms_norm_scaling x1" in report_of(stable).summary()
+    reference = model(x)
+    got = stable.module()(x.half()).float()
+    assert torch.isfinite(got).all()
+    assert float((got - reference).abs().max() / reference.abs().max()) < 5e-3
+
+
+def test_the_command_line_stabilizes_on_request(tmp_path):
+    torch.manual_seed(0)
+    x, model = torch.randn(4, 16) * 30, NormMLP()
+    torch.export.save(export(model, x), tmp_path / "norm.pt2")
+    code, plain, err = command("inspect", tmp_path / "norm.pt2")
+    assert code == 0, err
+    assert "stabilized" not in plain and "explicit_fp32" in plain
+    code, stable, err = command("inspect", tmp_path / "norm.pt2", "--stabilize")
+    assert code == 0, err
+    assert "stabilized (rewritten for 16-bit): rms_norm_scaling x1" in stable
