@@ -177,13 +177,27 @@ def _compare(reference: Program, cast: Program, args, kwargs, records: dict) -> 
         ref_node, ref_value = ahead.pop(key)
         if not (isinstance(value, torch.Tensor) and isinstance(ref_value, torch.Tensor)):
             continue
-        if value.shape != ref_value.shape or not ref_value.is_floating_point():
-            error = 0.0 if torch.equal(value, ref_value.to(value.dtype)) else math.inf
-        else:
-            error = relative_error(ref_value, value)
+        error = value_error(ref_value, value)
         known = records.get(key[0])
         if known is None or error > known.error:
             records[key[0]] = _Record(ref_node, node, error, value.dtype)
+
+
+def value_error(reference: torch.Tensor, value: torch.Tensor) -> float:
+    """The relative error of ``value`` against ``reference`` (inf for integers or shapes
+    that differ at all). A masking sentinel beyond 16-bit's range (-3.4e38, finfo.min)
+    that the cast program holds as its dtype's largest value, or as inf, of the same
+    sign, is not an error: it masks the same way."""
+    if value.shape != reference.shape or not reference.is_floating_point():
+        return 0.0 if torch.equal(value, reference.to(value.dtype)) else math.inf
+    narrower = value.is_floating_point() and value.element_size() < reference.element_size()
+    if narrower:
+        top = torch.finfo(value.dtype).max
+        saturated = (reference.abs() > top) & (value.abs() >= top)
+        saturated &= torch.sign(reference) == torch.sign(value)
+        if bool(saturated.any()):
+            reference, value = reference.masked_fill(saturated, 0), value.masked_fill(saturated, 0)
+    return relative_error(reference, value)
 
 
 def _ids(root: GraphModule) -> set[str]:

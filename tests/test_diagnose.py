@@ -9,7 +9,7 @@ import torch
 import fx16
 from fx16.analysis.fp32_rules import UnderflowRule
 from fx16.casts import is_cast
-from fx16.diagnose import diagnose
+from fx16.diagnose import diagnose, value_error
 from fx16.node_ids import graph_modules, has_ids, node_id
 from fx16.pipelines import run_passes, without_rules
 from helpers import command, export
@@ -162,3 +162,12 @@ def test_compare_per_node_names_the_first_diverging_op_and_its_line(tmp_path):
     assert "log (log.default, float16)" in first and _line("# LOG_LINE") in first
     assert json.loads((tmp_path / "values.json").read_text())["first_divergence"]["id"] == "log"
     assert "rel. error" in out  # the outputs' comparison follows
+
+
+def test_a_masking_sentinel_held_as_16_bits_largest_value_is_not_an_error():
+    reference = torch.tensor([[-3.4e38, 1.0, 2.0]])
+    held = torch.tensor([[-65504.0, 1.0, 2.0]], dtype=torch.float16)
+    assert value_error(reference, held) == 0.0
+    assert value_error(reference, held.masked_fill(held < 0, float("-inf"))) == 0.0
+    assert value_error(reference, torch.tensor([[65504.0, 1.0, 2.0]]).half()) == 1.0  # sign
+    assert value_error(torch.tensor([4.0, 2.0]), torch.tensor([4.0, 1.0]).half()) == 0.25
