@@ -29,6 +29,7 @@ NOT_WORTH_FP32 = "fx16.not_worth_fp32"  # VerdictCheckAnalysis: why a verdict wa
 CAST_BACK_SKIPPED = "fx16.cast_back_skipped"  # the inserter: why an fp32 result has none
 STABILIZED = "fx16.stabilized"  # StabilizePass: (rule name, detail) on a rewrite's result
 NEGLIGIBLE = "fx16.negligible"  # StabilizePass: why flushing this value to 0 loses nothing
+ROUNDING_CANCELS = "fx16.rounding_cancels"  # StabilizePass: why this value's error is harmless
 
 # ---- graph_module.meta ---------------------------------------------------------------
 CALIBRATION_OUTPUTS = "fx16.calibration_outputs"  # CalibrationAnalysis: fp32 reference
@@ -130,6 +131,12 @@ def negligible(node: Any) -> str | None:
     """Why flushing this value to zero in 16-bit changes nothing that matters (a value
     StabilizePass made, added to a far larger one); None for any other value."""
     return _meta(node).get(NEGLIGIBLE)
+
+
+def rounding_cancels(node: Any) -> str | None:
+    """Why any rounding of this value cancels out of the result (a scale that the
+    expression divides back out: any positive value would do); None for other values."""
+    return _meta(node).get(ROUNDING_CANCELS)
 
 
 def cast_back_skipped(node: Any) -> str | None:

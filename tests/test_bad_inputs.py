@@ -237,7 +237,8 @@ OPTION_ERRORS = [
         fx16.cast_to_16_bit_precision,
         dict(input_range={"x": (0, 1)}),
         "unknown option(s) ['input_range']; accepted: ['calibration', 'explicit_fp32', "
-        "'force_fp32', 'input_ranges', 'int16', 'keep_io_types', 'overflow_margin', 'policy']",
+        "'force_fp32', 'input_ranges', 'int16', 'keep_io_types', 'overflow_margin', 'policy', "
+        "'stabilize']",
     ),
     (
         fx16.cast_fp32_to_fp16,
@@ -269,7 +270,8 @@ OPTION_ERRORS = [
         dict(keep_io=True),
         "cast_fp32_to_fp16: unknown option(s) ['keep_io']; accepted: ['calibration', "
         "'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'max_rel_error', "
-        "'metric', 'overflow_margin', 'policy', 'progress', 'target_share', 'validation']",
+        "'metric', 'overflow_margin', 'policy', 'progress', 'stabilize', 'target_share', "
+        "'validation']",
     ),
     (
         fx16.cast_int32_to_int16,
@@ -282,7 +284,7 @@ OPTION_ERRORS = [
         dict(margin=2),
         "fp16_passes: unknown option(s) ['margin']; accepted: ['calibration', "
         "'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'overflow_margin', "
-        "'policy']",
+        "'policy', 'stabilize']",
     ),
     (
         fx16.int16_passes,
@@ -330,7 +332,7 @@ def test_presets_take_overrides_of_any_field():
         fx16.InvalidOptionError,
         "unknown policy field(s) ['keep_io']; fields: name, low, kinds, ops, modules, nodes, "
         "predicate, op_table, keep_io_types, explicit_fp32, routing, cast_back, "
-        "precision_tolerance",
+        "precision_tolerance, stabilize",
         fx16.PrecisionPolicy.default,
         keep_io=True,
     )

@@ -110,7 +110,7 @@ class ConditioningAnalysis(Analysis):
             for node in submodule.graph.nodes:
                 node.meta.pop(self.META_KEY, None)
                 node.meta.pop(self.FINDING_KEY, None)
-                if node.op != "call_function":
+                if node.op != "call_function" or meta.rounding_cancels(node):
                     continue
                 found = _condition(node, _Ranges(ranges))
                 if found is not None and found[0] * roundoff > tolerance:

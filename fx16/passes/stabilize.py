@@ -26,7 +26,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.casts import copy_provenance
 from fx16.facts import Facts
-from fx16.meta import NEGLIGIBLE, STABILIZED
+from fx16.meta import NEGLIGIBLE, ROUNDING_CANCELS, STABILIZED
 from fx16.node_ids import assign_ids
 from fx16.numerics import smallest_normal
 from fx16.propagation import propagate_fake
@@ -89,15 +89,18 @@ class Rewrite:
 
 
 class RmsNormScaling:
-    """RMSNorm's variance divided through by the row's largest magnitude.
+    """RMSNorm's variance divided through by a power of two near the row's largest magnitude.
 
     Before: ``x * rsqrt(mean(x**2, dims, keepdim=True) + eps)`` - with activations of
     a few hundred, x**2 passes 65504 (why models compute it in an fp32 region).
-    After: ``s = (amax(|x|, dims) / 128).clamp(min=2**-14); y = x / s;
+    After: ``s = 2**floor(log2(max(amax(|x|, dims) / 64, 2**-14))); y = x / s;
     y * rsqrt(mean(y**2, dims) + (sqrt(eps) / s)**2)``: the same value in exact
-    arithmetic (for any s > 0). The row's largest |y| is 128, so every y**2 is at most
-    16384, and elements 1/2000 of the largest still square to a normal 16-bit number
-    (scaling the largest to 1 would leave their squares subnormal, with a few bits)."""
+    arithmetic for any s > 0, and s a power of two makes ``x / s`` exact in 16-bit too.
+    The row's largest |y| lies in [64, 128), so every y**2 is below 16384, and elements
+    1/2000 of the largest still square to a normal 16-bit number (scaling the largest
+    to 1 would leave their squares subnormal, with a few bits). The scale's own rounding
+    cannot matter (any s would do), which its nodes say in ``meta["fx16.rounding_cancels"]``
+    for the conditioning analysis."""
 
     name = "rms_norm_scaling"
 
@@ -128,8 +131,13 @@ class RmsNormScaling:
         eps = added.args[1]
         _, dims, _ = _mean(added.args[0])
         make = _Builder(graph, node)
-        largest = make(aten.amax.default, make(aten.abs.default, x), dims, True)
-        scale = make(aten.clamp.default, make(aten.mul.Tensor, largest, 2.0**-7), 2.0**-14)
+        magnitudes = make(aten.abs.default, x)
+        largest = make(aten.amax.default, magnitudes, dims, True)
+        clamped = make(aten.clamp.default, make(aten.mul.Tensor, largest, 2.0**-6), 2.0**-14)
+        exponent = make(aten.floor.default, make(aten.log2.default, clamped))
+        scale = make(aten.exp2.default, exponent)
+        for part in (magnitudes, largest, clamped, exponent, exponent.args[0], scale):
+            part.meta[ROUNDING_CANCELS] = _ANY_SCALE
         y = make(aten.div.Tensor, x, scale)
         mean = make(aten.mean.dim, make(aten.pow.Tensor_Scalar, y, 2), dims, True)
         shrunk = make(aten.mul.Tensor, make(aten.reciprocal.default, scale), math.sqrt(eps))
@@ -140,13 +148,19 @@ class RmsNormScaling:
         return make(aten.mul.Tensor, y, inverse)
 
 
-# Why the scaled eps term may flush: it is tiny only where the scale s is the row's
-# largest magnitude / 128, and then the mean of squares it is added to is at least 128**2/d.
+# Why the scale's rounding does not matter: the result is the same for any s > 0.
+_ANY_SCALE = (
+    "the scale s of a scaled RMSNorm: the result is the same for any s > 0, so its rounding "
+    "(a power of two a step off) cancels"
+)
+
+# Why the scaled eps term may flush: it is tiny only where the scale s comes from the row's
+# largest magnitude, and then the mean of squares it is added to is at least 64**2 / d.
 _EPS_TERM = (
     "the eps term of a scaled RMSNorm, (sqrt(eps)/s)**2: where it is below 16-bit's normal "
-    "range, s is the row's largest magnitude over 128, and the mean of squares it is added "
-    "to is at least 16384 / row length: flushing it changes that sum by under 4e-9 of it "
-    "per element of the row"
+    "range, s is a power of two within 2x of the row's largest magnitude over 64, and the "
+    "mean of squares it is added to is at least 4096 / row length: flushing it changes "
+    "that sum by under 1.5e-8 of it per element of the row"
 )
 
 
