@@ -6,7 +6,6 @@ This module is the only code that reads or writes an ExportedProgram's
 """
 
 import contextlib
-import copy
 import gc
 import weakref
 from collections.abc import Iterator
@@ -17,17 +16,16 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.fx import GraphModule, Node
-from torch.fx.node import map_arg
 from tqdm import tqdm
 
 from fx16.errors import Fx16Error, InvalidProgramError, PassFailedError
 from fx16.numerics import tensor_to_fp16
+from fx16.snapshot import PENDING, Snapshot
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
-# graph_module.meta keys: the state tensors decided for 16-bit but not converted yet
-# (target -> dtype), and whether a transaction defers their conversion to its commit.
-_PENDING = "fx16.pending_state"
+# graph_module.meta key: whether a transaction defers converting state to its commit
+# (the state decided on but not converted yet is under fx16.snapshot.PENDING).
 _DEFERRING = "fx16.defers_state"
 
 
@@ -155,7 +153,7 @@ class Program:
         the transaction when one is open, so that nothing is converted before every
         decision is made and the fp32 original is freed as soon as it is replaced.
         """
-        self.graph_module.meta.setdefault(_PENDING, {})[target] = dtype
+        self.graph_module.meta.setdefault(PENDING, {})[target] = dtype
 
     @property
     def defers_state(self) -> bool:
@@ -164,7 +162,7 @@ class Program:
 
     def state_dtype(self, target: str) -> torch.dtype | None:
         """The dtype ``target`` is stored in once pending conversions are committed."""
-        pending = self.graph_module.meta.get(_PENDING) or {}
+        pending = self.graph_module.meta.get(PENDING) or {}
         tensor = self.state_tensor(target)
         return pending.get(target, tensor.dtype if tensor is not None else None)
 
@@ -177,7 +175,7 @@ class Program:
         ``progress``: a progress bar of the bytes converted on stderr (None: when
         stderr is a terminal).
         """
-        pending = self.graph_module.meta.pop(_PENDING, None)
+        pending = self.graph_module.meta.pop(PENDING, None)
         if not pending:
             return
         shared: dict[int, list[str]] = {}
@@ -350,38 +348,8 @@ class Program:
         raise PassFailedError("commit" if saved.released else "unknown", error) from error
 
 
-def _arg_name(spec) -> str | None:
-    return spec.arg.name if isinstance(spec.arg, TensorArgument) else None
-
-
-def _copied_meta(meta: dict) -> dict:
-    """A graph module's meta, with its own copy of the pending conversions (the one
-    entry the program changes in place)."""
-    return {key: dict(value) if key == _PENDING else value for key, value in meta.items()}
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _weak(value):
-    return weakref.ref(value) if isinstance(value, torch.Tensor) else value
-
-
-def _strong(saved, current):
-    """A saved state entry, dereferenced; a freed tensor comes back widened from the
-    16-bit tensor now in its place."""
-    if not isinstance(saved, weakref.ref):
-        return saved
-    original = saved()
-    if original is not None:
-        return original
-    widened = current.detach().float()
-    return (
-        torch.nn.Parameter(widened, current.requires_grad)
-        if isinstance(current, torch.nn.Parameter)
-        else widened
-    )
 
 
 @contextlib.contextmanager
@@ -393,99 +361,3 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
-
-
-class Snapshot:
-    """The graphs (the program's and its subgraphs'), state_dict, constants, graph
-    signature and example inputs of a program at one moment."""
-
-    def __init__(self, program: Program) -> None:
-        ep = self._ep = program.ep
-        self._graph_module = program.graph_module
-        self._graphs = {
-            name: _GraphRecord(module.graph)
-            for name, module in self._graph_module.named_modules()
-            if isinstance(module, GraphModule)
-        }
-        self._state_dict, self._constants = dict(ep.state_dict), dict(ep.constants)
-        self.released = False
-        # a cast changes only which node each output spec names (``sync_output_specs``)
-        self._signature = ep.graph_signature
-        self._output_names = [_arg_name(spec) for spec in ep.graph_signature.output_specs]
-        self._example_inputs = ep.example_inputs
-        self._meta = _copied_meta(self._graph_module.meta)
-
-    def release_state(self) -> None:
-        """Hold the saved state tensors by weak reference only, so that replacing one in
-        the program frees it unless the caller holds it too."""
-        self._state_dict, self._constants = (
-            {key: _weak(value) for key, value in saved.items()}
-            for saved in (self._state_dict, self._constants)
-        )
-        self.released = True
-
-    def restore(self) -> None:
-        """Put the program back as it was (a fresh copy each time, so it can be repeated).
-
-        After ``release_state``, a tensor nobody else held is gone: its 16-bit
-        replacement is widened back to fp32 (exact for the values it holds)."""
-        ep = self._ep
-        for name, module in self._graph_module.named_modules():
-            if name in self._graphs:
-                module.graph = self._graphs[name].rebuild()  # also recompiles
-        for store, saved in ((ep.state_dict, self._state_dict), (ep.constants, self._constants)):
-            current = dict(store)
-            store.clear()
-            store.update({key: _strong(value, current.get(key)) for key, value in saved.items()})
-        ep._graph_signature = self._signature
-        for spec, name in zip(self._signature.output_specs, self._output_names):
-            if name is not None:
-                spec.arg.name = name
-        ep._example_inputs = self._example_inputs
-        self._graph_module.meta.clear()
-        self._graph_module.meta.update(_copied_meta(self._meta))
-
-
-class _GraphRecord:
-    """What each node of a graph was (op, target, arguments, name, meta), from which
-    ``rebuild`` makes an equal graph.
-
-    Recording is a shallow copy per node, as cheap as a snapshot can be: passes
-    replace a node's arguments and meta entries but never mutate them in place, and
-    the recorded arguments name the original nodes only to say which record feeds
-    which. (A deep copy of the graph took 15% of a cast's time, to protect against
-    failures that almost never happen.)"""
-
-    def __init__(self, graph: torch.fx.Graph) -> None:
-        self._tracer_cls = graph._tracer_cls
-        self._codegen = copy.deepcopy(graph._codegen)
-        self._nodes = [
-            (
-                node,
-                node.op,
-                node.target,
-                node.args,
-                node.kwargs,
-                node.name,
-                node.type,
-                dict(node.meta),
-            )
-            for node in graph.nodes
-        ]
-
-    def rebuild(self) -> torch.fx.Graph:
-        graph = torch.fx.Graph(tracer_cls=self._tracer_cls)
-        copies: dict[Node, Node] = {}
-        for original, op, target, args, kwargs, name, type_expr, meta in self._nodes:
-            copy_ = graph.create_node(
-                op,
-                target,
-                map_arg(args, copies.__getitem__),
-                map_arg(kwargs, copies.__getitem__),
-                name,
-                type_expr,
-            )
-            copy_.meta = dict(meta)
-            copies[original] = copy_
-        graph._codegen = copy.deepcopy(self._codegen)
-        return graph

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fx16
-import fx16.budget
+import fx16.budget_remedies
 from benchmarks.zoo import ScaledAttention, t5_encoder
 from fx16.decisions import PRECISION, Reason
 from fx16.report import report_of
@@ -253,14 +253,14 @@ def test_the_search_keeps_no_copy_of_the_weights(monkeypatch):
     ep = export(model, *calibration[0])
     weights = {t.untyped_storage().data_ptr() for t in ep.state_dict.values()}
     taped = []
-    make_tape = fx16.budget._Reference._tape
+    make_tape = fx16.budget_remedies.Reference._tape
 
     def recording(self, inputs):
         tape = make_tape(self, inputs)
         taped.append(tape)
         return tape
 
-    monkeypatch.setattr(fx16.budget._Reference, "_tape", recording)
+    monkeypatch.setattr(fx16.budget_remedies.Reference, "_tape", recording)
     fx16.cast_fp32_to_fp16(ep, calibration=calibration, max_rel_error=2e-3)
     assert len(taped) == len(calibration)  # one tape per input, built once
     for _, _, _, values in taped:
@@ -281,7 +281,7 @@ def test_gradients_taken_in_small_groups_give_the_same_search(monkeypatch):
         return report_of(ep).accuracy
 
     whole = search()
-    monkeypatch.setattr(fx16.budget, "_GRADIENT_ELEMENTS", 64)
+    monkeypatch.setattr(fx16.budget_remedies, "_GRADIENT_ELEMENTS", 64)
     grouped = search()
     assert whole.fp32_nodes == grouped.fp32_nodes and whole.evaluations == grouped.evaluations
     assert grouped.error == pytest.approx(whole.error)
