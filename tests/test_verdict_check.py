@@ -14,7 +14,8 @@ from benchmarks.precision_zoo import TimestepEmbedding
 from fx16.analysis import Fp32RulesAnalysis, VerdictCheckAnalysis
 from fx16.analysis.fp32_rules import ConditioningRule
 from fx16.analysis.verdict_check import MEASURABLE
-from fx16.pipelines import run_passes, without_rules
+from fx16.options import Fp16Options
+from fx16.pipelines import fp16_stages, run_passes, without_rules
 from fx16.report import report_of
 from fx16.testing import programs
 from helpers import check_program, export, max_error, run
@@ -140,11 +141,17 @@ def test_gpt2_keeps_every_product_and_every_op_in_16_bit():
 @given(programs())
 def test_property_every_answer_follows_its_measurement_and_dropped_verdicts_are_gone(case):
     """Random programs: a question held exactly when fp32 measurably lowered the error;
-    the nodes of a dropped one carry no fp32 rule and say why."""
-    ep = fx16.cast_fp32_to_fp16(case.export())
-    nodes = {
-        n.name: n for m in ep.graph_module.modules() if hasattr(m, "graph") for n in m.graph.nodes
-    }
+    the nodes of a dropped one carry no fp32 rule and say why (checked as the analysis
+    leaves them: the cleanup after the inserter may remove a cast it named, and a body
+    may hold a node of the same name as the program's)."""
+    ep = case.export()
+    analyses, (rules, verdicts, *_) = fp16_stages(ep, Fp16Options())
+    run_passes([*analyses, rules, verdicts], ep.graph_module)
+    nodes = {}
+    for module in ep.graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                nodes.setdefault(node.name, []).append(node)
     for check in _checks(ep):
         measurable = not math.isfinite(check.error_without) or (
             check.error_without > MEASURABLE * check.error_with
@@ -152,5 +159,8 @@ def test_property_every_answer_follows_its_measurement_and_dropped_verdicts_are_
         assert check.held == measurable
         if not check.held:
             for name in check.nodes:
-                assert Fp32RulesAnalysis.META_KEY not in nodes[name].meta
-                assert VerdictCheckAnalysis.META_KEY in nodes[name].meta
+                assert any(
+                    Fp32RulesAnalysis.META_KEY not in node.meta
+                    and VerdictCheckAnalysis.META_KEY in node.meta
+                    for node in nodes[name]
+                ), name
