@@ -71,7 +71,7 @@ def _outputs(ep, args):
         return pytree.tree_leaves(ep.module()(*args))
 
 
-@settings(max_examples=examples(30))
+@settings(max_examples=examples(20))
 @given(programs(), entry_points)
 def test_1_2_cast_never_raises_and_leaves_a_valid_program(case, entry):
     """No exception at all on a valid program; the result lints, validates, runs,
@@ -79,7 +79,7 @@ def test_1_2_cast_never_raises_and_leaves_a_valid_program(case, entry):
     check_program(_cast(case, entry))
 
 
-@settings(max_examples=examples(25))
+@settings(max_examples=examples(18))
 @given(programs(), entry_points, st.integers(0, 2**16))
 def test_3_integer_outputs_are_bit_exact_inside_the_declared_ranges(case, entry, seed):
     inputs = case.inputs(seed)
@@ -91,7 +91,7 @@ def test_3_integer_outputs_are_bit_exact_inside_the_declared_ranges(case, entry,
             assert torch.equal(have, want)
 
 
-@settings(max_examples=examples(30))
+@settings(max_examples=examples(20))
 @given(programs(), entry_points)
 def test_4_no_inf_or_nan_that_fp32_does_not_have_on_the_calibration_inputs(case, entry):
     expected = _outputs(case.export(), case.args)
