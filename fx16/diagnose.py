@@ -37,9 +37,10 @@ from torch.fx import GraphModule, Node
 
 from fx16.analysis.calibration import calibration_calls
 from fx16.decisions import decision_of
-from fx16.node_ids import has_ids, kept_decision, node_id
+from fx16.node_ids import graph_modules, has_ids, kept_decision, node_id
 from fx16.nodes import dtype_name, node_module_path, op_label
 from fx16.program import Program
+from fx16.report import json_ready
 from fx16.stats import relative_error
 from fx16.subgraphs import COND, INVOKE_SUBGRAPH, MAP, WHILE_LOOP
 
@@ -107,15 +108,6 @@ class Diagnosis:
         return "\n".join([*lines, "", *self.summary()])
 
     def to_json(self) -> str:
-        def plain(value):
-            if isinstance(value, float) and not math.isfinite(value):
-                return str(value)
-            if isinstance(value, dict):
-                return {key: plain(item) for key, item in value.items()}
-            if isinstance(value, list):
-                return [plain(item) for item in value]
-            return value
-
         document = {
             "threshold": self.threshold,
             "first_divergence": self.first_divergence and asdict(self.first_divergence),
@@ -123,7 +115,7 @@ class Diagnosis:
             "unaligned": self.unaligned,
             "values": [asdict(value) for value in self.values],
         }
-        return json.dumps(plain(document), indent=2, allow_nan=False)
+        return json.dumps(json_ready(document), indent=2, allow_nan=False)
 
     def by_id(self) -> dict[str, ValueReport]:
         return {value.id: value for value in self.values}
@@ -203,16 +195,10 @@ def value_error(reference: torch.Tensor, value: torch.Tensor) -> float:
 def _ids(root: GraphModule) -> set[str]:
     assigned = has_ids(root)
     found = set()
-    for prefix, module in _graph_modules(root):
+    for prefix, module in graph_modules(root):
         for node in module.graph.nodes:
             found.add(node_id(node, prefix, assigned))
     return found
-
-
-def _graph_modules(root: GraphModule):
-    for name, module in root.named_modules():
-        if isinstance(module, GraphModule):
-            yield (f"{name}." if name else ""), module
 
 
 def _values(program: Program, inputs: list) -> Iterator[tuple[tuple[str, int], Node, Any]]:
@@ -326,7 +312,7 @@ def _unit_roundoff(cast: ExportedProgram) -> float:
 def _diagnosis(reference_root, records, roundoff, threshold, top) -> Diagnosis:
     assigned = has_ids(reference_root)
     ordered, unaligned = [], 0
-    for prefix, module in _graph_modules(reference_root):
+    for prefix, module in graph_modules(reference_root):
         for node in module.graph.nodes:
             identity = node_id(node, prefix, assigned)
             if identity is None or node.op != "call_function":

@@ -165,7 +165,7 @@ class CastReport:
         }
         if self.accuracy is not None:
             document["accuracy"] = {**asdict(self.accuracy), "met": self.accuracy.met}
-        return json.dumps(_finite(document), indent=2, allow_nan=False)
+        return json.dumps(json_ready(document), indent=2, allow_nan=False)
 
     def table(self, rows: list[Row] | None = None) -> str:
         """A fixed-width table of ``rows`` (default: every row), then the totals."""
@@ -230,14 +230,14 @@ class CastReport:
         return groups
 
 
-def _finite(value):
+def json_ready(value):
     """``value`` with non-finite floats as strings ("inf"), which JSON cannot hold."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
+        return {key: json_ready(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
+        return [json_ready(item) for item in value]
     return value
 
 

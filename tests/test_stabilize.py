@@ -194,3 +194,30 @@ def test_the_command_line_stabilizes_on_request(tmp_path):
     code, stable, err = command("inspect", tmp_path / "norm.pt2", "--stabilize")
     assert code == 0, err
     assert "stabilized (rewritten for 16-bit): rms_norm_scaling x1" in stable
+
+
+class BranchLogSoftmax(torch.nn.Module):
+    """log(softmax) inside both branches of a cond."""
+
+    def forward(self, x):
+        def log_probs(a):
+            return torch.log(torch.softmax(a * 4.0, dim=-1))
+
+        def shifted(a):
+            return torch.log(torch.softmax(a - 1.0, dim=-1))
+
+        return torch.cond(x.sum() > 0, log_probs, shifted, (x,))
+
+
+def test_patterns_inside_higher_order_op_bodies_are_rewritten_too():
+    x = torch.tensor([[0.0, -20.0, -40.0, 10.0]])
+    ep = export(BranchLogSoftmax(), x)
+    assert StabilizePass()(ep.graph_module).modified
+    ep.graph_module.recompile()
+    bodies = [m for name, m in ep.graph_module.named_modules() if name.endswith("_graph_0")]
+    made = [stabilized(n) for body in bodies for n in body.graph.nodes if stabilized(n)]
+    assert [rule for rule, _ in made] == ["log_softmax", "log_softmax"]
+    got = ep.module()(x.half())[0]
+    assert torch.isfinite(got).all()  # log(softmax) in fp16 gives -inf for the -40 logit
+    reference = BranchLogSoftmax().double()(x.double())[0]
+    assert float((got.double() - reference).abs().max()) < 0.2

@@ -336,7 +336,20 @@ class StabilizePass(PassBase):
         self.rules = standard_rules(low) if rules is None else list(rules)
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        graph = graph_module.graph
+        modified = False
+        for module in Facts.of(graph_module).graph_modules:  # the bodies of cond, loops, too
+            if self.rewrite(module.graph):
+                module.graph.lint()
+                if module is not graph_module:
+                    module.recompile()  # the root is recompiled by whoever runs the pipeline
+                modified = True
+        if modified:
+            Facts.invalidate(graph_module)
+            assign_ids(graph_module)  # the nodes it made: fx16.diagnose compares them too
+        return PassResult(graph_module, modified)
+
+    def rewrite(self, graph: Graph) -> bool:
+        """Apply every rule to one graph; whether any pattern was rewritten."""
         modified = False
         for rule in self.rules:
             for node in [n for n in graph.nodes if n.op == "call_function"]:
@@ -352,8 +365,4 @@ class StabilizePass(PassBase):
                     if not replaced.users:
                         graph.erase_node(replaced)
                 modified = True
-        if modified:
-            graph.lint()
-            Facts.invalidate(graph_module)
-            assign_ids(graph_module)  # the nodes it made: fx16.diagnose compares them too
-        return PassResult(graph_module, modified)
+        return modified
