@@ -137,6 +137,10 @@ def retype_val(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return val
     if not isinstance(val, FakeTensor):
         return val.to(dtype)
+    cache = _RETYPED.setdefault(val.fake_mode, {})
+    seen = cache.get((id(val), dtype))  # this very value retyped before (it is held)
+    if seen is not None and seen[0] is val:
+        return seen[1]
     key = (
         tuple(map(str, val.shape)),
         tuple(map(str, val.stride())),
@@ -144,11 +148,11 @@ def retype_val(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         val.device,
         dtype,
     )
-    cache = _RETYPED.setdefault(val.fake_mode, {})
     found = cache.get(key)
     if found is None:
         meta = torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
         found = cache[key] = FakeTensor(val.fake_mode, meta, val.device)
+    cache[(id(val), dtype)] = (val, found)
     return found
 
 

@@ -92,7 +92,16 @@ class Decision:
 def decide(
     node: Node, dtype: torch.dtype, reason: Reason, *, key: str = PRECISION, detail: str = ""
 ) -> None:
-    node.meta[key] = Decision(dtype, reason, detail)
+    if detail:
+        node.meta[key] = Decision(dtype, reason, detail)
+        return
+    plain = _PLAIN.get((dtype, reason))  # decisions are immutable: one per (dtype, reason)
+    if plain is None:
+        plain = _PLAIN[(dtype, reason)] = Decision(dtype, reason)
+    node.meta[key] = plain
+
+
+_PLAIN: dict[tuple[torch.dtype, Reason], Decision] = {}
 
 
 def decision_of(node: Node, key: str = PRECISION) -> Decision | None:

@@ -65,6 +65,18 @@ def tensor_inputs(node: Node) -> list[Node]:
     return [arg for arg in node.all_input_nodes if isinstance(node_val(arg), torch.Tensor)]
 
 
+def float_inputs(node: Node) -> tuple[list[Node], list[Node]]:
+    """The distinct inputs whose value is a float tensor, and those of them in fp32."""
+    floats, fp32 = [], []
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype in FLOAT_DTYPES:
+            floats.append(arg)
+            if val.dtype == torch.float32:
+                fp32.append(arg)
+    return floats, fp32
+
+
 @dataclass(frozen=True)
 class SchemaArgument:
     """What fx16 reads of one argument of an op schema (read once per op, then cached:
@@ -128,14 +140,45 @@ def schema_arguments(node: Node) -> Iterator[tuple[Location, SchemaArgument, Any
 
 def value_scalars(node: Node) -> list[tuple[Location, int | float]]:
     """Numbers passed in ``Scalar``, ``float`` or ``Tensor`` arguments (bools excluded)."""
-    if not _passes_any(node, (int, float)):
+    slots = _scalar_slots(node.target)
+    if not slots:
         return []
+    positions, names = slots
     found = []
-    for location, argument, value in schema_arguments(node):
-        if argument.type in _SCALAR_TYPES and isinstance(value, (int, float)):
-            if not isinstance(value, bool):
-                found.append((location, value))
+    args = node.args
+    for index in positions:
+        if index < len(args) and _is_number(args[index]):
+            found.append((("args", index), args[index]))
+    for name, value in node.kwargs.items():
+        if name in names and _is_number(value):
+            found.append((("kwargs", name), value))
     return found
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_SCALAR_SLOTS: dict[Any, tuple[tuple[int, ...], frozenset[str]] | None] = {}
+
+
+def _scalar_slots(target: Any) -> tuple[tuple[int, ...], frozenset[str]] | None:
+    """The positions and names of an op's arguments that may carry a number (declared
+    ``Scalar``, ``float`` or ``Tensor``), read from its schema once per op."""
+    try:
+        return _SCALAR_SLOTS[target]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable target: not an op
+        return None
+    arguments = op_arguments(target)
+    slots = None
+    if arguments is not None:
+        scalar = [a for a in arguments if a.type in _SCALAR_TYPES]
+        positions = tuple(i for i, a in enumerate(arguments) if a in scalar and not a.kwarg_only)
+        slots = (positions, frozenset(a.name for a in scalar)) if scalar else None
+    _SCALAR_SLOTS[target] = slots
+    return slots
 
 
 # How a schema stores a ScalarType default of float32 (c10::ScalarType::Float).
@@ -171,9 +214,13 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
 
 def _passes_any(node: Node, types) -> bool:
     """``node`` passes a value of ``types`` directly (not in a list) in its arguments."""
-    return any(isinstance(value, types) for value in node.args) or any(
-        isinstance(value, types) for value in node.kwargs.values()
-    )
+    for value in node.args:
+        if isinstance(value, types):
+            return True
+    for value in node.kwargs.values():
+        if isinstance(value, types):
+            return True
+    return False
 
 
 def requested_dtypes(node: Node) -> list[torch.dtype]:
@@ -219,10 +266,29 @@ def set_argument(node: Node, location: Location, value: Any) -> None:
 
 def mutated_argument(node: Node) -> Node | None:
     """The input an in-place op writes to (``add_``'s self, ``copy_``'s dst), if any."""
-    for _, argument, value in schema_arguments(node):
-        if argument.writes:
-            return value if isinstance(value, Node) else None
-    return None
+    written = _written_argument(node.target)
+    if written is None:
+        return None
+    index, name = written
+    value = node.args[index] if index < len(node.args) else node.kwargs.get(name)
+    return value if isinstance(value, Node) else None
+
+
+_WRITTEN: dict[Any, tuple[int, str] | None] = {}
+
+
+def _written_argument(target: Any) -> tuple[int, str] | None:
+    """(position, name) of the argument an op writes in place, once per op; None if none."""
+    try:
+        return _WRITTEN[target]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable target: not an op
+        return None
+    arguments = op_arguments(target) or ()
+    written = next(((i, a.name) for i, a in enumerate(arguments) if a.writes), None)
+    _WRITTEN[target] = written
+    return written
 
 
 def float_rank(dtype: torch.dtype) -> int:
@@ -240,4 +306,6 @@ def tensor_leaves(value) -> list[torch.Tensor]:
 
 
 def has_fp32_part(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.float32
     return any(leaf.dtype == torch.float32 for leaf in tensor_leaves(value))

@@ -94,6 +94,12 @@ def tensor_to_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> 
         whole = (source.view(1), converted.view(1)) if source.dim() == 0 else (source, converted)
         _lift_flushed(*whole, whole[1].view(torch.int16) & _MAGNITUDE_BITS)
         return converted
+    if source.numel() <= _CHUNK:  # one chunk: no scratch, no flat views
+        converted.copy_(source)
+        magnitudes = converted.view(torch.int16).bitwise_and(_MAGNITUDE_BITS)
+        if int(magnitudes.min()) == 0:
+            _lift_flushed(source, converted, magnitudes)
+        return converted
     flat_source, flat_converted = source.reshape(-1), converted.view(-1)
     scratch = torch.empty(min(_CHUNK, source.numel()), dtype=torch.int16)  # reused per chunk
     for start in range(0, source.numel(), _CHUNK):

@@ -270,6 +270,8 @@ class PrecisionPolicy:
 
     def precision_for(self, node: Node, module_path: str | None = None) -> Precision:
         """The precision ``node`` asks for (``module_path``: a parameter's dotted name)."""
+        if not (self.nodes or self.predicate or self.modules or self.ops or self.op_table):
+            return self.kinds[op_kind(node)]  # only the kinds decide: no entry to name
         return self.matching_entry(node, module_path)[0]
 
     def matching_entry(self, node: Node, module_path: str | None = None) -> tuple[Precision, str]:
@@ -282,8 +284,8 @@ class PrecisionPolicy:
             if decided is not None:
                 precision = _as_precision(decided)
                 return precision, f"predicate = {precision.value}"
-        path = module_path or node_module_path(node)
-        if path is not None and self.modules:
+        path = (module_path or node_module_path(node)) if self.modules else None
+        if path is not None:
             matches = [p for p in self.modules if path == p or path.startswith(p + ".")]
             if matches:
                 longest = max(matches, key=len)

@@ -27,10 +27,9 @@ from fx16 import meta
 from fx16.decisions import Decision, Reason, decision_of, was_narrowed
 from fx16.islands import is_island
 from fx16.nodes import (
-    FLOAT_DTYPES,
+    float_inputs,
     has_fp32_part,
     node_dtype,
-    node_val,
     requested_dtypes,
     tensor_inputs,
     value_scalars,
@@ -84,9 +83,8 @@ class View:
         self.node = node
         self.policy = policy
         self.limit = limit  # calibration magnitudes above it overflow 16-bit (with the margin)
-        self.float_inputs = [arg for arg in tensor_inputs(node) if node_dtype(arg) in FLOAT_DTYPES]
-        self.fp32_inputs = [arg for arg in self.float_inputs if node_dtype(arg) == FP32]
-        self.produces_fp32 = has_fp32_part(node_val(node))
+        self.float_inputs, self.fp32_inputs = float_inputs(node)
+        self.produces_fp32 = has_fp32_part(node.meta.get("val"))
         self._precision = self._scalars = None
 
     @property
@@ -198,7 +196,7 @@ def _nothing_narrowed(view: View) -> Choice | None:
 
 
 def _opens_region(view: View) -> Choice | None:
-    if FP32 in requested_dtypes(view.node) and meta.keeps_island(view.node):
+    if meta.keeps_island(view.node) and FP32 in requested_dtypes(view.node):
         return Choice(Action.OPEN_REGION, Reason.EXPLICIT_FP32)
     return None
 
@@ -224,8 +222,10 @@ def _fp32_input(view: View) -> Choice | None:
 
 
 def _mixed_float_dtypes(view: View) -> Choice | None:
+    if not view.produces_fp32 or len(view.float_inputs) == len(view.fp32_inputs):
+        return None
     other = [arg for arg in view.float_inputs if node_dtype(arg) not in (view.low, FP32)]
-    if other and view.produces_fp32:
+    if other:
         dtype = str(node_dtype(other[0])).removeprefix("torch.")
         return Choice(Action.FP32, Reason.MIXED_FLOAT_DTYPES, f"{other[0].name} is {dtype}")
     return None

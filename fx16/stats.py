@@ -1,6 +1,7 @@
 """Figures that describe a program's precision: weight bytes, casts, ops and FLOPs per dtype."""
 
 import math
+import operator
 from collections import Counter
 from dataclasses import dataclass
 
@@ -9,12 +10,11 @@ from torch.export import ExportedProgram
 
 from fx16.casts import INSERTED, WHY_RETARGETED, is_cast, is_inserted
 from fx16.cost import bytes_moved, flops, is_product
-from fx16.nodes import dtype_name, node_val
-from fx16.ops import ASSERT_METADATA_OPS
+from fx16.nodes import dtype_name
+from fx16.ops import ASSERT_METADATA_OPS, CAST_OPS
 from fx16.subgraphs import nested_graph_modules
 from fx16.tensor_subclasses import inner_tensors
 
-_BOOKKEEPING = {"getitem"}
 # graph_module.meta key: the program's ProgramStats before fx16 first changed it
 BEFORE_KEY = "fx16.before"
 
@@ -68,23 +68,32 @@ def program_stats(ep: ExportedProgram) -> ProgramStats:
     products: Counter[str] = Counter()
     for module in nested_graph_modules(ep.graph_module):  # bodies of higher-order ops too
         for node in module.graph.nodes:
-            if node.op != "call_function" or node.target in ASSERT_METADATA_OPS:
+            target = node.target
+            if (
+                node.op != "call_function"
+                or target in ASSERT_METADATA_OPS
+                or target is operator.getitem
+            ):
                 continue
-            val = node_val(node)
-            if is_cast(node):
+            if target in CAST_OPS and is_cast(node):
                 casts += 1
                 inserted += is_inserted(node) and node.meta[INSERTED] != WHY_RETARGETED
                 cast_bytes += bytes_moved(node)
                 continue
-            if getattr(node.target, "__name__", "") in _BOOKKEEPING:
-                continue
+            val = node.meta.get("val")
             if not (isinstance(val, torch.Tensor) and val.dtype.is_floating_point):
                 continue
-            ops[dtype_name(val.dtype)] += 1
+            ops[val.dtype] += 1
             if is_product(node):
-                products[dtype_name(val.dtype)] += flops(node)
+                products[val.dtype] += flops(node)
     return ProgramStats(
-        weight_bytes, casts, inserted, dict(ops), dict(products), cast_bytes, fp32_weight_bytes
+        weight_bytes,
+        casts,
+        inserted,
+        {dtype_name(dtype): count for dtype, count in ops.items()},
+        {dtype_name(dtype): count for dtype, count in products.items()},
+        cast_bytes,
+        fp32_weight_bytes,
     )
 
 

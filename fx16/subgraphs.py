@@ -45,9 +45,21 @@ def nested_graph_modules(graph_module) -> list:
         if any(module is seen for seen in found):
             continue
         found.append(module)
-        for node in module.graph.nodes:
+        for node in higher_order_nodes(module.graph):
             pending.extend(getattr(module, body.target) for body in bodies_and_operands(node)[0])
     return found
+
+
+HIGHER_ORDER_OPS = (COND, WHILE_LOOP, MAP, SET_GRAD, AUTOCAST, INVOKE_SUBGRAPH)
+
+
+def higher_order_nodes(graph) -> list[Node]:
+    """The nodes of ``graph`` that call an op with bodies, in graph order, found through
+    the graph's lookup table (no walk over every node)."""
+    found = []
+    for op in HIGHER_ORDER_OPS:
+        found.extend(graph.find_nodes(op="call_function", target=op, sort=False))
+    return sorted(found)
 
 
 def carried_count(node: Node) -> int:

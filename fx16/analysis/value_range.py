@@ -292,6 +292,8 @@ class _Rules:
 
     def of(self, node: Node) -> ValueRange | tuple | None:
         val = node_val(node)
+        if isinstance(val, torch.Tensor) and val.dtype.is_floating_point:
+            return None  # the ranges here are of integers and bools
         if isinstance(val, torch.SymInt):
             return self.of_size(val)
         if node.target is operator.getitem:
@@ -299,8 +301,9 @@ class _Rules:
             return container[node.args[1]] if isinstance(container, tuple) else container
         if node.target in POSITION_OPS:
             return self.positions(node)
-        if self.of_bool(node) is not None:
-            return self.of_bool(node)
+        boolean = self.of_bool(node)
+        if boolean is not None:
+            return boolean
         if isinstance(val, (list, tuple)):
             preserved = self.preserved(node)
             return tuple(preserved for _ in val) if preserved is not None else None
