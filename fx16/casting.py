@@ -17,7 +17,7 @@ from fx16.node_ids import assign_ids, keep_decisions
 from fx16.options import Fp16Options, shows_fp16_options
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
 from fx16.policy import as_names
-from fx16.program import Program
+from fx16.program import Program, collector_paused
 from fx16.provenance import provenance
 from fx16.report import REPORT_KEY, build_report
 from fx16.stats import record_stats_before
@@ -165,6 +165,7 @@ def cast_to_16_bit_precision(
     return _cast(ep, "cast_to_16_bit_precision", fp16_options, int16_options, budget, progress)
 
 
+@collector_paused()
 def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> ExportedProgram:
     """Run the fp16 stage (searching within ``budget["max_rel_error"]`` if given), then
     the int16 stage, as one transaction, whose commit converts the weights; store the

@@ -145,5 +145,8 @@ def cast_back_skipped(node: Any) -> str | None:
 
 
 def _meta(node: Any) -> dict:
-    meta = getattr(node, "meta", None)
-    return meta if isinstance(meta, dict) else {}
+    try:
+        meta = node.meta
+    except AttributeError:  # a constant argument, not a node
+        return {}
+    return meta if type(meta) is dict else {}

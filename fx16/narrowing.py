@@ -10,8 +10,8 @@ from fx16.casts import before_inserted_casts
 from fx16.choices import INT16_MODES
 from fx16.decisions import Reason
 from fx16.errors import InvalidOptionError
+from fx16.int_ops import WIDE_INT_DTYPES
 from fx16.nodes import node_dtype, value_scalars
-from fx16.ops import WIDE_INT_DTYPES
 
 
 def check_mode(mode: str) -> str:

@@ -141,13 +141,11 @@ def _convert_chunk(source: torch.Tensor, converted: torch.Tensor, scratch: torch
 
 def _lift_flushed(source: torch.Tensor, converted: torch.Tensor, magnitudes: torch.Tensor) -> None:
     """Lift every flushed element at once: ``magnitudes`` holds the magnitude bits of
-    ``converted`` (0 where it is +-0.0), in its shape."""
-    zeros = magnitudes.eq(0).nonzero(as_tuple=True)
-    values = source[zeros]
-    flushed = values.ne(0)
+    ``converted`` (0 where it is +-0.0), in its shape. Zeros of the source (a bias
+    initialised to zero) cost two comparisons, not an index of every zero."""
+    flushed = magnitudes.eq(0).logical_and_(source.ne(0))
     if bool(flushed.any()):
-        positions = tuple(index[flushed] for index in zeros)
-        converted[positions] = _lifted(values[flushed], converted.dtype)
+        converted[flushed] = _lifted(source[flushed], converted.dtype)
 
 
 def _lifted(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

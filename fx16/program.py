@@ -330,7 +330,7 @@ class Program:
         saved, error = self.snapshot(), None
         meta[_DEFERRING] = True
         try:
-            with _collector_paused():
+            with collector_paused():
                 yield
                 saved.release_state()
                 self.commit_state(progress)
@@ -353,7 +353,10 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for a block (a decorator too). fx16 makes many
+    small objects; each collection they trigger walks the caller's whole heap, graphs
+    and all, which on a large program costs as much as the cast's own work."""
     enabled = gc.isenabled()
     gc.disable()
     try:

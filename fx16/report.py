@@ -22,8 +22,8 @@ from fx16.budget import AccuracySearch
 from fx16.casts import INSERTED, WHY_RETARGETED, is_inserted
 from fx16.cost import flops, is_product, tensor_bytes
 from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason
+from fx16.int_ops import WIDE_INT_DTYPES
 from fx16.nodes import dtype_name, node_dtype, node_module_path, node_val, op_label
-from fx16.ops import WIDE_INT_DTYPES
 from fx16.program import Program
 from fx16.stats import BEFORE_KEY, ProgramStats, program_stats
 

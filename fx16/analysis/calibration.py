@@ -14,15 +14,11 @@ from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError, one_line
 from fx16.facts import Facts
+from fx16.int_ops import INT_DTYPES
 from fx16.interpreter import BodyInterpreter
 from fx16.nodes import dtype_name
 from fx16.numerics import INF_LIKE
-from fx16.ops import (
-    INT_DTYPES,
-    SENTINEL_ABSORBING_OPS,
-    SENTINEL_PASSING_OPS,
-    SINGULAR_AT_ZERO,
-)
+from fx16.ops import SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS, SINGULAR_AT_ZERO
 from fx16.program import Program
 from fx16.tensor_subclasses import inner_tensors, is_subclass
 

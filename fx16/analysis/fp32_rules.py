@@ -22,7 +22,8 @@ from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.contracts import Analysis
 from fx16.decisions import Decision, Reason
 from fx16.facts import Facts
-from fx16.ops import SELECTION_OPS, is_custom_op
+from fx16.int_ops import SELECTION_OPS
+from fx16.ops import is_custom_op
 from fx16.propagation import runs_narrowed
 
 FP32 = torch.float32

@@ -31,8 +31,8 @@ from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
 from fx16.cost import flops, is_product
 from fx16.facts import Facts
+from fx16.int_ops import SELECTION_OPS
 from fx16.nodes import node_val
-from fx16.ops import SELECTION_OPS
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 

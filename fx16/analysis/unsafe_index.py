@@ -11,8 +11,8 @@ from fx16 import meta
 from fx16.contracts import Analysis
 from fx16.cost import is_product
 from fx16.facts import Facts
+from fx16.int_ops import INDEX_ARGUMENTS, SELECTION_OPS
 from fx16.nodes import node_val
-from fx16.ops import INDEX_ARGUMENTS, SELECTION_OPS
 
 
 class UnsafeIndexAnalysis(Analysis):

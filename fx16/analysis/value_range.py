@@ -17,8 +17,9 @@ from fx16.analysis.index_bounds import index_bounds
 from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError
 from fx16.facts import Facts
+from fx16.int_ops import INT_DTYPES, POSITION_OPS
 from fx16.nodes import named_argument, node_val
-from fx16.ops import CAST_OPS, INT_DTYPES, POSITION_OPS, VALUE_PRESERVING_OPS, overloads
+from fx16.ops import CAST_OPS, VALUE_PRESERVING_OPS, overloads
 from fx16.program import Program
 from fx16.subgraphs import bodies_and_operands
 

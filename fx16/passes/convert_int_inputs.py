@@ -7,9 +7,9 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16.casts import INSERTED, WHY_CAST_BACK, WHY_NARROW, CastInserter, retype_val
 from fx16.decisions import INT_PRECISION, Reason, decide
 from fx16.facts import Facts
+from fx16.int_ops import WIDE_INT_DTYPES
 from fx16.narrowing import int16_verdict, may_narrow
 from fx16.nodes import node_dtype
-from fx16.ops import WIDE_INT_DTYPES
 from fx16.passes.int16_pass import Int16Pass
 
 

@@ -17,7 +17,7 @@ from fx16.islands import is_island
 from fx16.names import kept_output_positions, user_output_positions
 from fx16.nodes import FLOAT_DTYPES, mutated_argument, node_dtype, node_val, set_argument
 from fx16.numerics import round_scalar_to_fp16
-from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
+from fx16.ops import ASSERT_METADATA_OPS, CAST_OPS, CREATION_OPS
 from fx16.passes.fp16_bodies import (
     visit_autocast_region,
     visit_opaque,
@@ -159,10 +159,10 @@ class _Run(Rewriter):
             self.visit_getitem(node)
         elif target in ASSERT_METADATA_OPS:
             visit_assert(self, node)
-        elif is_cast(node) and cast_dtype(node) == FP32:
-            self.visit_cast_to_fp32(node)
-        elif is_cast(node):
-            if cast_dtype(node) is None:  # a copy that keeps the dtype computes like an op
+        elif target in CAST_OPS and is_cast(node):
+            if cast_dtype(node) == FP32:
+                self.visit_cast_to_fp32(node)
+            elif cast_dtype(node) is None:  # a copy that keeps the dtype computes like an op
                 self.visit_compute(node)
         elif target in CREATION_OPS and node_dtype(node) == FP32:
             self.visit_creation(node)

@@ -19,6 +19,7 @@ from fx16.casts import (
 )
 from fx16.decisions import INT_PRECISION, Reason, decide
 from fx16.facts import Facts
+from fx16.int_ops import WIDE_INT_DTYPES
 from fx16.narrowing import int16_verdict, may_narrow
 from fx16.nodes import (
     accepts_keyword,
@@ -28,7 +29,7 @@ from fx16.nodes import (
     node_val,
     set_argument,
 )
-from fx16.ops import CREATION_OPS, WIDE_INT_DTYPES
+from fx16.ops import CREATION_OPS
 from fx16.passes.int16_pass import Int16Pass
 from fx16.propagation import propagate_fake
 
