@@ -137,23 +137,33 @@ def retype_val(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return val
     if not isinstance(val, FakeTensor):
         return val.to(dtype)
-    cache = _RETYPED.setdefault(val.fake_mode, {})
+    cache = _retyped_cache(val.fake_mode)
     seen = cache.get((id(val), dtype))  # this very value retyped before (it is held)
     if seen is not None and seen[0] is val:
         return seen[1]
-    key = (
-        tuple(map(str, val.shape)),
-        tuple(map(str, val.stride())),
-        str(val.storage_offset()),
-        val.device,
-        dtype,
-    )
+    shape, strides, offset = val.shape, val.stride(), val.storage_offset()
+    if not all(type(size) is int for size in (*shape, *strides, offset)):  # symbolic: by text
+        shape, strides, offset = tuple(map(str, shape)), tuple(map(str, strides)), str(offset)
+    key = (shape, strides, offset, val.device, dtype)
     found = cache.get(key)
     if found is None:
         meta = torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
         found = cache[key] = FakeTensor(val.fake_mode, meta, val.device)
     cache[(id(val), dtype)] = (val, found)
     return found
+
+
+def _retyped_cache(mode: FakeTensorMode) -> dict:
+    """The retyped values of ``mode`` (a weak dictionary's look-up costs more than the
+    rest of ``retype_val``: the last mode asked for is remembered)."""
+    last_mode, cache = _LAST_MODE[0]
+    if last_mode is not mode:
+        cache = _RETYPED.setdefault(mode, {})
+        _LAST_MODE[0] = (mode, cache)
+    return cache
+
+
+_LAST_MODE: list = [(None, {})]
 
 
 class CastInserter:

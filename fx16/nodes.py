@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from fx16.ops import is_custom_op
+from fx16.ops import is_custom_op, per_op
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
@@ -91,35 +91,29 @@ class SchemaArgument:
     is_dtype: bool  # declared ScalarType (the schema's ``type`` then reads "int")
 
 
-_SCHEMA_CACHE: dict[Any, tuple[SchemaArgument, ...] | None] = {}
-_BY_NAME: dict[Any, dict[str, SchemaArgument]] = {}  # each op's arguments by name
-
-
+@per_op
 def op_arguments(target: Any) -> tuple[SchemaArgument, ...] | None:
     """The schema arguments of an op, or None for a target without a schema."""
-    try:
-        return _SCHEMA_CACHE[target]
-    except KeyError:
-        pass
-    except TypeError:  # an unhashable target: not an op
-        return None
     schema = getattr(target, "_schema", None)
-    arguments = None
-    if schema is not None:
-        arguments = tuple(
-            SchemaArgument(
-                name=argument.name,
-                type=str(argument.type),
-                kwarg_only=argument.kwarg_only,
-                writes=argument.alias_info is not None and argument.alias_info.is_write,
-                has_default=argument.has_default_value(),
-                default=argument.default_value if argument.has_default_value() else None,
-                is_dtype=str(argument.real_type).removeprefix("Optional[").startswith("ScalarType"),
-            )
-            for argument in schema.arguments
+    if schema is None:
+        return None
+    return tuple(
+        SchemaArgument(
+            name=argument.name,
+            type=str(argument.type),
+            kwarg_only=argument.kwarg_only,
+            writes=argument.alias_info is not None and argument.alias_info.is_write,
+            has_default=argument.has_default_value(),
+            default=argument.default_value if argument.has_default_value() else None,
+            is_dtype=str(argument.real_type).removeprefix("Optional[").startswith("ScalarType"),
         )
-    _SCHEMA_CACHE[target] = arguments
-    return arguments
+        for argument in schema.arguments
+    )
+
+
+@per_op
+def _arguments_by_name(target: Any) -> dict[str, SchemaArgument]:
+    return {argument.name: argument for argument in op_arguments(target) or ()}
 
 
 def schema_arguments(node: Node) -> Iterator[tuple[Location, SchemaArgument, Any]]:
@@ -130,9 +124,7 @@ def schema_arguments(node: Node) -> Iterator[tuple[Location, SchemaArgument, Any
     for index, value in enumerate(node.args[: len(arguments)]):
         yield ("args", index), arguments[index], value
     if node.kwargs:
-        by_name = _BY_NAME.get(node.target)
-        if by_name is None:
-            by_name = _BY_NAME[node.target] = {argument.name: argument for argument in arguments}
+        by_name = _arguments_by_name(node.target)
         for name, value in node.kwargs.items():
             if name in by_name:
                 yield ("kwargs", name), by_name[name], value
@@ -159,26 +151,16 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-_SCALAR_SLOTS: dict[Any, tuple[tuple[int, ...], frozenset[str]] | None] = {}
-
-
+@per_op
 def _scalar_slots(target: Any) -> tuple[tuple[int, ...], frozenset[str]] | None:
     """The positions and names of an op's arguments that may carry a number (declared
-    ``Scalar``, ``float`` or ``Tensor``), read from its schema once per op."""
-    try:
-        return _SCALAR_SLOTS[target]
-    except KeyError:
-        pass
-    except TypeError:  # an unhashable target: not an op
+    ``Scalar``, ``float`` or ``Tensor``), from its schema."""
+    arguments = op_arguments(target) or ()
+    scalar = [(i, a) for i, a in enumerate(arguments) if a.type in _SCALAR_TYPES]
+    if not scalar:
         return None
-    arguments = op_arguments(target)
-    slots = None
-    if arguments is not None:
-        scalar = [a for a in arguments if a.type in _SCALAR_TYPES]
-        positions = tuple(i for i, a in enumerate(arguments) if a in scalar and not a.kwarg_only)
-        slots = (positions, frozenset(a.name for a in scalar)) if scalar else None
-    _SCALAR_SLOTS[target] = slots
-    return slots
+    positions = tuple(i for i, a in scalar if not a.kwarg_only)
+    return positions, frozenset(a.name for _, a in scalar)
 
 
 # How a schema stores a ScalarType default of float32 (c10::ScalarType::Float).
@@ -274,21 +256,11 @@ def mutated_argument(node: Node) -> Node | None:
     return value if isinstance(value, Node) else None
 
 
-_WRITTEN: dict[Any, tuple[int, str] | None] = {}
-
-
+@per_op
 def _written_argument(target: Any) -> tuple[int, str] | None:
-    """(position, name) of the argument an op writes in place, once per op; None if none."""
-    try:
-        return _WRITTEN[target]
-    except KeyError:
-        pass
-    except TypeError:  # an unhashable target: not an op
-        return None
+    """(position, name) of the argument an op writes in place; None if none."""
     arguments = op_arguments(target) or ()
-    written = next(((i, a.name) for i, a in enumerate(arguments) if a.writes), None)
-    _WRITTEN[target] = written
-    return written
+    return next(((i, a.name) for i, a in enumerate(arguments) if a.writes), None)
 
 
 def float_rank(dtype: torch.dtype) -> int:

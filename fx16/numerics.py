@@ -88,17 +88,17 @@ def tensor_to_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> 
     keeps the source's strides; -0.0, inf and nan pass through.
     """
     source = tensor.detach()
+    if source.dim() and source.is_contiguous() and source.numel() <= _CHUNK:  # one chunk
+        converted = source.to(dtype)
+        magnitudes = converted.view(torch.int16).bitwise_and(_MAGNITUDE_BITS)
+        if int(magnitudes.min()) == 0:
+            _lift_flushed(source, converted, magnitudes)
+        return converted
     converted = torch.empty_like(source, dtype=dtype)
     if source.dim() == 0 or not source.is_contiguous():  # rare: full-size temporaries
         converted.copy_(source)  # (torch gives a 0-d nan other bits than a 1-d copy would)
         whole = (source.view(1), converted.view(1)) if source.dim() == 0 else (source, converted)
         _lift_flushed(*whole, whole[1].view(torch.int16) & _MAGNITUDE_BITS)
-        return converted
-    if source.numel() <= _CHUNK:  # one chunk: no scratch, no flat views
-        converted.copy_(source)
-        magnitudes = converted.view(torch.int16).bitwise_and(_MAGNITUDE_BITS)
-        if int(magnitudes.min()) == 0:
-            _lift_flushed(source, converted, magnitudes)
         return converted
     flat_source, flat_converted = source.reshape(-1), converted.view(-1)
     scratch = torch.empty(min(_CHUNK, source.numel()), dtype=torch.int16)  # reused per chunk

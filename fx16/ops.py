@@ -7,6 +7,8 @@ torch are skipped, so the tables work across the supported torch versions.
 
 import math
 import operator
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,6 +35,27 @@ def overloads(*names: str) -> frozenset:
 BUILTIN_NAMESPACES = frozenset({"aten", "prims"})
 
 
+def per_op(compute: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``compute(target)``, asked once per op: a fact of an op (its schema, its kind)
+    is asked of every node that calls it. Cached by the op's id, holding the op (so the
+    id stays its own): an op's ``__hash__`` is Python code, and a dict look-up through
+    it costs as much as the question."""
+    cache: dict[int, tuple[Any, Any]] = {}
+
+    def cached(target: Any) -> Any:
+        found = cache.get(id(target))
+        if found is not None and found[0] is target:
+            return found[1]
+        answer = compute(target)
+        cache[id(target)] = (target, answer)
+        return answer
+
+    cached.__doc__ = compute.__doc__
+    cached.__name__ = compute.__name__
+    return cached
+
+
+@per_op
 def is_custom_op(target) -> bool:
     """``target`` is an op outside aten/prims (``torch.ops.coreai.dequantize``...)."""
     return isinstance(target, torch._ops.OpOverload) and target.namespace not in BUILTIN_NAMESPACES
@@ -336,25 +359,20 @@ POWER_BY_SCALAR_OPS = overloads("pow.Tensor_Scalar")
 SUM_OPS = overloads("add.Tensor", "sub.Tensor")
 
 
+@per_op
 def is_known_op(target) -> bool:
-    """Whether ``_known_op`` (below), asked once per op."""
-    try:
-        return _KNOWN[target]
-    except KeyError:
-        _KNOWN[target] = known = _known_op(target)
-        return known
-    except TypeError:  # not hashable: not an op
-        return False
-
-
-_KNOWN: dict = {}
-
-
-def _known_op(target) -> bool:
     """An op whose precision behaviour fx16 knows: one of its op-kind tables (products,
     reductions, data movement), a cast or creation op, or an ATen op tagged pointwise
     (it computes in its inputs' dtype, element by element). Anything else computes
     16-bit as its inputs are, and the report says it was not known."""
+    return _known_op(target)
+
+
+def _known_op(target) -> bool:
+    try:
+        hash(target)
+    except TypeError:  # not hashable: not an op
+        return False
     if target in CAST_OPS or target in CREATION_OPS or target is operator.getitem:
         return True
     name = getattr(target, "_opname", None)

@@ -188,7 +188,7 @@ def _scalar_overflow(view: View) -> Choice | None:
 
 
 def _nothing_narrowed(view: View) -> Choice | None:
-    if any(was_narrowed(arg) or node_dtype(arg) == FP32 for arg in view.float_inputs):
+    if view.fp32_inputs or any(was_narrowed(arg) for arg in view.float_inputs):
         return None
     if view.produces_fp32 and not view.float_inputs:
         return Choice(Action.LEAVE, Reason.NO_FLOAT_INPUT)

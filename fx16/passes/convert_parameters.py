@@ -51,8 +51,8 @@ class ConvertParametersPass(PolicyPass):
             if rule is not None:
                 slot.placeholder.meta[PRECISION] = rule
                 continue
-            precision, entry = self.policy.matching_entry(slot.placeholder, slot.target)
-            if precision != Precision.LOW:
+            if self.policy.precision_for(slot.placeholder, slot.target) != Precision.LOW:
+                entry = self.policy.matching_entry(slot.placeholder, slot.target)[1]
                 decide(slot.placeholder, torch.float32, Reason.POLICY, detail=entry)
                 continue
             if id(tensor) not in overflows:

@@ -87,7 +87,8 @@ class Rewriter:
     # ---- computing in 16-bit ------------------------------------------------------------
 
     def run_in_low(self, node: Node, choice: Choice, view: View) -> None:
-        self.downcast_inputs(node, view)
+        if view.fp32_inputs:
+            self.downcast_inputs(node, view)
         clamped = []
         for location, value in view.scalars:
             rounded = round_scalar_to_fp16(value, self.low) if isinstance(value, float) else value

@@ -17,7 +17,7 @@ from fx16.islands import is_island
 from fx16.names import kept_output_positions, user_output_positions
 from fx16.nodes import FLOAT_DTYPES, mutated_argument, node_dtype, node_val, set_argument
 from fx16.numerics import round_scalar_to_fp16
-from fx16.ops import ASSERT_METADATA_OPS, CAST_OPS, CREATION_OPS
+from fx16.ops import ASSERT_METADATA_OPS, CAST_OPS, CREATION_OPS, per_op
 from fx16.passes.fp16_bodies import (
     visit_autocast_region,
     visit_opaque,
@@ -115,6 +115,27 @@ class InsertFP16CastsPass(PolicyPass):
         return kept_output_positions(self.program, kept) if kept else set()
 
 
+@per_op
+def _role(target) -> str:
+    """Which ``visit_*`` an op's nodes get (``_Run.visit`` checks the rest)."""
+    if target == operator.getitem:
+        return "getitem"
+    if isinstance(target, HigherOrderOperator):
+        if target is AUTOCAST:
+            return "autocast"
+        if target in (COND, SET_GRAD, WHILE_LOOP, MAP):
+            return "subgraphs"
+        return "shared" if target is INVOKE_SUBGRAPH else "opaque"
+    for role, ops in (
+        ("assert", ASSERT_METADATA_OPS),
+        ("cast", CAST_OPS),
+        ("creation", CREATION_OPS),
+    ):
+        if target in ops:
+            return role
+    return "op"
+
+
 class _Run(Rewriter):
     """One walk over one graph: each node's choice (``fx16.precedence``), then its edit."""
 
@@ -154,25 +175,25 @@ class _Run(Rewriter):
     def visit(self, node: Node) -> None:
         if is_inserted(node) or decision_of(node) is not None:
             return  # fx16 decided this node on an earlier run (or made it): keep that
-        target = node.target
-        if target == operator.getitem:
+        role = _role(node.target)
+        if role == "getitem":
             self.visit_getitem(node)
-        elif target in ASSERT_METADATA_OPS:
+        elif role == "assert":
             visit_assert(self, node)
-        elif target in CAST_OPS and is_cast(node):
+        elif role == "cast" and is_cast(node):
             if cast_dtype(node) == FP32:
                 self.visit_cast_to_fp32(node)
             elif cast_dtype(node) is None:  # a copy that keeps the dtype computes like an op
                 self.visit_compute(node)
-        elif target in CREATION_OPS and node_dtype(node) == FP32:
+        elif role == "creation" and node_dtype(node) == FP32:
             self.visit_creation(node)
-        elif target is AUTOCAST and node.args[2]:
+        elif role == "autocast" and node.args[2]:
             visit_autocast_region(self, node)
-        elif target in (COND, SET_GRAD, WHILE_LOOP, MAP):
+        elif role == "subgraphs":
             visit_subgraphs(self, node)
-        elif target is INVOKE_SUBGRAPH:
+        elif role == "shared":
             visit_shared_body(self, node)
-        elif isinstance(target, HigherOrderOperator):
+        elif role in ("autocast", "opaque"):  # a disabled autocast region runs as it is
             visit_opaque(self, node)
         elif mutated_argument(node) is not None:
             self.visit_in_place(node)
