@@ -106,13 +106,14 @@ class ConditioningAnalysis(Analysis):
         roundoff = torch.finfo(self.policy.low).eps / 2
         tolerance = self.policy.resolved_precision_tolerance
         seeds: list[tuple[Node, float]] = []
+        intervals = _Ranges(ranges)
         for submodule in boundaries.graph_modules:
             for node in submodule.graph.nodes:
                 node.meta.pop(self.META_KEY, None)
                 node.meta.pop(self.FINDING_KEY, None)
                 if node.op != "call_function" or meta.rounding_cancels(node):
                     continue
-                found = _condition(node, _Ranges(ranges))
+                found = _condition(node, intervals)
                 if found is not None and found[0] * roundoff > tolerance:
                     kappa, why = found
                     node.meta[self.META_KEY] = (

@@ -52,7 +52,7 @@ from fx16.islands import asserted_dtype, is_sensitive, island_region
 from fx16.meta import island_verdict
 from fx16.nodes import FLOAT_DTYPES, node_dtype, node_val, op_label, requested_dtypes
 from fx16.numerics import largest, smallest_normal
-from fx16.ops import ASSERT_METADATA_OPS, CREATION_OPS
+from fx16.ops import ASSERT_METADATA_OPS, CAST_OPS, CREATION_OPS, per_op
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 
@@ -170,18 +170,19 @@ def _opened_region(node: Node, order: dict[Node, int], boundaries: Boundaries) -
     """The ops of the fp32 region ``node`` opens (in bodies too), or None if it opens none."""
     if node.op != "call_function":
         return None
-    if is_cast(node):  # x.float() of a float value (of an integer: a conversion)
+    role = _region_role(node.target)
+    if role == "cast" and is_cast(node):  # x.float() of a float value (of an integer: a conversion)
         if cast_dtype(node) != FP32 or node_dtype(node.args[0]) not in FLOAT_DTYPES:
             return None
         return island_region({node}, node.users, boundaries)
-    if node.target in ASSERT_METADATA_OPS:
+    if role == "assert":
         value = node.args[0] if node.args else None
         if asserted_dtype(node) != FP32 or not isinstance(value, Node):
             return None
         # the users the decomposed cast fed: those after the check
         later = sorted((u for u in value.users if order[u] > order[node]), key=order.__getitem__)
         return island_region({value}, later, boundaries)
-    if node.target not in CREATION_OPS and FP32 in requested_dtypes(node):
+    if role != "creation" and FP32 in requested_dtypes(node):
         return [node, *island_region({node}, node.users, boundaries)]
     return None
 
@@ -208,3 +209,14 @@ def outside_island(opening: Node) -> list[Node]:
 def islands(graph_module: GraphModule) -> list[Island]:
     """The verdicts ExplicitFp32Analysis published for one graph (not its bodies)."""
     return graph_module.meta.get(ExplicitFp32Analysis.META_KEY, [])
+
+
+@per_op
+def _region_role(target) -> str:
+    """How an op may open a region: as a cast, an assert of a decomposed cast, a
+    creation op (never: its dtype makes a tensor), or by a dtype argument."""
+    if target in CAST_OPS:
+        return "cast"
+    if target in ASSERT_METADATA_OPS:
+        return "assert"
+    return "creation" if target in CREATION_OPS else "op"

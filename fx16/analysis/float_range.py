@@ -33,7 +33,7 @@ from fx16.analysis.value_range import (
 )
 from fx16.boundaries import Boundaries
 from fx16.nodes import named_argument, node_val
-from fx16.ops import CAST_OPS, VALUE_PRESERVING_OPS, overloads
+from fx16.ops import CAST_OPS, VALUE_PRESERVING_OPS, overloads, per_op
 from fx16.program import Program
 from fx16.tensor_subclasses import is_subclass
 
@@ -44,6 +44,7 @@ _PRODUCTS = overloads("mul.Tensor", "mul.Scalar")
 _QUOTIENTS = overloads("div.Tensor", "div.Scalar")
 _SUMS = overloads("add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar")
 _MATRIX_PRODUCTS = overloads("mm.default", "bmm.default", "matmul.default")
+_NEG_EXP = overloads("neg.default", "exp.default")
 _BOUNDED = {
     **dict.fromkeys(overloads("sin.default", "cos.default", "tanh.default"), (-1.0, 1.0)),
     **dict.fromkeys(overloads("sigmoid.default", "rand.default", "rand_like.default"), (0.0, 1.0)),
@@ -102,19 +103,20 @@ class FloatRanges:
         if node.op != "call_function":
             return None
         target = node.target
-        if target in _BOUNDED:
+        kind = _kind(target)
+        if kind == "bounded":
             return ValueRange(*_BOUNDED[target], Source.PROVEN)
-        if target in _FILLED:
+        if kind == "filled":
             return self.of(_FILLED[target])
-        if target in _FILL_VALUE:
+        if kind == "fill_value":
             return self.of(named_argument(node, "fill_value"))
-        if target in _ARANGE:
+        if kind == "arange":
             return self._arange(node)
-        if target in _MOVES:
+        if kind == "moves":
             return self.of(node.args[0])
-        if target in VALUE_PRESERVING_OPS:
+        if kind == "preserving":
             return self._union(node)
-        return self._arithmetic(node)
+        return self._arithmetic(node) if kind == "arithmetic" else None
 
     def state_tensor(self, arg) -> torch.Tensor | None:
         """The state tensor (parameter, buffer, constant) a node stands for, in a body
@@ -183,3 +185,18 @@ class FloatRanges:
 
 def _exp(x: float) -> float:
     return math.exp(x) if x < 709 else math.inf
+
+
+@per_op
+def _kind(target) -> str:
+    """Which rule of ``FloatRanges`` ranges an op's result."""
+    tables = (
+        ("bounded", _BOUNDED),
+        ("filled", _FILLED),
+        ("fill_value", _FILL_VALUE),
+        ("arange", _ARANGE),
+        ("moves", _MOVES),
+        ("preserving", VALUE_PRESERVING_OPS),
+        ("arithmetic", _PRODUCTS | _QUOTIENTS | _SUMS | _MATRIX_PRODUCTS | _NEG_EXP),
+    )
+    return next((kind for kind, ops in tables if target in ops), "other")

@@ -172,7 +172,9 @@ class ValueRangeAnalysis(Analysis):
         if bounds:
             confined = {node: ValueRange(*bound, Source.PROVEN) for node, bound in bounds.items()}
             walk = _Walk(self.program, boundaries, declared, state, rules)
-            walk.forward(graph_module, confined)
+            # only what the bounds reach can change (into bodies too: then all of it)
+            reached = None if boundaries.looked_into else _downstream(confined)
+            walk.forward(graph_module, confined, reached)
         return PassResult(graph_module, False)
 
 
@@ -187,12 +189,19 @@ class _Walk:
         self.declared, self.state, self.rules = declared, state, rules
         self.walked: set[int] = set()
 
-    def forward(self, graph_module: GraphModule, confined: dict) -> dict:
+    def forward(self, graph_module: GraphModule, confined: dict, reached=None) -> dict:
         """Range every node of ``graph_module``; ``confined``: ranges proven by use as an
-        index, intersected with what the walk finds. Returns the ranges found."""
+        index, intersected with what the walk finds; ``reached``: the only nodes whose
+        range may differ from the one recorded (None: all). Returns the ranges found
+        (of the nodes walked)."""
         found_by_node = {}
         for node in graph_module.graph.nodes:
+            if reached is not None and node not in reached:
+                continue
             sources = self.boundaries.crossing_sources(node)
+            if not sources and _float_op(node) and node not in confined:
+                node.meta.pop(ValueRangeAnalysis.META_KEY, None)  # no integer range to find
+                continue
             if node.op == "placeholder" and node in self.state:
                 found = self.rules.of_state(self.program.state_tensor(self.state[node]))
             elif sources:
@@ -223,6 +232,24 @@ class _Walk:
             if id(module) not in self.walked:
                 self.walked.add(id(module))
                 self.forward(module, {})
+
+
+def _float_op(node: Node) -> bool:
+    """An op whose value is a float tensor (a higher-order op's is a tuple)."""
+    val = node.meta.get("val")
+    return node.op == "call_function" and isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _downstream(nodes) -> set[Node]:
+    """``nodes`` and every node that reads them, directly or not, up to float ops (whose
+    integer range is none whatever their inputs hold)."""
+    reached, pending = set(nodes), list(nodes)
+    while pending:
+        for user in pending.pop().users:
+            if user not in reached and not _float_op(user):
+                reached.add(user)
+                pending.append(user)
+    return reached
 
 
 def _intersect(found, bound: ValueRange | None):
