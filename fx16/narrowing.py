@@ -5,7 +5,7 @@ from torch.fx import Node
 
 from fx16 import meta
 from fx16.analysis.castable_int16 import has_scalar_operand
-from fx16.analysis.value_range import Source, value_range
+from fx16.analysis.intervals import Source, value_range
 from fx16.casts import before_inserted_casts
 from fx16.choices import INT16_MODES
 from fx16.decisions import Reason

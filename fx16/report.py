@@ -17,7 +17,7 @@ from torch.fx import GraphModule, Node
 
 from fx16 import meta
 from fx16.analysis.explicit_fp32 import islands
-from fx16.analysis.value_range import ValueRange
+from fx16.analysis.intervals import ValueRange
 from fx16.budget import AccuracySearch
 from fx16.casts import INSERTED, WHY_RETARGETED, is_inserted
 from fx16.cost import flops, is_product, tensor_bytes

@@ -20,7 +20,7 @@ import math
 import torch
 from torch.fx import Node
 
-from fx16.analysis.value_range import (
+from fx16.analysis.intervals import (
     Source,
     ValueRange,
     add_ranges,
