@@ -41,7 +41,7 @@ from benchmarks.markdown import table_row, write_results
 from fx16.analysis.fp32_rules import ConditioningRule, UnderflowRule, UnsafeIndexRule
 from fx16.pipelines import run_passes, without_rules
 from fx16.program import Program
-from fx16.report import decision_rows
+from fx16.report_rows import decision_rows
 from fx16.stats import relative_error
 
 # Element types of the tensor types in Core AI's textual IR: tensor<1x16xf32>, tensor<si16>.

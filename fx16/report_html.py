@@ -18,7 +18,8 @@ at 100%; each cell's text says its own error and amplification.
 import html
 import math
 
-from fx16.report import CastReport, Row, layer_flop_share
+from fx16.report import CastReport, layer_flop_share
+from fx16.report_rows import Row
 
 _COLOURS = {"16-bit": "#3a9d5d", "fp32": "#e07b39", "left as is": "#9aa0a6"}
 

@@ -5,7 +5,8 @@ import json
 import torch
 
 import fx16
-from fx16.report import decision_rows, format_rows, report_of
+from fx16.report import format_rows, report_of
+from fx16.report_rows import decision_rows
 from helpers import export
 from models import BucketHash, CumsumCounter, GrowingLoop, OverflowWeight, RMSNormMLP
 
