@@ -41,7 +41,7 @@ from torch.fx import Node
 from tqdm import tqdm
 
 from fx16 import budget_remedies
-from fx16.analysis.calibration import calibration_calls
+from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.analysis.verdict_check import VerdictCheckAnalysis
 from fx16.budget_remedies import Reference, names, reference_outputs
 from fx16.cost import flops, is_product

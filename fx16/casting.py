@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from torch.export import ExportedProgram
 
-from fx16.analysis.calibration import calibration_calls
+from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.budget import cast_fp16_within_budget
 from fx16.decisions import decision_of
 from fx16.errors import InvalidOptionError, require_number

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fx16.analysis.calibration import calibration_calls
+from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.archive import import_modules, load_program
 from fx16.casting import cast_to_16_bit_precision
 from fx16.cli import BAD_INPUT, BUDGET_NOT_MET

@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
-from fx16.analysis.calibration import calibration_calls
+from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.decisions import decision_of
 from fx16.node_ids import graph_modules, has_ids, kept_decision, node_id
 from fx16.nodes import dtype_name, node_module_path, op_label

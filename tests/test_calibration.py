@@ -173,15 +173,15 @@ def test_attention_scores_beyond_fp16_are_finite_and_accurate():
 
 
 def test_weights_are_observed_once_whatever_the_number_of_inputs(monkeypatch):
-    import fx16.analysis.calibration as calibration
+    import fx16.analysis.magnitudes as magnitudes
 
     torch.manual_seed(0)
     ep = export(SquaredSum(), torch.randn(4, 16))
     weights = {id(t) for t in ep.state_dict.values()}
     observed = []
-    observe = calibration.observe_floats
+    observe = magnitudes.observe_floats
     monkeypatch.setattr(
-        calibration, "observe_floats", lambda value: observed.append(id(value)) or observe(value)
+        magnitudes, "observe_floats", lambda value: observed.append(id(value)) or observe(value)
     )
     inputs = [(torch.randn(4, 16),) for _ in range(3)]
     CalibrationAnalysis(Program(ep), inputs)(ep.graph_module)

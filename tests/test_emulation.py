@@ -9,7 +9,7 @@ from torch import nn
 
 import fx16
 from benchmarks import zoo
-from fx16.analysis.calibration import calibration_calls
+from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.emulation import Emulation
 from fx16.program import Program
 from fx16.subgraphs import nested_graph_modules

@@ -40,7 +40,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
-from fx16.analysis.calibration import CalibrationAnalysis, calibration_calls
+from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis, islands
 from fx16.analysis.fp32_rules import Fp32RulesAnalysis, fp32_rule

@@ -1,0 +1,133 @@
+"""What calibration records of each value as the program runs: the largest magnitude,
+the interval, masking sentinels, integer extremes, the smallest nonzero magnitude of
+values a singular op reads, and the cancellation inside centering ops."""
+
+import math
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx import GraphModule, Node
+
+from fx16.analysis.centering import CENTERING_OPS, cancellation_ratio, centered_input
+from fx16.int_ops import INT_DTYPES
+from fx16.interpreter import BodyInterpreter
+from fx16.numerics import INF_LIKE
+from fx16.tensor_subclasses import inner_tensors, is_subclass
+
+
+def observe_floats(value) -> tuple[float | None, bool, tuple[float, float] | None]:
+    """(largest finite non-sentinel magnitude, whether a finite magnitude >= 1e38
+    occurs, (min, max) of the finite non-sentinel values) over the float tensors in
+    ``value``; one reduction per ordinary tensor.
+    A tensor subclass (a torchao quantized weight) is observed through its plain inner
+    tensors: its own ops may not include a reduction."""
+    largest, sentinel, interval = None, False, None
+    if isinstance(value, torch.Tensor) and not is_subclass(value):
+        leaves = [value]  # the common case, without flattening
+    else:
+        leaves = [
+            inner
+            for leaf in pytree.tree_leaves(value)
+            if isinstance(leaf, torch.Tensor)
+            for inner in inner_tensors(leaf).values()
+        ]
+    for leaf in leaves:
+        if leaf.is_floating_point() and leaf.numel():
+            low, high = (float(bound) for bound in leaf.detach().aminmax())
+            top = max(-low, high)
+            if not top < INF_LIKE:  # sentinels, inf or nan inside: look closer
+                detached = leaf.detach().float()
+                magnitude = detached.abs()
+                sentinel = sentinel or bool(
+                    ((magnitude >= INF_LIKE) & torch.isfinite(magnitude)).any()
+                )
+                ordinary = detached[magnitude < INF_LIKE]  # also drops inf and nan
+                low, high = (
+                    (float(ordinary.min()), float(ordinary.max())) if ordinary.numel() else (0, 0)
+                )
+                top = float(ordinary.abs().max()) if ordinary.numel() else None
+            if top is not None:
+                largest = top if largest is None else max(largest, top)
+            interval = (low, high) if interval is None else _hull(interval, (low, high))
+    return largest, sentinel, interval
+
+
+def _hull(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return min(a[0], b[0]), max(a[1], b[1])
+
+
+def integer_extremes(value) -> tuple[int, int] | None:
+    """(min, max) of a single integer tensor, or None."""
+    is_integer = isinstance(value, torch.Tensor) and value.dtype in INT_DTYPES
+    if not is_integer or not value.numel():
+        return None
+    low, high = value.aminmax()  # one pass
+    return int(low), int(high)
+
+
+class MagnitudeRecorder(BodyInterpreter):
+    """Runs a graph and records magnitudes, integer extremes and sentinels per node,
+    in the bodies of higher-order ops too (over every iteration of a loop)."""
+
+    def __init__(
+        self,
+        graph_module: GraphModule,
+        parent: "MagnitudeRecorder | None" = None,
+        constant: set[Node] = frozenset(),
+        watched: set[Node] = frozenset(),
+    ):
+        """``constant``: the state placeholders, observed on the first input only (a
+        weight holds the same values on every input); ``watched``: the values whose
+        smallest nonzero magnitude to record."""
+        super().__init__(graph_module)
+        self.magnitudes: dict[Node, float] = parent.magnitudes if parent else {}
+        self.int_ranges: dict[Node, tuple[int, int]] = parent.int_ranges if parent else {}
+        self.sentinels: set[Node] = parent.sentinels if parent else set()
+        self.intervals: dict[Node, tuple[float, float]] = parent.intervals if parent else {}
+        self.centering: dict[Node, float] = parent.centering if parent else {}
+        self.smallest: dict[Node, float] = parent.smallest if parent else {}
+        self.constant = constant if parent is None else parent.constant
+        self.watched = watched if parent is None else parent.watched
+        self.observed: set[Node] = set()
+
+    def inside(self, body: GraphModule) -> "MagnitudeRecorder":
+        return MagnitudeRecorder(body, parent=self)
+
+    def run_node(self, node: Node):
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        result = getattr(self, node.op)(node.target, args, kwargs)
+        if node.target in CENTERING_OPS:
+            self._observe_centering(node, args)
+        if node in self.watched:
+            self._observe_smallest(node, result)
+        if node in self.constant:
+            if node in self.observed:
+                return result
+            self.observed.add(node)
+        if node.op in ("placeholder", "call_function"):
+            magnitude, sentinel, interval = observe_floats(result)
+            if magnitude is not None and not math.isnan(magnitude):
+                self.magnitudes[node] = max(magnitude, self.magnitudes.get(node, 0.0))
+            if interval is not None and not any(math.isnan(bound) for bound in interval):
+                seen = self.intervals.get(node)
+                self.intervals[node] = interval if seen is None else _hull(seen, interval)
+            if sentinel:
+                self.sentinels.add(node)
+            extremes = integer_extremes(result)
+            if extremes is not None:
+                low, high = self.int_ranges.get(node, extremes)
+                self.int_ranges[node] = (min(low, extremes[0]), max(high, extremes[1]))
+        return result
+
+    def _observe_centering(self, node: Node, args) -> None:
+        centered = centered_input(node.target, args)
+        if centered is not None:
+            ratio = cancellation_ratio(centered)
+            self.centering[node] = max(ratio, self.centering.get(node, 0.0))
+
+    def _observe_smallest(self, node: Node, result) -> None:
+        if isinstance(result, torch.Tensor) and result.is_floating_point() and result.numel():
+            magnitude = result.detach().abs()
+            nonzero = torch.where(magnitude > 0, magnitude, torch.inf).amin()
+            if torch.isfinite(nonzero):
+                self.smallest[node] = min(float(nonzero), self.smallest.get(node, math.inf))
