@@ -17,9 +17,10 @@ from fx16.node_ids import assign_ids, keep_decisions
 from fx16.options import Fp16Options, shows_fp16_options
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
 from fx16.policy import as_names
-from fx16.program import Program, collector_paused
+from fx16.program import Program
 from fx16.provenance import provenance
 from fx16.report import REPORT_KEY, build_report
+from fx16.snapshot import collector_paused
 from fx16.stats import record_stats_before
 
 

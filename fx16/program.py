@@ -6,7 +6,6 @@ This module is the only code that reads or writes an ExportedProgram's
 """
 
 import contextlib
-import gc
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,8 +18,9 @@ from torch.fx import GraphModule, Node
 from tqdm import tqdm
 
 from fx16.errors import Fx16Error, InvalidProgramError, PassFailedError
+from fx16.graph_repairs import register_missing_users, unshare_meta
 from fx16.numerics import tensor_to_fp16
-from fx16.snapshot import PENDING, Snapshot
+from fx16.snapshot import PENDING, Snapshot, collector_paused
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
@@ -36,35 +36,6 @@ class StateSlot:
     placeholder: Node
     target: str  # the state_dict / constants key, e.g. "layers.0.weight"
     kind: InputKind
-
-
-def _register_missing_users(graph_module: GraphModule) -> None:
-    """List every node among the users of the nodes it reads.
-
-    torch.export can leave a dead node of an autocast-split graph out of its input's
-    ``users`` (seen with torch 2.13); rewriting that node's arguments then fails inside
-    FX with a SystemError. Registering it restores the invariant FX relies on."""
-    for module in graph_module.modules():
-        if isinstance(module, GraphModule):
-            for node in module.graph.nodes:
-                for arg in node.all_input_nodes:
-                    if node not in arg.users:
-                        arg.users[node] = None
-
-
-def _unshare_meta(graph_module: GraphModule) -> None:
-    """Give every node a meta dict of its own.
-
-    torch.export can hand a body's output node and the getitem that reads it outside
-    the same meta dict (seen with torch 2.13's non-strict export of a
-    ``torch.no_grad()`` region); a decision recorded for one would then land on both."""
-    seen: set[int] = set()
-    for module in graph_module.modules():
-        if isinstance(module, GraphModule):
-            for node in module.graph.nodes:
-                if id(node.meta) in seen:
-                    node.meta = dict(node.meta)
-                seen.add(id(node.meta))
 
 
 # The Program of each ExportedProgram that Program.of was asked for.
@@ -90,8 +61,8 @@ class Program:
                 )
             )
         self.ep = ep
-        _register_missing_users(ep.graph_module)
-        _unshare_meta(ep.graph_module)
+        register_missing_users(ep.graph_module)
+        unshare_meta(ep.graph_module)
         self.repaired = ep.graph_module  # the graph module those repairs were made on
 
     @classmethod
@@ -350,17 +321,3 @@ class Program:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector for a block (a decorator too). fx16 makes many
-    small objects; each collection they trigger walks the caller's whole heap, graphs
-    and all, which on a large program costs as much as the cast's own work."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()

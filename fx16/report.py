@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from fx16.budget import AccuracySearch
+from fx16.accuracy import AccuracySearch
 from fx16.decisions import INT_PRECISION, PRECISION
 from fx16.report_rows import (
     NEVER_INT16_CANDIDATES,

@@ -5,8 +5,11 @@
 specs' names, the example inputs and the graph module's meta.
 """
 
+import contextlib
 import copy
+import gc
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch.export.graph_signature import TensorArgument
@@ -142,3 +145,17 @@ class _GraphRecord:
             copies[original] = copy_
         graph._codegen = copy.deepcopy(self._codegen)
         return graph
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for a block (a decorator too). fx16 makes many
+    small objects; each collection they trigger walks the caller's whole heap, graphs
+    and all, which on a large program costs as much as the cast's own work."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
