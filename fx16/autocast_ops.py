@@ -1,6 +1,6 @@
 """torch.autocast's op tables, for the autocast precision policies (``fx16.policy``)."""
 
-from fx16.ops import packets
+from fx16.op_kinds import packets
 
 # torch.autocast op tables, from PyTorch's aten/src/ATen/autocast_mode.cpp (AutocastCPU
 # registrations) and aten/src/ATen/autocast_mode.h (AT_FORALL_* lists used for CUDA), as

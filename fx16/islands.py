@@ -18,7 +18,7 @@ from fx16.boundaries import Boundaries
 from fx16.casts import is_cast
 from fx16.decisions import Reason, decision_of
 from fx16.nodes import FLOAT_DTYPES, node_dtype, tensor_inputs
-from fx16.ops import PRECISION_SENSITIVE_OPS
+from fx16.op_kinds import PRECISION_SENSITIVE_OPS
 from fx16.policy import op_name
 
 # How many ops after a model's fp32 cast an island may hold.

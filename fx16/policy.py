@@ -21,7 +21,7 @@ from fx16.autocast_ops import AUTOCAST_CPU, AUTOCAST_CUDA
 from fx16.choices import EXPLICIT_FP32_CHOICES, POLICY_PRESETS, ROUTING_CHOICES
 from fx16.errors import InvalidOptionError, require_number
 from fx16.nodes import node_module_path
-from fx16.ops import COMPUTE_OPS, DATA_MOVEMENT_OPS, REDUCTION_OPS
+from fx16.op_kinds import COMPUTE_OPS, DATA_MOVEMENT_OPS, REDUCTION_OPS
 
 
 class Precision(str, enum.Enum):

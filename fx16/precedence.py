@@ -35,7 +35,8 @@ from fx16.nodes import (
     value_scalars,
 )
 from fx16.numerics import round_scalar_to_fp16
-from fx16.ops import is_custom_op, is_known_op
+from fx16.op_kinds import is_known_op
+from fx16.ops import is_custom_op
 from fx16.policy import Precision, PrecisionPolicy
 
 FP32 = torch.float32
