@@ -26,12 +26,9 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
@@ -40,9 +37,9 @@ from fx16.decisions import decision_of
 from fx16.node_ids import graph_modules, has_ids, kept_decision, node_id
 from fx16.nodes import dtype_name, node_module_path, op_label
 from fx16.program import Program
+from fx16.program_values import program_values
 from fx16.report import json_ready
 from fx16.stats import relative_error
-from fx16.subgraphs import COND, INVOKE_SUBGRAPH, MAP, WHILE_LOOP
 
 DEFAULT_THRESHOLD = 1e-2
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
@@ -154,9 +151,9 @@ def _compare(reference: Program, cast: Program, args, kwargs, records: dict) -> 
     """Run both programs on one call in lockstep and record each aligned value's error."""
     cast_ids = _ids(cast.graph_module)
     ahead: dict = {}  # reference values computed before the cast program reached them
-    ref_stream = _values(reference, reference.graph_inputs(args, kwargs))
+    ref_stream = program_values(reference, reference.graph_inputs(args, kwargs))
     cast_inputs = cast.graph_inputs(*cast.adapt_call(args, kwargs))
-    for key, node, value in _values(cast, cast_inputs):
+    for key, node, value in program_values(cast, cast_inputs):
         while key not in ahead:
             try:
                 ref_key, ref_node, ref_value = next(ref_stream)
@@ -199,98 +196,6 @@ def _ids(root: GraphModule) -> set[str]:
         for node in module.graph.nodes:
             found.add(node_id(node, prefix, assigned))
     return found
-
-
-def _values(program: Program, inputs: list) -> Iterator[tuple[tuple[str, int], Node, Any]]:
-    """Run ``program``'s graph on its flat graph inputs, yielding ``((id, occurrence),
-    node, value)`` for every value with an id, in execution order. The state (weights,
-    buffers) is not yielded: its rounding is the cast's to report, and comparing a
-    vocabulary's embedding in fp64 would take more memory than all the activations."""
-    root = program.graph_module
-    state = {slot.placeholder for slot in program.state_slots()}
-    counts: dict[str, int] = {}
-    yield from _run_graph(root, "", has_ids(root), inputs, counts, state)
-
-
-def _run_graph(module, prefix, assigned, inputs, counts, state):
-    """A generator interpreter: runs ``module``'s graph, yields its values (and those of
-    the bodies it runs; not the ``state`` placeholders'), returns its outputs. Each value
-    is dropped after its last use."""
-    nodes = list(module.graph.nodes)
-    last_use: dict[Node, Node] = {}
-    for node in nodes:
-        for arg in node.all_input_nodes:
-            last_use[arg] = node
-    env: dict[Node, Any] = {}
-    feed = iter(inputs)
-    for node in nodes:
-        if node.op == "placeholder":
-            value = next(feed)
-        elif node.op == "get_attr":
-            value = _attribute(module, node.target)
-        elif node.op == "output":
-            return pytree.tree_map(
-                lambda arg: env[arg] if isinstance(arg, Node) else arg, node.args[0]
-            )
-        else:
-            args, kwargs = pytree.tree_map(
-                lambda arg: env[arg] if isinstance(arg, Node) else arg, (node.args, node.kwargs)
-            )
-            value = yield from _call(node, prefix, assigned, args, kwargs, counts, state, module)
-        env[node] = value
-        identity = node_id(node, prefix, assigned)
-        if identity is not None and node not in state:
-            counts[identity] = counts.get(identity, 0) + 1
-            yield (identity, counts[identity]), node, value
-        for arg in node.all_input_nodes:
-            if last_use.get(arg) is node:
-                env.pop(arg, None)
-    return None
-
-
-def _call(node, prefix, assigned, args, kwargs, counts, state, module):
-    """Run one op; the bodies of the higher-order ops fx16 looks into, node by node."""
-    target = node.target
-
-    def body_prefix(body_node: Node) -> str:
-        return f"{prefix}{body_node.target}."
-
-    def run(body_node, operands):
-        body = _attribute(module, body_node.target)
-        return (
-            yield from _run_graph(
-                body, body_prefix(body_node), assigned, list(operands), counts, state
-            )
-        )
-
-    if target is COND:
-        predicate, _, _, operands = args
-        chosen = node.args[1] if bool(predicate) else node.args[2]
-        return tuple((yield from run(chosen, operands)))
-    if target is WHILE_LOOP:
-        _, _, carried, additional = args
-        carried = tuple(carried)
-        while True:
-            go = yield from run(node.args[0], (*carried, *additional))
-            if not bool(pytree.tree_leaves(go)[0]):
-                return carried
-            carried = tuple((yield from run(node.args[1], (*carried, *additional))))
-    if target is MAP and args[1][0].shape[0] > 0:
-        _, mapped, others = args
-        slices = []
-        for index in range(mapped[0].shape[0]):
-            operands = (*(tensor[index] for tensor in mapped), *others)
-            slices.append((yield from run(node.args[0], operands)))
-        return [torch.stack(parts) for parts in zip(*slices)]
-    if target is INVOKE_SUBGRAPH:
-        return tuple((yield from run(node.args[0], args[2:])))
-    return target(*args, **kwargs)  # an autocast or set_grad region runs whole
-
-
-def _attribute(module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def _unit_roundoff(cast: ExportedProgram) -> float:
