@@ -15,11 +15,19 @@ from pathlib import Path
 import torch
 
 from fx16.analysis.calibration_inputs import calibration_calls
-from fx16.archive import import_modules, load_program
 from fx16.casting import cast_to_16_bit_precision
 from fx16.cli import BAD_INPUT, BUDGET_NOT_MET
+from fx16.command_files import (
+    CommandError,
+    check_report_path,
+    example_calls,
+    existing_program_path,
+    load_with_imports,
+    read_inputs,
+    run_or_name_input,
+)
 from fx16.demo import run_demo
-from fx16.errors import AccuracyBudgetError, Fx16Error, one_line
+from fx16.errors import AccuracyBudgetError, Fx16Error
 from fx16.nodes import dtype_name
 from fx16.pipelines import resolve_policy
 from fx16.policy import PrecisionPolicy
@@ -30,10 +38,6 @@ from fx16.stats import relative_error
 
 # Above this many values, inspect opens with a summary per layer.
 LAYER_SUMMARY_ROWS = 60
-
-
-class CommandError(Exception):
-    """A problem with what the user asked for, reported as one line."""
 
 
 class ThresholdMissed(Exception):
@@ -82,7 +86,7 @@ def run(args, started: float) -> int:
 
 
 def cast_command(args, timings: Timings) -> int:
-    source = _existing_program_path(args.input)
+    source = existing_program_path(args.input)
     if args.output is None and not args.dry_run:
         raise CommandError("the cast program needs somewhere to go: pass -o OUT.pt2 (or --dry-run)")
     if args.output is not None:
@@ -91,7 +95,7 @@ def cast_command(args, timings: Timings) -> int:
             raise CommandError(f"{target} is the input file; pass --force to overwrite it")
         if not target.parent.is_dir():
             raise CommandError(f"directory {target.parent} does not exist")
-    _check_report_path(args.report)
+    check_report_path(args.report)
     ep, report, error = _cast(source, args, timings)
     if not args.quiet:
         _summarise(report, error, out=sys.stdout)
@@ -109,8 +113,8 @@ def cast_command(args, timings: Timings) -> int:
 def inspect_command(args, timings: Timings) -> int:
     if args.html is not None and not args.html.expanduser().parent.is_dir():
         raise CommandError(f"directory {args.html.expanduser().parent} does not exist")
-    _check_report_path(args.report)
-    source = _existing_program_path(args.input)
+    check_report_path(args.report)
+    source = existing_program_path(args.input)
     cast, report, error = _cast(source, args, timings)
     if args.html is not None:
         errors = _errors_against_fp32(source, cast, args)
@@ -128,10 +132,10 @@ def inspect_command(args, timings: Timings) -> int:
 
 
 def compare_command(args, timings: Timings) -> int:
-    first = _load(_existing_program_path(args.first), args)
-    second = _load(_existing_program_path(args.second), args)
+    first = load_with_imports(existing_program_path(args.first), args)
+    second = load_with_imports(existing_program_path(args.second), args)
     timings.lap("load")
-    calls = _read_inputs(args.inputs) if args.inputs else _example_calls(first)
+    calls = read_inputs(args.inputs) if args.inputs else example_calls(first)
     if not calls:
         raise CommandError(f"{args.first} records no example inputs: pass --inputs INPUTS.pt")
     for path, program in ((args.first, first), (args.second, second)):
@@ -144,7 +148,7 @@ def compare_command(args, timings: Timings) -> int:
     worst = 0.0
     for call, (call_args, call_kwargs) in enumerate(calls):
         outputs = [
-            _run(program, (call_args, call_kwargs), f"{path}'s inputs[{call}]")
+            run_or_name_input(program, (call_args, call_kwargs), f"{path}'s inputs[{call}]")
             for path, program in ((args.first, first), (args.second, second))
         ]
         for index, (a, b) in enumerate(zip(*outputs)):
@@ -200,56 +204,13 @@ COMMANDS = {
 # ---- helpers ----------------------------------------------------------------------------
 
 
-def _existing_program_path(path: Path) -> Path:
-    path = path.expanduser()
-    if not path.exists():
-        raise CommandError(f"{path} does not exist")
-    if not path.is_file():
-        raise CommandError(f"{path} is not a file")
-    return path
-
-
-def _check_report_path(path: Path | None) -> None:
-    if path is not None and not path.expanduser().parent.is_dir():
-        raise CommandError(f"directory {path.expanduser().parent} does not exist")
-
-
-def _load(path: Path, args):
-    """The program in ``path``, after importing the modules ``--import`` names."""
-    import_modules(args.imports)
-    return load_program(path)
-
-
-def _read_inputs(path: Path) -> list[tuple[tuple, dict]]:
-    if not path.exists():
-        raise CommandError(f"{path} does not exist")
-    try:
-        loaded = torch.load(path, weights_only=False)
-    except Exception as error:
-        raise CommandError(
-            f"cannot read inputs from {path}: expected a list of input tuples saved with "
-            f"torch.save ({one_line(error)})"
-        ) from error
-    entries = loaded if isinstance(loaded, list) else [loaded]
-    calls = []
-    for entry in entries:
-        if isinstance(entry, torch.Tensor):
-            entry = (entry,)
-        if not isinstance(entry, (tuple, list)):
-            raise CommandError(
-                f"{path} must hold a list of input tuples, found {type(entry).__name__}"
-            )
-        calls.append((tuple(entry), {}))
-    return calls
-
-
 def _errors_against_fp32(source: Path, cast, args) -> dict | None:
     """Each node's (relative error, amplification) against the fp32 program on the first
     calibration input, by name (None without inputs)."""
     from fx16.diagnose import diagnose
 
-    reference = _load(source, args)
-    calls = _read_inputs(args.calibrate) if args.calibrate else _example_calls(reference)
+    reference = load_with_imports(source, args)
+    calls = read_inputs(args.calibrate) if args.calibrate else example_calls(reference)
     if not calls:
         return None
     found = diagnose(reference, cast, calls[:1])
@@ -260,7 +221,7 @@ def _validation_calls(ep, args) -> list | None:
     """``--validate``'s inputs, checked against the program like the calibration's."""
     if args.validate is None:
         return None
-    calls = _read_inputs(args.validate)
+    calls = read_inputs(args.validate)
     return calibration_calls(Program.of(ep), calls, label=str(args.validate))
 
 
@@ -272,19 +233,6 @@ def _validation_missed(report) -> None:
             f"the validation inputs' error {search.validation_error:.3g} exceeds the budget "
             f"{search.budget:.3g} (calibration: {search.error:.3g})"
         )
-
-
-def _example_calls(ep) -> list[tuple[tuple, dict]]:
-    return [ep.example_inputs] if ep.example_inputs is not None else []
-
-
-def _run(ep, call: tuple[tuple, dict], label: str) -> list:
-    """``ep``'s outputs on ``call``; one line naming the input if the program fails on it
-    (an id past the vocabulary, ...), whatever the type of its complaint."""
-    try:
-        return Program.of(ep).run(*call)
-    except Exception as error:
-        raise CommandError(f"{label}: the program fails on it: {one_line(error)}") from error
 
 
 def _policy(args) -> PrecisionPolicy:
@@ -309,16 +257,16 @@ def _policy(args) -> PrecisionPolicy:
 def _cast(source: Path, args, timings: Timings):
     """Load, check the inputs, keep the fp32 outputs of the first as the reference,
     cast and report."""
-    ep = _load(source, args)
+    ep = load_with_imports(source, args)
     timings.lap("load")
     policy = _policy(args)
     for option in ("target_share", "metric", "validate"):
         if getattr(args, option) is not None and args.max_rel_error is None:
             raise CommandError(f"--{option.replace('_', '-')} needs --max-rel-error")
     label = str(args.calibrate or "example inputs")
-    calls = _read_inputs(args.calibrate) if args.calibrate else _example_calls(ep)
+    calls = read_inputs(args.calibrate) if args.calibrate else example_calls(ep)
     calls = calibration_calls(Program.of(ep), calls, label=label)  # count, shapes, dtypes
-    references = [_run(ep, call, f"{label}[0]") for call in calls[:1]]
+    references = [run_or_name_input(ep, call, f"{label}[0]") for call in calls[:1]]
     timings.lap("inputs checked and fp32 reference run")
     cast_to_16_bit_precision(
         ep,
