@@ -26,6 +26,7 @@ from fx16.nodes import mutated_argument
 from fx16.numerics import INF_LIKE, largest
 from fx16.policy import OpKind, op_kind
 from fx16.program import Program
+from fx16.replay import replay_reconverges
 from fx16.stats import outputs_error
 from fx16.subgraphs import nested_graph_modules
 
@@ -42,8 +43,7 @@ class _Emulator(BodyInterpreter):
         result = super().run_node(node)
         if node not in self.emulation.rounding or node in self.wide:
             return result
-        sentinels = self.emulation.sentinels
-        return _rounded(result, self.emulation.low, sentinels is None or node in sentinels)
+        return self.emulation.rounded(node, result)
 
 
 def _rounded(value, low: torch.dtype, may_hold_sentinels: bool):
@@ -103,13 +103,18 @@ class Emulation:
         # where a sentinel may need saturating: what calibration saw hold one (all, unseen)
         calibrated = meta.CALIBRATION_OUTPUTS in program.graph_module.meta
         self.sentinels = {n for n in nodes if meta.holds_sentinel(n)} if calibrated else None
-        if reference is None:
+        self._reference = reference
+
+    @property
+    def reference(self) -> list[list]:
+        """The fp32 program's outputs on the calls (run when first needed)."""
+        if self._reference is None:
             with torch.no_grad():
-                reference = [
-                    pytree.tree_leaves(program.graph_module(*self.graph_inputs(call)))
-                    for call in calls
+                self._reference = [
+                    pytree.tree_leaves(self.program.graph_module(*self.graph_inputs(call)))
+                    for call in self.calls
                 ]
-        self.reference = reference
+        return self._reference
 
     def graph_inputs(self, call: tuple[tuple, dict]) -> list:
         """Each run starts from the buffers' values (a program may update them in place)."""
@@ -124,3 +129,20 @@ class Emulation:
                 outputs = pytree.tree_leaves(emulator.run(*self.graph_inputs(call)))
                 errors.append(outputs_error(reference, outputs))
         return max(errors, default=0.0)
+
+    def changes_nothing(self, wide: set[Node], dropped: set[Node]) -> bool:
+        """Whether rounding ``dropped`` too (a run keeping ``wide - dropped`` in fp32)
+        leaves the outputs as they were, bit for bit, on every call: then their error is
+        the same, and no whole run is needed to say fp32 buys nothing (``fx16.replay``)."""
+        if not dropped:
+            return False
+        with torch.no_grad():
+            return all(
+                replay_reconverges(self, self.graph_inputs(call), wide, dropped)
+                for call in self.calls
+            )
+
+    def rounded(self, node: Node, value):
+        """``value``, computed by ``node``, as the emulation rounds it to the 16-bit dtype."""
+        sentinels = self.sentinels
+        return _rounded(value, self.low, sentinels is None or node in sentinels)

@@ -88,6 +88,8 @@ def tensor_to_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> 
     keeps the source's strides; -0.0, inf and nan pass through.
     """
     source = tensor.detach()
+    if source.numel() == 0:
+        return source.to(dtype)
     if source.dim() and source.is_contiguous() and source.numel() <= _CHUNK:  # one chunk
         converted = source.to(dtype)
         magnitudes = converted.view(torch.int16).bitwise_and(_MAGNITUDE_BITS)

@@ -15,7 +15,7 @@ from torch.fx import Node
 
 from fx16.node_ids import has_ids, node_id
 from fx16.program import Program
-from fx16.subgraphs import COND, INVOKE_SUBGRAPH, MAP, WHILE_LOOP
+from fx16.subgraphs import COND, INVOKE_SUBGRAPH, MAP, WHILE_LOOP, attribute
 
 
 def program_values(program: Program, inputs: list) -> Iterator[tuple[tuple[str, int], Node, Any]]:
@@ -44,7 +44,7 @@ def _run_graph(module, prefix, assigned, inputs, counts, state):
         if node.op == "placeholder":
             value = next(feed)
         elif node.op == "get_attr":
-            value = _attribute(module, node.target)
+            value = attribute(module, node.target)
         elif node.op == "output":
             return pytree.tree_map(
                 lambda arg: env[arg] if isinstance(arg, Node) else arg, node.args[0]
@@ -73,7 +73,7 @@ def _call(node, prefix, assigned, args, kwargs, counts, state, module):
         return f"{prefix}{body_node.target}."
 
     def run(body_node, operands):
-        body = _attribute(module, body_node.target)
+        body = attribute(module, body_node.target)
         return (
             yield from _run_graph(
                 body, body_prefix(body_node), assigned, list(operands), counts, state
@@ -102,9 +102,3 @@ def _call(node, prefix, assigned, args, kwargs, counts, state, module):
     if target is INVOKE_SUBGRAPH:
         return tuple((yield from run(node.args[0], args[2:])))
     return target(*args, **kwargs)  # an autocast or set_grad region runs whole
-
-
-def _attribute(module, target: str):
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module

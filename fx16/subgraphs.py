@@ -66,3 +66,10 @@ def carried_count(node: Node) -> int:
     """How many of a while_loop's operands are carried from iteration to iteration
     (its body returns them, in the same dtypes); 0 for other nodes."""
     return len(node.args[2]) if node.target is WHILE_LOOP else 0
+
+
+def attribute(module, target: str):
+    """What a ``get_attr`` node's dotted ``target`` names in ``module`` (a body, a constant)."""
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module

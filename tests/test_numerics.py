@@ -144,15 +144,22 @@ def test_tensor_to_fp16_is_bit_identical_to_the_definition(values, repeats, dtyp
 
 
 def test_tensor_to_fp16_lifts_flushed_values_in_every_chunk():
-    """A tensor of several chunks with flushing values at chunk edges."""
-    source = torch.full((3 * 2**18 + 5,), 0.5)
-    edges = [0, 2**18 - 1, 2**18, 2 * 2**18 + 7, source.numel() - 1]
+    """A tensor of several chunks (of 2**20 elements) with flushing values at chunk edges."""
+    source = torch.full((2 * 2**20 + 5,), 0.5)
+    edges = [0, 2**20 - 1, 2**20, 2 * 2**20 + 2, source.numel() - 1]
     source[edges] = torch.tensor([1e-9, -1e-9, 2.0**-25, -(2.0**-25), 1e-45])
     converted = tensor_to_fp16(source)
     assert converted[edges].tolist() == [FP16_TINY, -FP16_TINY, FP16_TINY, -FP16_TINY, FP16_TINY]
     assert torch.equal(
         converted.view(torch.int16), _reference_to_16_bit(source, torch.float16).view(torch.int16)
     )
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 5, 2)])
+def test_tensor_to_fp16_of_an_empty_tensor(shape):
+    """An empty weight (a compressed program's unused scale) converts to an empty 16-bit one."""
+    converted = tensor_to_fp16(torch.empty(shape))
+    assert converted.dtype == torch.float16 and converted.shape == shape
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -16,8 +16,12 @@ knowing what its verdict buys. Two kinds of verdict are worth asking:
 is not asked.) Each is measured with ``fx16.emulation``: the output error on the calibration
 inputs with every verdict, and without that one. It holds when the error without it
 exceeds ``MEASURABLE`` times the error with it (or is not finite); otherwise it is
-dropped, and its nodes say why. Verdicts of one kind in different layers (the same
-rule and op at the same module path up to the layer index) are measured together:
+dropped, and its nodes say why. Before any whole run, a question whose nodes' consumers
+compute bit-identical values either way (replayed over what they depend on alone,
+when that is a small part of the program: a rotary embedding's sin and cos, rounded
+by the op that reads them) is dropped without one. Verdicts of one kind in
+different layers (the same rule and op at the same module path up to the layer
+index) are measured together:
 twelve GELU cubes are one question, not twelve. The most expensive are asked first,
 and each answer is kept for the next question. With no calibration input there is
 nothing to measure with, and every verdict holds.
@@ -68,9 +72,10 @@ class Check:
 
     label: str  # what is kept, e.g. "ill_conditioned pow.Tensor_Scalar at transformer.h.*.mlp"
     nodes: tuple[str, ...]
-    error_with: float
-    error_without: float
+    error_with: float | None  # None where no run was needed (identical)
+    error_without: float | None
     held: bool
+    identical: bool = False  # the consumers compute the same values either way: not run
 
 
 @dataclass
@@ -130,23 +135,32 @@ class VerdictCheckAnalysis(Analysis):
         if reference is not None and len(reference) != len(calls):
             reference = None  # calibrated on other inputs
         emulation = Emulation(self.program, calls, self.policy.low, reference=reference)
-        error = emulation.error(wide)
+        error = None  # with every verdict still kept: run when first needed
         for group in sorted(groups.values(), key=lambda g: g.cost, reverse=True):
             droppable = _droppable(group, findings)
-            without = emulation.error(wide - droppable)
-            held = not math.isfinite(without) or without > MEASURABLE * error
             names = tuple(sorted(node.name for node in droppable))
-            graph_module.meta[self.CHECKS_KEY].append(
-                Check(group.label, names, error, without, held)
-            )
-            why = None
-            if not held:
+            if emulation.changes_nothing(wide, droppable):
                 why = (
-                    f"{group.label}: fp32 does not measurably lower the output error on the "
-                    f"calibration inputs ({without:.3g} without it, {error:.3g} with it)"
+                    f"{group.label}: fp32 changes nothing: its consumers compute the same "
+                    "values either way on the calibration inputs"
                 )
+                check = Check(group.label, names, None, None, held=False, identical=True)
+            else:
+                error = emulation.error(wide) if error is None else error
+                without = emulation.error(wide - droppable)
+                held = not math.isfinite(without) or without > MEASURABLE * error
+                check = Check(group.label, names, error, without, held)
+                why = None
+                if not held:
+                    why = (
+                        f"{group.label}: fp32 does not measurably lower the output error on "
+                        f"the calibration inputs ({without:.3g} without it, {error:.3g} with it)"
+                    )
+                    error = without
+            graph_module.meta[self.CHECKS_KEY].append(check)
+            if why is not None:
                 self.drop(group, droppable, why)
-                wide, error = wide - droppable, without
+                wide = wide - droppable
             if self.answers is not None:
                 self.answers[group.label] = why
         return PassResult(graph_module, False)
