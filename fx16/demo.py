@@ -56,8 +56,10 @@ class DemoBlock(nn.Module):
         return self.head(x)
 
 
-def run_demo(out: TextIO = sys.stdout) -> float:
-    """Export, cast and compare the demo block; print a before/after table. Returns the error."""
+def run_demo(out: TextIO | None = None) -> float:
+    """Export, cast and compare the demo block; print a before/after table to ``out``
+    (default: ``sys.stdout`` as it is when called). Returns the error."""
+    out = out if out is not None else sys.stdout
     torch.manual_seed(0)
     model = DemoBlock().eval()
     input_ids = torch.randint(0, 512, (2, 16))

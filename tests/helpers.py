@@ -1,8 +1,11 @@
 """Shared test helpers: export small models, run casts, check programs like a downstream user."""
 
+import contextlib
 import copy
+import io
 import subprocess
 import sys
+import traceback
 from collections import Counter
 
 import torch
@@ -121,12 +124,36 @@ def eager(model, *args):
 
 
 def command(*args, cwd=None):
-    """Run the ``fx16`` command as a user does, in a subprocess: (exit code, stdout, stderr)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "fx16", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-    )
+    """Run the ``fx16`` command (see ``run_fx16``): (exit code, stdout, stderr)."""
+    result = run_fx16(args, cwd=cwd)
     return result.returncode, result.stdout, result.stderr
+
+
+def run_fx16(args, cwd=None, env=None) -> subprocess.CompletedProcess:
+    """Run ``fx16 ARGS`` with its exit code, stdout and stderr as a user sees them.
+
+    In this process (``fx16.cli.main``, what ``python -m fx16`` runs, output captured):
+    a fresh interpreter costs seconds of start-up per call. In a subprocess where the
+    command needs a working directory or an environment of its own."""
+    argv = [str(arg) for arg in args]
+    if cwd is not None or env is not None:
+        return subprocess.run(
+            [sys.executable, "-m", "fx16", *argv],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=env,
+            timeout=300,
+        )
+    from fx16.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exit:  # --help, --version, a usage error
+            code = exit.code if isinstance(exit.code, int) else int(exit.code is not None)
+        except Exception:  # what the interpreter would print before exiting with 1
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())

@@ -1,4 +1,6 @@
-"""The fx16 command, run as a user runs it: through a subprocess."""
+"""The fx16 command, run as a user runs it: its exit codes, stdout and stderr (in this
+process where it needs no working directory or environment of its own; the console
+script, a pipe and the start-up without torch in a subprocess)."""
 
 import hashlib
 import json
@@ -12,21 +14,14 @@ import zipfile
 import pytest
 import torch
 
-from helpers import export
+from helpers import export, run_fx16
 from models import MLP
 
 
 def fx16(*args, cwd=None, path=None):
     """Run the command; ``path``: a folder to put on PYTHONPATH."""
     env = {**os.environ, "PYTHONPATH": str(path)} if path is not None else None
-    return subprocess.run(
-        [sys.executable, "-m", "fx16", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=300,
-    )
+    return run_fx16(args, cwd=cwd, env=env)
 
 
 def _digest(path) -> str:
