@@ -12,7 +12,8 @@ path has reconverged: then the outputs are identical and no whole run is needed.
 It follows values into the bodies of regions that run once as they are (autocast
 disabled, ``set_grad_enabled``), through ``fx16.boundaries``. It gives up - the
 caller measures instead - when a difference reaches an output, a loop or branch, or
-an in-place op, or when it would compute more than ``LOCAL_SHARE`` of the program.
+an in-place op, or when it would compute more than ``LOCAL_SHARE`` of the program's
+nodes (both ways counted).
 """
 
 import heapq
@@ -25,8 +26,10 @@ from fx16.facts import Facts
 from fx16.nodes import mutated_argument
 from fx16.subgraphs import AUTOCAST, SET_GRAD, attribute, bodies_and_operands
 
-# The most of the program a replay computes before it gives up.
-LOCAL_SHARE = 0.25
+# The most of the program a replay computes (both ways counted) before it gives up: a
+# twentieth of a run, so that a replay that fails costs little next to the runs it saves.
+LOCAL_SHARE = 0.05
+LEAST_BUDGET = 32  # computations, however small the program
 
 
 def replay_reconverges(emulation, graph_inputs: list, wide: set[Node], dropped: set[Node]) -> bool:
@@ -90,7 +93,8 @@ class _Replay:
 
     def __init__(self, emulation, scope: _Scope, inputs: dict, wide: set[Node]) -> None:
         self.emulation, self.scope, self.inputs, self.wide = emulation, scope, inputs, wide
-        self.budget = LOCAL_SHARE * len(scope.position)
+        self.budget = max(LEAST_BUDGET, LOCAL_SHARE * len(scope.position))
+        self.computations = 0
         self.kept: dict[Node, object] = {}
 
     def reconverges(self, dropped: set[Node]) -> bool:
@@ -128,7 +132,7 @@ class _Replay:
                 stack.extend(missing)
                 continue
             stack.pop()
-            if top not in self.scope.position or _opaque(top) or len(self.kept) >= self.budget:
+            if top not in self.scope.position or _opaque(top):
                 raise _TooFar
             rounds = top in self.emulation.rounding and top not in self.wide
             self.kept[top] = self.computed(top, self.kept, rounds)
@@ -136,6 +140,9 @@ class _Replay:
 
     def computed(self, node: Node, values: dict, rounds: bool):
         """``node``'s value from its inputs' ``values``, rounded as the emulation would."""
+        self.computations += 1
+        if self.computations > self.budget:
+            raise _TooFar
         sources = self.scope.boundaries.crossing_sources(node)
         if sources:
             value = values[sources[0]]
