@@ -77,7 +77,9 @@ def tensor_overflows_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float
     return bool((magnitude[finite] > top).any())
 
 
-def tensor_to_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+def tensor_to_fp16(
+    tensor: torch.Tensor, dtype: torch.dtype = torch.float16, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
     """Convert an fp32 tensor that fits to ``dtype``, lifting tiny nonzero magnitudes to
     its smallest subnormal. The input is not modified. Call ``tensor_overflows_fp16``
     first: values above the maximum would become inf here.
@@ -85,16 +87,21 @@ def tensor_to_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> 
     One read of the source and one write of the result, at memory speed: a contiguous
     tensor is converted in cache-sized chunks, each checked while it is still in cache
     for elements that flushed to zero, which are then lifted by index. The result
-    keeps the source's strides; -0.0, inf and nan pass through.
+    keeps the source's strides; -0.0, inf and nan pass through. ``scratch``: a buffer
+    from ``conversion_scratch()`` to reuse (one per run of conversions: each temporary
+    left between the retained 16-bit tensors is a hole in the heap).
     """
     source = tensor.detach()
     if source.numel() == 0:
         return source.to(dtype)
     if source.dim() and source.is_contiguous() and source.numel() <= _CHUNK:  # one chunk
         converted = source.to(dtype)
-        magnitudes = converted.view(torch.int16).bitwise_and(_MAGNITUDE_BITS)
-        if int(magnitudes.min()) == 0:
-            _lift_flushed(source, converted, magnitudes)
+        flat = converted.view(-1)
+        scratch = conversion_scratch(source.numel()) if scratch is None else scratch
+        magnitudes = torch.bitwise_and(
+            flat.view(torch.int16), _MAGNITUDE_BITS, out=scratch[: source.numel()]
+        )
+        _lift_flushed_blocks(source.view(-1), flat, magnitudes)
         return converted
     converted = torch.empty_like(source, dtype=dtype)
     if source.dim() == 0 or not source.is_contiguous():  # rare: full-size temporaries
@@ -103,11 +110,17 @@ def tensor_to_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> 
         _lift_flushed(*whole, whole[1].view(torch.int16) & _MAGNITUDE_BITS)
         return converted
     flat_source, flat_converted = source.reshape(-1), converted.view(-1)
-    scratch = torch.empty(min(_CHUNK, source.numel()), dtype=torch.int16)  # reused per chunk
+    scratch = conversion_scratch(source.numel()) if scratch is None else scratch
     for start in range(0, source.numel(), _CHUNK):
         end = min(start + _CHUNK, source.numel())
         _convert_chunk(flat_source[start:end], flat_converted[start:end], scratch[: end - start])
     return converted
+
+
+def conversion_scratch(elements: int = 1 << 20) -> torch.Tensor:
+    """A buffer ``tensor_to_fp16`` may reuse for a tensor of up to ``elements`` (any size
+    from one chunk on)."""
+    return torch.empty(min(_CHUNK, elements), dtype=torch.int16)
 
 
 # Elements per chunk: 4 MiB of fp32 and its 16-bit copy stay in the shared cache. The
@@ -129,6 +142,13 @@ def _convert_chunk(source: torch.Tensor, converted: torch.Tensor, scratch: torch
     """
     converted.copy_(source)
     magnitudes = torch.bitwise_and(converted.view(torch.int16), _MAGNITUDE_BITS, out=scratch)
+    _lift_flushed_blocks(source, converted, magnitudes)
+
+
+def _lift_flushed_blocks(source: torch.Tensor, converted: torch.Tensor, magnitudes) -> None:
+    """Lift the flushed elements of 1-d ``converted`` (``magnitudes``: its magnitude
+    bits), found by bisection down to ``_BLOCK``-element blocks: the few temporaries are
+    block-sized, so converting hundreds of weights leaves no holes in the heap."""
     spans = [(0, magnitudes.numel())]
     while spans:
         start, end = spans.pop()

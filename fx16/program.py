@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from fx16.errors import Fx16Error, InvalidProgramError, PassFailedError
 from fx16.graph_repairs import register_missing_users, unshare_meta
-from fx16.numerics import tensor_to_fp16
+from fx16.numerics import conversion_scratch, tensor_to_fp16
 from fx16.snapshot import PENDING, Snapshot, collector_paused
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
@@ -161,9 +161,10 @@ class Program:
             leave=False,
             disable=None if progress is None else not progress,
         ) as bar:
+            scratch = conversion_scratch()  # one for all: no temporaries between the copies
             for names in groups:
                 original = self.state_tensor(names[0])
-                stored = tensor_to_fp16(original, pending[names[0]])
+                stored = tensor_to_fp16(original, pending[names[0]], scratch)
                 for target in names:
                     stored = self.replace_state_tensor(target, stored)
                 bar.update(_nbytes(original))
