@@ -1,6 +1,7 @@
 """CalibrationAnalysis, and the fp16 inserter keeping observed overflows in fp32."""
 
 import torch
+from fuzz_profile import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -9,6 +10,7 @@ from benchmarks.zoo import ExpLogits, ScaledAttention, SquaredSum
 from fx16.analysis import CalibrationAnalysis
 from fx16.decisions import PRECISION, Reason
 from fx16.program import Program
+from fx16.testing import programs
 from helpers import check_program, export, fp64_reference, max_error, run, state_snapshot
 from models import BufferUpdate, MaskedAttention
 
@@ -217,3 +219,40 @@ def test_a_mask_the_example_does_not_fill_is_still_a_sentinel_fp16_carries():
     with torch.no_grad():
         expected = PaddingMask()(scores, padded)
     torch.testing.assert_close(run(ep, scores, padded)[0].float(), expected, atol=2e-3, rtol=0)
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(programs(), st.integers(1, 3))
+def test_property_views_record_what_reducing_them_would(case, calls):
+    """Random programs, several calls: a view, permute or expand records its input's
+    observations instead of reducing its own values; what every node records is exactly
+    what reducing each value gives."""
+    import fx16.analysis.magnitudes as magnitudes
+
+    inputs = [case.inputs(seed) for seed in range(calls)]
+    recorded = []
+    for shortcut in (True, False):
+        ep = case.export()
+        original = magnitudes._keeps_values
+        if not shortcut:
+            magnitudes._keeps_values = lambda target: False
+        try:
+            CalibrationAnalysis(Program(ep), inputs)(ep.graph_module)
+        finally:
+            magnitudes._keeps_values = original
+        keys = (
+            CalibrationAnalysis.META_KEY,
+            CalibrationAnalysis.INTERVAL_KEY,
+            CalibrationAnalysis.SENTINEL_KEY,
+            CalibrationAnalysis.INT_RANGE_KEY,
+        )
+        recorded.append(
+            {
+                (module_name, node.name, key): repr(node.meta.get(key))
+                for module_name, module in ep.graph_module.named_modules()
+                if isinstance(module, torch.fx.GraphModule)
+                for node in module.graph.nodes
+                for key in keys
+            }
+        )
+    assert recorded[0] == recorded[1]

@@ -12,6 +12,7 @@ from fx16.analysis.centering import CENTERING_OPS, cancellation_ratio, centered_
 from fx16.int_ops import INT_DTYPES
 from fx16.interpreter import BodyInterpreter
 from fx16.numerics import INF_LIKE
+from fx16.ops import overloads, per_op
 from fx16.tensor_subclasses import inner_tensors, is_subclass
 
 
@@ -104,6 +105,8 @@ class MagnitudeRecorder(BodyInterpreter):
             if node in self.observed:
                 return result
             self.observed.add(node)
+        if node.op == "call_function" and self._same_values_as_input(node, result):
+            return result
         if node.op in ("placeholder", "call_function"):
             magnitude, sentinel, interval = observe_floats(result)
             if magnitude is not None and not math.isnan(magnitude):
@@ -119,6 +122,24 @@ class MagnitudeRecorder(BodyInterpreter):
                 self.int_ranges[node] = (min(low, extremes[0]), max(high, extremes[1]))
         return result
 
+    def _same_values_as_input(self, node: Node, result) -> bool:
+        """Record for a view, permute, expand (an op whose result holds exactly its
+        input's values) what its input recorded, without reducing it again: every call's
+        values are the same, so is what they accumulate. False where it must be observed."""
+        if not _keeps_values(node.target) or not isinstance(result, torch.Tensor):
+            return False
+        source = node.args[0] if node.args else None
+        if not isinstance(source, Node) or source.op not in ("placeholder", "call_function"):
+            return False
+        if not result.numel():
+            return False
+        for found in (self.magnitudes, self.intervals, self.int_ranges):
+            if source in found:
+                found[node] = found[source]
+        if source in self.sentinels:
+            self.sentinels.add(node)
+        return True
+
     def _observe_centering(self, node: Node, args) -> None:
         centered = centered_input(node.target, args)
         if centered is not None:
@@ -131,3 +152,30 @@ class MagnitudeRecorder(BodyInterpreter):
             nonzero = torch.where(magnitude > 0, magnitude, torch.inf).amin()
             if torch.isfinite(nonzero):
                 self.smallest[node] = min(float(nonzero), self.smallest.get(node, math.inf))
+
+
+@per_op
+def _keeps_values(target) -> bool:
+    """Ops whose result holds every value of their first argument and no other (for a
+    nonempty result): views, permutes, expands, clones."""
+    return target in _SAME_VALUES_OPS
+
+
+_SAME_VALUES_OPS = overloads(
+    "view.default",
+    "_unsafe_view.default",
+    "reshape.default",
+    "permute.default",
+    "transpose.int",
+    "t.default",
+    "unsqueeze.default",
+    "squeeze.default",
+    "squeeze.dim",
+    "squeeze.dims",
+    "expand.default",
+    "alias.default",
+    "clone.default",
+    "detach.default",
+    "flatten.using_ints",
+    "lift_fresh_copy.default",
+)
