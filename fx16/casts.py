@@ -7,7 +7,6 @@ marked with ``meta[INSERTED]`` so that cleanup can tell them from the model's
 own casts; a model cast whose dtype fx16 retargets is marked the same way.
 """
 
-import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -120,11 +119,12 @@ def set_cast_dtype(node: Node, dtype: torch.dtype) -> None:
     node.meta["val"] = retype_val(node.meta["val"], dtype)
 
 
-# Retyped fake values per fake mode, by (shape, strides, device, dtype): a transformer's
-# layers repeat the same few, and building a FakeTensor costs ~100 µs. Node metadata is
-# read-only, so nodes with equal metadata may share one value (torch.export itself shares
-# them between a multi-output op and its getitems).
-_RETYPED: "weakref.WeakKeyDictionary[FakeTensorMode, dict]" = weakref.WeakKeyDictionary()
+# Retyped fake values, kept on their fake mode (and freed with it) under this attribute,
+# by (shape, strides, device, dtype): a transformer's layers repeat the same few, and
+# building a FakeTensor costs ~100 µs. Node metadata is read-only, so nodes with equal
+# metadata may share one value (torch.export itself shares them between a multi-output op
+# and its getitems).
+_RETYPED = "_fx16_retyped"
 
 
 def retype_val(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -154,16 +154,13 @@ def retype_val(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _retyped_cache(mode: FakeTensorMode) -> dict:
-    """The retyped values of ``mode`` (a weak dictionary's look-up costs more than the
-    rest of ``retype_val``: the last mode asked for is remembered)."""
-    last_mode, cache = _LAST_MODE[0]
-    if last_mode is not mode:
-        cache = _RETYPED.setdefault(mode, {})
-        _LAST_MODE[0] = (mode, cache)
+    """The retyped values of ``mode``, an attribute of the mode: a global table keyed by
+    mode would keep every mode alive (its values point back to it)."""
+    cache = getattr(mode, _RETYPED, None)
+    if cache is None:
+        cache = {}
+        setattr(mode, _RETYPED, cache)
     return cache
-
-
-_LAST_MODE: list = [(None, {})]
 
 
 class CastInserter:
