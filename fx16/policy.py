@@ -209,7 +209,7 @@ class PrecisionPolicy:
         dtype, and every other op follows its inputs. The conditioning rule is off
         (``precision_tolerance=inf``), so every op gets what eager autocast gives it,
         and the model's own fp32 regions stay fp32, as under eager autocast.
-        Tables: ``fx16.ops.AUTOCAST_*``.
+        Tables: ``fx16.autocast_ops.AUTOCAST_*``.
         """
         tables = {"cpu": AUTOCAST_CPU, "cuda": AUTOCAST_CUDA}
         if device_type not in tables:

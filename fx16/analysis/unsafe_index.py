@@ -18,7 +18,7 @@ from fx16.nodes import node_val
 class UnsafeIndexAnalysis(Analysis):
     """Mark every node whose exact value decides an index, along any path.
 
-    Index arguments are listed in ``fx16.ops.INDEX_ARGUMENTS``: embedding ids,
+    Index arguments are listed in ``fx16.int_ops.INDEX_ARGUMENTS``: embedding ids,
     gather/scatter/index_* indices, ``index.Tensor`` index lists, one_hot,
     nll_loss/cross_entropy targets, and tensors read as Python sizes (``item()``,
     ``repeat_interleave`` counts). Narrowing such a value could send it out of range
