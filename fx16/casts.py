@@ -7,7 +7,6 @@ marked with ``meta[INSERTED]`` so that cleanup can tell them from the model's
 own casts; a model cast whose dtype fx16 retargets is marked the same way.
 """
 
-
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, Node

@@ -21,6 +21,7 @@ import heapq
 import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
 
 from fx16.facts import Facts
 from fx16.nodes import mutated_argument
@@ -110,7 +111,7 @@ class _Replay:
             values = {arg: changed.get(arg, self.value(arg)) for arg in self.scope.inputs(node)}
             rounds = node in self.emulation.rounding and (node not in self.wide or node in dropped)
             other = self.computed(node, values, rounds)
-            if identical(self.value(node), other):
+            if _identical(self.value(node), other):
                 continue  # reconverged here
             changed[node] = other
             for reader in self.scope.readers(node):
@@ -151,7 +152,8 @@ class _Replay:
         elif node.op == "get_attr":
             value = attribute(self.scope.module[node], node.target)
         else:
-            value = node.target(*_filled(node.args, values), **_filled(node.kwargs, values))
+            args, kwargs = map_arg((node.args, node.kwargs), values.__getitem__)
+            value = node.target(*args, **kwargs)
         return self.emulation.rounded(node, value) if rounds else value
 
 
@@ -163,11 +165,7 @@ def _opaque(node: Node) -> bool:
     return bool(bodies_and_operands(node)[0]) or mutated_argument(node) is not None
 
 
-def _filled(structure, values: dict):
-    return pytree.tree_map(lambda arg: values[arg] if isinstance(arg, Node) else arg, structure)
-
-
-def identical(a, b) -> bool:
+def _identical(a, b) -> bool:
     """Bit-identical values (a nan anywhere counts as a difference)."""
     if a is b:
         return True
