@@ -1,5 +1,6 @@
 """Interpreters for analyses that look at every value: calibration, emulation, the budget."""
 
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -35,35 +36,57 @@ class BodyInterpreter(LeanInterpreter):
         """The interpreter that runs ``body`` for this one."""
         raise NotImplementedError
 
-    def _run(self, body: GraphModule, operands) -> Any:
-        return self.inside(body).run(*operands)
-
     def call_function(self, target, args, kwargs):
-        if target is COND:
-            predicate, true_body, false_body, operands = args
-            return tuple(self._run(true_body if bool(predicate) else false_body, operands))
-        if target is WHILE_LOOP:
-            condition, body, carried, additional = args
-            carried = tuple(carried)
-            while bool(pytree.tree_leaves(self._run(condition, (*carried, *additional)))[0]):
-                carried = tuple(self._run(body, (*carried, *additional)))
-            return carried
-        if target is MAP and args[1][0].shape[0] > 0:
-            body, mapped, others = args
-            slices = [
-                self._run(body, (*(tensor[index] for tensor in mapped), *others))
-                for index in range(mapped[0].shape[0])
-            ]
-            return [torch.stack(parts) for parts in zip(*slices)]
-        if target is AUTOCAST:
-            device, dtype, enabled, cache, body, *operands = args
-            with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
-                return tuple(self._run(body, operands))
-        if target is SET_GRAD:
-            enabled, body, *operands = args
-            with torch.set_grad_enabled(enabled):
-                return tuple(self._run(body, operands))
-        if target is INVOKE_SUBGRAPH:
-            body, _, *operands = args
-            return tuple(self._run(body, operands))
-        return super().call_function(target, args, kwargs)
+        runs = body_runs(target, args, regions=True)
+        if runs is None:
+            return super().call_function(target, args, kwargs)
+        try:
+            body, operands = next(runs)
+            while True:
+                body, operands = runs.send(self.inside(body).run(*operands))
+        except StopIteration as done:
+            return done.value
+
+
+def body_runs(target, args, regions: bool) -> Generator[tuple, Any, Any] | None:
+    """How a higher-order op runs its bodies, as a generator: it yields ``(body,
+    operands)`` for each body run, is sent that run's outputs, and returns the op's
+    result. cond runs the branch taken, while_loop every iteration, map every slice,
+    invoke_subgraph its body; with ``regions``, autocast and set_grad_enabled regions
+    too (their mode is set around the body's run). None for an op run whole.
+
+    One statement of the ops' semantics for every interpreter that runs bodies node
+    by node (``BodyInterpreter``, ``fx16.program_values``)."""
+    if target in (COND, WHILE_LOOP, INVOKE_SUBGRAPH) or (target is MAP and args[1][0].shape[0]):
+        return _runs(target, args)
+    if regions and target in (AUTOCAST, SET_GRAD):
+        return _runs(target, args)
+    return None
+
+
+def _runs(target, args):
+    if target is COND:
+        predicate, true_body, false_body, operands = args
+        return tuple((yield (true_body if bool(predicate) else false_body), operands))
+    if target is WHILE_LOOP:
+        condition, body, carried, additional = args
+        carried = tuple(carried)
+        while bool(pytree.tree_leaves((yield condition, (*carried, *additional)))[0]):
+            carried = tuple((yield body, (*carried, *additional)))
+        return carried
+    if target is MAP:
+        body, mapped, others = args
+        slices = []
+        for index in range(mapped[0].shape[0]):
+            slices.append((yield body, (*(tensor[index] for tensor in mapped), *others)))
+        return [torch.stack(parts) for parts in zip(*slices)]
+    if target is AUTOCAST:
+        device, dtype, enabled, _, body, *operands = args
+        with torch.autocast(device_type=device, dtype=dtype, enabled=enabled):
+            return tuple((yield body, operands))
+    if target is SET_GRAD:
+        enabled, body, *operands = args
+        with torch.set_grad_enabled(enabled):
+            return tuple((yield body, operands))
+    body, _, *operands = args  # invoke_subgraph
+    return tuple((yield body, operands))

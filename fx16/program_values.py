@@ -9,13 +9,13 @@ The bodies of ``cond`` (the branch taken), ``while_loop`` (every iteration), ``m
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.utils._pytree as pytree
 from torch.fx import Node
 
+from fx16.interpreter import body_runs
 from fx16.node_ids import has_ids, node_id
 from fx16.program import Program
-from fx16.subgraphs import COND, INVOKE_SUBGRAPH, MAP, WHILE_LOOP, attribute
+from fx16.subgraphs import attribute, bodies_and_operands
 
 
 def program_values(program: Program, inputs: list) -> Iterator[tuple[tuple[str, int], Node, Any]]:
@@ -66,39 +66,21 @@ def _run_graph(module, prefix, assigned, inputs, counts, state):
 
 
 def _call(node, prefix, assigned, args, kwargs, counts, state, module):
-    """Run one op; the bodies of the higher-order ops fx16 looks into, node by node."""
-    target = node.target
-
-    def body_prefix(body_node: Node) -> str:
-        return f"{prefix}{body_node.target}."
-
-    def run(body_node, operands):
-        body = attribute(module, body_node.target)
-        return (
-            yield from _run_graph(
-                body, body_prefix(body_node), assigned, list(operands), counts, state
-            )
-        )
-
-    if target is COND:
-        predicate, _, _, operands = args
-        chosen = node.args[1] if bool(predicate) else node.args[2]
-        return tuple((yield from run(chosen, operands)))
-    if target is WHILE_LOOP:
-        _, _, carried, additional = args
-        carried = tuple(carried)
+    """Run one op; the bodies of the higher-order ops fx16 looks into, node by node
+    (``body_runs``; autocast and set_grad regions run whole: their mode would be set
+    while the other program of a lockstep run computes)."""
+    runs = body_runs(node.target, args, regions=False)
+    if runs is None:
+        return node.target(*args, **kwargs)
+    bodies = bodies_and_operands(node)[0]
+    names = {id(attribute(module, body.target)): body.target for body in bodies}
+    try:
+        body, operands = next(runs)
         while True:
-            go = yield from run(node.args[0], (*carried, *additional))
-            if not bool(pytree.tree_leaves(go)[0]):
-                return carried
-            carried = tuple((yield from run(node.args[1], (*carried, *additional))))
-    if target is MAP and args[1][0].shape[0] > 0:
-        _, mapped, others = args
-        slices = []
-        for index in range(mapped[0].shape[0]):
-            operands = (*(tensor[index] for tensor in mapped), *others)
-            slices.append((yield from run(node.args[0], operands)))
-        return [torch.stack(parts) for parts in zip(*slices)]
-    if target is INVOKE_SUBGRAPH:
-        return tuple((yield from run(node.args[0], args[2:])))
-    return target(*args, **kwargs)  # an autocast or set_grad region runs whole
+            name = names[id(body)]
+            outputs = yield from _run_graph(
+                body, f"{prefix}{name}.", assigned, list(operands), counts, state
+            )
+            body, operands = runs.send(outputs)
+    except StopIteration as done:
+        return done.value
