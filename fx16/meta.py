@@ -6,6 +6,7 @@ reshaping it touches this module and that analysis only. Torch-free: importing i
 loads no analysis.
 """
 
+import math
 from typing import Any
 
 # ---- node.meta: what the analyses found ----------------------------------------------
@@ -58,10 +59,20 @@ def holds_sentinel(node: Any) -> bool:
     return bool(_meta(node).get(OBSERVED_SENTINEL))
 
 
-def overflows(node: Any, limit: float) -> bool:
-    """Calibration saw the node hold a magnitude above ``limit`` (the 16-bit maximum over
-    the overflow margin): the one overflow test every rule and pass applies."""
-    return (_meta(node).get(OBSERVED_MAX_ABS) or 0.0) > limit
+def overflows(node: Any, limit: float, proven=None) -> bool:
+    """The node holds a magnitude above ``limit`` (the 16-bit maximum over the overflow
+    margin): the one overflow test every rule and pass applies. The magnitude is
+    ``largest_magnitude``'s: calibration's, or ``proven``'s where that range is finite."""
+    return (largest_magnitude(node, proven)[0] or 0.0) > limit
+
+
+def largest_magnitude(node: Any, proven=None) -> tuple[float | None, str]:
+    """The largest |value| of ``node`` and where it comes from: "proven" when
+    ``proven`` (a range with ``low`` and ``high``) is finite, else "observed" by
+    calibration (None: not observed)."""
+    if proven is not None and math.isfinite(proven.low) and math.isfinite(proven.high):
+        return max(abs(proven.low), abs(proven.high)), "proven"
+    return _meta(node).get(OBSERVED_MAX_ABS), "observed"
 
 
 def proven_range(node: Any):

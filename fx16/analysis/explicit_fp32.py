@@ -35,7 +35,6 @@ and in each graph's ``graph_module.meta["fx16.explicit_fp32"]`` the list of its
 verdicts (the report reads them there: cleanup may remove a retargeted cast).
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -133,10 +132,11 @@ class ExplicitFp32Analysis(Analysis):
             conditioning = meta.ill_conditioned(node)
             if conditioning:
                 return True, f"{node.name} is ill-conditioned in 16-bit ({conditioning})"
-            magnitude, seen = _magnitude(node, ranges)
+            proven = ranges.of(node)
+            magnitude, seen = meta.largest_magnitude(node, proven)
             if magnitude is None:
                 unobserved = unobserved or node
-            elif magnitude > self.limit:
+            elif meta.overflows(node, self.limit, proven):
                 return True, (
                     f"{node.name} reaches {magnitude:.4g} ({seen}), beyond {self.limit:.4g} "
                     "(the 16-bit maximum over the overflow margin)"
@@ -156,14 +156,6 @@ class ExplicitFp32Analysis(Analysis):
             f"its values fit 16-bit on the calibration inputs (largest {widest[1]:.4g}, in "
             f"{widest[0]}; limit {self.limit:.4g})"
         )
-
-
-def _magnitude(node: Node, ranges: FloatRanges) -> tuple[float | None, str]:
-    """The largest |value| of ``node``: proven if a finite range is known, else observed."""
-    proven = ranges.of(node)
-    if proven is not None and math.isfinite(proven.low) and math.isfinite(proven.high):
-        return max(abs(proven.low), abs(proven.high)), "proven"
-    return meta.observed_max_abs(node), "observed"
 
 
 def _opened_region(node: Node, order: dict[Node, int], boundaries: Boundaries) -> list[Node] | None:
