@@ -3,14 +3,16 @@
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from fuzz_profile import examples
 from hypothesis import HealthCheck, given, settings
 
-from fx16.analysis import CalibrationAnalysis, Source, ValueRange, ValueRangeAnalysis
+from fx16.analysis import CalibrationAnalysis, Source, ValueRange, ValueRangeAnalysis, value_range
 from fx16.errors import InvalidOptionError
 from fx16.program import Program
-from fx16.testing.strategies import integer_cases
+from fx16.subgraphs import nested_graph_modules
+from fx16.testing.strategies import integer_cases, programs
 from helpers import export
-from models import BucketHash, CumsumCounter, PositionsAndMask
+from models import BucketHash, CumsumCounter, GatherComputedIndex, PositionsAndMask
 
 KEY = ValueRangeAnalysis.META_KEY
 
@@ -142,3 +144,60 @@ def test_arange_in_every_overload(decompose):
         (r.low, r.high) for n, r in ranges.items() if n.startswith("arange") and r is not None
     )
     assert found == [(0, 99), (2, 101)]
+
+
+def _every_range(ep) -> dict:
+    return {
+        (index, node.name): node.meta.get(KEY)
+        for index, module in enumerate(nested_graph_modules(ep.graph_module))
+        for node in module.graph.nodes
+    }
+
+
+def _with_full_second_walk(ep) -> dict:
+    """The ranges when the walk after the index bounds redoes every node."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(value_range, "_downstream", lambda confined: None)
+        _analyse(ep)
+    return _every_range(ep)
+
+
+@pytest.mark.parametrize(
+    "model, args",
+    [
+        (PositionsAndMask(), (torch.tensor([[3, 7, 1]]), torch.tensor([[1, 1, 0]]))),
+        (GatherComputedIndex(), (torch.randn(2, 5), torch.tensor([[1, 2], [3, 4]]))),
+    ],
+)
+def test_the_walk_after_index_bounds_redoes_only_what_they_reach(monkeypatch, model, args):
+    """Index bounds (an index must lie inside the table) confine some integer values;
+    the second walk then visits only the nodes those reach and ends with the ranges a
+    walk over every node gives - here with a bound that changes a downstream range."""
+    ep = export(model, *args)
+    walked = []
+    forward = value_range._Walk.forward
+
+    def counting(self, graph_module, confined, reached=None):
+        walked.append((bool(confined), reached))
+        return forward(self, graph_module, confined, reached)
+
+    monkeypatch.setattr(value_range._Walk, "forward", counting)
+    incremental = _analyse(ep)
+    monkeypatch.undo()
+    (_, reached), *_ = [entry for entry in walked if entry[0]]  # a second walk ran
+    assert reached is not None and 0 < len(reached) < len(ep.graph_module.graph.nodes)
+    full = _with_full_second_walk(export(model, *args))
+    assert _every_range(ep) == full
+    confined = [n for n in reached if incremental.get(n.name) is not None]
+    assert confined  # the bounds gave ranges the first walk did not have
+
+
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_the_incremental_walk_equals_a_full_walk_on_random_programs(case):
+    """On programs of the fuzzer's whole menu (embeddings indexed by computed ids,
+    bodies of higher-order ops), the walk limited to what the index bounds reach gives
+    every node the range a full second walk gives."""
+    ep = case.export()
+    _analyse(ep)
+    assert _every_range(ep) == _with_full_second_walk(case.export())
