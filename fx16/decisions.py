@@ -92,13 +92,18 @@ class Decision:
 def decide(
     node: Node, dtype: torch.dtype, reason: Reason, *, key: str = PRECISION, detail: str = ""
 ) -> None:
+    node.meta[key] = decision(dtype, reason, detail)
+
+
+def decision(dtype: torch.dtype, reason: Reason, detail: str = "") -> Decision:
+    """``Decision(dtype, reason, detail)``; one shared object per (dtype, reason) without
+    a detail (decisions are immutable)."""
     if detail:
-        node.meta[key] = Decision(dtype, reason, detail)
-        return
-    plain = _PLAIN.get((dtype, reason))  # decisions are immutable: one per (dtype, reason)
+        return Decision(dtype, reason, detail)
+    plain = _PLAIN.get((dtype, reason))
     if plain is None:
         plain = _PLAIN[(dtype, reason)] = Decision(dtype, reason)
-    node.meta[key] = plain
+    return plain
 
 
 _PLAIN: dict[tuple[torch.dtype, Reason], Decision] = {}

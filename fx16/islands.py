@@ -5,7 +5,7 @@ a rotary embedding. Once the model is cast, such a cast opens an fp32 island in 
 16-bit program. ``island_region`` finds the ops the island would hold (those fed
 only by it, up to the model's next cast); ExplicitFp32Analysis decides from them
 whether the island stays, and InsertFP16CastsPass's decisions mark the kept
-island's nodes (``is_island``). After ``run_decompositions`` only the cast's
+island's nodes (reason ``EXPLICIT_FP32``). After ``run_decompositions`` only the cast's
 ``_assert_tensor_metadata`` check may be left (``asserted_dtype``).
 """
 
@@ -14,21 +14,30 @@ from collections.abc import Iterable
 import torch
 from torch.fx import Node
 
+from fx16 import meta
 from fx16.boundaries import Boundaries
 from fx16.casts import is_cast
-from fx16.decisions import Reason, decision_of
+from fx16.decisions import Decision, Reason, decision
 from fx16.nodes import FLOAT_DTYPES, node_dtype, tensor_inputs
 from fx16.op_kinds import PRECISION_SENSITIVE_OPS
 from fx16.policy import op_name
+
+FP32 = torch.float32
 
 # How many ops after a model's fp32 cast an island may hold.
 _REGION_LOOKAHEAD = 32
 
 
-def is_island(node: Node) -> bool:
-    """``node`` was kept fp32 as part of a region the model asks for explicitly."""
-    decision = decision_of(node)
-    return decision is not None and decision.reason == Reason.EXPLICIT_FP32
+def island_decision(node: Node, dtype: torch.dtype) -> Decision:
+    """``dtype`` for ``node`` with the reason its island verdict gives: inside a kept
+    region, or the model's fp32 cast made 16-bit, and the evidence; an ordinary fit for
+    a node that opens no region."""
+    verdict = meta.island_verdict(node)
+    if verdict is None:
+        return decision(dtype, Reason.FITS)
+    kept = verdict.keep and dtype == FP32
+    reason = Reason.EXPLICIT_FP32 if kept else Reason.EXPLICIT_FP32_RETARGETED
+    return decision(dtype, reason, verdict.why)
 
 
 def island_region(

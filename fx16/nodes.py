@@ -65,18 +65,6 @@ def tensor_inputs(node: Node) -> list[Node]:
     return [arg for arg in node.all_input_nodes if isinstance(node_val(arg), torch.Tensor)]
 
 
-def float_inputs(node: Node) -> tuple[list[Node], list[Node]]:
-    """The distinct inputs whose value is a float tensor, and those of them in fp32."""
-    floats, fp32 = [], []
-    for arg in node.all_input_nodes:
-        val = arg.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dtype in FLOAT_DTYPES:
-            floats.append(arg)
-            if val.dtype == torch.float32:
-                fp32.append(arg)
-    return floats, fp32
-
-
 @dataclass(frozen=True)
 class SchemaArgument:
     """What fx16 reads of one argument of an op schema (read once per op, then cached:

@@ -1,12 +1,13 @@
 """Which precision an op gets, and why: one ordered rule list per node kind, as data.
 
-The fp16 cast inserter asks ``choose`` about a node before it rewrites anything
-around it. ``choose`` reads the node, the dtypes and decisions its inputs carry
-now, the safety rules' verdicts (``meta["fx16.fp32_rule"]``), the island verdicts
+The fp16 cast planner (``fx16.planner``) asks ``choose`` about every node before
+anything is rewritten. ``choose`` reads the node, the dtypes and decisions its inputs
+will carry (``View.read``: from the plan so far, or from the graph as it is), the
+safety rules' verdicts (``meta["fx16.fp32_rule"]``), the island verdicts
 (``meta["fx16.explicit_fp32"]``), calibration and the policy, and changes nothing:
 it returns a ``Choice`` (an action, the reason, the detail that names the evidence
-or the input responsible, and the rule that chose). Applying it is the inserter's
-job (``fx16.passes.fp16_rewrite``).
+or the input responsible, and the rule that chose). The planner turns it into a
+``Step``; applying that is ``fx16.passes.fp16_rewrite``'s job.
 
 Each list is tried in order and the first rule that applies chooses, as TVM's
 ALWAYS / FOLLOW / NEVER lists are data: the precedence of the reasons is the order
@@ -24,19 +25,12 @@ import torch
 from torch.fx import Node
 
 from fx16 import meta
-from fx16.decisions import Decision, Reason, decision_of, was_narrowed
-from fx16.islands import is_island
-from fx16.nodes import (
-    float_inputs,
-    has_fp32_part,
-    node_dtype,
-    requested_dtypes,
-    tensor_inputs,
-    value_scalars,
-)
+from fx16.decisions import Decision, Reason
+from fx16.nodes import FLOAT_DTYPES, has_fp32_part, requested_dtypes, tensor_inputs, value_scalars
 from fx16.numerics import round_scalar_to_fp16
 from fx16.op_kinds import is_known_op
 from fx16.ops import is_custom_op
+from fx16.plan import Plan, Read, graph_read
 from fx16.policy import Precision, PrecisionPolicy
 
 FP32 = torch.float32
@@ -67,12 +61,14 @@ class Choice:
 
 class View:
     """What the rules read of one node, each fact computed once (the lazy ones on
-    first use)."""
+    first use). Its inputs are read as ``plan`` says they will be (None: as the graph
+    holds them now)."""
 
     __slots__ = (
         "node",
         "policy",
         "limit",
+        "plan",
         "float_inputs",
         "fp32_inputs",
         "produces_fp32",
@@ -80,13 +76,31 @@ class View:
         "_scalars",
     )
 
-    def __init__(self, node: Node, policy: PrecisionPolicy, limit: float) -> None:
+    def __init__(
+        self, node: Node, policy: PrecisionPolicy, limit: float, plan: Plan | None = None
+    ) -> None:
         self.node = node
         self.policy = policy
         self.limit = limit  # calibration magnitudes above it overflow 16-bit (with the margin)
-        self.float_inputs, self.fp32_inputs = float_inputs(node)
+        self.plan = plan
+        self.float_inputs, self.fp32_inputs = [], []  # the float tensor inputs; the fp32 ones
+        for arg in node.all_input_nodes:
+            dtype = self.read(arg).dtype
+            if dtype in FLOAT_DTYPES:
+                self.float_inputs.append(arg)
+                if dtype == FP32:
+                    self.fp32_inputs.append(arg)
         self.produces_fp32 = has_fp32_part(node.meta.get("val"))
         self._precision = self._scalars = None
+
+    def read(self, arg: Node) -> Read:
+        """What the node reads of its input ``arg``."""
+        return self.plan.read(arg, self.node) if self.plan is not None else graph_read(arg)
+
+    def island(self, arg: Node) -> bool:
+        """``arg`` is kept fp32 as part of a region the model asks for explicitly."""
+        decision = self.read(arg).decision
+        return decision is not None and decision.reason == Reason.EXPLICIT_FP32
 
     @property
     def low(self) -> torch.dtype:
@@ -120,7 +134,7 @@ class View:
         some of its uses, or a loop carrying it), not by a safety rule, and that fits
         16-bit: a 16-bit op reading it may cast it down, as eager autocast does with
         weights."""
-        decision = decision_of(value)
+        decision = self.read(value).decision
         return (
             decision is not None
             and decision.reason in DOWNCASTABLE
@@ -161,10 +175,10 @@ def choose(rules: tuple[Rule, ...], view: View) -> Choice:
     raise AssertionError(f"no precedence rule applies to {view.node.name}")  # lists end total
 
 
-def _why_input(value: Node) -> str:
-    decision = decision_of(value)
-    why = f": {decision.reason.name.lower()}" if decision is not None else ""
-    return f"from {value.name}{why}"
+def _why_input(view: View, value: Node) -> str:
+    read = view.read(value)
+    why = f": {read.decision.reason.name.lower()}" if read.decision is not None else ""
+    return f"from {read.name}{why}"
 
 
 def _safety_rule(view: View) -> Choice | None:
@@ -189,7 +203,7 @@ def _scalar_overflow(view: View) -> Choice | None:
 
 
 def _nothing_narrowed(view: View) -> Choice | None:
-    if view.fp32_inputs or any(was_narrowed(arg) for arg in view.float_inputs):
+    if view.fp32_inputs or any(view.read(arg).narrowed for arg in view.float_inputs):
         return None
     if view.produces_fp32 and not view.float_inputs:
         return Choice(Action.LEAVE, Reason.NO_FLOAT_INPUT)
@@ -203,10 +217,9 @@ def _opens_region(view: View) -> Choice | None:
 
 
 def _inside_region(view: View) -> Choice | None:
-    if view.fp32_inputs and all(is_island(arg) for arg in view.float_inputs):
-        return Choice(
-            Action.IN_REGION, Reason.EXPLICIT_FP32, decision_of(view.fp32_inputs[0]).detail
-        )
+    if view.fp32_inputs and all(view.island(arg) for arg in view.float_inputs):
+        detail = view.read(view.fp32_inputs[0]).decision.detail
+        return Choice(Action.IN_REGION, Reason.EXPLICIT_FP32, detail)
     return None
 
 
@@ -219,15 +232,16 @@ def _policy_follow(view: View) -> Choice | None:
 
 def _fp32_input(view: View) -> Choice | None:
     kept = [arg for arg in view.fp32_inputs if not view.downcastable(arg)]
-    return Choice(Action.FP32, Reason.FP32_INPUT, _why_input(kept[0])) if kept else None
+    return Choice(Action.FP32, Reason.FP32_INPUT, _why_input(view, kept[0])) if kept else None
 
 
 def _mixed_float_dtypes(view: View) -> Choice | None:
     if not view.produces_fp32 or len(view.float_inputs) == len(view.fp32_inputs):
         return None
-    other = [arg for arg in view.float_inputs if node_dtype(arg) not in (view.low, FP32)]
+    other = [view.read(arg) for arg in view.float_inputs]
+    other = [read for read in other if read.dtype not in (view.low, FP32)]
     if other:
-        dtype = str(node_dtype(other[0])).removeprefix("torch.")
+        dtype = str(other[0].dtype).removeprefix("torch.")
         return Choice(Action.FP32, Reason.MIXED_FLOAT_DTYPES, f"{other[0].name} is {dtype}")
     return None
 
@@ -258,22 +272,22 @@ COMPUTE_RULES = (
 
 def _way_back(view: View) -> Choice | None:
     source = view.node.args[0]
-    if node_dtype(source) == FP32 and is_island(source) and view.policy.cast_back:
+    if view.read(source).dtype == FP32 and view.island(source) and view.policy.cast_back:
         return Choice(Action.RETARGET, Reason.FITS, "the way back from the model's fp32 region")
     return None
 
 
 def _fp32_source(view: View) -> Choice | None:
     source = view.node.args[0]
-    if node_dtype(source) != FP32:
+    read = view.read(source)
+    if read.dtype != FP32:
         return None
-    decision = decision_of(source)
-    reason = decision.reason if decision is not None else Reason.FP32_INPUT
-    return Choice(Action.KEEP, reason, _why_input(source))
+    reason = read.decision.reason if read.decision is not None else Reason.FP32_INPUT
+    return Choice(Action.KEEP, reason, _why_input(view, source))
 
 
 def _cast_opens_region(view: View) -> Choice | None:
-    source_dtype = node_dtype(view.node.args[0])
+    source_dtype = view.read(view.node.args[0]).dtype
     if source_dtype in (torch.float16, torch.bfloat16) and meta.keeps_island(view.node):
         return Choice(Action.OPEN_REGION, Reason.EXPLICIT_FP32)
     return None
@@ -303,7 +317,7 @@ CAST_TO_FP32_RULES = (
 def _creation_follows(view: View) -> Choice | None:
     if view.precision not in (Precision.FOLLOW, Precision.PROMOTE):
         return None
-    if any(was_narrowed(arg) for arg in tensor_inputs(view.node)):  # *_like of a 16-bit value
+    if any(view.read(arg).narrowed for arg in tensor_inputs(view.node)):  # *_like of 16-bit
         return Choice(Action.FOLLOW, Reason.POLICY_FOLLOW, view.entry())
     return Choice(Action.LEAVE)
 

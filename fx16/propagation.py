@@ -39,18 +39,21 @@ _OUTPUT_DTYPES: dict[tuple, tuple] = {}
 _MOST_REMEMBERED = 4096
 
 
-def retyped_result(node: Node) -> Any:
-    """``node``'s recorded value with the dtypes its op gives on the inputs' current dtypes.
+def retyped_result(node: Node, args: Any = None, kwargs: Any = None) -> Any:
+    """``node``'s recorded value with the dtypes its op gives on the inputs' current dtypes
+    (or on the values ``args``/``kwargs``, when given).
 
     The op is fake-run once per (op, input dtypes, other arguments) and the output
     dtypes remembered: the twelve layer norms of a transformer, or the same model cast
     again, reuse them instead of dispatching again (an LSTM's fake run alone costs
     milliseconds). Shapes come from the recorded value, which already has them.
     """
-    key = _signature(node)
+    if args is None:
+        args, kwargs = map_arg(node.args, node_val), map_arg(node.kwargs, node_val)
+    key = _signature(node.target, args, kwargs)
     dtypes = _OUTPUT_DTYPES.get(key) if key is not None else None
     if dtypes is None:
-        result = propagate_fake(node)
+        result = propagate_fake(node, args, kwargs)
         if key is not None:
             if len(_OUTPUT_DTYPES) >= _MOST_REMEMBERED:
                 _OUTPUT_DTYPES.clear()
@@ -61,7 +64,7 @@ def retyped_result(node: Node) -> Any:
         return result
     leaves, spec = pytree.tree_flatten(node_val(node))
     if len(leaves) != len(dtypes):
-        return propagate_fake(node)
+        return propagate_fake(node, args, kwargs)
     return pytree.tree_unflatten(
         [
             retype_val(leaf, dtype) if isinstance(leaf, torch.Tensor) and dtype else leaf
@@ -71,19 +74,18 @@ def retyped_result(node: Node) -> Any:
     )
 
 
-def _signature(node: Node) -> tuple | None:
+def _signature(target: Any, args: Any, kwargs: Any) -> tuple | None:
     """The op and what decides its output dtypes: input dtypes and the other arguments
     (None when an argument has no plain description)."""
     described = []
-    for leaf in pytree.tree_leaves((node.args, node.kwargs)):
-        value = node_val(leaf) if isinstance(leaf, Node) else leaf
+    for value in pytree.tree_leaves((args, kwargs)):
         if isinstance(value, torch.Tensor):
             described.append(value.dtype)
         elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
             described.append((type(value), value))
         else:
             return None
-    return (node.target, tuple(described))
+    return (target, tuple(described))
 
 
 def _concrete(size) -> int:
@@ -98,15 +100,15 @@ def _real_like(value: Any) -> Any:
     return value
 
 
-def output_dtypes_by_running(node: Node, fake_result: Any) -> Any:
-    """``fake_result`` with the dtypes a real run of the op gives.
+def output_dtypes_by_running(node: Node, fake_result: Any, args: Any, kwargs: Any) -> Any:
+    """``fake_result`` with the dtypes a real run of the op on (fake) ``args`` and
+    ``kwargs`` gives.
 
     Some CPU kernels disagree with their meta functions when inputs mix float dtypes
     (layer_norm of a bf16 input with fp32 weights returns fp32 on the CPU, bf16 in
     fake mode); running the op once on small real tensors settles it.
     """
-    args = map_arg(node.args, lambda arg: _real_like(node_val(arg)))
-    kwargs = map_arg(node.kwargs, lambda arg: _real_like(node_val(arg)))
+    args, kwargs = pytree.tree_map(_real_like, (args, kwargs))
     with torch.no_grad():
         real = node.target(*args, **kwargs)
     if isinstance(fake_result, torch.Tensor):
@@ -119,8 +121,11 @@ def output_dtypes_by_running(node: Node, fake_result: Any) -> Any:
     return fake_result
 
 
-def narrowed_result(node: Node, low: torch.dtype, produces_fp32: bool) -> Any:
-    """The value ``node`` computes now that its inputs are ``low``.
+def narrowed_result(
+    node: Node, low: torch.dtype, produces_fp32: bool, args: Any = None, kwargs: Any = None
+) -> Any:
+    """The value ``node`` computes now that its inputs are ``low`` (``args``/``kwargs``:
+    the input values it will run on, when they are not the recorded ones).
 
     A single fp32 tensor result of an ATen op becomes ``low`` (ATen's float ops follow
     their inputs); other results that held fp32 are recomputed per output. A custom op
@@ -128,11 +133,11 @@ def narrowed_result(node: Node, low: torch.dtype, produces_fp32: bool) -> Any:
     returns its scale's dtype, whatever its ``output_dtype`` argument says).
     """
     if is_custom_op(node.target):  # its result may depend on more than dtypes: no cache
-        return propagate_fake(node)
+        return propagate_fake(node, args, kwargs)
     val = node_val(node)
     if isinstance(val, torch.Tensor) and val.dtype == torch.float32:
         return retype_val(val, low)
-    return retyped_result(node) if produces_fp32 else val
+    return retyped_result(node, args, kwargs) if produces_fp32 else val
 
 
 def runs_narrowed(node: Node, low: torch.dtype) -> bool:

@@ -189,15 +189,6 @@ def island_readers(opening: Node, later: list[Node]) -> list[Node]:
     return [user for user in later if user.name in verdict.members]
 
 
-def outside_island(opening: Node) -> list[Node]:
-    """The users of an opening cast that are not ops of its island. An identity
-    ``x.to(torch.float32)`` returns x itself, so export routes every later use of x
-    (a residual add) through the cast; they read the 16-bit x, as in the source."""
-    verdict = island_verdict(opening)
-    members = verdict.members if verdict is not None else frozenset()
-    return [user for user in opening.users if user.name not in members]
-
-
 def islands(graph_module: GraphModule) -> list[Island]:
     """The verdicts ExplicitFp32Analysis published for one graph (not its bodies)."""
     return graph_module.meta.get(ExplicitFp32Analysis.META_KEY, [])

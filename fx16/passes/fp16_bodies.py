@@ -1,158 +1,99 @@
-"""Higher-order ops for the fp16 cast inserter: the bodies it casts inside, and those it does not.
+"""Higher-order ops for the fp16 cast inserter: applying their steps.
 
-``cond``, ``while_loop``, ``map``, ``set_grad_enabled`` and ``invoke_subgraph``
-bodies are walked like the program's graph, each with the operands' dtypes and
-decisions on its placeholders, so a fact about a value holds inside the body too.
-An enabled autocast region is recomputed under its own dtype; a disabled one, and a
-higher-order op fx16 does not look inside, runs as exported, fed fp32.
+``fx16.plan_bodies`` plans each body of ``cond``, ``while_loop``, ``map``,
+``set_grad_enabled`` and ``invoke_subgraph`` with the operands' dtypes and decisions
+on its placeholders; these functions carry the plans out. An enabled autocast region
+is recomputed under its own dtype; a disabled one, and a higher-order op fx16 does not
+look inside, runs as exported, fed fp32.
 
 Each function takes the walk of the enclosing graph (``run``: a
-``fx16.passes.insert_fp16_casts`` walk) and the higher-order op's node. Writes: the
-bodies' placeholders' dtypes and decisions, the bodies' casts, the op's operands,
-``meta["val"]`` and decision.
+``fx16.passes.insert_fp16_casts`` walk), the higher-order op's node and its step.
+Writes: the bodies' placeholders' dtypes and decisions, the bodies' casts, the op's
+operands, ``meta["val"]`` and decision.
 """
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fx16 import meta
-from fx16.casts import WHY_UPCAST, CastInserter, retype_val, substitute_inputs
-from fx16.decisions import Reason, decide, decision_of, was_narrowed
-from fx16.nodes import FLOAT_DTYPES, node_dtype, node_val, tensor_inputs
-from fx16.subgraphs import AUTOCAST, MAP, WHILE_LOOP, bodies_and_operands, carried_count
+from fx16.casts import WHY_UPCAST, CastInserter, substitute_inputs
+from fx16.decisions import PRECISION
+from fx16.nodes import node_val
+from fx16.plan import Step
+from fx16.subgraphs import bodies_and_operands, carried_count
 
 FP32 = torch.float32
 
 
-def visit_opaque(run, node: Node) -> None:
-    """Run a region as exported, fed fp32: ``torch.autocast(enabled=False)`` regions
-    the model wrote, and higher-order ops fx16 does not look inside (scan, ...)."""
-    if any(was_narrowed(arg) for arg in tensor_inputs(node)):
-        substitute_inputs(node, run.widened)
-        disabled = node.target is AUTOCAST
-        decide(node, FP32, Reason.AUTOCAST_DISABLED if disabled else Reason.OPAQUE_SUBGRAPH)
+def apply_opaque(run, node: Node, step: Step) -> None:
+    """A region run as exported (``torch.autocast(enabled=False)``, a higher-order op
+    fx16 does not look inside): fed fp32."""
+    substitute_inputs(node, run.widened)
+    run.record(node, step)
 
 
-def visit_autocast_region(run, node: Node) -> None:
-    """``torch.autocast(enabled=True, dtype=d)``: the op enters autocast when it runs,
-    so the region computes in d whatever it is fed. Feed it the 16-bit values as they
-    are and recompute what it returns under the same autocast."""
+def apply_autocast(run, node: Node, step: Step) -> None:
+    """``torch.autocast(enabled=True, dtype=d)`` fed the 16-bit values as they are: the
+    body's recorded values are recomputed under the same autocast."""
     device, dtype, _, _, body, *operands = node.args
-    if not any(was_narrowed(arg) for arg in operands if isinstance(arg, Node)):
-        return
     submodule = getattr(run.graph_module, body.target)
     inputs = [node_val(arg) for arg in operands]
     fake_mode = next(val.fake_mode for val in inputs if hasattr(val, "fake_mode"))
     with torch.autocast(device_type=device, dtype=dtype):
         FakeTensorProp(submodule, fake_mode).propagate_dont_convert_inputs(*inputs)
-    node.meta["val"] = tuple(node_val(out) for out in submodule.graph.output_node().args[0])
-    decide(node, dtype, Reason.AUTOCAST_REGION)
+    run.record(node, step)
     run.modified = True
 
 
-def visit_subgraphs(run, node: Node) -> None:
-    """cond branches, set_grad_enabled bodies, while_loop and map bodies: cast inside
-    them like anywhere else.
-
-    Each body sees the operands in their current dtypes, except the values a
-    while_loop carries from one iteration to the next: they enter and leave the body
-    in their exported dtype, so the loop's state keeps its precision over every
-    iteration, and ops inside read them through casts where they fit. Where cond's
-    branches return different dtypes, both return fp32 for that output.
-    """
-    carried = carried_count(node)
-    if carried:
+def apply_subgraphs(run, node: Node, step: Step) -> None:
+    """cond branches, set_grad_enabled bodies, while_loop and map bodies: a loop's
+    narrowed carried operands widened, each body's placeholders fed and its plan
+    applied (a loop body returning the state in the dtypes it came in), the outputs the
+    plan widens for cond's branches to agree."""
+    if carried_count(node):
         _upcast_carried(run, node)
-    body_nodes, operands = bodies_and_operands(node)
-    submodules = [getattr(run.graph_module, body.target) for body in body_nodes]
-    for submodule in submodules:
-        placeholders = submodule.graph.find_nodes(op="placeholder")
-        for index, (placeholder, operand) in enumerate(zip(placeholders, operands)):
-            dtype = node_dtype(operand)
-            placeholder.meta["val"] = retype_val(placeholder.meta["val"], dtype)
-            if index < carried and dtype == FP32:
-                decide(placeholder, FP32, Reason.LOOP_CARRIED)
-            else:
-                run.inherit(placeholder, operand)
-        # a run reached the body's ops (its placeholders share the operands' observations)
-        observed = any(
-            meta.was_observed(n) for n in submodule.graph.nodes if n.op == "call_function"
-        )
-        inner = run.walk_body(submodule, observed)
-        if carried and submodule is submodules[-1]:  # the loop body returns the state
-            inner.restore_output_dtypes({i: node_dtype(operands[i]) for i in range(carried)})
+    submodules = [getattr(run.graph_module, body.target) for body in bodies_and_operands(node)[0]]
+    for number, (submodule, plan, fed) in enumerate(zip(submodules, step.bodies, step.entries)):
+        _feed(fed)
+        inner = run.apply_body(submodule, plan)
+        if step.carried and number == len(submodules) - 1:
+            inner.restore_output_dtypes(step.carried)
             submodule.recompile()
         run.modified |= inner.modified
-    if node.target is WHILE_LOOP:
-        decide(node, FP32, Reason.LOOP_CARRIED)
-        return
-    outputs = _unify_outputs(submodules)
-    if node.target is MAP:  # each output stacks the body's results
-        node.meta["val"] = type(node.meta["val"])(
-            retype_val(val, node_dtype(out)) for val, out in zip(node.meta["val"], outputs)
-        )
-    else:
-        node.meta["val"] = tuple(node_val(out) for out in outputs)
-    _decide_by_outputs(run, node, outputs)
+    widened = {number for number, _ in step.outputs}
+    for number in widened:
+        submodule = submodules[number]
+        output = submodule.graph.output_node()
+        values = list(output.args[0])
+        for body, index in step.outputs:
+            if body == number:
+                values[index] = CastInserter(submodule.graph).cast(values[index], FP32, WHY_UPCAST)
+        output.args = (type(output.args[0])(values), *output.args[1:])
+        submodule.recompile()
+    run.record(node, step)
 
 
-def visit_shared_body(run, node: Node) -> None:
-    """``invoke_subgraph``: a body that several call sites may share is cast once.
-
-    At the first call site, each placeholder takes its operand's dtype, unless the
-    value it holds at any call site must stay fp32 (a safety rule keeps an operand, or
-    calibration saw the placeholder hold more than 16-bit's range over all the sites):
-    then fp32, and a 16-bit operand is upcast. At every later site, each operand is
-    cast to the dtype its placeholder took (calibration saw it fit)."""
+def apply_shared(run, node: Node, step: Step) -> None:
+    """``invoke_subgraph``: the shared body's plan applied at its first call site; at
+    every site, each operand cast to the dtype its placeholder took."""
     body_node, _, *operands = node.args
-    body = getattr(run.graph_module, body_node.target)
-    placeholders = body.graph.find_nodes(op="placeholder")
-    if not any(decision_of(n) is not None for n in body.graph.nodes):
-        sites = [
-            site.args[2:]
-            for site in node.graph.find_nodes(op="call_function", target=node.target)
-            if getattr(run.graph_module, site.args[0].target) is body
-        ]
-        for index, placeholder in enumerate(placeholders):
-            operand = operands[index]
-            if node_dtype(placeholder) not in FLOAT_DTYPES:
-                continue
-            held = [site[index] for site in sites if isinstance(site[index], Node)]
-            why = _why_fp32_operand(run, placeholder, held)
-            if why:
-                decide(placeholder, FP32, Reason.FP32_INPUT, detail=why)
-                dtype = FP32
-            else:
-                dtype = node_dtype(operand)
-                run.inherit(placeholder, operand)
-            placeholder.meta["val"] = retype_val(placeholder.meta["val"], dtype)
-        observed = any(meta.was_observed(n) for n in body.graph.nodes)
-        run.modified |= run.walk_body(body, observed).modified
-    aligned = [run.aligned(arg, node_dtype(p)) for arg, p in zip(operands, placeholders)]
+    if step.bodies:
+        _feed(step.entries[0])
+        body = getattr(run.graph_module, body_node.target)
+        run.modified |= run.apply_body(body, step.bodies[0]).modified
+    aligned = [run.aligned(arg, dtype) for arg, dtype in zip(operands, step.operand_dtypes)]
     if any(new is not old for new, old in zip(aligned, operands)):
         node.args = (*node.args[:2], *aligned)
         run.modified = True
-    outputs = body.graph.output_node().args[0]
-    node.meta["val"] = tuple(node_val(out) for out in outputs)
-    _decide_by_outputs(run, node, outputs)
+    run.record(node, step)
 
 
-def _why_fp32_operand(run, placeholder: Node, held: list[Node]) -> str:
-    """Why a shared body's placeholder stays fp32 ("" when it need not)."""
-    kept = [value for value in held if meta.fp32_rule(value)]
-    if kept:
-        return f"from {kept[0].name}: {meta.fp32_rule(kept[0]).reason.name.lower()}"
-    if meta.overflows(placeholder, run.limit):
-        return f"observed {meta.observed_max_abs(placeholder):.4g} over its call sites"
-    return ""
-
-
-def _decide_by_outputs(run, node: Node, outputs) -> None:
-    if any(node_dtype(out) == run.low for out in outputs):
-        decide(node, run.low, Reason.FITS)
-    else:
-        decide(node, FP32, Reason.FP32_INPUT, detail="no output of its bodies is 16-bit")
+def _feed(fed: dict) -> None:
+    """Give a body's placeholders the values and decisions their operands feed them."""
+    for placeholder, read in fed.items():
+        placeholder.meta["val"] = read.val
+        if read.decision is not None:
+            placeholder.meta[PRECISION] = read.decision
 
 
 def _upcast_carried(run, node: Node) -> None:
@@ -161,22 +102,3 @@ def _upcast_carried(run, node: Node) -> None:
     widened = tuple(run.widened(arg) if isinstance(arg, Node) else arg for arg in carried)
     if any(new is not old for new, old in zip(widened, carried)):
         node.args = (condition, body, widened, additional)
-
-
-def _unify_outputs(submodules: list[GraphModule]) -> list[Node]:
-    """Make every body return the same dtype per output (fp32 where they disagree).
-
-    Returns the first body's output nodes."""
-    outputs = [list(sub.graph.output_node().args[0]) for sub in submodules]
-    for index, candidates in enumerate(zip(*outputs)):
-        if len({node_dtype(candidate) for candidate in candidates}) < 2:
-            continue
-        for submodule, values in zip(submodules, outputs):
-            value = values[index]
-            if node_dtype(value) != FP32:
-                values[index] = CastInserter(submodule.graph).cast(value, FP32, WHY_UPCAST)
-        for submodule, values in zip(submodules, outputs):
-            output = submodule.graph.output_node()
-            output.args = (type(output.args[0])(values), *output.args[1:])
-            submodule.recompile()
-    return outputs[0]

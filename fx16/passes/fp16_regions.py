@@ -2,33 +2,31 @@
 
 After ``run_decompositions`` a model's ``x.float()`` on a value that was fp32 at
 export (a no-op cast) is gone; only its ``_assert_tensor_metadata(dtype=float32)``
-check remains. These functions read the region from such checks, put back the
-cast the model's own would have been where fx16's decisions make it matter, and
-keep every check's dtype equal to the value it checks.
+check remains. The planner (``fx16.planner.Planner.assertion``) reads the region from
+such checks and plans the cast the model's own would have been where fx16's
+decisions make it matter; ``visit_assert`` puts it back, and keeps every check's
+dtype equal to the value it checks.
 
-Reads: ``meta["fx16.explicit_fp32"]`` (the island verdicts), the decisions made so
-far. Writes: inserted casts and their decisions, the checks' dtype arguments.
+Reads: the check's step in the plan. Writes: the cast and its decision, the readers'
+inputs, the checks' dtype arguments.
 """
 
 import torch
 from torch.fx import Node
 
-from fx16 import meta
-from fx16.analysis.explicit_fp32 import island_readers
-from fx16.casts import WHY_CAST_BACK, WHY_UPCAST, is_cast
-from fx16.decisions import Reason, decide, decision_of
-from fx16.islands import asserted_dtype, is_island
+from fx16.casts import WHY_CAST_BACK, WHY_UPCAST
+from fx16.decisions import PRECISION
 from fx16.nodes import node_dtype, set_argument
+from fx16.plan import Step
 
 FP32 = torch.float32
 
 
-def visit_assert(run, node: Node) -> None:
-    """``_assert_tensor_metadata`` checks the dtype of the value as it is now. An
-    assertion of fp32 with no cast after it marks the model's fp32 region, as the
-    cast would have."""
-    if asserted_dtype(node) == FP32 and isinstance(node.args[0], Node):
-        restore_explicit_cast(run, node)
+def visit_assert(run, node: Node, step: Step | None) -> None:
+    """``_assert_tensor_metadata`` checks the dtype of the value as it is now; the
+    cast the plan puts back after it (``step.restored``) goes in first."""
+    if step is not None and step.restored is not None:
+        _restore_explicit_cast(run, node, step.restored)
     dtype = node_dtype(node.args[0])
     if dtype is None:
         return
@@ -44,32 +42,15 @@ def visit_assert(run, node: Node) -> None:
         run.modified = True
 
 
-def restore_explicit_cast(run, assertion: Node) -> None:
-    """Put back, after ``assertion``, the model's fp32 cast that decomposition dropped,
-    when fx16's decisions make it matter: it opens an fp32 region of a 16-bit value
-    that ExplicitFp32Analysis keeps, or (``is_island``) is the way back from one. The
-    ops of the island read the opening cast; every consumer after the assertion reads
-    the way back."""
+def _restore_explicit_cast(run, assertion: Node, restored: tuple) -> None:
+    """Put back, after ``assertion``, the model's fp32 cast that decomposition dropped:
+    the cast opening the region (its island's ops read it) or the way back from one
+    (every consumer after the assertion reads it)."""
+    dtype, decision, readers = restored
     value = assertion.args[0]
-    dtype = node_dtype(value)
-    verdict = meta.island_verdict(assertion)
-    opens = dtype == run.low and verdict is not None and verdict.keep
-    closes = dtype == FP32 and is_island(value) and run.policy.cast_back
-    later = run.later_users(value, assertion)
-    if not (opens or closes) or not later or any(is_cast(user) for user in later):
-        return  # nothing to do, or the cast is still there (not decomposed, or cast before)
-    if any(decision_of(user) is not None for user in later):
-        return  # decided on an earlier run: casting twice equals casting once
-    cast = run.casts.cast_placed_after(
-        assertion,
-        value,
-        FP32 if opens else run.low,
-        WHY_UPCAST if opens else WHY_CAST_BACK,
-    )
-    for user in island_readers(assertion, later) if opens else later:
+    why = WHY_UPCAST if dtype == FP32 else WHY_CAST_BACK
+    cast = run.casts.cast_placed_after(assertion, value, dtype, why)
+    for user in readers:
         user.replace_input_with(value, cast)
-    if opens:
-        decide(cast, FP32, Reason.EXPLICIT_FP32, detail=verdict.why)
-    else:
-        decide(cast, run.low, Reason.FITS)
+    cast.meta[PRECISION] = decision
     run.modified = True

@@ -1,0 +1,134 @@
+"""The fp16 cast inserter's plan: every node's precision, and what each value becomes.
+
+``fx16.planner`` builds a ``Plan`` for a graph without changing it: one ``Step`` per
+op it decides (the precedence rule's ``Choice``, the decision the node will record,
+its value once rewritten, whether its consumers read a 16-bit copy, the casts that
+put back a model's decomposed fp32 cast), and one nested plan per body of a
+higher-order op. ``fx16.passes.insert_fp16_casts`` then applies it in one walk
+(``fx16.passes.fp16_rewrite``), deciding nothing on the way.
+
+A plan answers what each consumer will read (``Plan.read``): the value and decision a
+step leaves, the 16-bit copy of a value cast back after an fp32 op, the source of a
+model's fp32 cast for the consumers outside the region it opens. ``str(plan)`` prints
+it, one line per step.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fx16.casts import retype_val
+from fx16.decisions import Decision, decision_of
+from fx16.nodes import node_val
+
+FP32 = torch.float32
+
+
+class Read:
+    """What a consumer reads of one input: its value (a fake tensor, or a tuple of
+    them), its decision, and for a 16-bit copy of an fp32 value, the fp32 value's own
+    ``Read`` (``source``: where widening it again leads)."""
+
+    __slots__ = ("val", "decision", "source", "name")
+
+    def __init__(self, val: Any, decision: Decision | None, name: str, source=None) -> None:
+        self.val, self.decision, self.name, self.source = val, decision, name, source
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self.val.dtype if isinstance(self.val, torch.Tensor) else None
+
+    @property
+    def narrowed(self) -> bool:
+        return self.decision is not None and self.decision.narrowed
+
+
+def graph_read(arg: Node) -> Read:
+    """What ``arg`` holds in the graph as it is now."""
+    return Read(node_val(arg), decision_of(arg), arg.name)
+
+
+@dataclass(slots=True)
+class Step:
+    """One node's planned precision (see the module docstring). ``choice`` is None for
+    a node no precedence list decides (a getitem, an in-place op, a higher-order op,
+    a dtype check)."""
+
+    choice: Any  # fx16.precedence.Choice | None
+    decision: Decision | None
+    val: Any
+    cast_back: Decision | None = None  # its consumers read a 16-bit copy so decided
+    cast_back_skipped: str = ""  # why they read it in fp32 instead
+    scalars: tuple = ()  # ((location, value to write), ...)
+    widest: torch.dtype | None = None  # a promoting op's inputs widen to it first
+    region: frozenset[str] | None = None  # a model's fp32 cast that opens a kept region
+    restored: tuple | None = None  # a dtype check: (dtype, decision, readers) of its cast
+    bodies: tuple = ()  # a higher-order op: the plan of each body
+    entries: tuple = ()  # a higher-order op: each body's placeholder reads
+    carried: dict = field(default_factory=dict)  # while_loop: output index -> dtype
+    outputs: tuple = ()  # cond / map: (body, output index) pairs widened to fp32
+    operand_dtypes: tuple = ()  # invoke_subgraph: each operand cast to its placeholder's
+
+    def describe(self) -> str:
+        said = self.decision.said() if self.decision is not None else "no decision"
+        dtype = str(self.decision.dtype).removeprefix("torch.") if self.decision else "-"
+        extra = ""
+        if self.cast_back is not None:
+            extra = ", consumers read a 16-bit copy"
+        elif self.cast_back_skipped:
+            extra = f", no cast-back: {self.cast_back_skipped}"
+        rule = f" [{self.choice.rule}]" if self.choice is not None and self.choice.rule else ""
+        return f"{dtype:8} {said}{rule}{extra}"
+
+
+class Plan:
+    """The steps of one graph (``graph_module``) and the reads its consumers get."""
+
+    def __init__(self, graph_module: GraphModule, entries: dict[Node, Read] | None = None):
+        self.graph_module = graph_module
+        self.steps: dict[Node, Step] = {}
+        self.entries = entries or {}  # a body's placeholders: what its operands give them
+        self.redirects: dict[tuple[Node, Node], Read] = {}  # (consumer, input) -> read
+        self.reads: dict[Node, Read] = {}
+        self.low: torch.dtype | None = None
+
+    def read(self, arg: Node, consumer: Node | None = None) -> Read:
+        """What ``consumer`` will read of its input ``arg`` once the plan is applied."""
+        if consumer is not None and self.redirects:
+            redirected = self.redirects.get((consumer, arg))
+            if redirected is not None:
+                return redirected
+        found = self.reads.get(arg)
+        if found is None:
+            found = self.entries.get(arg) or graph_read(arg)
+            self.reads[arg] = found
+        return found
+
+    def add(self, node: Node, step: Step) -> None:
+        """Record ``node``'s step and what its consumers read from now on."""
+        self.steps[node] = step
+        own = Read(step.val, step.decision, node.name)
+        if step.cast_back is not None:
+            self.reads[node] = Read(retype_val(step.val, self.low), step.cast_back, node.name, own)
+        else:
+            self.reads[node] = own
+
+    def widened(self, arg: Node, consumer: Node) -> Read:
+        """What ``consumer`` reads of ``arg`` once a narrowed 16-bit ``arg`` is widened to
+        fp32: the fp32 value a cast-back copied, else an upcast of it."""
+        read = self.read(arg, consumer)
+        if not read.narrowed or read.dtype != self.low:
+            return read
+        if read.source is not None:
+            return read.source
+        return Read(retype_val(read.val, FP32), None, arg.name)
+
+    def __str__(self) -> str:
+        lines = []
+        for node, step in self.steps.items():
+            lines.append(f"{node.name:24} {step.describe()}")
+            for body in step.bodies:
+                lines += ["    " + line for line in str(body).splitlines()]
+        return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""fx16.planner: the whole graph's plan, built and printed before anything changes, and
+applied as planned."""
+
+import pytest
+import torch
+from fuzz_profile import examples
+from hypothesis import HealthCheck, given, settings
+
+from fx16.decisions import PRECISION, Reason
+from fx16.options import Fp16Options
+from fx16.pipelines import fp16_stages, run_passes
+from fx16.policy import PrecisionPolicy
+from fx16.subgraphs import nested_graph_modules
+from fx16.testing.strategies import programs
+from helpers import check_program, export
+from models import AutocastRegions, Branches, GrowingLoop
+
+
+class Mixed(torch.nn.Module):
+    """An op kept fp32 by an observed overflow (its consumers read it in fp32), one
+    the policy keeps fp32 (they read a 16-bit copy), a multi-output op, a 16-bit tail."""
+
+    def forward(self, x):
+        big = x * 1e5
+        return big.tanh(), x.softmax(-1) + 1, torch.topk(x, 2).values * 2
+
+
+def _ready(ep, options=None):
+    """Every stage before the inserter; returns the inserter."""
+    analyses, rewrites = fp16_stages(ep, options or Fp16Options())
+    *before, inserter, _ = rewrites
+    run_passes([*analyses, *before], ep.graph_module)
+    return inserter
+
+
+def _state(ep) -> list:
+    """The graph code and every node's value and decision, bodies included."""
+    return [
+        (
+            module.code,
+            [(n.name, n.meta.get("val"), n.meta.get(PRECISION)) for n in module.graph.nodes],
+        )
+        for module in nested_graph_modules(ep.graph_module)
+    ]
+
+
+def _planned_then_applied(ep, options=None):
+    inserter = _ready(ep, options)
+    before = _state(ep)
+    plan = inserter.plan(ep.graph_module)
+    assert _state(ep) == before  # planning changes nothing, bodies included
+    inserter(ep.graph_module)
+    return plan
+
+
+def _every_step(plan):
+    for node, step in plan.steps.items():
+        yield node, step
+        for body in step.bodies:
+            yield from _every_step(body)
+
+
+def _applied_as_planned(plan) -> None:
+    for node, step in _every_step(plan):
+        if step.decision is not None:
+            assert node.meta.get(PRECISION) == step.decision, node.name
+        if step.val is not None:
+            assert _dtypes(node.meta.get("val")) == _dtypes(step.val), node.name
+
+
+def _dtypes(val):
+    if isinstance(val, torch.Tensor):
+        return val.dtype
+    if isinstance(val, (list, tuple)):
+        return tuple(_dtypes(item) for item in val)
+    return None
+
+
+def test_the_plan_names_every_decision_and_cast_back_before_any_edit():
+    ep = export(Mixed().eval(), torch.randn(4, 8))
+    policy = PrecisionPolicy.custom(ops={"softmax": "fp32"})
+    plan = _planned_then_applied(ep, Fp16Options(policy=policy))
+    steps = {node.name: step for node, step in plan.steps.items()}
+    overflow, kept = steps["mul"], steps["softmax"]
+    assert overflow.choice.rule == "safety_rule"
+    assert overflow.decision.reason == Reason.ACTIVATION_OVERFLOW
+    assert overflow.cast_back is None and "beyond 16-bit" in overflow.cast_back_skipped
+    assert steps["tanh"].decision.reason == Reason.FP32_INPUT  # reads mul in fp32
+    assert steps["tanh"].decision.detail == "from mul: activation_overflow"
+    assert steps["tanh"].cast_back is not None  # tanh fits: the output reads 16-bit
+    assert kept.choice.rule == "policy_fp32" and kept.decision.reason == Reason.POLICY
+    assert kept.cast_back.dtype == torch.float16  # add reads a 16-bit copy
+    assert steps["add"].decision.dtype == torch.float16
+    assert steps["getitem"].decision.dtype == torch.float16
+    _applied_as_planned(plan)
+    printed = str(plan)
+    assert all(name in printed for name in steps)
+    assert "no cast-back: observed" in printed and "consumers read a 16-bit copy" in printed
+    check_program(ep)
+
+
+@pytest.mark.parametrize(
+    "model, x, planned",
+    [
+        (Branches(), torch.randn(2, 4), "bodies"),
+        (GrowingLoop(), torch.randn(2, 8), "bodies"),
+        (AutocastRegions(), torch.randn(2, 8), Reason.AUTOCAST_REGION),
+    ],
+)
+def test_bodies_have_plans_of_their_own_applied_as_planned(model, x, planned):
+    torch.manual_seed(0)
+    ep = export(model.eval(), x)
+    plan = _planned_then_applied(ep)
+    steps = list(plan.steps.values())
+    if planned == "bodies":
+        assert any(step.bodies and step.bodies[0].steps for step in steps)
+        assert "    " in str(plan)  # a body's steps, indented under its op
+    else:
+        assert any(step.decision is not None and step.decision.reason == planned for step in steps)
+    _applied_as_planned(plan)
+    check_program(ep)
+
+
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_random_programs_are_planned_without_a_change_and_applied_as_planned(case):
+    """On programs of the fuzzer's whole menu (higher-order ops, custom ops, decomposed
+    casts, in-place ops): building the plan leaves the program as it was, every node
+    then records the decision and dtypes the plan gave it, and the result runs."""
+    ep = case.export()
+    plan = _planned_then_applied(ep)
+    _applied_as_planned(plan)
+    check_program(ep)
