@@ -13,7 +13,7 @@ model's fp32 cast for the consumers outside the region it opens. ``str(plan)`` p
 it, one line per step.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,13 +61,14 @@ class Step:
     val: Any
     cast_back: Decision | None = None  # its consumers read a 16-bit copy so decided
     cast_back_skipped: str = ""  # why they read it in fp32 instead
-    scalars: tuple = ()  # ((location, value to write), ...)
+    arguments: tuple = ()  # ((location, value), ...): rounded scalars, 16-bit dtypes
+    narrowed_inputs: tuple = ()  # fp32 inputs read through a cast to 16-bit
     widest: torch.dtype | None = None  # a promoting op's inputs widen to it first
     region: frozenset[str] | None = None  # a model's fp32 cast that opens a kept region
     restored: tuple | None = None  # a dtype check: (dtype, decision, readers) of its cast
     bodies: tuple = ()  # a higher-order op: the plan of each body
     entries: tuple = ()  # a higher-order op: each body's placeholder reads
-    carried: dict = field(default_factory=dict)  # while_loop: output index -> dtype
+    carried: dict | None = None  # while_loop: output index -> dtype
     outputs: tuple = ()  # cond / map: (body, output index) pairs widened to fp32
     operand_dtypes: tuple = ()  # invoke_subgraph: each operand cast to its placeholder's
 
@@ -92,6 +93,7 @@ class Plan:
         self.entries = entries or {}  # a body's placeholders: what its operands give them
         self.redirects: dict[tuple[Node, Node], Read] = {}  # (consumer, input) -> read
         self.reads: dict[Node, Read] = {}
+        self.checks: list[Node] = []  # the dtype checks with no step: kept equal to their value
         self.low: torch.dtype | None = None
 
     def read(self, arg: Node, consumer: Node | None = None) -> Read:

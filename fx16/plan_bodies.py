@@ -37,7 +37,9 @@ def plan_autocast(planner, node: Node) -> Step | None:
     """``torch.autocast(enabled=True, dtype=d)``: the op enters autocast when it runs,
     so the region computes in d whatever it is fed. It is fed the 16-bit values as they
     are, and returns what its body computes from them under the same autocast."""
-    device, dtype, _, _, body, *operands = node.args
+    device, dtype, enabled, _, body, *operands = node.args
+    if not enabled:  # a disabled region runs as it is
+        return plan_opaque(planner, node)
     reads = [planner.plan.read(arg, node) if isinstance(arg, Node) else None for arg in operands]
     if not any(read is not None and read.narrowed for read in reads):
         return None

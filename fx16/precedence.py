@@ -26,12 +26,11 @@ from torch.fx import Node
 
 from fx16 import meta
 from fx16.decisions import Decision, Reason
-from fx16.nodes import FLOAT_DTYPES, has_fp32_part, requested_dtypes, tensor_inputs, value_scalars
-from fx16.numerics import round_scalar_to_fp16
+from fx16.nodes import requested_dtypes, tensor_inputs
 from fx16.op_kinds import is_known_op
 from fx16.ops import is_custom_op
-from fx16.plan import Plan, Read, graph_read
-from fx16.policy import Precision, PrecisionPolicy
+from fx16.policy import Precision
+from fx16.view import View
 
 FP32 = torch.float32
 
@@ -57,103 +56,6 @@ class Choice:
     detail: str = ""
     rule: str = ""  # the precedence rule that chose
     cast_back: bool = True  # for FP32: whether consumers may read a 16-bit copy
-
-
-class View:
-    """What the rules read of one node, each fact computed once (the lazy ones on
-    first use). Its inputs are read as ``plan`` says they will be (None: as the graph
-    holds them now)."""
-
-    __slots__ = (
-        "node",
-        "policy",
-        "limit",
-        "plan",
-        "float_inputs",
-        "fp32_inputs",
-        "produces_fp32",
-        "_precision",
-        "_scalars",
-    )
-
-    def __init__(
-        self, node: Node, policy: PrecisionPolicy, limit: float, plan: Plan | None = None
-    ) -> None:
-        self.node = node
-        self.policy = policy
-        self.limit = limit  # calibration magnitudes above it overflow 16-bit (with the margin)
-        self.plan = plan
-        self.float_inputs, self.fp32_inputs = [], []  # the float tensor inputs; the fp32 ones
-        for arg in node.all_input_nodes:
-            dtype = self.read(arg).dtype
-            if dtype in FLOAT_DTYPES:
-                self.float_inputs.append(arg)
-                if dtype == FP32:
-                    self.fp32_inputs.append(arg)
-        self.produces_fp32 = has_fp32_part(node.meta.get("val"))
-        self._precision = self._scalars = None
-
-    def read(self, arg: Node) -> Read:
-        """What the node reads of its input ``arg``."""
-        return self.plan.read(arg, self.node) if self.plan is not None else graph_read(arg)
-
-    def island(self, arg: Node) -> bool:
-        """``arg`` is kept fp32 as part of a region the model asks for explicitly."""
-        decision = self.read(arg).decision
-        return decision is not None and decision.reason == Reason.EXPLICIT_FP32
-
-    @property
-    def low(self) -> torch.dtype:
-        return self.policy.low
-
-    @property
-    def precision(self) -> Precision:
-        if self._precision is None:
-            self._precision = self.policy.precision_for(self.node)
-        return self._precision
-
-    @property
-    def scalars(self) -> list:
-        if self._scalars is None:
-            self._scalars = value_scalars(self.node)
-        return self._scalars
-
-    def entry(self) -> str:
-        """The policy entry that matched the node ("ops['softmax'] = fp32")."""
-        return self.policy.matching_entry(self.node)[1]
-
-    def overflowing_scalar(self) -> float | None:
-        """A scalar argument beyond the 16-bit range, if any."""
-        for _, value in self.scalars:
-            if round_scalar_to_fp16(float(value), self.low) is None:
-                return value
-        return None
-
-    def downcastable(self, value: Node) -> bool:
-        """An fp32 value kept wide for precision (by the policy, the accuracy budget for
-        some of its uses, or a loop carrying it), not by a safety rule, and that fits
-        16-bit: a 16-bit op reading it may cast it down, as eager autocast does with
-        weights."""
-        decision = self.read(value).decision
-        return (
-            decision is not None
-            and decision.reason in DOWNCASTABLE
-            and not meta.overflows(value, self.limit)
-        )
-
-
-# Reasons an fp32 value may have that still let a 16-bit op read it through a cast.
-DOWNCASTABLE = frozenset(
-    {
-        Reason.POLICY,
-        Reason.POLICY_FOLLOW,
-        Reason.ACCURACY_FALLBACK,
-        Reason.LOOP_CARRIED,
-        Reason.FIXED_OUTPUT_DTYPE,
-        Reason.ILL_CONDITIONED,
-        Reason.UNDERFLOW,
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -203,7 +105,7 @@ def _scalar_overflow(view: View) -> Choice | None:
 
 
 def _nothing_narrowed(view: View) -> Choice | None:
-    if view.fp32_inputs or any(view.read(arg).narrowed for arg in view.float_inputs):
+    if view.fp32_inputs or view.narrowed_input:
         return None
     if view.produces_fp32 and not view.float_inputs:
         return Choice(Action.LEAVE, Reason.NO_FLOAT_INPUT)
@@ -236,14 +138,11 @@ def _fp32_input(view: View) -> Choice | None:
 
 
 def _mixed_float_dtypes(view: View) -> Choice | None:
-    if not view.produces_fp32 or len(view.float_inputs) == len(view.fp32_inputs):
+    other = view.other_float
+    if not view.produces_fp32 or other is None:
         return None
-    other = [view.read(arg) for arg in view.float_inputs]
-    other = [read for read in other if read.dtype not in (view.low, FP32)]
-    if other:
-        dtype = str(other[0].dtype).removeprefix("torch.")
-        return Choice(Action.FP32, Reason.MIXED_FLOAT_DTYPES, f"{other[0].name} is {dtype}")
-    return None
+    dtype = str(other.dtype).removeprefix("torch.")
+    return Choice(Action.FP32, Reason.MIXED_FLOAT_DTYPES, f"{other.name} is {dtype}")
 
 
 def _fits(view: View) -> Choice:

@@ -11,10 +11,10 @@ from fx16.precedence import (
     COMPUTE_RULES,
     CREATION_RULES,
     Action,
-    View,
     choose,
 )
 from fx16.report import report_of
+from fx16.view import View
 from helpers import export
 
 LIMIT = 65504 / 2

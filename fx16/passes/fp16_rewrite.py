@@ -26,10 +26,9 @@ from fx16.casts import (
     substitute_inputs,
 )
 from fx16.decisions import PRECISION, was_narrowed
-from fx16.nodes import FLOAT_DTYPES, dtype_arguments, node_dtype, node_val, set_argument
+from fx16.nodes import FLOAT_DTYPES, node_dtype, node_val, set_argument
 from fx16.plan import Plan, Step
 from fx16.policy import PrecisionPolicy
-from fx16.precedence import View
 
 FP32 = torch.float32
 
@@ -59,30 +58,20 @@ class Rewriter:
     # ---- computing in 16-bit ------------------------------------------------------------
 
     def run_in_low(self, node: Node, step: Step) -> None:
-        if any(node_dtype(arg) == FP32 for arg in node.all_input_nodes):
-            self.downcast_inputs(node)
-        self.write_scalars(node, step)
-        for location, dtype in dtype_arguments(node):
-            if dtype == FP32:
-                set_argument(node, location, self.low)
-                self.modified = True
+        if step.narrowed_inputs:
+            narrowed = step.narrowed_inputs
+            self.modified = True
+            substitute_inputs(
+                node,
+                lambda arg: self.casts.cast(arg, self.low, WHY_NARROW) if arg in narrowed else arg,
+            )
+        self.write_arguments(node, step)
         self.record(node, step)
 
-    def write_scalars(self, node: Node, step: Step) -> None:
-        for location, value in step.scalars:
+    def write_arguments(self, node: Node, step: Step) -> None:
+        for location, value in step.arguments:
             set_argument(node, location, value)
             self.modified = True
-
-    def downcast_inputs(self, node: Node) -> None:
-        view = View(node, self.policy, self.limit)
-
-        def downcast(arg: Node) -> Node:
-            if node_dtype(arg) != FP32 or not view.downcastable(arg):
-                return arg
-            self.modified = True
-            return self.casts.cast(arg, self.low, WHY_NARROW)
-
-        substitute_inputs(node, downcast)
 
     def retarget(self, node: Node, step: Step) -> None:
         """Point the model's cast ``node`` at the 16-bit dtype."""
@@ -93,7 +82,7 @@ class Rewriter:
 
     def creation(self, node: Node, step: Step, dtype: torch.dtype) -> None:
         """A creation op made in ``dtype`` (its ``dtype=`` argument), with its scalars."""
-        self.write_scalars(node, step)
+        self.write_arguments(node, step)
         if node.kwargs.get("dtype") != dtype:
             node.kwargs = {**node.kwargs, "dtype": dtype}
             self.modified = True

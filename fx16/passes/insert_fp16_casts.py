@@ -114,15 +114,14 @@ class _Run(Rewriter):
         self.root = root or self.graph_module
 
     def walk(self) -> None:
-        steps = self.plan.steps
-        for node in list(self.graph_module.graph.nodes):
-            if node.op != "call_function":
-                continue
+        for node, step in list(self.plan.steps.items()):
             kind = role(node.target)
             if kind == "assert":
-                visit_assert(self, node, steps.get(node))
-            elif node in steps:
-                self.apply(node, kind, steps[node])
+                visit_assert(self, node, step)
+            else:
+                self.apply(node, kind, step)
+        for check in self.plan.checks:  # after the steps: the values they check are final
+            visit_assert(self, check, None)
         if self.modified and self.graph_module is not self.root:
             # a subgraph's code must match before its HOP runs (the root is recompiled
             # once, by whoever runs the pipeline)
