@@ -121,7 +121,7 @@ def test_bodies_have_plans_of_their_own_applied_as_planned(model, x, planned):
     check_program(ep)
 
 
-@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs())
 def test_random_programs_are_planned_without_a_change_and_applied_as_planned(case):
     """On programs of the fuzzer's whole menu (higher-order ops, custom ops, decomposed

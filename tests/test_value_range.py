@@ -192,12 +192,14 @@ def test_the_walk_after_index_bounds_redoes_only_what_they_reach(monkeypatch, mo
     assert confined  # the bounds gave ranges the first walk did not have
 
 
-@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs())
 def test_the_incremental_walk_equals_a_full_walk_on_random_programs(case):
     """On programs of the fuzzer's whole menu (embeddings indexed by computed ids,
     bodies of higher-order ops), the walk limited to what the index bounds reach gives
-    every node the range a full second walk gives."""
+    every node the range a full second walk gives (the analysis rewrites every range
+    it walks, so both run on one program)."""
     ep = case.export()
     _analyse(ep)
-    assert _every_range(ep) == _with_full_second_walk(case.export())
+    incremental = _every_range(ep)
+    assert incremental == _with_full_second_walk(ep)
