@@ -80,6 +80,16 @@ def proven_range(node: Any):
     return _meta(node).get(PROVEN_RANGE)
 
 
+def observed_int_range(node: Any) -> tuple[int, int] | None:
+    """The smallest and largest integer calibration saw the node hold (None: not seen)."""
+    return _meta(node).get(OBSERVED_INT_RANGE)
+
+
+def calibration_outputs(graph_module: Any) -> list | None:
+    """The fp32 outputs of each calibration call, kept as the reference (None: none)."""
+    return graph_module.meta.get(CALIBRATION_OUTPUTS)
+
+
 def flows_into_index(node: Any) -> bool:
     return bool(_meta(node).get(UNSAFE_INDEX))
 

@@ -1,7 +1,8 @@
 """The pipeline decides and writes what it did before the inserter was split into choice
-and rewrite: the same graph code and the same dtype and reason for every node, on the
-zoo's small models (one with an accuracy budget) and on random programs drawn from
-the fuzzer's full menu (see ``pipeline_fingerprints``)."""
+and rewrite, and then into a whole-graph plan and its application: the same graph code
+and the same dtype and reason for every node, on the zoo's small models (one with an
+accuracy budget) and on random programs drawn from the fuzzer's full menu (see
+``pipeline_fingerprints``)."""
 
 import json
 import warnings

@@ -50,8 +50,8 @@ class CastableInt16Analysis(Analysis):
             return (
                 node.op in ("placeholder", "call_function")
                 and node_dtype(node) in WIDE_INT_DTYPES
-                and node.meta[UserReachabilityAnalysis.META_KEY]
-                and not node.meta[UnsafeIndexAnalysis.META_KEY]
+                and meta.user_reachable(node)
+                and not meta.flows_into_index(node)
                 and not has_scalar_operand(node)
             )
 

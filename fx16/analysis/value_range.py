@@ -5,7 +5,6 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
-from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.index_bounds import index_bounds
 from fx16.analysis.intervals import Source, ValueRange, union, value_range
 from fx16.analysis.range_rules import RangeRules
@@ -131,7 +130,7 @@ class _Walk:
             else:
                 continue
             found = _intersect(found, confined.get(node))
-            observed = node.meta.get(CalibrationAnalysis.INT_RANGE_KEY)
+            observed = meta.observed_int_range(node)
             if found is None and observed is not None:
                 found = ValueRange(*observed, Source.OBSERVED)
             if found is None:

@@ -44,7 +44,6 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
-from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis, islands
@@ -131,7 +130,7 @@ class VerdictCheckAnalysis(Analysis):
                 wide = wide - droppable
         if not groups:
             return PassResult(graph_module, False)
-        reference = graph_module.meta.get(CalibrationAnalysis.OUTPUTS_KEY)
+        reference = meta.calibration_outputs(graph_module)
         if reference is not None and len(reference) != len(calls):
             reference = None  # calibrated on other inputs
         emulation = Emulation(self.program, calls, self.policy.low, reference=reference)
@@ -239,8 +238,8 @@ class VerdictCheckAnalysis(Analysis):
 
 
 def _findings(modules: list[GraphModule]) -> list:
-    key = ConditioningAnalysis.FINDING_KEY
-    return [node.meta[key] for module in modules for node in module.graph.nodes if key in node.meta]
+    found = (meta.conditioning_finding(node) for module in modules for node in module.graph.nodes)
+    return [finding for finding in found if finding is not None]
 
 
 def _droppable(group: _Group, findings: list) -> set[Node]:
