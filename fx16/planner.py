@@ -121,12 +121,20 @@ class Planner:
 
     def cast(self, node: Node) -> Step | None:
         """The model's cast to fp32 (its own list); a copy that keeps the dtype computes
-        like an op."""
+        like an op; a cast to the 16-bit dtype fx16 already gave its value (an autocast
+        region's cast of a weight) is a no-op that carries the value's decision, as the
+        value itself will once cleanup drops the cast (so casting twice equals once)."""
         if not is_cast(node):
             return None
-        if cast_dtype(node) == FP32:
+        dtype = cast_dtype(node)
+        if dtype == FP32:
             return self.cast_to_fp32(node)
-        return self.compute(node) if cast_dtype(node) is None else None
+        if dtype is None:
+            return self.compute(node)
+        read = self.plan.read(node.args[0], node)
+        if read.narrowed and read.dtype == dtype:
+            return Step(None, read.decision, node_val(node))
+        return None
 
     def view(self, node: Node) -> View:
         return View(node, self.policy, self.limit, self.plan)
