@@ -204,7 +204,9 @@ class Planner:
                 if value and abs(value) < smallest_subnormal(self.low):
                     clamped.append((value, rounded))
         arguments += [(at, self.low) for at, dtype in dtype_arguments(node) if dtype == FP32]
-        narrowed = tuple(arg for arg in view.fp32_inputs if view.downcastable(arg))
+        narrowed = (
+            tuple(a for a in view.fp32_inputs if view.downcastable(a)) if view.fp32_inputs else ()
+        )
         val = node_val(node)
         if is_custom_op(node.target) or (view.produces_fp32 and not _fp32_tensor(val)):
             values = narrowed_arguments(self, node, narrowed, arguments)

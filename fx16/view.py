@@ -48,8 +48,11 @@ class View:
         self.narrowed_input = False  # a float input fx16 narrowed
         self.other_float: Read | None = None  # the first float input neither 16-bit nor fp32
         low = policy.low
+        known = plan.reads if plan is not None and not plan.redirects else {}
         for arg in node.all_input_nodes:
-            read = plan.read(arg, node) if plan is not None else graph_read(arg)
+            read = known.get(arg)  # the plan's read of an input nothing redirects
+            if read is None:
+                read = plan.read(arg, node) if plan is not None else graph_read(arg)
             val = read.val
             if not isinstance(val, torch.Tensor) or val.dtype not in FLOAT_DTYPES:
                 continue
