@@ -15,7 +15,7 @@ from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError, one_line
 from fx16.facts import Facts
-from fx16.ops import SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS, SINGULAR_AT_ZERO
+from fx16.ops import SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS, SINGULAR_AT_ZERO, per_op
 from fx16.program import Program
 
 
@@ -179,13 +179,25 @@ def _sentinels_fp16_cannot_carry(graph_module: GraphModule, sentinels: set[Node]
     no sentinel on the calibration inputs count too: a ``where`` that picked none
     of a mask's ``finfo.min`` on an all-ones mask still passes it on for others.
     """
+    if not sentinels:
+        return set()
     fine: set[Node] = set()
     for node in reversed(graph_module.graph.nodes):
         if all(
             user.op == "output"
-            or user.target in SENTINEL_ABSORBING_OPS
-            or (user.target in SENTINEL_PASSING_OPS and user in fine)
+            or _absorbs_sentinels(user.target)
+            or (_passes_sentinels(user.target) and user in fine)
             for user in node.users
         ):
             fine.add(node)
     return sentinels - fine
+
+
+@per_op
+def _absorbs_sentinels(target) -> bool:
+    return target in SENTINEL_ABSORBING_OPS
+
+
+@per_op
+def _passes_sentinels(target) -> bool:
+    return target in SENTINEL_PASSING_OPS

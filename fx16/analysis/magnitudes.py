@@ -34,7 +34,8 @@ def observe_floats(value) -> tuple[float | None, bool, tuple[float, float] | Non
         ]
     for leaf in leaves:
         if leaf.is_floating_point() and leaf.numel():
-            low, high = (float(bound) for bound in leaf.detach().aminmax())
+            low, high = leaf.detach().aminmax()
+            low, high = low.item(), high.item()
             top = max(-low, high)
             if not top < INF_LIKE:  # sentinels, inf or nan inside: look closer
                 detached = leaf.detach().float()
@@ -97,7 +98,7 @@ class MagnitudeRecorder(BodyInterpreter):
     def run_node(self, node: Node):
         args, kwargs = self.fetch_args_kwargs_from_env(node)
         result = getattr(self, node.op)(node.target, args, kwargs)
-        if node.target in CENTERING_OPS:
+        if _centers(node.target):
             self._observe_centering(node, args)
         if node in self.watched:
             self._observe_smallest(node, result)
@@ -152,6 +153,11 @@ class MagnitudeRecorder(BodyInterpreter):
             nonzero = torch.where(magnitude > 0, magnitude, torch.inf).amin()
             if torch.isfinite(nonzero):
                 self.smallest[node] = min(float(nonzero), self.smallest.get(node, math.inf))
+
+
+@per_op
+def _centers(target) -> bool:
+    return target in CENTERING_OPS
 
 
 @per_op
