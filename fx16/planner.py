@@ -245,8 +245,8 @@ class Planner:
         if not self.calibrated:
             step.cast_back_skipped = "no calibration run reached it: nothing shows it fits 16-bit"
         elif meta.overflows(node, self.limit):
-            limit = meta.observed_max_abs(node)
-            step.cast_back_skipped = f"observed {limit:.4g}, beyond 16-bit with the margin"
+            seen = meta.observed_max_abs(node)
+            step.cast_back_skipped = f"observed {seen:.4g}, beyond 16-bit with the margin"
         elif all(is_cast(user) for user in node.users):
             step.cast_back_skipped = "its consumers are casts, which convert it themselves"
         else:
