@@ -94,6 +94,8 @@ class Plan:
         self.redirects: dict[tuple[Node, Node], Read] = {}  # (consumer, input) -> read
         self.reads: dict[Node, Read] = {}
         self.checks: list[Node] = []  # the dtype checks with no step: kept equal to their value
+        self.output_dtypes: dict[int, torch.dtype] = {}  # outputs given back these dtypes
+        self.fp32_outputs = False  # outputs computed in fp32 return in fp32 (no cast-back)
         self.low: torch.dtype | None = None
 
     def read(self, arg: Node, consumer: Node | None = None) -> Read:
@@ -133,4 +135,12 @@ class Plan:
             lines.append(f"{node.name:24} {step.describe()}")
             for body in step.bodies:
                 lines += ["    " + line for line in str(body).splitlines()]
+        if self.output_dtypes:
+            kept = ", ".join(
+                f"{index}: {str(dtype).removeprefix('torch.')}"
+                for index, dtype in sorted(self.output_dtypes.items())
+            )
+            lines.append(f"{'outputs':24} keep their dtypes ({kept})")
+        if self.fp32_outputs:
+            lines.append(f"{'outputs':24} computed in fp32 return in fp32")
         return "\n".join(lines)

@@ -13,7 +13,7 @@ from fx16.policy import PrecisionPolicy
 from fx16.subgraphs import nested_graph_modules
 from fx16.testing.strategies import programs
 from helpers import check_program, export
-from models import AutocastRegions, Branches, GrowingLoop
+from models import AutocastRegions, Branches, BufferUpdate, GrowingLoop
 
 
 class Mixed(torch.nn.Module):
@@ -118,6 +118,19 @@ def test_bodies_have_plans_of_their_own_applied_as_planned(model, x, planned):
     else:
         assert any(step.decision is not None and step.decision.reason == planned for step in steps)
     _applied_as_planned(plan)
+    check_program(ep)
+
+
+def test_the_plan_names_the_dtypes_outputs_keep():
+    """A buffer written in place returns in the dtype it is stored in (16-bit), and
+    keep_io_types keeps the user output fp32: the plan lists both before the walk, and
+    apply gives them back."""
+    ep = export(BufferUpdate().eval(), torch.randn(3, 4), decompose=True)
+    plan = _planned_then_applied(ep, Fp16Options(keep_io_types=True))
+    assert plan.output_dtypes == {0: torch.float16, 1: torch.float32}
+    assert "keep their dtypes (0: float16, 1: float32)" in str(plan)
+    outputs = ep.graph_module.graph.output_node().args[0]
+    assert [out.meta["val"].dtype for out in outputs] == [torch.float16, torch.float32]
     check_program(ep)
 
 

@@ -73,27 +73,33 @@ class InsertFP16CastsPass(PolicyPass):
     def call(self, graph_module: GraphModule) -> PassResult:
         graph = graph_module.graph
         nodes_before = len(graph.nodes)
-        returned = graph.output_node().args[0]
-        kept_outputs = {
-            index: node_dtype(returned[index])
-            for index in self.kept_output_positions()
-            if isinstance(returned[index], Node)
-        }
-        run = _Run(graph_module, self.policy, self.limit, self.plan(graph_module))
+        plan = self.plan(graph_module)
+        run = _Run(graph_module, self.policy, self.limit, plan)
         run.walk()
-        if OUTPUTS in self.force_fp32:
+        if plan.fp32_outputs:
             run.return_fp32_outputs()
-        run.restore_output_dtypes({**kept_outputs, **self.program.required_output_dtypes()})
+        run.restore_output_dtypes(plan.output_dtypes)
         self.program.sync_output_specs()
         modified = run.modified or len(graph.nodes) != nodes_before
         Facts.invalidate(graph_module)
         return PassResult(graph_module, modified)
 
     def plan(self, graph_module: GraphModule) -> Plan:
-        """The plan of ``graph_module``, which this pass applies: every op's step and
-        the bodies' plans (print it with ``str``). Changes nothing."""
+        """The plan of ``graph_module``, which this pass applies: every op's step, the
+        bodies' plans, the dtypes outputs keep (mutated buffers and inputs, outputs kept
+        by ``keep_io_types``) and whether outputs computed in fp32 return in fp32 (print
+        it with ``str``). Changes nothing."""
         self.requires(graph_module)
-        return plan_fp16(graph_module, self.policy, self.limit)
+        plan = plan_fp16(graph_module, self.policy, self.limit)
+        returned = graph_module.graph.output_node().args[0]
+        kept = {
+            index: node_dtype(returned[index])
+            for index in self.kept_output_positions()
+            if isinstance(returned[index], Node)
+        }
+        plan.output_dtypes = {**kept, **self.program.required_output_dtypes()}
+        plan.fp32_outputs = OUTPUTS in self.force_fp32
+        return plan
 
     def kept_output_positions(self) -> set[int]:
         """The output positions ``keep_io_types`` keeps at their dtypes."""
