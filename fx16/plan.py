@@ -20,7 +20,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fx16.casts import retype_val
-from fx16.decisions import Decision, decision_of
+from fx16.decisions import Decision, Reason, decision_of
 from fx16.nodes import node_val
 
 FP32 = torch.float32
@@ -43,6 +43,11 @@ class Read:
     @property
     def narrowed(self) -> bool:
         return self.decision is not None and self.decision.narrowed
+
+    @property
+    def island(self) -> bool:
+        """Kept fp32 as part of a region the model asks for explicitly."""
+        return self.decision is not None and self.decision.reason == Reason.EXPLICIT_FP32
 
 
 def graph_read(arg: Node) -> Read:

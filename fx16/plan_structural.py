@@ -64,13 +64,8 @@ def plan_assertion(planner, node: Node) -> Step | None:
         return None
     read = planner.plan.read(value, node)
     verdict = meta.island_verdict(node)
-    opens = read.dtype == planner.low and verdict is not None and verdict.keep
-    closes = (
-        read.dtype == FP32
-        and read.decision is not None
-        and read.decision.reason == Reason.EXPLICIT_FP32
-        and planner.policy.cast_back
-    )
+    opens = read.dtype == planner.low and meta.keeps_island(node)
+    closes = read.dtype == FP32 and read.island and planner.policy.cast_back
     after = planner.positions[node]
     later = [user for user in value.users if planner.positions.get(user, -1) > after]
     if not (opens or closes) or not later or any(is_cast(user) for user in later):

@@ -72,8 +72,7 @@ class View:
 
     def island(self, arg: Node) -> bool:
         """``arg`` is kept fp32 as part of a region the model asks for explicitly."""
-        decision = self.read(arg).decision
-        return decision is not None and decision.reason == Reason.EXPLICIT_FP32
+        return self.read(arg).island
 
     @property
     def low(self) -> torch.dtype:

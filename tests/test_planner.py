@@ -6,13 +6,14 @@ import torch
 from fuzz_profile import examples
 from hypothesis import HealthCheck, given, settings
 
+import fx16
 from fx16.decisions import PRECISION, Reason
 from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.policy import PrecisionPolicy
 from fx16.subgraphs import nested_graph_modules
 from fx16.testing.strategies import programs
-from helpers import check_program, export
+from helpers import assert_same_state, check_program, export, state_snapshot
 from models import AutocastRegions, Branches, BufferUpdate, GrowingLoop
 
 
@@ -119,6 +120,39 @@ def test_bodies_have_plans_of_their_own_applied_as_planned(model, x, planned):
         assert any(step.decision is not None and step.decision.reason == planned for step in steps)
     _applied_as_planned(plan)
     check_program(ep)
+
+
+class CastInBody(torch.nn.Module):
+    """The model's own casts to fp16 inside a ``torch.no_grad()`` body: of the input and
+    of a weight fx16 makes fp16 anyway."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        with torch.no_grad():
+            y = (x.half() @ self.w.half().t()).relu()
+        return y.float() + 1
+
+
+def test_a_cast_to_the_dtype_a_value_already_has_carries_its_decision_inside_a_body():
+    """Inside a set_grad_enabled body, the model's ``w.half()`` of a weight fx16 narrowed
+    is a no-op that carries the weight's decision: the ops after it read a 16-bit value
+    (the matmul stays 16-bit), as they will once cleanup drops the cast, so casting
+    twice equals casting once."""
+    torch.manual_seed(0)
+    ep = export(CastInBody().eval(), torch.randn(4, 8))
+    plan = _planned_then_applied(ep)
+    (region,) = [step for step in plan.steps.values() if step.bodies]
+    body = {node.name: step for node, step in region.bodies[0].steps.items()}
+    weight = next(n for n in ep.graph_module.graph.nodes if n.name == "p_w")
+    assert body["to_1"].choice is None and body["to_1"].decision == weight.meta[PRECISION]
+    assert body["matmul"].decision.dtype == torch.float16
+    ep = fx16.cast_fp32_to_fp16(export(CastInBody().eval(), torch.randn(4, 8)))
+    once = state_snapshot(ep)
+    fx16.cast_fp32_to_fp16(ep)
+    assert_same_state(once, state_snapshot(ep))
 
 
 def test_the_plan_names_the_dtypes_outputs_keep():
