@@ -206,7 +206,7 @@ def test_t5_encoder_meets_the_budget_on_unseen_inputs_with_most_flops_16_bit():
     assert "of matmul/conv/attention FLOPs in 16-bit" in report.summary()[-1]
 
 
-@settings(max_examples=examples(5), deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(programs(), st.sampled_from([0.0, 1e-4, 1e-2]))
 def test_property_a_budget_is_met_on_the_calibration_inputs_or_refused(case, budget):
     ep = case.export()

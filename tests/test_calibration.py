@@ -221,7 +221,7 @@ def test_a_mask_the_example_does_not_fill_is_still_a_sentinel_fp16_carries():
     torch.testing.assert_close(run(ep, scores, padded)[0].float(), expected, atol=2e-3, rtol=0)
 
 
-@settings(max_examples=examples(12), deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(programs(), st.integers(1, 3))
 def test_property_views_record_what_reducing_them_would(case, calls):
     """Random programs, several calls: a view, permute or expand records its input's

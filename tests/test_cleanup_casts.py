@@ -47,7 +47,7 @@ class CastChain(torch.nn.Module):
         return x * 2
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.lists(st.sampled_from(DTYPES), min_size=1, max_size=5))
 def test_any_chain_of_the_models_casts_keeps_its_values_exactly(dtypes):
     """The model's casts, in any order: cleanup may shorten the chain, never change a value."""

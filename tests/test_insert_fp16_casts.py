@@ -338,7 +338,7 @@ def test_opaque_higher_order_region_is_fed_fp32():
     )
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(st.floats(allow_nan=False, allow_infinity=True, width=32))
 def test_any_scalar_keeps_the_program_valid(factor):
     ep = export(Scale(factor), torch.randn(3))

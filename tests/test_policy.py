@@ -190,7 +190,7 @@ policies = st.builds(
 )
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(model_cases, policies)
 def test_random_policies_are_obeyed_where_safety_rules_do_not_claim_a_node(case, policy):
     model, args = case
