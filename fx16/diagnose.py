@@ -33,9 +33,9 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from fx16.analysis.calibration_inputs import calibration_calls
-from fx16.decisions import decision_of
 from fx16.node_ids import graph_modules, has_ids, kept_decision, node_id
 from fx16.nodes import dtype_name, node_module_path, op_label
+from fx16.plan import explained
 from fx16.program import Program
 from fx16.program_values import program_values
 from fx16.report import json_ready
@@ -238,8 +238,7 @@ def _diagnosis(reference_root, records, roundoff, threshold, top) -> Diagnosis:
 def _value(identity: str, record: _Record, worst_read: float, roundoff: float) -> ValueReport:
     error = record.error
     amplification = error / max(worst_read, roundoff) if math.isfinite(error) else math.inf
-    decision = decision_of(record.cast)  # a loaded program keeps only its text
-    said = decision.said() if decision is not None else kept_decision(record.cast)
+    said = explained(record.cast) or kept_decision(record.cast)  # a loaded program: text
     return ValueReport(
         id=identity,
         op=op_label(record.reference),

@@ -27,7 +27,7 @@ ROUTER = "fx16.router"  # RoutingAnalysis: why
 ISLAND = "fx16.explicit_fp32"  # ExplicitFp32Analysis: the verdict on a region's opening
 FP32_RULE = "fx16.fp32_rule"  # Fp32RulesAnalysis: the Decision of the rule that fired
 NOT_WORTH_FP32 = "fx16.not_worth_fp32"  # VerdictCheckAnalysis: why a verdict was refuted
-CAST_BACK_SKIPPED = "fx16.cast_back_skipped"  # the inserter: why an fp32 result has none
+PLANNED = "fx16.planned"  # the fp16 inserter: its plan for the node (fx16.plan.Planned)
 STABILIZED = "fx16.stabilized"  # StabilizePass: (rule name, detail) on a rewrite's result
 NEGLIGIBLE = "fx16.negligible"  # StabilizePass: why flushing this value to 0 loses nothing
 ROUNDING_CANCELS = "fx16.rounding_cancels"  # StabilizePass: why this value's error is harmless
@@ -160,9 +160,17 @@ def rounding_cancels(node: Any) -> str | None:
     return _meta(node).get(ROUNDING_CANCELS)
 
 
+def planned(node: Any):
+    """What the fp16 inserter's plan said of the node (``fx16.plan.Planned``: the
+    precedence rule that chose, the inputs it reads narrowed, its cast-back or why it
+    has none); None for a node no plan decided."""
+    return _meta(node).get(PLANNED)
+
+
 def cast_back_skipped(node: Any) -> str | None:
     """Why an fp32 result hands its consumers fp32 rather than a cast back to 16-bit."""
-    return _meta(node).get(CAST_BACK_SKIPPED)
+    record = planned(node)
+    return record.cast_back_skipped or None if record is not None else None
 
 
 def _meta(node: Any) -> dict:

@@ -68,14 +68,16 @@ def graph_modules(root: GraphModule) -> Iterator[tuple[str, GraphModule]]:
             yield (f"{name}." if name else ""), module
 
 
-def keep_decisions(root: GraphModule, decision_of) -> None:
-    """Copy each node's precision decision (``decision_of(node)``) into its custom meta
-    as "rule: detail", so a saved and loaded cast program still says why."""
+def keep_decisions(root: GraphModule, explained) -> None:
+    """Copy each node's precision decision as text (``explained(node)``, "" for none)
+    into its custom meta, so a saved and loaded cast program still says why."""
     for _, module in graph_modules(root):
         for node in module.graph.nodes:
-            decision = decision_of(node)
-            if decision is not None and node.op == "call_function":
-                node.meta[CUSTOM] = {**node.meta.get(CUSTOM, {}), DECISION: decision.said()}
+            if node.op != "call_function":
+                continue
+            said = explained(node)
+            if said:
+                node.meta[CUSTOM] = {**node.meta.get(CUSTOM, {}), DECISION: said}
 
 
 def kept_decision(node: Node) -> str:

@@ -11,6 +11,10 @@ A plan answers what each consumer will read (``Plan.read``): the value and decis
 step leaves, the 16-bit copy of a value cast back after an fp32 op, the source of a
 model's fp32 cast for the consumers outside the region it opens. ``str(plan)`` prints
 it, one line per step.
+
+Applied, each decided node keeps its step as plain data (``Planned``, in
+``meta["fx16.planned"]`` beside its decision in ``meta["fx16.precision"]``): the report,
+the HTML page and ``fx16.diagnose`` read the plan from there.
 """
 
 from dataclasses import dataclass
@@ -19,6 +23,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
+from fx16 import meta
 from fx16.casts import retype_val
 from fx16.decisions import Decision, Reason, decision_of
 from fx16.nodes import node_val
@@ -50,9 +55,52 @@ class Read:
         return self.decision is not None and self.decision.reason == Reason.EXPLICIT_FP32
 
 
+def explained(node: Node) -> str:
+    """The node's decision as text with what its step adds where a precedence rule
+    chose ("activation_overflow: observed 2.4e+05 (chosen by safety_rule; no
+    cast-back: ...)"); "" for none. A getitem's step (no rule) adds nothing: saving a
+    program keeps no text of its own for a getitem, which takes its op's on loading."""
+    decision = decision_of(node)
+    if decision is None:
+        return ""
+    planned = meta.planned(node)
+    extra = planned.said(decision.reason.name.lower()) if planned and planned.rule else ""
+    return decision.said() + (f" ({extra})" if extra else "")
+
+
 def graph_read(arg: Node) -> Read:
     """What ``arg`` holds in the graph as it is now."""
     return Read(node_val(arg), decision_of(arg), arg.name)
+
+
+@dataclass(frozen=True, slots=True)
+class Planned:
+    """What a node's step planned, kept on the node once applied: the precedence rule
+    that chose (``fx16.precedence``; "" for a node no rule list decides), the fp32
+    inputs it reads through a cast to 16-bit (by name), and whether its consumers read
+    a 16-bit copy of its fp32 result (``cast_back``) or, where the plan skips that
+    copy, why (``cast_back_skipped``). Plain data: it is copied and pickled with the
+    node."""
+
+    rule: str = ""
+    narrowed_inputs: tuple[str, ...] = ()
+    cast_back: bool = False
+    cast_back_skipped: str = ""
+
+    def said(self, reason: str = "") -> str:
+        """ "chosen by safety_rule; no cast-back: observed 7e+04", or "": the rule is
+        left out where it has the name of the decision's ``reason``."""
+        parts = [f"chosen by {self.rule}"] if self.rule and self.rule != reason else []
+        if self.narrowed_inputs:
+            parts.append("reads " + ", ".join(self.narrowed_inputs) + " narrowed")
+        if self.cast_back:
+            parts.append("consumers read a 16-bit copy")
+        elif self.cast_back_skipped:
+            parts.append(f"no cast-back: {self.cast_back_skipped}")
+        return "; ".join(parts)
+
+
+_PLAIN_PLANNED: dict[str, Planned] = {}
 
 
 @dataclass(slots=True)
@@ -77,16 +125,27 @@ class Step:
     outputs: tuple = ()  # cond / map: (body, output index) pairs widened to fp32
     operand_dtypes: tuple = ()  # invoke_subgraph: each operand cast to its placeholder's
 
+    def planned(self) -> Planned:
+        """The step as plain data (one shared record per rule where it is all there is)."""
+        rule = self.choice.rule if self.choice is not None else ""
+        if self.narrowed_inputs or self.cast_back is not None or self.cast_back_skipped:
+            return Planned(
+                rule,
+                tuple(arg.name for arg in self.narrowed_inputs),
+                self.cast_back is not None,
+                self.cast_back_skipped,
+            )
+        plain = _PLAIN_PLANNED.get(rule)
+        if plain is None:
+            plain = _PLAIN_PLANNED[rule] = Planned(rule)
+        return plain
+
     def describe(self) -> str:
         said = self.decision.said() if self.decision is not None else "no decision"
         dtype = str(self.decision.dtype).removeprefix("torch.") if self.decision else "-"
-        extra = ""
-        if self.cast_back is not None:
-            extra = ", consumers read a 16-bit copy"
-        elif self.cast_back_skipped:
-            extra = f", no cast-back: {self.cast_back_skipped}"
-        rule = f" [{self.choice.rule}]" if self.choice is not None and self.choice.rule else ""
-        return f"{dtype:8} {said}{rule}{extra}"
+        reason = self.decision.reason.name.lower() if self.decision is not None else ""
+        planned = self.planned().said(reason)
+        return f"{dtype:8} {said}" + (f" ({planned})" if planned else "")
 
 
 class Plan:

@@ -206,8 +206,7 @@ def format_rows(rows: list[Row]) -> str:
         cells = " ".join(f"{cells[index]:{w}}" for (_, cells), w in zip(columns, widths))
         skipped = f" (no cast back: {row.cast_back_skipped})" if row.cast_back_skipped else ""
         made = f" (stabilized: {row.stabilized})" if row.stabilized else ""
-        why = row.reason + (f": {row.detail}" if row.detail else "")
-        lines.append(f"{cells} {why}{skipped}{made}")
+        lines.append(f"{cells} {row.why()}{skipped}{made}")
     return "\n".join(lines)
 
 

@@ -97,7 +97,7 @@ def _reasons(report: CastReport) -> str:
         f'<tr id="why-{html.escape(row.node)}"><td class="node">{html.escape(row.node)}</td>'
         f"<td>{html.escape(row.module or '-')}</td><td>{html.escape(row.op)}</td>"
         f"<td>{html.escape(row.rule)}</td><td>{html.escape(row.cost() or '-')}</td>"
-        f"<td>{html.escape(_why(row))}</td></tr>"
+        f"<td>{html.escape(row.why())}</td></tr>"
         for row in rows
         if row.kind == "float"
     )
@@ -105,10 +105,6 @@ def _reasons(report: CastReport) -> str:
     header = "<tr>" + "".join(f"<th>{name}</th>" for name in columns) + "</tr>"
     title = f"<h2>fp32 values and why ({len(rows)})</h2>"
     return f'{title}<table class="reasons"><thead>{header}</thead><tbody>{lines}</tbody></table>'
-
-
-def _why(row: Row) -> str:
-    return f"{row.reason}: {row.detail}" if row.detail else row.reason
 
 
 def _precision(row: Row) -> str:
@@ -150,7 +146,7 @@ def _heat_cell(error: float | None) -> str:
 
 def _cell(row: Row, errors: dict | None = None) -> str:
     precision = _precision(row)
-    why = f"{row.node} ({row.op}): {row.dtype}, {row.rule}: {_why(row)}"
+    why = f"{row.node} ({row.op}): {row.dtype}, {row.rule}: {row.why()}"
     if errors is not None and row.node in errors:
         error, amplification = errors[row.node]
         why += f"; error vs fp32 {error:.3g} (amplifies {amplification:.3g}x)"

@@ -49,6 +49,16 @@ class Row:
     cast_back_skipped: str = ""
     # the stable rewrite (StabilizePass) that made this value: "rule: detail"
     stabilized: str = ""
+    # the plan's precedence rule that chose (fx16.precedence: "safety_rule", "fp32_input")
+    chosen_by: str = ""
+
+    def why(self) -> str:
+        """The reason with its detail, and the precedence rule where its name says more
+        ("... [chosen by policy_follow]")."""
+        why = self.reason + (f": {self.detail}" if self.detail else "")
+        if self.chosen_by and self.chosen_by != self.rule:
+            why += f" [chosen by {self.chosen_by}]"
+        return why
 
     def cost(self) -> str:
         """What keeping this value in fp32 costs per call, for a row that does."""
@@ -123,9 +133,9 @@ def _row(
 
 
 def _numbers(node: Node) -> dict:
-    """The ranges and condition number the analyses recorded on ``node``, why its
-    consumers read it in fp32 where the inserter gave it no cast-back, and the stable
-    rewrite that made it."""
+    """The ranges and condition number the analyses recorded on ``node``, what the
+    inserter's plan said of it (the rule that chose; why its consumers read it in fp32
+    where it has no cast-back), and the stable rewrite that made it."""
     numbers = {}
     interval = meta.observed_interval(node)
     if interval is not None:
@@ -139,8 +149,10 @@ def _numbers(node: Node) -> dict:
     finding = meta.conditioning_finding(node)
     if finding is not None:
         numbers["condition_number"] = float(finding.kappa)
-    if meta.cast_back_skipped(node):
-        numbers["cast_back_skipped"] = meta.cast_back_skipped(node)
+    planned = meta.planned(node)
+    if planned is not None:
+        numbers["chosen_by"] = planned.rule
+        numbers["cast_back_skipped"] = planned.cast_back_skipped
     if meta.stabilized(node):
         name, detail = meta.stabilized(node)
         numbers["stabilized"] = f"{name}: {detail}" if detail else name

@@ -46,6 +46,7 @@ def test_integer_rows_carry_ranges_and_json_round_trips():
         "condition_number",
         "cast_back_skipped",
         "stabilized",
+        "chosen_by",
     }
     assert add_row(report_of(ep))["proven"] == [0, 999999]  # numbers, not only text
     table = format_rows(rows)

@@ -3,15 +3,15 @@
 ``fx16.planner`` decides what every op computes in and what each value becomes; a
 ``Rewriter`` carries one graph's ``Plan`` out: it narrows or widens an op's inputs
 through casts, writes its rounded scalars and 16-bit dtype arguments, its planned
-value and decision (``meta["fx16.precision"]``), and gives the consumers of an fp32
-result the 16-bit copy the plan asks for (a cast-back; where the plan skips one, it
-says why in ``meta["fx16.cast_back_skipped"]``).
+value and decision (``meta["fx16.precision"]``) with the step itself as plain data
+(``meta["fx16.planned"]``: the rule that chose, the inputs read narrowed, the cast-back
+or why there is none), and gives the consumers of an fp32 result the 16-bit copy the
+plan asks for.
 """
 
 import torch
 from torch.fx import GraphModule, Node
 
-from fx16 import meta
 from fx16.casts import (
     INSERTED,
     WHY_CAST_BACK,
@@ -26,6 +26,7 @@ from fx16.casts import (
     substitute_inputs,
 )
 from fx16.decisions import PRECISION, was_narrowed
+from fx16.meta import PLANNED
 from fx16.nodes import FLOAT_DTYPES, node_dtype, node_val, set_argument
 from fx16.plan import Plan, Step
 from fx16.policy import PrecisionPolicy
@@ -48,9 +49,10 @@ class Rewriter:
         self.modified = False
 
     def record(self, node: Node, step: Step) -> None:
-        """Write the planned decision and value of ``node``."""
+        """Write the planned decision and value of ``node``, and the step that made them."""
         if step.decision is not None:
             node.meta[PRECISION] = step.decision
+            node.meta[PLANNED] = step.planned()
         if step.val is not node_val(node):
             node.meta["val"] = step.val
             self.modified = True
@@ -106,13 +108,12 @@ class Rewriter:
         return cast_back_source(arg, FP32) or self.casts.cast(arg, FP32, WHY_UPCAST)
 
     def cast_back(self, node: Node, step: Step) -> None:
-        """The 16-bit copy the plan gives ``node``'s consumers, or why it gives none."""
+        """The 16-bit copy the plan gives ``node``'s consumers (``record`` wrote why it
+        gives none, where it does not)."""
         if step.cast_back is not None:
             back = self.casts.cast_after(node, self.low, WHY_CAST_BACK)
             back.meta[PRECISION] = step.cast_back
             self.modified = True
-        elif step.cast_back_skipped:
-            node.meta[meta.CAST_BACK_SKIPPED] = step.cast_back_skipped
 
     # ---- following the inputs -----------------------------------------------------------
 
