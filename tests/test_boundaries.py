@@ -273,7 +273,7 @@ def test_an_island_opened_outside_reaches_into_the_body(kind):
     assert all(n.meta["val"].dtype == torch.float32 for n in powers)
 
 
-@settings(max_examples=examples(20), deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(programs())
 def test_property_links_are_two_way_and_every_body_placeholder_is_fed(case):
     """Random programs (cond, while_loop, map, autocast): each link is known from both

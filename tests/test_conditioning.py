@@ -198,7 +198,7 @@ def test_rotary_decode_at_positions_beyond_1500_stays_within_5e_3():
     assert max(_decode_errors(model, ep, 2040)) <= 5e-3
 
 
-@settings(max_examples=examples(20), deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(st.integers(16, 4096), st.floats(1e-3, 4.0))
 def test_property_sinusoids_of_positions_stay_accurate(length, scale):
     model = Angles(scale).eval()

@@ -100,7 +100,7 @@ def test_other_ops_count_an_element_each_and_bytes_count_what_moves():
 _STRAIGHT = tuple(op for op in MENU if op not in ("while_loop", "map", "cond"))
 
 
-@settings(max_examples=examples(20), deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(programs(menu=_STRAIGHT))
 def test_property_any_programs_products_count_what_pytorchs_counter_counts(case):
     """Random straight-line programs: matmuls, convolutions, linears among the rest."""

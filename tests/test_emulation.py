@@ -90,7 +90,7 @@ def test_a_value_written_through_a_view_arrives():
     assert _emulation(ep).error(set()) < 1e-3
 
 
-@settings(max_examples=examples(15), deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(programs())
 def test_property_with_everything_wide_any_program_is_emulated_exactly(case):
     """Random programs (views written in place, loops, cond, autocast regions): the
