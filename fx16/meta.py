@@ -167,12 +167,6 @@ def planned(node: Any):
     return _meta(node).get(PLANNED)
 
 
-def cast_back_skipped(node: Any) -> str | None:
-    """Why an fp32 result hands its consumers fp32 rather than a cast back to 16-bit."""
-    record = planned(node)
-    return record.cast_back_skipped or None if record is not None else None
-
-
 def _meta(node: Any) -> dict:
     try:
         meta = node.meta

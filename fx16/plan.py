@@ -64,7 +64,9 @@ def explained(node: Node) -> str:
     if decision is None:
         return ""
     planned = meta.planned(node)
-    extra = planned.said(decision.reason.name.lower()) if planned and planned.rule else ""
+    if planned is None or not planned.rule:
+        return decision.said()
+    extra = planned.said(decision.reason.name.lower())
     return decision.said() + (f" ({extra})" if extra else "")
 
 

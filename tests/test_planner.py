@@ -146,6 +146,8 @@ def test_bodies_have_plans_of_their_own_applied_as_planned(model, x, planned):
     if planned == "bodies":
         assert any(step.bodies and step.bodies[0].steps for step in steps)
         assert "    " in str(plan)  # a body's steps, indented under its op
+        body_rows = [row for row in report_of(ep).rows if "." in row.node]  # body.node
+        assert body_rows and all(row.chosen_by for row in body_rows if row.op != "placeholder")
     else:
         assert any(step.decision is not None and step.decision.reason == planned for step in steps)
     _applied_as_planned(plan)
