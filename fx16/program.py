@@ -15,12 +15,11 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.fx import GraphModule, Node
-from tqdm import tqdm
 
 from fx16.errors import Fx16Error, InvalidProgramError, PassFailedError
 from fx16.graph_repairs import register_missing_users, unshare_meta
-from fx16.numerics import conversion_scratch, tensor_to_fp16
 from fx16.snapshot import PENDING, Snapshot, collector_paused
+from fx16.state_commit import commit_pending
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
@@ -138,37 +137,13 @@ class Program:
         return pending.get(target, tensor.dtype if tensor is not None else None)
 
     def commit_state(self, progress: bool | None = False) -> None:
-        """Convert every state tensor ``narrow_state`` decided on, largest first, one at
-        a time: each fp32 tensor is dropped as soon as its 16-bit copy replaces it, so
-        when fx16 holds the only reference, memory falls as the commit goes on.
-
-        A tensor stored under several names is converted once and stays shared.
-        ``progress``: a progress bar of the bytes converted on stderr (None: when
-        stderr is a terminal).
-        """
+        """Convert every state tensor ``narrow_state`` decided on (``fx16.state_commit``:
+        largest first, each fp32 tensor dropped as soon as its 16-bit copy replaces it;
+        a tensor stored under several names stays shared). ``progress``: a progress bar
+        of the bytes converted on stderr (None: when stderr is a terminal)."""
         pending = self.graph_module.meta.pop(PENDING, None)
-        if not pending:
-            return
-        shared: dict[int, list[str]] = {}
-        for target in pending:
-            shared.setdefault(id(self.state_tensor(target)), []).append(target)
-        groups = sorted(shared.values(), key=lambda names: -_nbytes(self.state_tensor(names[0])))
-        with tqdm(
-            total=sum(_nbytes(self.state_tensor(names[0])) for names in groups),
-            desc="fx16: converting weights",
-            unit="B",
-            unit_scale=True,
-            leave=False,
-            disable=None if progress is None else not progress,
-        ) as bar:
-            scratch = conversion_scratch()  # one for all: no temporaries between the copies
-            for names in groups:
-                original = self.state_tensor(names[0])
-                stored = tensor_to_fp16(original, pending[names[0]], scratch)
-                for target in names:
-                    stored = self.replace_state_tensor(target, stored)
-                bar.update(_nbytes(original))
-                del original, stored  # fx16's last references to this tensor
+        if pending:
+            commit_pending(self, pending, progress)
 
     def range_constraints(self) -> dict:
         """Bounds of the program's symbolic sizes (sympy symbol -> ValueRanges)."""
@@ -318,7 +293,3 @@ class Program:
         if isinstance(error, Fx16Error) or not isinstance(error, Exception):
             raise error
         raise PassFailedError("commit" if saved.released else "unknown", error) from error
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,42 @@
+"""Converting the state tensors a cast decided on (``Program.commit_state``).
+
+Largest first, one at a time: each fp32 tensor is dropped as soon as its 16-bit copy
+replaces it, so when fx16 holds the only reference, memory falls as the commit goes
+on. A tensor stored under several names is converted once and stays shared.
+"""
+
+import torch
+from tqdm import tqdm
+
+from fx16.numerics import conversion_scratch, tensor_to_fp16
+
+
+def commit_pending(program, pending: dict[str, torch.dtype], progress: bool | None) -> None:
+    """Store each tensor named in ``pending`` in the dtype it maps to, through
+    ``program`` (a ``fx16.program.Program``: its ``state_tensor`` and
+    ``replace_state_tensor``). ``progress``: a progress bar of the bytes converted on
+    stderr (None: when stderr is a terminal)."""
+    shared: dict[int, list[str]] = {}
+    for target in pending:
+        shared.setdefault(id(program.state_tensor(target)), []).append(target)
+    groups = sorted(shared.values(), key=lambda names: -_nbytes(program.state_tensor(names[0])))
+    with tqdm(
+        total=sum(_nbytes(program.state_tensor(names[0])) for names in groups),
+        desc="fx16: converting weights",
+        unit="B",
+        unit_scale=True,
+        leave=False,
+        disable=None if progress is None else not progress,
+    ) as bar:
+        scratch = conversion_scratch()  # one for all: no temporaries between the copies
+        for names in groups:
+            original = program.state_tensor(names[0])
+            stored = tensor_to_fp16(original, pending[names[0]], scratch)
+            for target in names:
+                stored = program.replace_state_tensor(target, stored)
+            bar.update(_nbytes(original))
+            del original, stored  # fx16's last references to this tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
