@@ -37,8 +37,10 @@ class StateSlot:
     kind: InputKind
 
 
-# The Program of each ExportedProgram that Program.of was asked for.
-_PROGRAMS: "weakref.WeakKeyDictionary[ExportedProgram, Program]" = weakref.WeakKeyDictionary()
+# The Program of each ExportedProgram that Program.of was asked for, while anything (a
+# cast, a pass list) holds it. Weak on both sides: a Program holds its ExportedProgram,
+# so a Program held here would keep every program fx16 ever touched alive, weights too.
+_PROGRAMS: "weakref.WeakKeyDictionary[ExportedProgram, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
 class Program:
@@ -71,10 +73,11 @@ class Program:
         repairs of the graph run once."""
         if isinstance(program, Program):
             return program
-        shared = _PROGRAMS.get(program) if isinstance(program, ExportedProgram) else None
+        found = _PROGRAMS.get(program) if isinstance(program, ExportedProgram) else None
+        shared = found() if found is not None else None
         if shared is None or shared.repaired is not program.graph_module:
             shared = cls(program)
-            _PROGRAMS[program] = shared
+            _PROGRAMS[program] = weakref.ref(shared)
         return shared
 
     @property

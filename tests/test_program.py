@@ -1,5 +1,9 @@
 """fx16.program.Program: the one door to an ExportedProgram's state."""
 
+import copy
+import gc
+import weakref
+
 import pytest
 import torch
 from torch.export.graph_signature import InputKind
@@ -70,6 +74,24 @@ def test_not_a_program():
         Program(torch.nn.Linear(2, 2))
 
 
+def test_one_program_per_cast_and_none_kept_after_it():
+    """Program.of shares one Program among a cast's stages; once nothing holds it, the
+    ExportedProgram the caller drops is freed, weights and all (a Program holds its
+    program, so a cache that held Programs kept every cast program alive)."""
+    # a copy: torch keeps the nodes of the graph it traced last until it traces again
+    ep = copy.deepcopy(export(MixedBuffers(), torch.randn(2, 8)))
+    program = Program.of(ep)
+    assert Program.of(ep) is program and Program.of(program) is program
+    del program
+    fx16.cast_to_16_bit_precision(ep)
+    program, graph_module = weakref.ref(ep), weakref.ref(ep.graph_module)
+    weights = [weakref.ref(tensor) for tensor in ep.state_dict.values()]
+    del ep
+    gc.collect()
+    assert program() is None and graph_module() is None
+    assert all(weight() is None for weight in weights)
+
+
 class DeadBeforeAutocast(torch.nn.Module):
     """The shape the fuzzer found: a dead op, then an autocast region."""
 
@@ -130,9 +152,6 @@ def test_state_is_converted_only_when_the_transaction_commits():
 def test_commit_frees_each_fp32_tensor_as_soon_as_it_is_replaced(monkeypatch):
     """With the program holding the only references, no fp32 original outlives its
     conversion: when a tensor is converted, every earlier original is already gone."""
-    import gc
-    import weakref
-
     import fx16.state_commit
 
     ep = _tied_program()
