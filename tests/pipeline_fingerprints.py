@@ -4,8 +4,12 @@
 computed them before the cast inserter was split into choice (``fx16.precedence``)
 and rewrite (``fx16.passes.fp16_rewrite``), and the accuracy search stopped re-running
 the analyses; ``test_pipeline_unchanged.py`` checks the pipeline of today against it.
-Regenerate only on purpose (a behaviour change a commit states), from the repository
-root: ``PYTHONPATH=. python tests/pipeline_fingerprints.py``.
+The fingerprints are kept per program as exported (by ``input_digest``): a recorded cast
+applies to that program only, and a transformers release that exports a zoo model
+otherwise adds a record, made by the pipeline that matched every earlier one. Add the
+records of this environment's exports (recorded ones are never changed; delete one to
+record it anew, only on purpose: a behaviour change a commit states), from the
+repository root: ``PYTHONPATH=. python tests/pipeline_fingerprints.py``.
 
 The programs: the benchmark zoo's small models (default options, one with an
 accuracy budget) and random programs drawn with fixed seeds from the fuzzer's full
@@ -75,6 +79,14 @@ def zoo_cases() -> dict:
     }
 
 
+def input_digest(ep: torch.export.ExportedProgram) -> str:
+    """A digest of the code of every graph of the program as exported, before a cast:
+    a recorded cast applies to that program only (another transformers release may
+    export a zoo model with other nodes)."""
+    code = "\n".join(module.code for module in nested_graph_modules(ep.graph_module))
+    return hashlib.sha256(code.encode()).hexdigest()
+
+
 def fingerprint(ep: torch.export.ExportedProgram) -> dict:
     """The code of every graph (a digest) and every decision's dtype and reason."""
     modules = nested_graph_modules(ep.graph_module)
@@ -88,18 +100,24 @@ def fingerprint(ep: torch.export.ExportedProgram) -> dict:
     return {"code": hashlib.sha256(code.encode()).hexdigest(), "decisions": decisions}
 
 
-def fingerprints() -> dict:
-    found = {}
-    for name, (make, options) in zoo_cases().items():
-        found[name] = fingerprint(fx16.cast_fp32_to_fp16(make(), **options))
-    for seed in RANDOM_SEEDS:
-        case = random_case(seed)
-        found[f"random {seed}"] = fingerprint(fx16.cast_fp32_to_fp16(case.export()))
+def fingerprints(recorded: dict) -> dict:
+    """``recorded`` (name -> input digest -> fingerprint) with the programs this
+    environment exports added where they are not recorded yet; a recorded cast is never
+    changed (to record one anew, delete it first)."""
+    cases = {name: (make(), options) for name, (make, options) in zoo_cases().items()}
+    cases.update({f"random {seed}": (random_case(seed).export(), {}) for seed in RANDOM_SEEDS})
+    found = {name: dict(records) for name, records in recorded.items()}
+    for name, (ep, options) in cases.items():
+        records = found.setdefault(name, {})
+        digest = input_digest(ep)
+        if digest not in records:
+            records[digest] = fingerprint(fx16.cast_fp32_to_fp16(ep, **options))
     return found
 
 
 if __name__ == "__main__":
     warnings.simplefilter("ignore")
     GOLDEN.parent.mkdir(exist_ok=True)
-    GOLDEN.write_text(json.dumps(fingerprints(), indent=1, sort_keys=True) + "\n")
+    recorded = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+    GOLDEN.write_text(json.dumps(fingerprints(recorded), indent=1, sort_keys=True) + "\n")
     print(f"wrote {GOLDEN}", file=sys.stderr)
