@@ -22,9 +22,11 @@ def observe_floats(value) -> tuple[float | None, bool, tuple[float, float] | Non
     ``value``; one reduction per ordinary tensor.
     A tensor subclass (a torchao quantized weight) is observed through its plain inner
     tensors: its own ops may not include a reduction."""
+    if type(value) in _PLAIN_TENSORS:  # the common case: no subclass, nothing to flatten
+        return _observe_tensor(value) if value.is_floating_point() else (None, False, None)
     largest, sentinel, interval = None, False, None
     if isinstance(value, torch.Tensor) and not is_subclass(value):
-        leaves = [value]  # the common case, without flattening
+        leaves = [value]
     else:
         leaves = [
             inner
@@ -33,25 +35,37 @@ def observe_floats(value) -> tuple[float | None, bool, tuple[float, float] | Non
             for inner in inner_tensors(leaf).values()
         ]
     for leaf in leaves:
-        if leaf.is_floating_point() and leaf.numel():
-            low, high = leaf.detach().aminmax()
-            low, high = low.item(), high.item()
-            top = max(-low, high)
-            if not top < INF_LIKE:  # sentinels, inf or nan inside: look closer
-                detached = leaf.detach().float()
-                magnitude = detached.abs()
-                sentinel = sentinel or bool(
-                    ((magnitude >= INF_LIKE) & torch.isfinite(magnitude)).any()
-                )
-                ordinary = detached[magnitude < INF_LIKE]  # also drops inf and nan
-                low, high = (
-                    (float(ordinary.min()), float(ordinary.max())) if ordinary.numel() else (0, 0)
-                )
-                top = float(ordinary.abs().max()) if ordinary.numel() else None
+        if leaf.is_floating_point():
+            top, seen, extremes = _observe_tensor(leaf)
             if top is not None:
                 largest = top if largest is None else max(largest, top)
-            interval = (low, high) if interval is None else _hull(interval, (low, high))
+            sentinel = sentinel or seen
+            if extremes is not None:
+                interval = extremes if interval is None else _hull(interval, extremes)
     return largest, sentinel, interval
+
+
+# Types that are never wrapper subclasses: observed without asking.
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _observe_tensor(tensor: torch.Tensor) -> tuple[float | None, bool, tuple | None]:
+    """``observe_floats`` of one plain float tensor: one ``aminmax``, and a closer look
+    only when a sentinel, inf or nan is inside."""
+    if not tensor.numel():
+        return None, False, None
+    low, high = tensor.detach().aminmax()
+    low, high = low.item(), high.item()
+    top = max(-low, high)
+    if top < INF_LIKE:
+        return top, False, (low, high)
+    detached = tensor.detach().float()
+    magnitude = detached.abs()
+    sentinel = bool(((magnitude >= INF_LIKE) & torch.isfinite(magnitude)).any())
+    ordinary = detached[magnitude < INF_LIKE]  # also drops inf and nan
+    if not ordinary.numel():
+        return None, sentinel, (0, 0)
+    return float(ordinary.abs().max()), sentinel, (float(ordinary.min()), float(ordinary.max()))
 
 
 def _hull(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
@@ -112,7 +126,7 @@ class MagnitudeRecorder(BodyInterpreter):
             magnitude, sentinel, interval = observe_floats(result)
             if magnitude is not None and not math.isnan(magnitude):
                 self.magnitudes[node] = max(magnitude, self.magnitudes.get(node, 0.0))
-            if interval is not None and not any(math.isnan(bound) for bound in interval):
+            if interval is not None and not (math.isnan(interval[0]) or math.isnan(interval[1])):
                 seen = self.intervals.get(node)
                 self.intervals[node] = interval if seen is None else _hull(seen, interval)
             if sentinel:
