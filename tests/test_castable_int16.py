@@ -60,7 +60,7 @@ def test_gather_index_path_is_excluded():
     assert castable == {"add_1"}
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(integer_cases())
 def test_castable_nodes_are_reachable_safe_wide_integers_joined_to_a_seed(case):
     model, args, _, _ = case

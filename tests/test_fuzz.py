@@ -71,7 +71,7 @@ def _outputs(ep, args):
         return pytree.tree_leaves(ep.module()(*args))
 
 
-@settings(max_examples=examples(12))
+@settings(max_examples=examples(10))
 @given(programs(), entry_points)
 def test_1_2_cast_never_raises_and_leaves_a_valid_program(case, entry):
     """No exception at all on a valid program; the result lints, validates, runs,
@@ -79,7 +79,7 @@ def test_1_2_cast_never_raises_and_leaves_a_valid_program(case, entry):
     check_program(_cast(case, entry))
 
 
-@settings(max_examples=examples(12))
+@settings(max_examples=examples(10))
 @given(programs(), entry_points, st.integers(0, 2**16))
 def test_3_integer_outputs_are_bit_exact_inside_the_declared_ranges(case, entry, seed):
     inputs = case.inputs(seed)
@@ -91,7 +91,7 @@ def test_3_integer_outputs_are_bit_exact_inside_the_declared_ranges(case, entry,
             assert torch.equal(have, want)
 
 
-@settings(max_examples=examples(12))
+@settings(max_examples=examples(10))
 @given(programs(), entry_points)
 def test_4_no_inf_or_nan_that_fp32_does_not_have_on_the_calibration_inputs(case, entry):
     expected = _outputs(case.export(), case.args)
@@ -103,7 +103,7 @@ def test_4_no_inf_or_nan_that_fp32_does_not_have_on_the_calibration_inputs(case,
             assert torch.isfinite(have[ordinary]).all(), "the cast introduced inf/nan"
 
 
-@settings(max_examples=examples(15))
+@settings(max_examples=examples(12))
 @given(
     well_conditioned_programs,
     st.sampled_from(["cast_fp32_to_fp16", "cast_to_16_bit_precision", "auto_mixed_bf16"]),
@@ -124,7 +124,7 @@ def test_5_float_error_is_bounded_when_no_fallback_fired(case, entry):
             assert (have.double() - want).abs().max() / scale <= ERROR_BOUND[low]
 
 
-@settings(max_examples=examples(15))
+@settings(max_examples=examples(12))
 @given(programs(), entry_points)
 def test_6_casting_twice_equals_casting_once(case, entry):
     ep = _cast(case, entry)
@@ -138,7 +138,7 @@ def _stages(ep, entry):
     return sorted({type(p) for p in passes} | set(CLEANUP_RULES), key=lambda c: c.__name__)
 
 
-@settings(max_examples=examples(15))
+@settings(max_examples=examples(12))
 @given(programs(), entry_points, st.data())
 def test_7_a_failing_stage_leaves_the_program_as_it_was(case, entry, data):
     ep = case.export()

@@ -143,7 +143,7 @@ def test_bad_mode_is_refused():
         fx16.cast_int32_to_int16(ep, int16="always")
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(integer_cases())
 def test_integer_outputs_are_bit_exact_and_nothing_narrows_without_a_fitting_range(case):
     model, args, input_ranges, draw_inputs = case

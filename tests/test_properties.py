@@ -11,7 +11,7 @@ from fx16.pipelines import run_passes
 from fx16.testing.strategies import model_cases
 from helpers import assert_same_state, check_program, export, run, state_snapshot
 
-SETTINGS = settings(max_examples=18, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _finite_where_fp32_is(reference, outputs):
