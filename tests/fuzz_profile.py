@@ -14,4 +14,4 @@ def examples(ci: int) -> int:
 
 
 # Tests marked slow run this many examples: a bounded number by default (and in CI).
-SLOW_EXAMPLES = examples(16)
+SLOW_EXAMPLES = examples(12)

@@ -84,7 +84,7 @@ def test_assume_safe_narrows_without_ranges():
     assert int_decisions(ep)["a"].reason == Reason.ASSUMED_SAFE
 
 
-@settings(max_examples=16, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(st.integers(-40000, 40000), st.integers(0, 40000), st.integers(-40000, 40000))
 def test_an_input_is_int16_exactly_when_its_range_fits_and_an_int16_op_reads_it(low, span, b_low):
     ranges = {"a": (low, low + span), "b": (b_low, b_low)}

@@ -101,7 +101,7 @@ def test_shared_tensor_converted_once():
     assert all(t.dtype == torch.float16 for t in tensors)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=18, deadline=None)
 @given(st.lists(st.floats(min_value=-1e6, max_value=1e6, width=32), min_size=1, max_size=8))
 def test_conversion_is_exactly_rounding_or_nothing(values):
     ep = export(WithConstant(values), torch.randn(len(values)))

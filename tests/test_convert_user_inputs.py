@@ -36,7 +36,7 @@ def test_no_float_inputs_means_not_modified():
     assert not ConvertUserInputsPass(Program(ep))(ep.graph_module).modified
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     st.lists(
         st.sampled_from([torch.float32, torch.float16, torch.int64, torch.bool]),

@@ -76,7 +76,7 @@ class Scaled(nn.Module):
         return torch.exp(-(t[:, None].float() * self.scale - self.shift) / 1000)
 
 
-@settings(max_examples=examples(25), deadline=None)
+@settings(max_examples=examples(18), deadline=None)
 @given(
     st.integers(-3000, 3000),
     st.integers(0, 3000),

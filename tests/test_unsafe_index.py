@@ -98,7 +98,7 @@ def test_every_index_taking_op(kind, decompose):
     assert not found["x"]
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(st.lists(st.sampled_from(["add", "mul", "clamp", "neg_abs"]), min_size=1, max_size=5))
 def test_every_node_on_the_way_to_an_index_is_marked(steps):
     """ids -> random integer ops -> embedding: every step is unsafe; a side branch is not."""
