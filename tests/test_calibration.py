@@ -9,6 +9,7 @@ import fx16
 from benchmarks.zoo import ExpLogits, ScaledAttention, SquaredSum
 from fx16.analysis import CalibrationAnalysis
 from fx16.decisions import PRECISION, Reason
+from fx16.numerics import INF_LIKE
 from fx16.program import Program
 from fx16.testing import programs
 from helpers import check_program, export, fp64_reference, max_error, run, state_snapshot
@@ -256,3 +257,54 @@ def test_property_views_record_what_reducing_them_would(case, calls):
             }
         )
     assert recorded[0] == recorded[1]
+
+
+def _observed_by_definition(tensor: torch.Tensor):
+    """(largest, sentinel, interval) as ``observe_floats`` defines them, with whole-tensor
+    ops: the finite values below 1e38 count; a finite one at or above it is a sentinel."""
+    if not tensor.numel():
+        return None, False, None
+    magnitude = tensor.abs()
+    sentinel = bool(((magnitude >= INF_LIKE) & torch.isfinite(magnitude)).any())
+    ordinary = tensor[magnitude < INF_LIKE]
+    if not ordinary.numel():
+        return None, sentinel, (0, 0)
+    return (
+        float(magnitude[magnitude < INF_LIKE].max()),
+        sentinel,
+        (
+            float(ordinary.min()),
+            float(ordinary.max()),
+        ),
+    )
+
+
+_VALUES = st.one_of(
+    st.floats(width=32, allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1e38, -3.4e38, float("inf"), float("nan"), 7e4, -1e-9]),
+)
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(parts=st.lists(st.lists(_VALUES, max_size=12), min_size=1, max_size=3))
+def test_observed_floats_follow_their_definition_for_a_tensor_a_parameter_and_a_tuple(parts):
+    """The plain-tensor path, a Parameter, and a tuple of tensors (one reduction each, the
+    results combined) all give what the definition gives; nan, inf and sentinels
+    included."""
+    from fx16.analysis.magnitudes import observe_floats
+
+    tensors = [torch.tensor(values, dtype=torch.float32) for values in parts]
+    expected = [_observed_by_definition(tensor) for tensor in tensors]
+    for tensor, wanted in zip(tensors, expected):
+        assert observe_floats(tensor) == wanted
+        assert observe_floats(torch.nn.Parameter(tensor, requires_grad=False)) == wanted
+    tops = [top for top, _, _ in expected if top is not None]
+    intervals = [interval for _, _, interval in expected if interval is not None]
+    combined = (
+        max(tops) if tops else None,
+        any(sentinel for _, sentinel, _ in expected),
+        (min(low for low, _ in intervals), max(high for _, high in intervals))
+        if intervals
+        else None,
+    )
+    assert observe_floats(tuple(tensors)) == combined
