@@ -199,8 +199,9 @@ def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> Exp
                 budget["metric"],
                 budget["validation"],
             )
-        elif fp16_options is not None:
-            run_passes(fp16_passes(ep, fp16_options), ep.graph_module)
+        elif fp16_options is not None:  # one recompile for both stages, after the last
+            last = int16_options is None
+            run_passes(fp16_passes(ep, fp16_options), ep.graph_module, recompile=last)
         if int16_options is not None:
             run_passes(int16_passes(ep, **int16_options), ep.graph_module)
     keep_decisions(ep.graph_module, explained)  # they survive torch.export.save

@@ -211,12 +211,14 @@ def reject_unknown(function, unknown: dict) -> None:
         )
 
 
-def run_passes(passes: list[PassBase], graph_module: GraphModule) -> bool:
+def run_passes(passes: list[PassBase], graph_module: GraphModule, recompile: bool = True) -> bool:
     """Run ``passes`` in order on ``graph_module``, recompiling once at the end.
 
     Same effect as ``PassManager(passes)(graph_module)``, which recompiles after
     every pass. A pass that raises anything but an ``Fx16Error`` raises a
     ``PassFailedError`` naming it, from the original exception.
+    ``recompile=False`` leaves the recompile to the caller, who runs more passes
+    first (none of fx16's runs the root's code: calibration interprets the graph).
     Returns whether any pass modified the graph.
     """
     modified = False
@@ -228,5 +230,6 @@ def run_passes(passes: list[PassBase], graph_module: GraphModule) -> bool:
         except Exception as error:
             raise PassFailedError(type(pass_).__name__, error, restored=False) from error
         modified = modified or bool(result and result.modified)
-    graph_module.recompile()
+    if recompile:
+        graph_module.recompile()
     return modified

@@ -180,6 +180,24 @@ def test_combined_cast_converts_both_and_is_idempotent():
     assert_same_state(once, state_snapshot(ep))
 
 
+@pytest.mark.parametrize("int16", ["proven", "observed"])
+def test_combined_cast_recompiles_the_program_once_after_both_stages(int16, monkeypatch):
+    ep = _int_program()
+    compiled = []
+    recompile = torch.fx.GraphModule.recompile
+
+    def counted(graph_module):
+        compiled.append(graph_module)
+        return recompile(graph_module)
+
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    fx16.cast_to_16_bit_precision(ep, input_ranges=RANGES, int16=int16)
+    assert compiled == [ep.graph_module]
+    assert ep.graph_module.code == ep.graph_module.graph.python_code("self").src
+    assert any(d.dtype == torch.int16 for d in int_decisions(ep).values())
+    check_program(ep)
+
+
 def test_int16_off_only_casts_floats():
     ep = fx16.cast_to_16_bit_precision(_int_program(), int16="off")
     assert int_decisions(ep) == {}
