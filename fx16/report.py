@@ -5,10 +5,12 @@ Every public cast function stores a ``CastReport`` in
 not saved in ``.pt2`` files, so write ``to_json()`` where you need it kept).
 """
 
+import copy
 import json
 import math
+import weakref
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
@@ -34,23 +36,58 @@ class Pending:
 
     A cast does not pay for a report nobody reads (building it costs about as much as
     the walk that decides). It shows the program as it is when first read: read it
-    before rewriting the graph further."""
+    before rewriting the graph further. The stored report refers to its program weakly:
+    it lives on the program's graph module, which torch may keep after the caller drops
+    the program (the graph it traced last), and a strong reference from there would keep
+    every weight alive. ``report_of`` hands out a report that holds the program until
+    the report is built (``holding``)."""
 
     def __init__(self, ep: ExportedProgram, before: ProgramStats | None) -> None:
-        self.ep = ep  # an attribute, not a closure: a deep copy of the program gets its own
+        self.program = weakref.ref(ep)
         self.before = before
         self.built: tuple[list[Row], Totals] | None = None
 
-    def __call__(self) -> tuple[list[Row], Totals]:
+    def __call__(self, ep: ExportedProgram | None = None) -> tuple[list[Row], Totals]:
         if self.built is None:
-            self.built = decision_rows(self.ep), totals(self.ep, self.before)
-            self.ep = None
+            ep = ep if ep is not None else self.program()
+            if ep is None:
+                raise ReferenceError(
+                    "fx16: the program this report describes was freed before the report "
+                    "was first read; read report_of(ep) while ep lives"
+                )
+            self.built = decision_rows(ep), totals(ep, self.before)
         return self.built
+
+    def holding(self, ep: ExportedProgram) -> "_Held":
+        """This source, holding ``ep`` until it is built (one build for every holder)."""
+        return _Held(self, ep)
+
+    def __deepcopy__(self, memo: dict) -> "Pending":
+        """A deep copy of the program gets a report of the copy."""
+        copied, ep = copy.copy(self), self.program()
+        if ep is not None:
+            copied.program = weakref.ref(memo.get(id(ep), ep))
+        copied.before = copy.deepcopy(self.before, memo)
+        copied.built = copy.deepcopy(self.built, memo)
+        return copied
+
+
+class _Held:
+    """A ``Pending`` with its program held: what a report read by ``report_of`` builds
+    from, so that ``report_of(fx16.cast_fp32_to_fp16(export(...))).rows`` works."""
+
+    def __init__(self, pending: Pending, ep: ExportedProgram) -> None:
+        self.pending, self.ep = pending, ep
+
+    def __call__(self) -> tuple[list[Row], Totals]:
+        built = self.pending(self.ep)
+        self.ep = None  # built: the program is no longer needed
+        return built
 
 
 @dataclass(frozen=True)
 class CastReport:
-    source: "Pending | tuple[list[Row], Totals]" = field(repr=False)
+    source: "Pending | _Held | tuple[list[Row], Totals]" = field(repr=False)
     accuracy: AccuracySearch | None = None  # set when the cast had an accuracy budget
     # what made it: fx16 and torch versions, the entry point, its options, the input file
     provenance: dict = field(default_factory=dict)
@@ -66,7 +103,7 @@ class CastReport:
 
     def built(self) -> tuple[list[Row], Totals]:
         source = self.source
-        return source() if isinstance(source, Pending) else source
+        return source() if isinstance(source, (Pending, _Held)) else source
 
     def kept_wide(self) -> list[Row]:
         return [row for row in self.rows if not row.narrowed]
@@ -214,13 +251,17 @@ def report_of(ep: ExportedProgram) -> CastReport | None:
     """The report of the cast of ``ep``: the one an fx16 cast function stored, or, for a
     program cast by fx16's passes in a pipeline of its own (``PassManager``), one built
     now from the decisions its nodes carry. None for a program fx16 did not cast."""
-    stored = ep.graph_module.meta.get(REPORT_KEY)
-    if stored is not None:
-        return stored
-    decided = any(
-        PRECISION in node.meta or INT_PRECISION in node.meta
-        for module in ep.graph_module.modules()
-        if isinstance(module, GraphModule)
-        for node in module.graph.nodes
-    )
-    return build_report(ep, ep.graph_module.meta.get(BEFORE_KEY)) if decided else None
+    report = ep.graph_module.meta.get(REPORT_KEY)
+    if report is None:
+        decided = any(
+            PRECISION in node.meta or INT_PRECISION in node.meta
+            for module in ep.graph_module.modules()
+            if isinstance(module, GraphModule)
+            for node in module.graph.nodes
+        )
+        if not decided:
+            return None
+        report = build_report(ep, ep.graph_module.meta.get(BEFORE_KEY))
+    if isinstance(report.source, Pending):  # the reader's report holds ep until built
+        return replace(report, source=report.source.holding(ep))
+    return report

@@ -1,11 +1,15 @@
 """fx16.report: every recorded decision as rows, JSON and a table."""
 
+import copy
+import gc
 import json
+import weakref
 
+import pytest
 import torch
 
 import fx16
-from fx16.report import format_rows, report_of
+from fx16.report import REPORT_KEY, format_rows, report_of
 from fx16.report_rows import decision_rows
 from helpers import export
 from models import BucketHash, CumsumCounter, GrowingLoop, OverflowWeight, RMSNormMLP
@@ -273,3 +277,41 @@ def test_rows_name_ops_plainly_and_integers_never_considered_are_left_out_of_why
         fx16.cast_to_16_bit_precision(export(CumsumCounter(), torch.arange(6), torch.arange(6)))
     )
     assert [row for row in refused.explained() if row.kind == "int"]  # range_unknown rows
+
+
+def test_the_stored_report_keeps_no_weight_alive_and_a_read_one_holds_its_program():
+    """torch keeps the graph it traced last (and its graph module's meta, where the report
+    lives) after the caller drops the program: the stored report refers to the program
+    weakly, so the weights are freed; a report from ``report_of`` holds its program until
+    it is built, so ``report_of(fx16.cast_fp32_to_fp16(export(...))).rows`` works."""
+    ep = fx16.cast_fp32_to_fp16(export(RMSNormMLP(), torch.randn(2, 16)))
+    stored = ep.graph_module.meta[REPORT_KEY]
+    read = report_of(ep)
+    weights = [weakref.ref(tensor) for tensor in ep.state_dict.values()]
+    del ep
+    gc.collect()
+    assert any(weight() is not None for weight in weights)  # the read report holds it
+    rows = read.rows
+    assert rows and read.totals.float_ops_16bit > 0
+    del read
+    gc.collect()
+    assert all(weight() is None for weight in weights)
+    assert stored.rows == rows  # built once, shared with the stored report
+    unread = fx16.cast_fp32_to_fp16(export(RMSNormMLP(), torch.randn(2, 16)))
+    stored = unread.graph_module.meta[REPORT_KEY]
+    weights = [weakref.ref(tensor) for tensor in unread.state_dict.values()]
+    del unread
+    gc.collect()
+    assert all(weight() is None for weight in weights)  # a cast no one read the report of
+    with pytest.raises(ReferenceError, match="freed before the report was first read"):
+        stored.built()
+
+
+def test_a_deep_copy_of_a_cast_program_reports_the_copy():
+    ep = fx16.cast_fp32_to_fp16(export(RMSNormMLP(), torch.randn(2, 16)))
+    copied = copy.deepcopy(ep)
+    assert copied.graph_module.meta[REPORT_KEY].source.program() is copied
+    expected = [row.node for row in report_of(ep).rows]
+    del ep
+    gc.collect()
+    assert [row.node for row in report_of(copied).rows] == expected
