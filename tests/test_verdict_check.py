@@ -12,13 +12,14 @@ import fx16
 from benchmarks import zoo
 from benchmarks.precision_zoo import TimestepEmbedding
 from fx16.analysis import Fp32RulesAnalysis, VerdictCheckAnalysis
+from fx16.analysis.explicit_fp32 import islands
 from fx16.analysis.fp32_rules import ConditioningRule
 from fx16.analysis.verdict_check import MEASURABLE
 from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes, without_rules
 from fx16.report import report_of
 from fx16.testing import programs
-from helpers import check_program, export, max_error, run
+from helpers import assert_same_state, check_program, export, max_error, run, state_snapshot
 
 
 def _checks(ep):
@@ -167,3 +168,29 @@ def test_property_every_answer_follows_its_measurement_and_dropped_verdicts_are_
                     and VerdictCheckAnalysis.META_KEY in node.meta
                     for node in nodes[name]
                 ), name
+
+
+class NormedOuterProduct(nn.Module):
+    """An RMSNorm the model opens in fp32 (``x.to(torch.float32)``), then an outer
+    product of its result: the product, most of the program's FLOPs, is in the region."""
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return (normed.unsqueeze(-1) @ normed.unsqueeze(-2)).mean(-1)
+
+
+def test_a_second_cast_skips_verdicts_on_regions_the_first_cast_removed():
+    """The first cast's cleanup removes the cast that opened a kept region; its verdict
+    stays in the graph module's meta for the report, and the second cast does not ask
+    about a region that is no longer there (it raised StopIteration: found by the fuzzer)."""
+    x = torch.tensor([[0.6577, 0.9387], [1.1317, -0.6455], [-1.7703, 0.2143]])
+    ep = export(NormedOuterProduct(), x)
+    fx16.cast_fp32_to_fp16(ep, policy="autocast")
+    names = {node.name for node in ep.graph_module.graph.nodes}
+    gone = [v for v in islands(ep.graph_module) if v.opening not in names]
+    assert gone and any(v.keep for v in gone)
+    once = state_snapshot(ep)
+    fx16.cast_fp32_to_fp16(ep, policy="autocast")
+    check_program(ep)
+    assert_same_state(once, state_snapshot(ep))

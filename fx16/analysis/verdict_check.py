@@ -190,13 +190,15 @@ class VerdictCheckAnalysis(Analysis):
             return groups.setdefault(label, _Group(label, frozenset(reasons)))
 
         for module in modules:
+            by_name = {n.name: n for n in module.graph.nodes}
             for island in islands(module):
-                if not island.keep:
+                # an earlier cast's verdict on a region its cleanup removed is the report's
+                if not island.keep or island.opening not in by_name:
                     continue
-                nodes = [n for n in module.graph.nodes if n.name in island.members]
+                nodes = [by_name[name] for name in island.members if name in by_name]
                 cost = sum(flops(n) for n in nodes if is_product(n))
                 if cost >= heavy:
-                    opening = next(n for n in module.graph.nodes if n.name == island.opening)
+                    opening = by_name[island.opening]
                     found = group(f"explicit_fp32 {island.op} at {_pattern(opening)}", None)
                     found.nodes.update([opening, *nodes])
                     found.cost += cost
