@@ -168,7 +168,7 @@ class VerdictCheckAnalysis(Analysis):
         """The nodes a rule, a kept island or the policy keeps in fp32."""
         wide = set()
         for module in modules:
-            members = {name for island in islands(module) if island.keep for name in island.members}
+            members = {name for island in _live(module) if island.keep for name in island.members}
             for node in module.graph.nodes:
                 if node.op not in ("placeholder", "call_function"):
                     continue
@@ -191,9 +191,8 @@ class VerdictCheckAnalysis(Analysis):
 
         for module in modules:
             by_name = {n.name: n for n in module.graph.nodes}
-            for island in islands(module):
-                # an earlier cast's verdict on a region its cleanup removed is the report's
-                if not island.keep or island.opening not in by_name:
+            for island in _live(module, by_name):
+                if not island.keep:
                     continue
                 nodes = [by_name[name] for name in island.members if name in by_name]
                 cost = sum(flops(n) for n in nodes if is_product(n))
@@ -237,6 +236,13 @@ class VerdictCheckAnalysis(Analysis):
             module.meta[ExplicitFp32Analysis.META_KEY] = [
                 verdict if island.opening == opening.name else island for island in islands(module)
             ]
+
+
+def _live(module: GraphModule, by_name: dict[str, Node] | None = None) -> list:
+    """The island verdicts of ``module`` whose opening is in its graph: an earlier
+    cast's verdict on a region its cleanup removed stays only for the report."""
+    names = by_name if by_name is not None else {n.name for n in module.graph.nodes}
+    return [island for island in islands(module) if island.opening in names]
 
 
 def _findings(modules: list[GraphModule]) -> list:
