@@ -180,9 +180,9 @@ def fp32_rules(ep: torch.export.ExportedProgram) -> str:
     return ", ".join(f"{rule} ×{count}" for rule, count in counts.most_common()) or "-"
 
 
-def measure(build, args, input_ranges) -> dict:
+def measure(build, args, input_ranges, only: set[str] | None = None) -> dict:
     """tool -> (converted types or the failure, the cast program), for each of
-    ``casts`` and fx16 without its precision rules."""
+    ``casts`` and fx16 without its precision rules (``only``: just the tools named)."""
     torch.manual_seed(0)
     model = build().eval()
     strict = getattr(model, "strict_export", False)
@@ -191,6 +191,8 @@ def measure(build, args, input_ranges) -> dict:
     results = {}
     tools = {**casts(input_ranges), WITHOUT_PRECISION_RULES: cast_without_precision_rules}
     for tool, cast in tools.items():
+        if only is not None and tool not in only:
+            continue
         ep = copy.deepcopy(base)
         try:
             cast(ep)
