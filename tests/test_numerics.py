@@ -155,6 +155,18 @@ def test_tensor_to_fp16_lifts_flushed_values_in_every_chunk():
     )
 
 
+@pytest.mark.parametrize("pruned", [0.0, 0.5])
+def test_tensor_to_fp16_of_random_weights_with_flushes_in_many_blocks(pruned):
+    """Weights drawn from N(0, 0.002) hold elements that flush in many 4096-element
+    blocks; half of them pruned to zero puts a zero in every block; a tail under a block."""
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randn(3 * 2**20 + 123, generator=generator) * 0.002  # 10x the flushes
+    source[torch.rand(source.shape, generator=generator) < pruned] = 0.0
+    expected = _reference_to_16_bit(source, torch.float16)
+    assert int(((source.half() == 0) & (source != 0)).sum()) > 10  # in many blocks
+    assert torch.equal(tensor_to_fp16(source).view(torch.int16), expected.view(torch.int16))
+
+
 @pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 5, 2)])
 def test_tensor_to_fp16_of_an_empty_tensor(shape):
     """An empty weight (a compressed program's unused scale) converts to an empty 16-bit one."""
