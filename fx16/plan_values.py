@@ -6,6 +6,8 @@ and the node, run the op on fake values where a dtype cannot be derived by rule,
 change nothing.
 """
 
+import math
+
 import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
@@ -13,7 +15,7 @@ from torch.fx.node import map_arg
 from fx16.casts import retype_val
 from fx16.decisions import Reason, decision
 from fx16.nodes import FLOAT_DTYPES, float_rank, tensor_inputs, tensor_leaves, value_scalars
-from fx16.numerics import round_scalar_to_fp16
+from fx16.numerics import largest, round_scalar_to_fp16
 from fx16.plan import Read, Step
 from fx16.precedence import Action, Choice
 from fx16.propagation import output_dtypes_by_running, propagate_fake
@@ -77,5 +79,20 @@ def follow(planner, node: Node, choice: Choice, promote: bool) -> Step:
     else:
         dtype = planner.low if planner.low in dtypes else FP32
         step = Step(choice, decision(dtype, Reason.POLICY_FOLLOW, choice.detail), result)
+        if dtype == planner.low:
+            step.arguments = saturated_sentinels(node, planner.low)
     step.widest = widest
     return step
+
+
+def saturated_sentinels(node: Node, low: torch.dtype) -> tuple:
+    """The finite float scalars of ``node`` beyond ``low``'s range - infinity-like
+    sentinels such as ``finfo(float32).min`` - as the +-maximum they stand for: an op
+    computing in 16-bit cannot take them (``clamp`` of a bf16 tensor to
+    -3.4028e38 raises). Others beyond it keep the op in fp32 (``scalar_overflow``)."""
+    top = largest(low)
+    return tuple(
+        (location, round_scalar_to_fp16(value, low))
+        for location, value in value_scalars(node)
+        if isinstance(value, float) and top < abs(value) < math.inf
+    )

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fx16
 from fx16.analysis import ExplicitFp32Analysis, Fp32RulesAnalysis
 from fx16.casts import INSERTED
 from fx16.decisions import PRECISION, Reason
@@ -407,3 +408,41 @@ def test_an_input_kept_fp32_by_the_budget_is_read_in_fp16_by_its_other_consumers
     got_exp, got_sin = run(ep, x)
     assert torch.equal(got_exp, x.exp().half())  # computed in fp32, then rounded once
     assert torch.allclose(got_sin.float(), x.sin(), atol=2e-3)
+
+
+class ClampedToFp32Range(torch.nn.Module):
+    """A linear layer's output clamped to fp32's range, and a tensor filled with fp32's
+    lowest value: ``finfo(float32).min`` / ``.max`` are sentinels, beyond 16-bit."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        info = torch.finfo(torch.float32)
+        h = self.fc(x)
+        return h.clamp(info.min, info.max), torch.full_like(h, info.min)
+
+
+@pytest.mark.parametrize("policy", ["autocast", "auto_mixed_bf16", "always_fp16"])
+def test_an_op_that_follows_a_16_bit_input_saturates_its_sentinel_scalars(policy):
+    """Under a policy whose elementwise ops follow their inputs, the clamp and the
+    full_like run in the linear layer's 16-bit dtype: their fp32 sentinels become the
+    16-bit maximum (``clamp`` of a bf16 tensor to -3.4028e38 raised at run time; found by
+    the fuzzer)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    model = ClampedToFp32Range()
+    ep = fx16.cast_fp32_to_fp16(export(model, x), policy=policy)
+    check_program(ep)
+    low = PrecisionPolicy.named(policy).low
+    top = torch.finfo(low).max
+    nodes = {n.target: n for n in ep.graph_module.graph.nodes if n.op == "call_function"}
+    clamp = nodes[torch.ops.aten.clamp.default]
+    full = nodes[torch.ops.aten.full_like.default]
+    assert clamp.meta["val"].dtype == low and clamp.args[1:] == (-top, top)
+    assert full.meta["val"].dtype == low and full.args[1] == -top
+    clamped, filled = run(ep, x.to(ep.example_inputs[0][0].dtype))
+    expected = model(x)[0]
+    assert torch.allclose(clamped.float(), expected, atol=3e-2, rtol=3e-2)
+    assert bool((filled.float() == -top).all())

@@ -119,9 +119,10 @@ class Rewriter:
 
     def follow(self, node: Node, step: Step) -> None:
         """``node`` computes in the dtype its inputs give it (a promoting op's inputs
-        widened to the widest of them first)."""
+        widened to the widest of them first; in 16-bit, its sentinel scalars saturated)."""
         if step.widest is not None:
             self.promote(node, step.widest)
+        self.write_arguments(node, step)
         self.record(node, step)
         self.modified = True
 
