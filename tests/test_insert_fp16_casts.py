@@ -446,3 +446,43 @@ def test_an_op_that_follows_a_16_bit_input_saturates_its_sentinel_scalars(policy
     expected = model(x)[0]
     assert torch.allclose(clamped.float(), expected, atol=3e-2, rtol=3e-2)
     assert bool((filled.float() == -top).all())
+
+
+class ClampedInCond(torch.nn.Module):
+    """The same sentinels inside the branches of a ``torch.cond``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        info = torch.finfo(torch.float32)
+
+        def clamped(h):
+            return h.clamp(info.min, info.max)
+
+        def filled(h):
+            return torch.full_like(h, info.min)
+
+        h = self.fc(x)
+        return torch.cond(h.sum() > 0, clamped, filled, (h,))
+
+
+def test_sentinels_saturate_inside_a_cond_body_too():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    ep = fx16.cast_fp32_to_fp16(export(ClampedInCond(), x), policy="autocast")
+    check_program(ep)
+    top = torch.finfo(torch.bfloat16).max
+    body_nodes = [
+        node
+        for module in ep.graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule) and module is not ep.graph_module
+        for node in module.graph.nodes
+        if node.target in (aten.clamp.default, aten.full_like.default)
+    ]
+    assert len(body_nodes) == 2
+    for node in body_nodes:
+        assert node.meta["val"].dtype == torch.bfloat16
+        assert -top in node.args[1:]
+    run(ep, x.to(ep.example_inputs[0][0].dtype))
