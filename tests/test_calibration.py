@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 import fx16
 from benchmarks.zoo import ExpLogits, ScaledAttention, SquaredSum
 from fx16.analysis import CalibrationAnalysis
+from fx16.analysis.magnitudes import observe_floats
 from fx16.decisions import PRECISION, Reason
 from fx16.numerics import INF_LIKE
 from fx16.program import Program
@@ -291,8 +292,6 @@ def test_observed_floats_follow_their_definition_for_a_tensor_a_parameter_and_a_
     """The plain-tensor path, a Parameter, and a tuple of tensors (one reduction each, the
     results combined) all give what the definition gives; nan, inf and sentinels
     included."""
-    from fx16.analysis.magnitudes import observe_floats
-
     tensors = [torch.tensor(values, dtype=torch.float32) for values in parts]
     expected = [_observed_by_definition(tensor) for tensor in tensors]
     for tensor, wanted in zip(tensors, expected):
