@@ -66,19 +66,43 @@ def _nearest(value: float, dtype: torch.dtype) -> float:
 
 def tensor_overflows_fp16(tensor: torch.Tensor, dtype: torch.dtype = torch.float16) -> bool:
     """True when any finite element exceeds ``dtype``'s maximum (inf and nan do not count)."""
-    if tensor.numel() == 0:
+    return interval_overflows(finite_interval(tensor), dtype)
+
+
+def finite_interval(tensor: torch.Tensor) -> tuple[float, float] | None:
+    """The smallest and largest finite element (None: the tensor holds none). One
+    reduction where every element is finite, the common case."""
+    source = tensor.detach()
+    if source.numel() == 0:
+        return None
+    low, high = (float(bound) for bound in source.aminmax())
+    if math.isfinite(low) and math.isfinite(high):
+        return low, high
+    finite = source[torch.isfinite(source)]
+    return None if finite.numel() == 0 else tuple(float(b) for b in finite.aminmax())
+
+
+def interval_overflows(interval: tuple[float, float] | None, dtype: torch.dtype) -> bool:
+    """A value in ``interval`` (finite elements' bounds; None: none) exceeds ``dtype``'s maximum."""
+    return interval is not None and max(-interval[0], interval[1]) > largest(dtype)
+
+
+def interval_may_flush(interval: tuple[float, float] | None, dtype: torch.dtype) -> bool:
+    """A nonzero value in ``interval`` may lie below ``dtype``'s smallest subnormal (and
+    flush to zero in a plain conversion). False for a tensor of zeros, or one whose
+    elements all lie on one side of zero, at least that far from it."""
+    if interval is None:
         return False
-    low, high = tensor.detach().aminmax()
-    top = largest(dtype)
-    if -top <= float(low) and float(high) <= top:  # the common case, one pass, no copy
-        return False
-    magnitude = tensor.detach().abs()
-    finite = torch.isfinite(magnitude)
-    return bool((magnitude[finite] > top).any())
+    low, high = interval
+    tiny = smallest_subnormal(dtype)
+    return not (low == high == 0.0 or low >= tiny or high <= -tiny)
 
 
 def tensor_to_fp16(
-    tensor: torch.Tensor, dtype: torch.dtype = torch.float16, scratch: torch.Tensor | None = None
+    tensor: torch.Tensor,
+    dtype: torch.dtype = torch.float16,
+    scratch: torch.Tensor | None = None,
+    may_flush: bool = True,
 ) -> torch.Tensor:
     """Convert an fp32 tensor that fits to ``dtype``, lifting tiny nonzero magnitudes to
     its smallest subnormal. The input is not modified. Call ``tensor_overflows_fp16``
@@ -89,10 +113,14 @@ def tensor_to_fp16(
     for elements that flushed to zero, which are then lifted by index. The result
     keeps the source's strides; -0.0, inf and nan pass through. ``scratch``: a buffer
     from ``conversion_scratch()`` to reuse (one per run of conversions: each temporary
-    left between the retained 16-bit tensors is a hole in the heap).
+    left between the retained 16-bit tensors is a hole in the heap). ``may_flush=False``:
+    the caller knows no nonzero element lies below ``dtype``'s smallest subnormal (its
+    ``finite_interval``, by ``interval_may_flush``), so a plain copy is exact.
     """
     source = tensor.detach()
     if source.numel() == 0:
+        return source.to(dtype)
+    if not may_flush and source.dim() and source.is_contiguous():
         return source.to(dtype)
     if source.dim() and source.is_contiguous() and source.numel() <= _CHUNK:  # one chunk
         converted = source.to(dtype)

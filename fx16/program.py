@@ -119,14 +119,16 @@ class Program:
         store[target] = tensor
         return tensor
 
-    def narrow_state(self, target: str, dtype: torch.dtype) -> None:
+    def narrow_state(self, target: str, dtype: torch.dtype, may_flush: bool = True) -> None:
         """Decide that the plain fp32 tensor under ``target`` is stored in ``dtype``.
 
         The conversion (``tensor_to_fp16``) happens in ``commit_state``: at the end of
         the transaction when one is open, so that nothing is converted before every
         decision is made and the fp32 original is freed as soon as it is replaced.
+        ``may_flush=False``: the tensor's interval shows that no nonzero element can
+        flush to zero (``fx16.numerics.interval_may_flush``): a plain copy, no check.
         """
-        self.graph_module.meta.setdefault(PENDING, {})[target] = dtype
+        self.graph_module.meta.setdefault(PENDING, {})[target] = (dtype, may_flush)
 
     @property
     def defers_state(self) -> bool:
@@ -136,8 +138,10 @@ class Program:
     def state_dtype(self, target: str) -> torch.dtype | None:
         """The dtype ``target`` is stored in once pending conversions are committed."""
         pending = self.graph_module.meta.get(PENDING) or {}
+        if target in pending:
+            return pending[target][0]
         tensor = self.state_tensor(target)
-        return pending.get(target, tensor.dtype if tensor is not None else None)
+        return tensor.dtype if tensor is not None else None
 
     def commit_state(self, progress: bool | None = False) -> None:
         """Convert every state tensor ``narrow_state`` decided on (``fx16.state_commit``:

@@ -17,7 +17,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 # graph_module.meta key: the state tensors decided for 16-bit but not converted yet
-# (target -> dtype), which the program changes in place.
+# (target -> (dtype, whether an element may flush)), which the program changes in place.
 PENDING = "fx16.pending_state"
 
 

@@ -11,8 +11,11 @@ from tqdm import tqdm
 from fx16.numerics import conversion_scratch, tensor_to_fp16
 
 
-def commit_pending(program, pending: dict[str, torch.dtype], progress: bool | None) -> None:
-    """Store each tensor named in ``pending`` in the dtype it maps to, through
+def commit_pending(
+    program, pending: dict[str, tuple[torch.dtype, bool]], progress: bool | None
+) -> None:
+    """Store each tensor named in ``pending`` in the dtype it maps to (with whether a
+    nonzero element may flush: ``tensor_to_fp16``'s ``may_flush``), through
     ``program`` (a ``fx16.program.Program``: its ``state_tensor`` and
     ``replace_state_tensor``). ``progress``: a progress bar of the bytes converted on
     stderr (None: when stderr is a terminal)."""
@@ -31,7 +34,8 @@ def commit_pending(program, pending: dict[str, torch.dtype], progress: bool | No
         scratch = conversion_scratch()  # one for all: no temporaries between the copies
         for names in groups:
             original = program.state_tensor(names[0])
-            stored = tensor_to_fp16(original, pending[names[0]], scratch)
+            dtype, may_flush = pending[names[0]]
+            stored = tensor_to_fp16(original, dtype, scratch, may_flush)
             for target in names:
                 stored = program.replace_state_tensor(target, stored)
             bar.update(_nbytes(original))

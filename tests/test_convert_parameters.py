@@ -142,9 +142,9 @@ def test_with_calibration_the_overflow_check_reads_no_weight_again(monkeypatch):
     from fx16.analysis import CalibrationAnalysis
 
     reads = []
-    check = convert_parameters.state_overflows
+    check = convert_parameters.finite_interval
     monkeypatch.setattr(
-        convert_parameters, "state_overflows", lambda t, low: reads.append(t) or check(t, low)
+        convert_parameters, "finite_interval", lambda t: reads.append(t) or check(t)
     )
     torch.manual_seed(0)
     x = torch.randn(2, 4)
@@ -158,3 +158,40 @@ def test_with_calibration_the_overflow_check_reads_no_weight_again(monkeypatch):
     for name in plain.state_dict:
         assert calibrated.state_dict[name].dtype == plain.state_dict[name].dtype
     assert torch.float32 in {t.dtype for t in plain.state_dict.values()}
+
+
+class ConstantParts(torch.nn.Module):
+    """A zero bias, a weight of ones, a weight of positive values from 0.5, and one
+    holding a value that flushes: only the last can flush."""
+
+    def __init__(self):
+        super().__init__()
+        self.zero = torch.nn.Parameter(torch.zeros(4))
+        self.ones = torch.nn.Parameter(torch.ones(4))
+        self.positive = torch.nn.Parameter(torch.linspace(0.5, 2.0, 4))
+        self.mixed = torch.nn.Parameter(torch.tensor([0.5, -1e-9, 0.0, 2.0]))
+
+    def forward(self, x):
+        return x * self.ones * self.positive + self.zero + self.mixed
+
+
+def test_only_a_tensor_whose_interval_allows_a_flush_is_checked_for_one(monkeypatch):
+    """The overflow check's interval (min, max) also shows which tensors cannot flush:
+    those are copied plainly; the one with a tiny value is checked, and lifted."""
+    import fx16.numerics
+
+    checked = []
+    lift = fx16.numerics._lift_flushed_blocks
+    monkeypatch.setattr(
+        fx16.numerics,
+        "_lift_flushed_blocks",
+        lambda source, *rest: checked.append(source.tolist()) or lift(source, *rest),
+    )
+    ep = export(ConstantParts(), torch.randn(2, 4))
+    _convert(ep)
+    assert checked == [torch.tensor([0.5, -1e-9, 0.0, 2.0]).tolist()]
+    assert ep.state_dict["mixed"].tolist() == [0.5, -FP16_TINY, 0.0, 2.0]
+    for name in ("zero", "ones", "positive"):
+        stored = ep.state_dict[name]
+        assert stored.dtype == torch.float16
+        assert torch.equal(stored, ConstantParts().state_dict()[name].half())

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from fx16.numerics import (
     FP16_MAX,
     FP16_TINY,
+    finite_interval,
+    interval_may_flush,
     round_scalar_to_fp16,
     tensor_overflows_fp16,
     tensor_to_fp16,
@@ -141,6 +143,44 @@ def test_tensor_to_fp16_is_bit_identical_to_the_definition(values, repeats, dtyp
     sized = [d for d in range(source.dim()) if source.shape[d] > 1]  # size 1: any stride
     assert [converted.stride(d) for d in sized] == [source.stride(d) for d in sized]
     assert torch.equal(converted.view(torch.int16), expected.view(torch.int16))
+
+
+@given(
+    values=st.lists(
+        st.one_of(
+            st.floats(width=32, allow_nan=True, allow_infinity=True),
+            st.floats(min_value=-(2.0**-20), max_value=2.0**-20, width=32),
+            st.sampled_from([0.0, -0.0, 1.0, FP16_TINY, -FP16_TINY, 2.0**-25]),
+        ),
+        min_size=1,
+        max_size=64,
+    ),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+)
+def test_an_interval_that_rules_out_flushes_is_right_and_a_plain_copy_is_exact(values, dtype):
+    """Where a tensor's finite interval says no nonzero element can flush, none does,
+    and the plain conversion ``may_flush=False`` asks for is bit-identical to the checked one."""
+    source = torch.tensor(values, dtype=torch.float32)
+    if interval_may_flush(finite_interval(source), dtype):
+        return
+    assert int(((source.to(dtype) == 0) & (source != 0)).sum()) == 0
+    expected = _reference_to_16_bit(source, dtype)
+    converted = tensor_to_fp16(source, dtype, may_flush=False)
+    assert torch.equal(converted.view(torch.int16), expected.view(torch.int16))
+
+
+def test_finite_interval_and_which_intervals_may_flush():
+    assert finite_interval(torch.tensor([2.0, -math.inf, math.nan, -3.0])) == (-3.0, 2.0)
+    assert finite_interval(torch.tensor([math.inf, math.nan])) is None
+    assert finite_interval(torch.empty(0)) is None
+    assert not interval_may_flush((0.0, 0.0), torch.float16)  # a zero bias
+    assert not interval_may_flush((1.0, 1.0), torch.float16)  # a LayerNorm weight
+    assert not interval_may_flush((-5.0, -FP16_TINY), torch.float16)  # one side of zero
+    assert not interval_may_flush(None, torch.float16)  # nothing finite
+    assert interval_may_flush((-0.1, 0.1), torch.float16)  # may hold a 1e-9
+    assert interval_may_flush((0.0, 1.0), torch.float16)
+    assert interval_may_flush((1e-9, 1.0), torch.float16)
+    assert not interval_may_flush((1e-9, 1.0), torch.bfloat16)  # bf16 holds 1e-9
 
 
 def test_tensor_to_fp16_lifts_flushed_values_in_every_chunk():

@@ -160,9 +160,9 @@ def test_commit_frees_each_fp32_tensor_as_soon_as_it_is_replaced(monkeypatch):
     alive_at_each_conversion = []
     convert = fx16.state_commit.tensor_to_fp16
 
-    def watched(tensor, dtype, scratch=None):
+    def watched(tensor, *conversion):
         alive_at_each_conversion.append(sum(ref() is not None for ref in originals))
-        return convert(tensor, dtype, scratch)
+        return convert(tensor, *conversion)
 
     monkeypatch.setattr(fx16.state_commit, "tensor_to_fp16", watched)
     fx16.cast_fp32_to_fp16(ep, calibration=[])
@@ -178,11 +178,11 @@ def _second_conversion_fails(monkeypatch) -> list[int]:
 
     convert, sizes = fx16.state_commit.tensor_to_fp16, []
 
-    def fails_second(tensor, dtype, scratch=None):
+    def fails_second(tensor, *conversion):
         sizes.append(tensor.numel())
         if len(sizes) == 2:
             raise MemoryError("no room for the fp16 copy")
-        return convert(tensor, dtype, scratch)
+        return convert(tensor, *conversion)
 
     monkeypatch.setattr(fx16.state_commit, "tensor_to_fp16", fails_second)
     return sizes

@@ -6,7 +6,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
 from fx16.decisions import PRECISION, Reason, decide
-from fx16.numerics import largest
+from fx16.numerics import finite_interval, interval_may_flush, interval_overflows
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision
 from fx16.tensor_subclasses import is_subclass, narrowed_state, narrowed_val, state_overflows
@@ -40,7 +40,7 @@ class ConvertParametersPass(PolicyPass):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         rebuilt: dict[int, torch.Tensor] = {}  # subclass tensors, converted once per object
-        overflows: dict[int, bool] = {}  # checked once per object (tied weights)
+        fits: dict[int, tuple[bool, bool]] = {}  # checked once per object (tied weights)
         modified = False
         low = self.policy.low
         for slot in self.program.state_slots():
@@ -55,9 +55,10 @@ class ConvertParametersPass(PolicyPass):
                 entry = self.policy.matching_entry(slot.placeholder, slot.target)[1]
                 decide(slot.placeholder, torch.float32, Reason.POLICY, detail=entry)
                 continue
-            if id(tensor) not in overflows:
-                overflows[id(tensor)] = _overflows(slot.placeholder, tensor, low)
-            if overflows[id(tensor)]:
+            if id(tensor) not in fits:
+                fits[id(tensor)] = _fit(slot.placeholder, tensor, low)
+            overflows, may_flush = fits[id(tensor)]
+            if overflows:
                 decide(slot.placeholder, torch.float32, Reason.VALUE_OVERFLOW)
                 continue
             val = narrowed_val(slot.placeholder.meta["val"], low)
@@ -70,7 +71,7 @@ class ConvertParametersPass(PolicyPass):
                     continue
                 rebuilt[id(tensor)] = self.program.replace_state_tensor(slot.target, stored)
             else:
-                self.program.narrow_state(slot.target, low)
+                self.program.narrow_state(slot.target, low, may_flush)
             slot.placeholder.meta["val"] = val
             decide(slot.placeholder, low, Reason.FITS)
             modified = True
@@ -79,13 +80,17 @@ class ConvertParametersPass(PolicyPass):
         return PassResult(graph_module, modified)
 
 
-def _overflows(placeholder, tensor: torch.Tensor, low: torch.dtype) -> bool:
-    """A finite element of the state tensor exceeds ``low``'s maximum. Read from the
-    interval calibration recorded on its placeholder when it ran (the same values: no
-    second pass over the weights), else from the tensor."""
-    observed = meta.observed_interval(placeholder)
+def _fit(placeholder, tensor: torch.Tensor, low: torch.dtype) -> tuple[bool, bool]:
+    """Whether a finite element of the state tensor exceeds ``low``'s maximum, and
+    whether a nonzero element may flush to zero in ``low`` (``interval_may_flush``).
+    Read from the interval calibration recorded on its placeholder when it ran (the
+    same values: no second pass over the weights), else from the tensor."""
     if meta.holds_sentinel(placeholder):
-        return True  # a -1e38 would become -inf, and -inf - -inf is nan where -1e38 - -1e38 is 0
-    if observed is not None:
-        return max(-observed[0], observed[1]) > largest(low)
-    return state_overflows(tensor, low)
+        # a -1e38 would become -inf, and -inf - -inf is nan where -1e38 - -1e38 is 0
+        return True, True
+    interval = meta.observed_interval(placeholder)
+    if interval is None and is_subclass(tensor):
+        return state_overflows(tensor, low), True
+    if interval is None:
+        interval = finite_interval(tensor)
+    return interval_overflows(interval, low), interval_may_flush(interval, low)
