@@ -162,7 +162,7 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
     keyword that would pass it (torchao's ``dequantize_affine(..., output_dtype=float32)``):
     its dtype arguments name its output type, which follows the cast."""
     custom = is_custom_op(node.target)
-    if not custom and not _passes_any(node, torch.dtype):
+    if not custom and (not _takes_dtype(node.target) or not _passes_any(node, torch.dtype)):
         return []
     found = [
         (location, value)
@@ -180,6 +180,14 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
             and argument.name not in passed
         ]
     return found
+
+
+@per_op
+def _takes_dtype(target: Any) -> bool:
+    """The op's schema declares a ScalarType argument (an ATen op passes a dtype in
+    no other); True for a target without a schema, whose arguments are unknown."""
+    arguments = op_arguments(target)
+    return arguments is None or any(argument.is_dtype for argument in arguments)
 
 
 def _passes_any(node: Node, types) -> bool:

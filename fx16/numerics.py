@@ -57,6 +57,13 @@ def round_scalar_to_fp16(value: float, dtype: torch.dtype = torch.float16) -> fl
     return _nearest(float(value), dtype)
 
 
+def scalar_overflows(value: float, dtype: torch.dtype = torch.float16) -> bool:
+    """``round_scalar_to_fp16(value, dtype)`` is None: a finite magnitude beyond the
+    dtype's maximum that is not an infinity-like sentinel."""
+    magnitude = abs(value)
+    return largest(dtype) < magnitude < INF_LIKE
+
+
 @functools.lru_cache(maxsize=65536)
 def _nearest(value: float, dtype: torch.dtype) -> float:
     """The nearest ``dtype`` value to a finite nonzero ``value`` (models repeat their

@@ -47,7 +47,12 @@ def op_name(node: Node) -> str | None:
 def op_kind(node: Node) -> OpKind:
     if node.op == "placeholder":
         return OpKind.BOUNDARY
-    name = op_name(node)
+    return target_kind(node.target if node.op == "call_function" else None)
+
+
+def target_kind(target) -> OpKind:
+    """The kind of a call's op (``op_kind`` of its nodes)."""
+    name = getattr(target, "_opname", None)
     if name in COMPUTE_OPS:
         return OpKind.COMPUTE
     if name in REDUCTION_OPS:
@@ -133,6 +138,7 @@ class PrecisionPolicy:
         if self.low not in (torch.float16, torch.bfloat16):
             raise InvalidOptionError(f"low must be torch.float16 or torch.bfloat16, not {self.low}")
         object.__setattr__(self, "kinds", {**_ALL_LOW, **_precisions(self.kinds)})
+        object.__setattr__(self, "_by_op", {})  # precision_for's answers, by op
         for name in ("ops", "modules", "nodes", "op_table"):
             object.__setattr__(self, name, _precisions(getattr(self, name)))
         if not isinstance(self.keep_io_types, bool):
@@ -253,6 +259,12 @@ class PrecisionPolicy:
             )
         return getattr(cls, name)()
 
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_by_op"}  # ops hold C state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _by_op={})
+
     # ---- questions ---------------------------------------------------------------------
 
     @property
@@ -270,10 +282,18 @@ class PrecisionPolicy:
         )
 
     def precision_for(self, node: Node, module_path: str | None = None) -> Precision:
-        """The precision ``node`` asks for (``module_path``: a parameter's dotted name)."""
-        if not (self.nodes or self.predicate or self.modules or self.ops or self.op_table):
-            return self.kinds[op_kind(node)]  # only the kinds decide: no entry to name
-        return self.matching_entry(node, module_path)[0]
+        """The precision ``node`` asks for (``module_path``: a parameter's dotted name).
+        Where only op names and kinds decide (no node, predicate or module entries), an
+        op's answer is found once and kept for its other nodes."""
+        if self.nodes or self.predicate is not None or self.modules:
+            return self.matching_entry(node, module_path)[0]
+        if node.op != "call_function":
+            return self.matching_entry(node)[0]
+        target = node.target
+        found = self._by_op.get(id(target))
+        if found is None or found[0] is not target:  # held: the id stays the op's
+            found = self._by_op[id(target)] = (target, self.matching_entry(node)[0])
+        return found[1]
 
     def matching_entry(self, node: Node, module_path: str | None = None) -> tuple[Precision, str]:
         """The precision ``node`` asks for, and the entry of the policy that says so

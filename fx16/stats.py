@@ -9,9 +9,10 @@ import torch
 from torch.export import ExportedProgram
 
 from fx16.casts import INSERTED, WHY_RETARGETED, is_cast, is_inserted
-from fx16.cost import bytes_moved, flops, is_product
+from fx16.cost import bytes_moved, flops
 from fx16.nodes import dtype_name
-from fx16.ops import ASSERT_METADATA_OPS, CAST_OPS
+from fx16.ops import ASSERT_METADATA_OPS, CAST_OPS, per_op
+from fx16.policy import OpKind, target_kind
 from fx16.subgraphs import nested_graph_modules
 from fx16.tensor_subclasses import inner_tensors
 
@@ -68,14 +69,12 @@ def program_stats(ep: ExportedProgram) -> ProgramStats:
     products: Counter[str] = Counter()
     for module in nested_graph_modules(ep.graph_module):  # bodies of higher-order ops too
         for node in module.graph.nodes:
-            target = node.target
-            if (
-                node.op != "call_function"
-                or target in ASSERT_METADATA_OPS
-                or target is operator.getitem
-            ):
+            if node.op != "call_function":
                 continue
-            if target in CAST_OPS and is_cast(node):
+            role = _counted_as(node.target)
+            if role == "skipped":
+                continue
+            if role == "cast" and is_cast(node):
                 casts += 1
                 inserted += is_inserted(node) and node.meta[INSERTED] != WHY_RETARGETED
                 cast_bytes += bytes_moved(node)
@@ -84,7 +83,7 @@ def program_stats(ep: ExportedProgram) -> ProgramStats:
             if not (isinstance(val, torch.Tensor) and val.dtype.is_floating_point):
                 continue
             ops[val.dtype] += 1
-            if is_product(node):
+            if role == "product":
                 products[val.dtype] += flops(node)
     return ProgramStats(
         weight_bytes,
@@ -95,6 +94,17 @@ def program_stats(ep: ExportedProgram) -> ProgramStats:
         cast_bytes,
         fp32_weight_bytes,
     )
+
+
+@per_op
+def _counted_as(target) -> str:
+    """How ``program_stats`` counts an op's nodes: "skipped" (a dtype check, a getitem),
+    "cast" (when ``is_cast`` agrees), "product" (``fx16.cost.is_product``) or "op"."""
+    if target in ASSERT_METADATA_OPS or target is operator.getitem:
+        return "skipped"
+    if target in CAST_OPS:
+        return "cast"
+    return "product" if target_kind(target) == OpKind.COMPUTE else "op"
 
 
 def record_stats_before(ep: ExportedProgram) -> ProgramStats:

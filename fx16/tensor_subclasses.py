@@ -25,7 +25,10 @@ FP32 = torch.float32
 
 def is_subclass(tensor: torch.Tensor) -> bool:
     """A wrapper subclass whose inner tensors hold the data (torchao's quantized tensors)."""
-    return is_traceable_wrapper_subclass(tensor)
+    return type(tensor) not in _PLAIN and is_traceable_wrapper_subclass(tensor)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # never wrapper subclasses: no need to ask
 
 
 def inner_tensors(tensor: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ from torch.fx import Node
 from fx16 import meta
 from fx16.decisions import Reason
 from fx16.nodes import FLOAT_DTYPES, has_fp32_part, value_scalars
-from fx16.numerics import round_scalar_to_fp16
+from fx16.numerics import scalar_overflows
 from fx16.plan import Plan, Read, graph_read
 from fx16.policy import Precision, PrecisionPolicy
 
@@ -97,7 +97,7 @@ class View:
     def overflowing_scalar(self) -> float | None:
         """A scalar argument beyond the 16-bit range, if any."""
         for _, value in self.scalars:
-            if round_scalar_to_fp16(float(value), self.low) is None:
+            if scalar_overflows(value, self.low):
                 return value
         return None
 

@@ -14,6 +14,7 @@ from fx16.numerics import (
     finite_interval,
     interval_may_flush,
     round_scalar_to_fp16,
+    scalar_overflows,
     tensor_overflows_fp16,
     tensor_to_fp16,
 )
@@ -220,3 +221,11 @@ def test_tensor_to_fp16_of_a_0d_tensor_is_bit_identical(value, dtype):
     source = torch.tensor(value)
     expected = _reference_to_16_bit(source, dtype)
     assert torch.equal(tensor_to_fp16(source, dtype).view(torch.int16), expected.view(torch.int16))
+
+
+@given(
+    value=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(10**40), 10**40)),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+)
+def test_scalar_overflows_exactly_where_rounding_has_no_answer(value, dtype):
+    assert scalar_overflows(value, dtype) == (round_scalar_to_fp16(float(value), dtype) is None)
