@@ -2,6 +2,7 @@
 
 import copy
 import operator
+import pickle
 
 import pytest
 import torch
@@ -253,3 +254,26 @@ def test_static_autocast_on_a_decomposed_cnn():
     )
     check_program(ep)
     assert max_error(fp64_reference(model, x), run(ep, x)) < 5e-2
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        PrecisionPolicy.default(),
+        PrecisionPolicy.auto_mixed_conservative(),
+        PrecisionPolicy.autocast(),
+        PrecisionPolicy.custom(ops={"gelu": "fp32", "mm": "follow"}),
+        PrecisionPolicy.custom(modules={"stem": "fp32"}, nodes={"relu": "fp32"}),
+    ],
+    ids=["default", "conservative", "autocast", "by-op", "by-module-and-node"],
+)
+def test_precision_for_answers_each_node_as_its_matching_entry_does(policy):
+    """precision_for keeps an op's answer for its other nodes where only op names and
+    kinds decide: every node still gets what matching_entry names; a copy and a pickled
+    policy answer the same."""
+    ep = export(ResNetish().eval(), torch.randn(1, 3, 16, 16))
+    nodes = [n for n in ep.graph.nodes if n.op in ("call_function", "placeholder")]
+    for candidate in (policy, copy.deepcopy(policy), pickle.loads(pickle.dumps(policy))):
+        for _ in range(2):  # the second round reads what the first kept
+            for node in nodes:
+                assert candidate.precision_for(node) == candidate.matching_entry(node)[0]
