@@ -207,14 +207,14 @@ class Planner:
         narrowed = (
             tuple(a for a in view.fp32_inputs if view.downcastable(a)) if view.fp32_inputs else ()
         )
-        val = node_val(node)
-        if is_custom_op(node.target) or (view.produces_fp32 and not _fp32_tensor(val)):
+        val, custom = node_val(node), is_custom_op(node.target)
+        if custom or (view.produces_fp32 and not _fp32_tensor(val)):
             values = narrowed_arguments(self, node, narrowed, arguments)
         else:  # the result needs no input: a single fp32 tensor becomes 16-bit, or stays
             values = ()
         result = narrowed_result(node, self.low, view.produces_fp32, *values)
         step = Step(choice, None, result, arguments=tuple(arguments), narrowed_inputs=narrowed)
-        if is_custom_op(node.target) and has_fp32_part(result):
+        if custom and has_fp32_part(result):
             step.decision = decision(FP32, Reason.FIXED_OUTPUT_DTYPE)
             return step
         step.decision = island_decision(node, self.low)

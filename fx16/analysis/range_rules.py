@@ -28,6 +28,10 @@ from fx16.ops import CAST_OPS, VALUE_PRESERVING_OPS, overloads
 aten = torch.ops.aten
 
 
+# State dtypes whose range is read off the tensor (a float's is not an integer range).
+_RANGED_STATE = INT_DTYPES | {torch.bool}
+
+
 class RangeRules:
     """The interval rules, one method per family of ops."""
 
@@ -35,7 +39,7 @@ class RangeRules:
         self.range_constraints = range_constraints
 
     def of_state(self, tensor: torch.Tensor | None) -> ValueRange | None:
-        if tensor is None or tensor.dtype not in INT_DTYPES | {torch.bool} or not tensor.numel():
+        if tensor is None or tensor.dtype not in _RANGED_STATE or not tensor.numel():
             return None
         return ValueRange(int(tensor.min()), int(tensor.max()), Source.PROVEN)
 
