@@ -163,7 +163,6 @@ def conversion_scratch(elements: int = 1 << 20) -> torch.Tensor:
 _CHUNK = 1 << 20
 _MAGNITUDE_BITS = 0x7FFF  # a 16-bit float without its sign bit: 0 exactly for +-0.0
 _BLOCK = 1 << 12  # zeros are located to blocks this small before they are indexed
-_SMALL = 1 << 16  # up to this many elements, flushes are found without locating blocks
 
 
 def _convert_chunk(source: torch.Tensor, converted: torch.Tensor, scratch: torch.Tensor) -> None:
@@ -186,13 +185,9 @@ def _lift_flushed_blocks(source: torch.Tensor, converted: torch.Tensor, magnitud
     gives every ``_BLOCK``-element block's smallest magnitude, and the blocks that hold
     a zero are compared with the source together (a million weights drawn from
     N(0, 0.02) hold a few that flush, in a few blocks). The temporaries are the size of
-    those blocks, so converting hundreds of weights leaves no holes in the heap. Up to
-    ``_SMALL`` elements the whole is compared at once: fewer ops, small temporaries."""
+    those blocks, so converting hundreds of weights leaves no holes in the heap."""
     count = magnitudes.numel()
     if count == 0 or int(magnitudes.min()) != 0:
-        return
-    if count <= _SMALL:  # a few blocks: one comparison of the whole costs less than locating
-        _lift_flushed(source, converted, magnitudes)
         return
     whole = count // _BLOCK * _BLOCK
     if whole:
