@@ -26,6 +26,7 @@ from torch.fx import GraphModule, Node
 from fx16 import meta
 from fx16.casts import retype_val
 from fx16.decisions import Decision, Reason, decision_of
+from fx16.decisions import decision as make_decision
 from fx16.nodes import node_val
 
 FP32 = torch.float32
@@ -64,10 +65,24 @@ def explained(node: Node) -> str:
     if decision is None:
         return ""
     planned = meta.planned(node)
+    key = (id(decision), id(planned))
+    found = _EXPLAINED.get(key)
+    if found is not None and found[0] is decision and found[1] is planned:
+        return found[2]
     if planned is None or not planned.rule:
-        return decision.said()
-    extra = planned.said(decision.reason.name.lower())
-    return decision.said() + (f" ({extra})" if extra else "")
+        said = decision.said()
+    else:
+        extra = planned.said(decision.reason.name.lower())
+        said = decision.said() + (f" ({extra})" if extra else "")
+    shared = decision is make_decision(decision.dtype, decision.reason)  # no detail, shared
+    if shared and (planned is None or planned is _PLAIN_PLANNED.get(planned.rule)):
+        _EXPLAINED[key] = (decision, planned, said)  # shared records: a few, said once
+    return said
+
+
+# The text of each (plain decision, plain planned step) pair said so far: most nodes of a
+# program share one of a few such pairs (``decision`` and ``Step.planned`` share them).
+_EXPLAINED: dict[tuple[int, int], tuple] = {}
 
 
 def graph_read(arg: Node) -> Read:

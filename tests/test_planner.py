@@ -130,6 +130,20 @@ def test_the_report_html_page_diagnosis_and_saved_program_read_the_applied_plan(
     assert any("chosen by policy_fp32; consumers read a 16-bit copy" in text for text in kept)
 
 
+def test_a_decision_is_said_the_same_each_time_and_only_shared_ones_are_remembered():
+    """``explained`` keeps the text of the shared (decision, planned step) pairs most nodes
+    carry: the same text on every call, and nothing kept of a decision with a detail."""
+    import fx16.plan
+
+    x = torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(Mixed().eval(), x))
+    first = {node.name: fx16.plan.explained(node) for node in ep.graph_module.graph.nodes}
+    second = {node.name: fx16.plan.explained(node) for node in ep.graph_module.graph.nodes}
+    assert first == second and any(first.values())
+    assert all(not decision.detail for decision, _, _ in fx16.plan._EXPLAINED.values())
+    assert first["mul"].startswith("activation_overflow: observed")  # its detail, said
+
+
 @pytest.mark.parametrize(
     "model, x, planned",
     [
