@@ -287,8 +287,8 @@ class PrecisionPolicy:
         op's answer is found once and kept for its other nodes."""
         if self.nodes or self.predicate is not None or self.modules:
             return self.matching_entry(node, module_path)[0]
-        if node.op != "call_function":
-            return self.matching_entry(node)[0]
+        if node.op != "call_function":  # no op name for an entry to match: its kind decides
+            return self.kinds[op_kind(node)]
         target = node.target
         found = self._by_op.get(id(target))
         if found is None or found[0] is not target:  # held: the id stays the op's
