@@ -14,7 +14,7 @@ _PUBLIC = {
     "Fx16Error": "fx16.errors",
     "InvalidOptionError": "fx16.errors",
     "InvalidProgramError": "fx16.errors",
-    "OpKind": "fx16.policy",
+    "OpKind": "fx16.op_kinds",
     "PassFailedError": "fx16.errors",
     "Precision": "fx16.policy",
     "PrecisionPolicy": "fx16.policy",

@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch.fx import Node
 
 from fx16.nodes import node_val
-from fx16.policy import OpKind, op_kind, op_name
+from fx16.op_kinds import OpKind, op_kind, op_name
 
 
 def is_product(node: Node) -> bool:

@@ -24,7 +24,7 @@ from fx16 import meta
 from fx16.interpreter import BodyInterpreter
 from fx16.nodes import mutated_argument
 from fx16.numerics import INF_LIKE, largest
-from fx16.policy import OpKind, op_kind
+from fx16.op_kinds import OpKind, op_kind
 from fx16.program import Program
 from fx16.replay import replay_reconverges
 from fx16.stats import outputs_error

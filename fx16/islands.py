@@ -19,8 +19,7 @@ from fx16.boundaries import Boundaries
 from fx16.casts import is_cast
 from fx16.decisions import Decision, Reason, decision
 from fx16.nodes import FLOAT_DTYPES, node_dtype, tensor_inputs
-from fx16.op_kinds import PRECISION_SENSITIVE_OPS
-from fx16.policy import op_name
+from fx16.op_kinds import PRECISION_SENSITIVE_OPS, op_name
 
 FP32 = torch.float32
 

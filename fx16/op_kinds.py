@@ -1,9 +1,12 @@
 """Op kinds for precision policies (products, reductions, data movement), by overload
-packet name, and whether fx16 knows an op's precision behaviour at all."""
+packet name, the kind of a node (``op_kind``), and whether fx16 knows an op's precision
+behaviour at all."""
 
+import enum
 import operator
 
 import torch
+from torch.fx import Node
 
 from fx16.ops import CAST_OPS, CREATION_OPS, VALUE_PRESERVING_OPS, per_op
 
@@ -126,6 +129,37 @@ PRECISION_SENSITIVE_OPS = REDUCTION_OPS | packets(
     "div",
     "logsumexp",
 )
+
+
+class OpKind(str, enum.Enum):
+    COMPUTE = "compute"  # matmul, linear, conv, attention
+    REDUCTION = "reduction"  # softmax, norms, sum/mean/var, cumsum, losses
+    ELEMENTWISE = "elementwise"  # everything else that computes
+    DATA_MOVEMENT = "data_movement"  # view, permute, cat, slice, gather...
+    BOUNDARY = "boundary"  # user inputs and parameters/buffers/constants
+
+
+def op_name(node: Node) -> str | None:
+    """The overload packet name of a call's op ("linear" for aten.linear.default)."""
+    return getattr(node.target, "_opname", None) if node.op == "call_function" else None
+
+
+def op_kind(node: Node) -> OpKind:
+    if node.op == "placeholder":
+        return OpKind.BOUNDARY
+    return target_kind(node.target if node.op == "call_function" else None)
+
+
+def target_kind(target) -> OpKind:
+    """The kind of a call's op (``op_kind`` of its nodes)."""
+    name = getattr(target, "_opname", None)
+    if name in COMPUTE_OPS:
+        return OpKind.COMPUTE
+    if name in REDUCTION_OPS:
+        return OpKind.REDUCTION
+    if name in DATA_MOVEMENT_OPS:
+        return OpKind.DATA_MOVEMENT
+    return OpKind.ELEMENTWISE
 
 
 @per_op

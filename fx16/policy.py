@@ -21,7 +21,7 @@ from fx16.autocast_ops import AUTOCAST_CPU, AUTOCAST_CUDA
 from fx16.choices import EXPLICIT_FP32_CHOICES, POLICY_PRESETS, ROUTING_CHOICES
 from fx16.errors import InvalidOptionError, require_number
 from fx16.nodes import node_module_path
-from fx16.op_kinds import COMPUTE_OPS, DATA_MOVEMENT_OPS, REDUCTION_OPS
+from fx16.op_kinds import OpKind, op_kind, op_name
 
 
 class Precision(str, enum.Enum):
@@ -29,37 +29,6 @@ class Precision(str, enum.Enum):
     FP32 = "fp32"
     FOLLOW = "follow"  # run in the dtype the inputs have (autocast: ops in no list)
     PROMOTE = "promote"  # cast float inputs to the widest of them, then follow
-
-
-class OpKind(str, enum.Enum):
-    COMPUTE = "compute"  # matmul, linear, conv, attention
-    REDUCTION = "reduction"  # softmax, norms, sum/mean/var, cumsum, losses
-    ELEMENTWISE = "elementwise"  # everything else that computes
-    DATA_MOVEMENT = "data_movement"  # view, permute, cat, slice, gather...
-    BOUNDARY = "boundary"  # user inputs and parameters/buffers/constants
-
-
-def op_name(node: Node) -> str | None:
-    """The overload packet name of a call's op ("linear" for aten.linear.default)."""
-    return getattr(node.target, "_opname", None) if node.op == "call_function" else None
-
-
-def op_kind(node: Node) -> OpKind:
-    if node.op == "placeholder":
-        return OpKind.BOUNDARY
-    return target_kind(node.target if node.op == "call_function" else None)
-
-
-def target_kind(target) -> OpKind:
-    """The kind of a call's op (``op_kind`` of its nodes)."""
-    name = getattr(target, "_opname", None)
-    if name in COMPUTE_OPS:
-        return OpKind.COMPUTE
-    if name in REDUCTION_OPS:
-        return OpKind.REDUCTION
-    if name in DATA_MOVEMENT_OPS:
-        return OpKind.DATA_MOVEMENT
-    return OpKind.ELEMENTWISE
 
 
 def _as_precision(value) -> Precision:

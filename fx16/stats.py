@@ -11,8 +11,8 @@ from torch.export import ExportedProgram
 from fx16.casts import INSERTED, WHY_RETARGETED, is_cast, is_inserted
 from fx16.cost import bytes_moved, flops
 from fx16.nodes import dtype_name
+from fx16.op_kinds import OpKind, target_kind
 from fx16.ops import ASSERT_METADATA_OPS, CAST_OPS, per_op
-from fx16.policy import OpKind, target_kind
 from fx16.subgraphs import nested_graph_modules
 from fx16.tensor_subclasses import inner_tensors
 

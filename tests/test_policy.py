@@ -14,7 +14,7 @@ from benchmarks.zoo import ResNetish
 from fx16 import OpKind, Precision, PrecisionPolicy
 from fx16.decisions import PRECISION, Reason
 from fx16.demo import DemoBlock
-from fx16.policy import op_kind
+from fx16.op_kinds import op_kind
 from fx16.program import Program
 from fx16.report import report_of
 from fx16.testing.strategies import model_cases
