@@ -19,12 +19,14 @@ def commit_pending(
     ``program`` (a ``fx16.program.Program``: its ``state_tensor`` and
     ``replace_state_tensor``). ``progress``: a progress bar of the bytes converted on
     stderr (None: when stderr is a terminal)."""
-    shared: dict[int, list[str]] = {}
+    shared: dict[int, tuple[list[str], int]] = {}  # by tensor: its names, its bytes
     for target in pending:
-        shared.setdefault(id(program.state_tensor(target)), []).append(target)
-    groups = sorted(shared.values(), key=lambda names: -_nbytes(program.state_tensor(names[0])))
+        tensor = program.state_tensor(target)
+        shared.setdefault(id(tensor), ([], _nbytes(tensor)))[0].append(target)
+    tensor = None  # only names are held: each original can go as soon as it is replaced
+    groups = sorted(shared.values(), key=lambda group: -group[1])
     with tqdm(
-        total=sum(_nbytes(program.state_tensor(names[0])) for names in groups),
+        total=sum(nbytes for _, nbytes in groups),
         desc="fx16: converting weights",
         unit="B",
         unit_scale=True,
@@ -32,13 +34,13 @@ def commit_pending(
         disable=None if progress is None else not progress,
     ) as bar:
         scratch = conversion_scratch()  # one for all: no temporaries between the copies
-        for names in groups:
+        for names, nbytes in groups:
             original = program.state_tensor(names[0])
             dtype, may_flush = pending[names[0]]
             stored = tensor_to_fp16(original, dtype, scratch, may_flush)
             for target in names:
                 stored = program.replace_state_tensor(target, stored)
-            bar.update(_nbytes(original))
+            bar.update(nbytes)
             del original, stored  # fx16's last references to this tensor
 
 
