@@ -168,7 +168,7 @@ class Planner:
             members = verdict.members if verdict is not None else frozenset()
             source = self.plan.read(node.args[0], node)
             for user in node.users:  # they read the 16-bit x, as in the source
-                if user.name not in members:
+                if user.name not in members and not _fed_as_exported(user):
                     self.plan.redirects[(user, node)] = source
             return Step(choice, island_decision(node, FP32), val, region=members)
         return Step(choice, decision(FP32, choice.reason, choice.detail), val)
@@ -251,6 +251,14 @@ class Planner:
             step.cast_back_skipped = "its consumers are casts, which convert it themselves"
         else:
             step.cast_back = decision(self.low, reason)
+
+
+def _fed_as_exported(node: Node) -> bool:
+    """A higher-order op whose body runs as exported (a disabled autocast region, an op
+    fx16 does not look inside): it reads the dtypes it was exported with, its body may
+    check them."""
+    kind = role(node.target) if node.op == "call_function" else None
+    return kind == "opaque" or (kind == "autocast" and not node.args[2])
 
 
 def _fp32_tensor(val) -> bool:

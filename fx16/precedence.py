@@ -125,6 +125,21 @@ def _inside_region(view: View) -> Choice | None:
     return None
 
 
+def _computed_16bit_by_the_model(view: View) -> Choice | None:
+    """The model computes the op in 16-bit itself (a decomposed autocast region), and a
+    safety rule, the policy or a scalar would make it fp32: it is left as the model
+    computes it. Its inputs are 16-bit in the source too; widening the ones fx16 touched
+    made it compute fp32 where the graph records, and may check, 16-bit."""
+    if view.fp32_inputs or not view.produces_16bit:
+        return None
+    wants_fp32 = (
+        meta.fp32_rule(view.node) is not None
+        or view.precision == Precision.FP32
+        or view.overflowing_scalar() is not None
+    )
+    return Choice(Action.LEAVE) if wants_fp32 else None
+
+
 def _policy_follow(view: View) -> Choice | None:
     if view.precision in (Precision.FOLLOW, Precision.PROMOTE):
         action = Action.PROMOTE if view.precision == Precision.PROMOTE else Action.FOLLOW
@@ -156,6 +171,7 @@ COMPUTE_RULES = (
     Rule("no_narrowed_input", _nothing_narrowed),
     Rule("opens_model_fp32_region", _opens_region),
     Rule("inside_model_fp32_region", _inside_region),
+    Rule("computed_16bit_by_the_model", _computed_16bit_by_the_model),
     Rule("safety_rule", _safety_rule),
     Rule("policy_fp32", _policy_fp32),
     Rule("policy_follow", _policy_follow),

@@ -10,7 +10,7 @@ from torch.fx import Node
 
 from fx16 import meta
 from fx16.decisions import Reason
-from fx16.nodes import FLOAT_DTYPES, has_fp32_part, value_scalars
+from fx16.nodes import FLOAT_DTYPES, has_fp32_part, tensor_leaves, value_scalars
 from fx16.numerics import scalar_overflows
 from fx16.plan import Plan, Read, graph_read
 from fx16.policy import Precision, PrecisionPolicy
@@ -85,6 +85,13 @@ class View:
         return self._precision
 
     @property
+    def produces_16bit(self) -> bool:
+        """The node's recorded result holds 16-bit floats and no fp32 (the model computes
+        it in 16-bit itself)."""
+        leaves = tensor_leaves(self.node.meta.get("val"))
+        return not self.produces_fp32 and any(leaf.dtype in _SIXTEEN_BIT for leaf in leaves)
+
+    @property
     def scalars(self) -> list:
         if self._scalars is None:
             self._scalars = value_scalars(self.node)
@@ -113,6 +120,8 @@ class View:
             and not meta.overflows(value, self.limit)
         )
 
+
+_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 # Reasons an fp32 value may have that still let a 16-bit op read it through a cast.
 DOWNCASTABLE = frozenset(

@@ -202,3 +202,36 @@ def test_a_shared_body_whose_values_overflow_at_one_site_is_fp32_at_every_site()
     assert first.meta["val"].dtype == torch.float32
     assert all(site.args[2].meta["val"].dtype == torch.float32 for site in sites)
     assert max_error(fp64_reference(model, x), run(ep, x)) < 2e-3
+
+
+class Bf16ThenDisabledRegion(torch.nn.Module):
+    """The model's own fp32 cast of a bf16 value opens a region it keeps (``cos``), and
+    a ``torch.autocast(enabled=False)`` region reads the same cast: its body checks that
+    it is fed fp32."""
+
+    def forward(self, x):
+        y = x.bfloat16().float()
+        near = y.cos()
+        with torch.autocast("cpu", enabled=False):
+            energy = y.float().pow(2).sum(-1, keepdim=True)
+        return near, y / (energy.sqrt() + 1e-3)
+
+
+@pytest.mark.parametrize("policy", ["autocast", "default"])
+def test_a_disabled_autocast_region_keeps_reading_the_models_fp32_cast(policy):
+    """Consumers outside the model's fp32 region read its 16-bit source, except a region
+    run as exported: fed that source (bf16), its dtype check failed at run time (found by
+    the long fuzz). The cast program runs and stays close to fp32."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    ep = export(Bf16ThenDisabledRegion(), x)
+    reference = fp64_reference(Bf16ThenDisabledRegion(), x)
+    fx16.cast_to_16_bit_precision(ep, policy=policy)
+    check_program(ep)
+    region = next(
+        n
+        for n in ep.graph_module.graph.nodes
+        if n.op == "call_function" and "autocast" in str(n.target)
+    )
+    assert region.args[-1].meta["val"].dtype == torch.float32
+    assert max_error(run(ep, x), reference) < 2e-2

@@ -1,8 +1,10 @@
 """fx16.precedence: each node's precision chosen from ordered rule lists, without a rewrite."""
 
+import pytest
 import torch
 
 import fx16
+from fx16.nodes import node_dtype
 from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.policy import PrecisionPolicy
@@ -15,7 +17,7 @@ from fx16.precedence import (
 )
 from fx16.report import report_of
 from fx16.view import View
-from helpers import export
+from helpers import check_program, export, run
 
 LIMIT = 65504 / 2
 
@@ -68,6 +70,7 @@ def test_each_list_is_ordered_data_that_ends_in_a_rule_that_always_applies():
         "no_narrowed_input",
         "opens_model_fp32_region",
         "inside_model_fp32_region",
+        "computed_16bit_by_the_model",
         "safety_rule",
         "policy_fp32",
         "policy_follow",
@@ -103,3 +106,37 @@ def test_an_fp32_input_is_named_and_a_skipped_cast_back_says_why():
     got = ep.module()(x.half())
     expected = x.half().float().exp().clamp(max=100.0)
     assert torch.allclose(got.float(), expected, rtol=1e-3, atol=1e-7)  # exp computed in fp32
+
+
+class Bf16IndexInAutocast(torch.nn.Module):
+    """An autocast region computes a relu in bf16 that, once back in fp32, decides an
+    embedding's index: the unsafe-index rule marks the relu."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 4)
+        self.embed = torch.nn.Embedding(16, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.linear(x).relu()
+        buckets = ((h.float() + x).abs() * 4).long().clamp(0, 15)
+        return self.embed(buckets).mean(-1)
+
+
+@pytest.mark.parametrize("policy", ["auto_mixed_bf16", "auto_mixed_conservative"])
+def test_an_op_the_model_computes_in_16_bit_is_left_as_it_computes_it(policy):
+    """A rule that would make the bf16 relu fp32 widened the weights' product it reads
+    (fx16 had narrowed its weight) while the graph still recorded, and asserted, bf16: the
+    program failed at run time (found by the fuzzer). It is left as the model computes it."""
+    x = torch.randn(3, 4)
+    ep = export(Bf16IndexInAutocast().eval(), x, decompose=True)
+    fx16.cast_to_16_bit_precision(ep, policy=policy)
+    check_program(ep)
+    relu = next(n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.relu.default)
+    assert relu.meta["val"].dtype == torch.bfloat16
+    assert all(node_dtype(arg) == torch.bfloat16 for arg in relu.all_input_nodes)
+    with torch.no_grad():  # the same buckets: only the table's rounding differs
+        reference = Bf16IndexInAutocast().eval()(x)
+    assert (run(ep, x)[0].float() - reference).abs().max() < 1e-2

@@ -178,7 +178,7 @@ class _Run(Rewriter):
         self.record(node, step)
         if step.region is not None:  # export routes later uses of x through x.float()
             for user in list(node.users):
-                if user.name not in step.region:
+                if (user, node) in self.plan.redirects:  # those the plan reads the 16-bit x
                     user.replace_input_with(node, node.args[0])
                     self.modified = True
 
