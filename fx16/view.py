@@ -88,8 +88,9 @@ class View:
     def produces_16bit(self) -> bool:
         """The node's recorded result holds 16-bit floats and no fp32 (the model computes
         it in 16-bit itself)."""
-        leaves = tensor_leaves(self.node.meta.get("val"))
-        return not self.produces_fp32 and any(leaf.dtype in _SIXTEEN_BIT for leaf in leaves)
+        if self.produces_fp32:  # the common case, known already
+            return False
+        return any(leaf.dtype in _SIXTEEN_BIT for leaf in tensor_leaves(self.node.meta.get("val")))
 
     @property
     def scalars(self) -> list:
