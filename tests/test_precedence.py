@@ -140,3 +140,40 @@ def test_an_op_the_model_computes_in_16_bit_is_left_as_it_computes_it(policy):
     with torch.no_grad():  # the same buckets: only the table's rounding differs
         reference = Bf16IndexInAutocast().eval()(x)
     assert (run(ep, x)[0].float() - reference).abs().max() < 1e-2
+
+
+class Bf16IndexInBranch(torch.nn.Module):
+    """The model's own bf16 product and relu inside a cond branch, deciding an index."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(4, 4))
+        self.embed = torch.nn.Embedding(16, 4)
+
+    def forward(self, x):
+        def branch(x):
+            h = (x.bfloat16() @ self.weight.bfloat16()).relu()
+            return ((h.float() + x).abs() * 4).long().clamp(0, 15)
+
+        def other(x):
+            return (x.abs() * 4).long().clamp(0, 15)
+
+        return self.embed(torch.cond(x.sum() > 0, branch, other, (x,))).mean(-1)
+
+
+@pytest.mark.parametrize("policy", ["auto_mixed_bf16", "auto_mixed_conservative", "default"])
+def test_inside_a_cond_branch_an_op_the_model_computes_in_16_bit_stays_so(policy):
+    """The rule holds in a body: the branch's bf16 relu, marked by the unsafe-index rule,
+    keeps the dtype the model gives it, and the program runs with the same buckets."""
+    x = torch.randn(3, 4).abs()
+    ep = export(Bf16IndexInBranch(), x)
+    fx16.cast_to_16_bit_precision(ep, policy=policy)
+    check_program(ep)
+    body = ep.graph_module.true_graph_0
+    relu = next(n for n in body.graph.nodes if n.target == torch.ops.aten.relu.default)
+    assert relu.meta["val"].dtype == torch.bfloat16
+    assert all(node_dtype(arg) == torch.bfloat16 for arg in relu.all_input_nodes)
+    with torch.no_grad():
+        reference = Bf16IndexInBranch()(x)
+    assert (run(ep, x)[0].float() - reference).abs().max() < 1e-2
