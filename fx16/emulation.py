@@ -49,20 +49,32 @@ class _Emulator(BodyInterpreter):
 def _rounded(value, low: torch.dtype, may_hold_sentinels: bool):
     """``value`` with its fp32 tensors rounded to ``low``; an infinity-like sentinel
     saturates to ``low``'s maximum, as fx16 makes it."""
-
-    def round_leaf(leaf):
-        if not (isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float32):
-            return leaf
-        rounded = leaf.to(low)
-        if may_hold_sentinels and not bool(torch.isfinite(rounded).all()):
-            top = largest(low)
-            sentinel = (leaf.abs() >= INF_LIKE) & torch.isfinite(leaf)
-            rounded = torch.where(sentinel, leaf.clamp(-top, top), leaf).to(low)
-        return rounded.to(torch.float32)
-
     if isinstance(value, torch.Tensor):
-        return round_leaf(value)
-    return pytree.tree_map(round_leaf, value) if isinstance(value, (list, tuple)) else value
+        return _rounded_tensor(value, low, may_hold_sentinels)
+    if isinstance(value, (list, tuple)):
+        return pytree.tree_map(
+            lambda leaf: (
+                _rounded_tensor(leaf, low, may_hold_sentinels)
+                if isinstance(leaf, torch.Tensor)
+                else leaf
+            ),
+            value,
+        )
+    return value
+
+
+def _rounded_tensor(tensor: torch.Tensor, low: torch.dtype, may_hold_sentinels: bool):
+    if tensor.dtype != torch.float32:
+        return tensor
+    rounded = _NARROW[low](tensor)  # .half() is cheaper to call than .to(dtype)
+    if may_hold_sentinels and not bool(torch.isfinite(rounded).all()):
+        top = largest(low)
+        sentinel = (tensor.abs() >= INF_LIKE) & torch.isfinite(tensor)
+        rounded = torch.where(sentinel, tensor.clamp(-top, top), tensor).to(low)
+    return rounded.float()
+
+
+_NARROW = {torch.float16: torch.Tensor.half, torch.bfloat16: torch.Tensor.bfloat16}
 
 
 def _computes(node: Node) -> bool:

@@ -76,6 +76,23 @@ def test_a_sentinel_saturates_instead_of_becoming_infinite():
     assert _emulation(ep).error(set()) < 1e-3
 
 
+def test_it_rounds_to_the_dtype_it_emulates_and_saturates_sentinels():
+    """fp16: 1 + 2^-12 rounds to 1, a sentinel saturates to 65504, 7e4 overflows to inf,
+    1e-30 flushes to zero; bf16 holds all of them, rounded to its 8 bits."""
+    ep = export(Sentinel(), torch.randn(4, 8))
+    program = Program(ep)
+    calls = calibration_calls(program, None)
+    node = next(n for n in ep.graph.nodes if n.op == "call_function")
+    x = torch.tensor([1 + 2**-12, 1e38, -3e38, 7e4, 1e-30, -2.5])
+    inf = float("inf")
+    fp16 = Emulation(program, calls, torch.float16).rounded(node, x)
+    assert fp16.dtype == torch.float32
+    assert fp16.tolist() == [1.0, 65504.0, -65504.0, inf, 0.0, -2.5]
+    bf16 = Emulation(program, calls, torch.bfloat16).rounded(node, (x, 3))
+    assert torch.equal(bf16[0], x.bfloat16().float()) and bf16[1] == 3
+    assert bf16[0][0] == 1.0 and torch.isfinite(bf16[0]).all()
+
+
 class WrittenThroughAView(nn.Module):
     """out[:, 0] = x.exp(): a copy_ into a select of a zeros tensor."""
 
