@@ -193,6 +193,40 @@ def test_weights_are_observed_once_whatever_the_number_of_inputs(monkeypatch):
     assert len(observed) > 3 * len(weights)  # everything else, on every input
 
 
+class DropoutBetween(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = torch.nn.Linear(8, 8), torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(self.fc(x)) * 3.0
+
+
+def test_a_dropout_not_training_records_its_inputs_observations_without_reducing(monkeypatch):
+    """In an eval export a dropout returns its input: it records what its input recorded
+    (what reducing it would give) and its values are not reduced again."""
+    import fx16.analysis.magnitudes as magnitudes
+
+    torch.manual_seed(0)
+    ep = export(DropoutBetween().eval(), torch.randn(4, 8) * 50)
+    dropout = next(n for n in ep.graph.nodes if n.target == torch.ops.aten.dropout.default)
+    observed = []
+    observe = magnitudes.observe_floats
+    monkeypatch.setattr(
+        magnitudes, "observe_floats", lambda value: observed.append(value) or observe(value)
+    )
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    source = dropout.args[0]
+    assert len([value for value in observed if value.shape == (4, 8)]) == 3  # x, fc, product
+    keys = (CalibrationAnalysis.META_KEY, CalibrationAnalysis.INTERVAL_KEY)
+    assert all(dropout.meta[key] == source.meta[key] for key in keys)
+    assert dropout.meta[CalibrationAnalysis.META_KEY] > 1.0  # it was observed, scaled
+
+    args = (source, 0.1, True)
+    training = torch.fx.Node(ep.graph, "d", "call_function", dropout.target, args, {})
+    assert not magnitudes._holds_input_values(training)
+
+
 class PaddingMask(torch.nn.Module):
     """T5's additive mask: where(keep, 0, finfo.min) added to the scores, then softmax."""
 
@@ -235,13 +269,13 @@ def test_property_views_record_what_reducing_them_would(case, calls):
     recorded = []
     for shortcut in (True, False):
         ep = case.export()
-        original = magnitudes._keeps_values
+        original = magnitudes._holds_input_values
         if not shortcut:
-            magnitudes._keeps_values = lambda target: False
+            magnitudes._holds_input_values = lambda node: False
         try:
             CalibrationAnalysis(Program(ep), inputs)(ep.graph_module)
         finally:
-            magnitudes._keeps_values = original
+            magnitudes._holds_input_values = original
         keys = (
             CalibrationAnalysis.META_KEY,
             CalibrationAnalysis.INTERVAL_KEY,

@@ -59,13 +59,21 @@ def _observe_tensor(tensor: torch.Tensor) -> tuple[float | None, bool, tuple | N
     top = max(-low, high)
     if top < INF_LIKE:
         return top, False, (low, high)
-    detached = tensor.detach().float()
-    magnitude = detached.abs()
-    sentinel = bool(((magnitude >= INF_LIKE) & torch.isfinite(magnitude)).any())
-    ordinary = detached[magnitude < INF_LIKE]  # also drops inf and nan
-    if not ordinary.numel():
+    # a finite extreme this large is a sentinel; an inf or nan may hide one
+    return _observe_past_sentinels(tensor.detach().float(), sentinel=math.isfinite(top))
+
+
+def _observe_past_sentinels(values: torch.Tensor, sentinel: bool) -> tuple:
+    """``_observe_tensor`` of values holding a sentinel, inf or nan: what the others hold."""
+    magnitude = values.abs()
+    if not sentinel:
+        sentinel = bool(((magnitude >= INF_LIKE) & (magnitude != math.inf)).any())
+    ordinary = magnitude < INF_LIKE  # also drops inf and nan
+    low = torch.where(ordinary, values, math.inf).amin().item()
+    if low == math.inf:
         return None, sentinel, (0, 0)
-    return float(ordinary.abs().max()), sentinel, (float(ordinary.min()), float(ordinary.max()))
+    high = torch.where(ordinary, values, -math.inf).amax().item()
+    return max(-low, high), sentinel, (low, high)
 
 
 def _hull(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
@@ -138,10 +146,11 @@ class MagnitudeRecorder(BodyInterpreter):
         return result
 
     def _same_values_as_input(self, node: Node, result) -> bool:
-        """Record for a view, permute, expand (an op whose result holds exactly its
-        input's values) what its input recorded, without reducing it again: every call's
-        values are the same, so is what they accumulate. False where it must be observed."""
-        if not _keeps_values(node.target) or not isinstance(result, torch.Tensor):
+        """Record for a view, permute, expand, a dropout not training (an op whose
+        result holds exactly its input's values) what its input recorded, without
+        reducing it again: every call's values are the same, so is what they accumulate.
+        False where it must be observed."""
+        if not _holds_input_values(node) or not isinstance(result, torch.Tensor):
             return False
         source = node.args[0] if node.args else None
         if not isinstance(source, Node) or source.op not in ("placeholder", "call_function"):
@@ -174,12 +183,38 @@ def _centers(target) -> bool:
     return target in CENTERING_OPS
 
 
+def _holds_input_values(node: Node) -> bool:
+    """Whether ``node``'s result holds every value of its first argument and no other
+    (for a nonempty result)."""
+    return _keeps_values(node.target) or _inference_dropout(node)
+
+
 @per_op
 def _keeps_values(target) -> bool:
     """Ops whose result holds every value of their first argument and no other (for a
     nonempty result): views, permutes, expands, clones."""
     return target in _SAME_VALUES_OPS
 
+
+def _inference_dropout(node: Node) -> bool:
+    """A dropout not training (``train=False``): its result holds its input's values."""
+    if not _drops_out(node.target):
+        return False
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return train is False
+
+
+@per_op
+def _drops_out(target) -> bool:
+    return target in _DROPOUTS
+
+
+_DROPOUTS = overloads(
+    "dropout.default",
+    "feature_dropout.default",
+    "alpha_dropout.default",
+    "feature_alpha_dropout.default",
+)
 
 _SAME_VALUES_OPS = overloads(
     "view.default",
