@@ -152,7 +152,7 @@ def cancellation_ratio(centered: Centered) -> float:
         center = x.mean(centered.dims, keepdim=True)
     largest = x.abs().amax(centered.dims)
     deviation = (x - center.float()).abs().amax(centered.dims)
-    ratios = torch.where(deviation > 0, largest / deviation, torch.ones_like(largest))
+    ratios = torch.where(deviation > 0, largest / deviation, 1.0)
     ratio = float(ratios.max()) if ratios.numel() else 1.0
     return ratio if math.isfinite(ratio) else 1.0
 
