@@ -54,7 +54,7 @@ def _observe_tensor(tensor: torch.Tensor) -> tuple[float | None, bool, tuple | N
     only when a sentinel, inf or nan is inside."""
     if not tensor.numel():
         return None, False, None
-    low, high = tensor.detach().aminmax()
+    low, high = tensor.aminmax()  # no detach: nothing here is differentiated
     low, high = low.item(), high.item()
     top = max(-low, high)
     if top < INF_LIKE:

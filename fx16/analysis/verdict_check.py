@@ -120,8 +120,8 @@ class VerdictCheckAnalysis(Analysis):
             return PassResult(graph_module, False)
         modules = Facts.of(graph_module).graph_modules
         wide = self.wide_nodes(modules)
-        groups = self.groups(modules, wide)
         findings = _findings(modules)
+        groups = self.groups(modules, wide, findings)
         for label, why in (self.answers or {}).items():
             group = groups.pop(label, None)
             if group is not None and why is not None:
@@ -180,8 +180,9 @@ class VerdictCheckAnalysis(Analysis):
                     wide.add(node)
         return wide
 
-    def groups(self, modules, wide: set[Node]) -> dict[str, _Group]:
-        """The verdicts to measure, grouped by kind across layers."""
+    def groups(self, modules, wide: set[Node], findings: list) -> dict[str, _Group]:
+        """The verdicts to measure, grouped by kind across layers (``findings``: the
+        conditioning findings of ``modules``)."""
         total = sum(flops(n) for m in modules for n in m.graph.nodes if is_product(n))
         heavy = max(total * HEAVY_SHARE, 1)
         groups: dict[str, _Group] = {}
@@ -212,7 +213,7 @@ class VerdictCheckAnalysis(Analysis):
                     found.cost += flops(node)
         tolerance = self.policy.resolved_precision_tolerance
         roundoff = torch.finfo(self.policy.low).eps / 2
-        for finding in _findings(modules):
+        for finding in findings:
             if finding.kappa * roundoff < MODERATE * tolerance:
                 label = f"ill_conditioned {op_label(finding.seed)} at {_pattern(finding.seed)}"
                 found = group(label, Reason.ILL_CONDITIONED)
