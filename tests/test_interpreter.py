@@ -31,6 +31,55 @@ def test_a_failing_node_is_named():
         LeanInterpreter(ep.graph_module).run(*inputs)
 
 
+class _Chain(torch.nn.Module):
+    def forward(self, x):
+        for _ in range(20):
+            x = x * 1.5 + 1.0
+        return x
+
+
+class _Watcher(LeanInterpreter):
+    """Records how many values the run holds after each node."""
+
+    def __init__(self, graph_module, fail_at=None):
+        super().__init__(graph_module)
+        self.held, self.ran, self.fail_at = [], [], fail_at
+
+    def run_node(self, node):
+        if node.name == self.fail_at:
+            raise KeyError("no such thing")
+        self.ran.append(node.name)
+        self.held.append(len(self.env))
+        return super().run_node(node)
+
+
+def test_each_value_is_freed_after_its_last_use_and_a_given_value_is_not_recomputed():
+    ep = export(_Chain(), torch.randn(4))
+    x = torch.randn(4)
+    with torch.no_grad():
+        expected = ep.graph_module(x)
+        watcher = _Watcher(ep.graph_module)
+        (got,) = watcher.run(x)
+        assert torch.equal(got, expected[0])
+        assert len(watcher.ran) == len(ep.graph.nodes) and max(watcher.held) <= 2
+
+        first = next(n for n in ep.graph.nodes if n.op == "call_function")
+        given = _Watcher(ep.graph_module)
+        (partial,) = given.run(x, initial_env={first: torch.zeros(4)})
+    assert first.name not in given.ran
+    y = torch.zeros(4) + 1.0  # the first x * 1.5 is given as zeros
+    for _ in range(19):
+        y = y * 1.5 + 1.0
+    assert torch.equal(partial, y)
+
+
+def test_a_key_error_inside_a_node_is_a_runtime_error_naming_it():
+    ep = export(_Chain(), torch.randn(4))
+    second = [n for n in ep.graph.nodes if n.op == "call_function"][1].name
+    with pytest.raises(RuntimeError, match=f"(?s)no such thing.*While executing %{second}"):
+        _Watcher(ep.graph_module, fail_at=second).run(torch.randn(4))
+
+
 class _Recorder(BodyInterpreter):
     """Records the graph of every node it runs (bodies included)."""
 
