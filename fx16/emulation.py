@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
 from fx16 import meta
-from fx16.interpreter import BodyInterpreter
+from fx16.interpreter import BodyInterpreter, last_uses
 from fx16.nodes import mutated_argument
 from fx16.numerics import INF_LIKE, largest
 from fx16.op_kinds import OpKind, op_kind
@@ -33,7 +33,7 @@ from fx16.subgraphs import nested_graph_modules
 
 class _Emulator(BodyInterpreter):
     def __init__(self, graph_module: GraphModule, emulation: "Emulation", wide: set[Node]):
-        super().__init__(graph_module)
+        super().__init__(graph_module, last_uses=emulation.last_uses(graph_module))
         self.emulation, self.wide = emulation, wide
 
     def inside(self, body: GraphModule) -> "_Emulator":
@@ -116,6 +116,7 @@ class Emulation:
         calibrated = meta.CALIBRATION_OUTPUTS in program.graph_module.meta
         self.sentinels = {n for n in nodes if meta.holds_sentinel(n)} if calibrated else None
         self._reference = reference
+        self._last_uses: dict[GraphModule, dict] = {}  # the graph does not change meanwhile
 
     @property
     def reference(self) -> list[list]:
@@ -153,6 +154,12 @@ class Emulation:
                 replay_reconverges(self, self.graph_inputs(call), wide, dropped)
                 for call in self.calls
             )
+
+    def last_uses(self, graph_module: GraphModule) -> dict[Node, list[Node]]:
+        """``fx16.interpreter.last_uses`` of a graph the runs go through, computed once."""
+        if graph_module not in self._last_uses:
+            self._last_uses[graph_module] = last_uses(graph_module.graph)
+        return self._last_uses[graph_module]
 
     def rounded(self, node: Node, value):
         """``value``, computed by ``node``, as the emulation rounds it to the 16-bit dtype."""

@@ -25,6 +25,19 @@ class LeanInterpreter(Interpreter):
     (a KeyError becomes a RuntimeError, as there).
     """
 
+    def __init__(
+        self,
+        module: GraphModule,
+        garbage_collect_values: bool = True,
+        graph: torch.fx.Graph | None = None,
+        last_uses: dict[Node, list[Node]] | None = None,
+    ) -> None:
+        """``last_uses``: ``last_uses(graph)``, from a caller that runs the same
+        unchanged graph many times (computing it costs a walk of the graph per run)."""
+        super().__init__(module, garbage_collect_values and last_uses is None, graph)
+        if garbage_collect_values and last_uses is not None:
+            self.garbage_collect_values, self.user_to_last_uses = True, last_uses
+
     def run(self, *args, initial_env=None, enable_io_processing: bool = True) -> Any:
         self.env = env = {} if initial_env is None else initial_env
         if enable_io_processing:
@@ -58,6 +71,18 @@ class LeanInterpreter(Interpreter):
 
     def call_function(self, target, args, kwargs) -> Any:
         return target(*args, **kwargs)
+
+
+def last_uses(graph: torch.fx.Graph) -> dict[Node, list[Node]]:
+    """For each node, the values it is the last to read (freed once it has run)."""
+    last_reader: dict[Node, Node] = {}
+    freed: dict[Node, list[Node]] = {}
+    for node in reversed(graph.nodes):
+        for value in node.all_input_nodes:
+            if value not in last_reader:
+                last_reader[value] = node
+                freed.setdefault(node, []).append(value)
+    return freed
 
 
 def _name_the_node(error: Exception, node: Node) -> None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from test_boundaries import KINDS, _export, variance
 
-from fx16.interpreter import BodyInterpreter, LeanInterpreter
+from fx16.interpreter import BodyInterpreter, LeanInterpreter, last_uses
 from fx16.program import Program
 from fx16.program_values import program_values
 from helpers import export
@@ -71,6 +71,21 @@ def test_each_value_is_freed_after_its_last_use_and_a_given_value_is_not_recompu
     for _ in range(19):
         y = y * 1.5 + 1.0
     assert torch.equal(partial, y)
+
+
+def test_last_uses_given_once_serve_every_run_as_torchs_own_would():
+    ep = export(MLP().eval(), torch.randn(3, 8))
+    freed = last_uses(ep.graph)
+    assert freed == torch.fx.Interpreter(ep.graph_module).user_to_last_uses
+    inputs = Program(ep).graph_inputs((torch.randn(3, 8),))
+    with torch.no_grad():
+        expected = ep.graph_module(*inputs)
+        for _ in range(2):
+            interpreter = LeanInterpreter(ep.graph_module, last_uses=freed)
+            assert interpreter.user_to_last_uses is freed
+            got = interpreter.run(*inputs)
+            assert all(torch.equal(want, have) for want, have in zip(expected, got))
+            assert list(interpreter.env) == [ep.graph.output_node()]  # the rest was freed
 
 
 def test_a_key_error_inside_a_node_is_a_runtime_error_naming_it():
