@@ -277,3 +277,16 @@ class MappedLayer(torch.nn.Module):
 
     def forward(self, xs):
         return hop_map(lambda x: self.fc(x).relu(), xs)
+
+
+class ScaleShiftChain(nn.Module):
+    """``steps`` rounds of ``x * scale + shift``: two graph nodes per step."""
+
+    def __init__(self, steps: int, scale: float, shift: float) -> None:
+        super().__init__()
+        self.steps, self.scale, self.shift = steps, scale, shift
+
+    def forward(self, x):
+        for _ in range(self.steps):
+            x = x * self.scale + self.shift
+        return x

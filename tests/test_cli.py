@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import export, run_fx16
-from models import MLP
+from models import MLP, ScaleShiftChain
 
 
 def fx16(*args, cwd=None, path=None):
@@ -112,19 +112,11 @@ def test_inspect_explains_without_writing(program, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-class LongChain(torch.nn.Module):
-    """600 small ops: inspect's table is far longer than a pipe's buffer."""
-
-    def forward(self, x):
-        for _ in range(300):
-            x = x * 1.001 + 0.1
-        return x
-
-
 def test_a_reader_that_stops_early_is_not_an_error(tmp_path):
     """``fx16 inspect X.pt2 --all | head -1``: no BrokenPipeError traceback."""
     source = tmp_path / "chain.pt2"
-    torch.export.save(export(LongChain(), torch.randn(2, 4)), source)
+    long_chain = ScaleShiftChain(300, 1.001, 0.1)  # inspect's table outgrows a pipe's buffer
+    torch.export.save(export(long_chain, torch.randn(2, 4)), source)
     command = f"{sys.executable} -m fx16 inspect {source} --all | head -1"
     result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=300)
     assert result.stdout.split()[:3] == ["layer", "FLOPs", "16-bit"]  # the per-layer summary first

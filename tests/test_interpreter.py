@@ -9,7 +9,7 @@ from fx16.interpreter import BodyInterpreter, LeanInterpreter, last_uses
 from fx16.program import Program
 from fx16.program_values import program_values
 from helpers import export
-from models import MLP, Branches
+from models import MLP, Branches, ScaleShiftChain
 
 
 @pytest.mark.parametrize("model, shape", [(MLP(), (3, 8)), (Branches(), (2, 4))])
@@ -31,13 +31,6 @@ def test_a_failing_node_is_named():
         LeanInterpreter(ep.graph_module).run(*inputs)
 
 
-class _Chain(torch.nn.Module):
-    def forward(self, x):
-        for _ in range(20):
-            x = x * 1.5 + 1.0
-        return x
-
-
 class _Watcher(LeanInterpreter):
     """Records how many values the run holds after each node."""
 
@@ -54,7 +47,7 @@ class _Watcher(LeanInterpreter):
 
 
 def test_each_value_is_freed_after_its_last_use_and_a_given_value_is_not_recomputed():
-    ep = export(_Chain(), torch.randn(4))
+    ep = export(ScaleShiftChain(20, 1.5, 1.0), torch.randn(4))
     x = torch.randn(4)
     with torch.no_grad():
         expected = ep.graph_module(x)
@@ -89,7 +82,7 @@ def test_last_uses_given_once_serve_every_run_as_torchs_own_would():
 
 
 def test_a_key_error_inside_a_node_is_a_runtime_error_naming_it():
-    ep = export(_Chain(), torch.randn(4))
+    ep = export(ScaleShiftChain(20, 1.5, 1.0), torch.randn(4))
     second = [n for n in ep.graph.nodes if n.op == "call_function"][1].name
     with pytest.raises(RuntimeError, match=f"(?s)no such thing.*While executing %{second}"):
         _Watcher(ep.graph_module, fail_at=second).run(torch.randn(4))
