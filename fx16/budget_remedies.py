@@ -19,11 +19,10 @@ from fx16.casts import before_inserted_casts, is_cast, is_inserted
 from fx16.cost import flops, is_product
 from fx16.decisions import was_narrowed
 from fx16.interpreter import LeanInterpreter
-from fx16.nodes import node_dtype
+from fx16.nodes import SIXTEEN_BIT_DTYPES, node_dtype
 from fx16.ops import ASSERT_METADATA_OPS
 from fx16.passes.insert_fp16_casts import OUTPUTS
 
-_LOW = (torch.float16, torch.bfloat16)
 # What an fp32 elementwise op or reduction costs per FLOP, next to an fp32 product's.
 ELEMENTWISE_WEIGHT = 1 / 16
 
@@ -244,7 +243,7 @@ def _stored_in_16_bit(node: Node) -> tuple[Node, bool] | None:
         return None
     if is_inserted(node) and is_cast(node):
         source = before_inserted_casts(node)
-        if node_dtype(node) in _LOW and node_dtype(source) == torch.float32:
+        if node_dtype(node) in SIXTEEN_BIT_DTYPES and node_dtype(source) == torch.float32:
             return source, False
         return None
     if was_narrowed(node):

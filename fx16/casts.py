@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, Node
 
-from fx16.nodes import node_dtype, node_val
+from fx16.nodes import SIXTEEN_BIT_DTYPES, node_dtype, node_val
 from fx16.ops import CAST_OPS
 
 aten = torch.ops.aten
@@ -226,7 +226,7 @@ def represents_exactly(narrow: torch.dtype, wide: torch.dtype) -> bool:
     if narrow == wide or narrow == torch.bool:
         return True
     if narrow in _FLOAT_RANK and wide in _FLOAT_RANK:
-        if narrow in (torch.float16, torch.bfloat16) and wide in (torch.float16, torch.bfloat16):
+        if narrow in SIXTEEN_BIT_DTYPES and wide in SIXTEEN_BIT_DTYPES:
             return False
         return _FLOAT_RANK[narrow] <= _FLOAT_RANK[wide]
     if narrow in _SIGNED_BITS and wide in _SIGNED_BITS:

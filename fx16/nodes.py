@@ -15,6 +15,7 @@ from torch.fx import Node
 from fx16.ops import is_custom_op, per_op
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+SIXTEEN_BIT_DTYPES = frozenset({torch.float16, torch.bfloat16})
 
 # Tensor-typed arguments count too: torch.export passes ``x * 2.0`` as mul.Tensor(x, 2.0).
 _SCALAR_TYPES = frozenset(

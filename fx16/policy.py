@@ -20,7 +20,7 @@ from torch.fx import Node
 from fx16.autocast_ops import AUTOCAST_CPU, AUTOCAST_CUDA
 from fx16.choices import EXPLICIT_FP32_CHOICES, POLICY_PRESETS, ROUTING_CHOICES
 from fx16.errors import InvalidOptionError, require_number
-from fx16.nodes import node_module_path
+from fx16.nodes import SIXTEEN_BIT_DTYPES, node_module_path
 from fx16.op_kinds import OpKind, op_kind, op_name
 
 
@@ -104,7 +104,7 @@ class PrecisionPolicy:
     stabilize: bool = False
 
     def __post_init__(self) -> None:
-        if self.low not in (torch.float16, torch.bfloat16):
+        if self.low not in SIXTEEN_BIT_DTYPES:
             raise InvalidOptionError(f"low must be torch.float16 or torch.bfloat16, not {self.low}")
         object.__setattr__(self, "kinds", {**_ALL_LOW, **_precisions(self.kinds)})
         object.__setattr__(self, "_by_op", {})  # precision_for's answers, by op

@@ -26,7 +26,7 @@ from torch.fx import Node
 
 from fx16 import meta
 from fx16.decisions import Decision, Reason
-from fx16.nodes import requested_dtypes, tensor_inputs
+from fx16.nodes import SIXTEEN_BIT_DTYPES, requested_dtypes, tensor_inputs
 from fx16.op_kinds import is_known_op
 from fx16.ops import is_custom_op
 from fx16.policy import Precision
@@ -203,7 +203,7 @@ def _fp32_source(view: View) -> Choice | None:
 
 def _cast_opens_region(view: View) -> Choice | None:
     source_dtype = view.read(view.node.args[0]).dtype
-    if source_dtype in (torch.float16, torch.bfloat16) and meta.keeps_island(view.node):
+    if source_dtype in SIXTEEN_BIT_DTYPES and meta.keeps_island(view.node):
         return Choice(Action.OPEN_REGION, Reason.EXPLICIT_FP32)
     return None
 

@@ -10,7 +10,7 @@ from torch.fx import Node
 
 from fx16 import meta
 from fx16.decisions import Reason
-from fx16.nodes import FLOAT_DTYPES, has_fp32_part, tensor_leaves, value_scalars
+from fx16.nodes import FLOAT_DTYPES, SIXTEEN_BIT_DTYPES, has_fp32_part, tensor_leaves, value_scalars
 from fx16.numerics import scalar_overflows
 from fx16.plan import Plan, Read, graph_read
 from fx16.policy import Precision, PrecisionPolicy
@@ -90,7 +90,8 @@ class View:
         it in 16-bit itself)."""
         if self.produces_fp32:  # the common case, known already
             return False
-        return any(leaf.dtype in _SIXTEEN_BIT for leaf in tensor_leaves(self.node.meta.get("val")))
+        leaves = tensor_leaves(self.node.meta.get("val"))
+        return any(leaf.dtype in SIXTEEN_BIT_DTYPES for leaf in leaves)
 
     @property
     def scalars(self) -> list:
@@ -121,8 +122,6 @@ class View:
             and not meta.overflows(value, self.limit)
         )
 
-
-_SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 # Reasons an fp32 value may have that still let a 16-bit op read it through a cast.
 DOWNCASTABLE = frozenset(

@@ -1,5 +1,6 @@
 """CalibrationAnalysis, and the fp16 inserter keeping observed overflows in fp32."""
 
+import pytest
 import torch
 from fuzz_profile import examples
 from hypothesis import given, settings
@@ -225,6 +226,53 @@ def test_a_dropout_not_training_records_its_inputs_observations_without_reducing
     args = (source, 0.1, True)
     training = torch.fx.Node(ep.graph, "d", "call_function", dropout.target, args, {})
     assert not magnitudes._holds_input_values(training)
+
+
+class DropoutInBranch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda x: self.drop(x * 40.0) + 1.0, lambda x: x - 1.0, (x,))
+
+
+def test_inside_a_cond_branch_a_dropout_not_training_records_its_inputs_observations(
+    monkeypatch,
+):
+    """Bodies too: the branch's dropout takes what its input (x * 40) recorded instead of
+    being reduced, and that is what reducing it gives."""
+    import fx16.analysis.magnitudes as magnitudes
+
+    torch.manual_seed(0)
+    x = torch.rand(4, 8) + 0.5  # the branch with the dropout is taken
+    ep = export(DropoutInBranch().eval(), x)
+    shortcut, holds = [], magnitudes._holds_input_values
+
+    def recorded(node):
+        if holds(node):
+            shortcut.append(node)
+            return True
+        return False
+
+    monkeypatch.setattr(magnitudes, "_holds_input_values", recorded)
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    dropouts = [
+        node
+        for module in ep.graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.target == torch.ops.aten.dropout.default
+    ]
+    assert len(dropouts) == 1 and dropouts[0].graph is not ep.graph_module.graph
+    (dropout,) = dropouts
+    assert dropout in shortcut
+    source = dropout.args[0]
+    expected = float((x * 40.0).abs().max())
+    assert dropout.meta[CalibrationAnalysis.META_KEY] == source.meta[CalibrationAnalysis.META_KEY]
+    assert dropout.meta[CalibrationAnalysis.META_KEY] == pytest.approx(expected)
+    low, high = dropout.meta[CalibrationAnalysis.INTERVAL_KEY]
+    assert (low, high) == pytest.approx((float((x * 40).min()), float((x * 40).max())))
 
 
 class PaddingMask(torch.nn.Module):
