@@ -35,6 +35,7 @@ from fx16.passes import (
     ConvertUserInputsPass,
     InsertFP16CastsPass,
     InsertInt16CastsPass,
+    PreserveCopiesPass,
     RecordStatsPass,
     StabilizePass,
 )
@@ -46,7 +47,8 @@ from fx16.program import Program
 def fp16_passes(ep, options: Fp16Options | None = None, **keywords) -> list[PassBase]:
     """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
 
-    Order: with the policy's ``stabilize``, the stable rewrites of patterns 16-bit
+    Order: the model's conversions that a write in place reaches pinned as copies or
+    aliases (``PreserveCopiesPass``), before any dtype changes; with the policy's ``stabilize``, the stable rewrites of patterns 16-bit
     spoils (``StabilizePass``); the analyses next, while the program still computes in fp32:
     calibration, unsafe indices, integer ranges (``input_ranges``; floats made from
     integers take their range from it), conditioning and underflow (which read
@@ -79,6 +81,7 @@ def _analyses(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
     stabilize = [StabilizePass(policy.low)] if policy.stabilize else []
     return [
         RecordStatsPass(program),
+        PreserveCopiesPass(),
         *stabilize,
         CalibrationAnalysis(program, options.calibration),
         UnsafeIndexAnalysis(),
@@ -154,7 +157,7 @@ def int16_passes(
 ) -> list[PassBase]:
     """The int32/int64 -> int16 pipeline for ``ep``, as fresh pass instances.
 
-    Order: the four analyses first (reachability and unsafe indices feed the
+    Order: copies pinned first (as in ``fp16_passes``), then the four analyses (reachability and unsafe indices feed the
     castable set; ranges are independent of both; with ``int16="observed"``,
     calibration before the ranges); the inserter next, then the input converter,
     which narrows only inputs that int16 ops read; cleanup last. ``int16="off"``
@@ -169,6 +172,7 @@ def int16_passes(
     observe = [CalibrationAnalysis(program, calibration)] if int16 == "observed" else []
     return [
         RecordStatsPass(program),
+        PreserveCopiesPass(),
         UserReachabilityAnalysis(program),
         UnsafeIndexAnalysis(),
         CastableInt16Analysis(program),

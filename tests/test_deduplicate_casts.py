@@ -21,3 +21,24 @@ def test_duplicate_casts_merge_into_the_first():
     assert cast is first and len(cast.users) == 2
     assert INSERTED not in cast.meta
     torch.testing.assert_close(run(ep, HALF)[0], eager(TwoCasts(), HALF))
+
+
+class CastsAroundAWrite(torch.nn.Module):
+    """a = to(x, f32); a write through a view of x; b = to(x, f32): b holds the written
+    values, a does not."""
+
+    def forward(self, x):
+        x = x + 0
+        a = x.to(torch.float32)
+        x.view(-1).add_(1)
+        b = x.to(torch.float32)
+        return a, b
+
+
+def test_casts_a_write_separates_are_not_merged():
+    """to(x, f32); view(x).add_(1); to(x, f32)   keeps both casts."""
+    ep = export(CastsAroundAWrite(), HALF)
+    assert not apply_rule(DeduplicateCastsPass, ep).modified
+    assert len(casts(ep)) == 2
+    for got, want in zip(run(ep, HALF), eager(CastsAroundAWrite(), HALF)):
+        torch.testing.assert_close(got, want)

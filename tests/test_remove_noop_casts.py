@@ -28,3 +28,33 @@ def test_noop_cast_returning_an_input_is_kept():
     assert not apply_rule(RemoveNoopCastsPass, ep).modified
     (cast,) = casts(ep)
     assert "program input" in cast.meta[KEPT_CAST]
+
+
+class CopyThenWriteSource(torch.nn.Module):
+    """y = _to_copy(x, f16) on an fp16 x, then x.add_(1): y must keep x's old values."""
+
+    def forward(self, x):
+        x = x + 0
+        y = aten._to_copy(x, dtype=torch.float16)
+        x.add_(1)
+        return x, y
+
+
+class CopyThenWriteThroughView(torch.nn.Module):
+    """y = _to_copy(x, f16), then a write through a view of y: x must not see it."""
+
+    def forward(self, x):
+        y = aten._to_copy(x, dtype=torch.float16)
+        y.view(-1)[0:2].fill_(7)
+        return x + 0, y
+
+
+def test_noop_cast_a_write_reaches_is_kept():
+    """x:f16 -> y=to(f16); x.add_(1)   keeps the copy: dropping it would show the write in y."""
+    for model in (CopyThenWriteSource(), CopyThenWriteThroughView()):
+        ep = export(model, HALF)
+        assert not apply_rule(RemoveNoopCastsPass, ep).modified
+        (cast,) = casts(ep)
+        assert "write in place" in cast.meta[KEPT_CAST]
+        for got, want in zip(run(ep, HALF), eager(model, HALF)):
+            torch.testing.assert_close(got, want)

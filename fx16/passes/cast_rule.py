@@ -4,6 +4,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from fx16.aliases import written_in_place
 from fx16.casts import (
     cast_dtype,
     cast_op_nodes,
@@ -13,7 +14,6 @@ from fx16.casts import (
     source_dtype,
 )
 from fx16.facts import Facts
-from fx16.nodes import mutated_argument
 from fx16.ops import ASSERT_METADATA_OPS
 from fx16.program import Program
 
@@ -63,19 +63,27 @@ class CastRule(PassBase):
         return PassResult(graph_module, modified)
 
 
-def is_written_in_place(node: Node) -> bool:
-    return any(mutated_argument(user) is node for user in node.users)
+def copy_refusal(cast: Node) -> str | None:
+    """Why ``cast``'s copy must stay apart from its source, or None when reading the
+    source instead changes nothing: a write in place reaches one side (``fx16.aliases``)."""
+    if written_in_place(cast, cast.args[0]):
+        return "a write in place reaches the cast's result or its source; the copy keeps them apart"
+    return None
 
 
 def chain_refusal(inner: Node, outer: Node) -> str | None:
     """Why ``outer(inner(x))`` may not read ``x`` directly, or None when it may.
 
-    A cast fx16 inserted may be skipped freely: reading x instead loses nothing the
+    Never across a write in place (``copy_refusal``). Otherwise a cast fx16 inserted
+    may be skipped freely: reading x instead loses nothing the
     model asked for (an fp32 value cast back to fp16 by fx16 and then cast to fp32
     by the model gives the model the unrounded value). A cast the model wrote may be
     skipped only when it loses nothing: x -> fp32 -> fp16 equals x -> fp16 for an
     fp16 x, but x -> fp16 -> fp32 rounds, so the model's narrowing stays.
     """
+    written = copy_refusal(inner)
+    if written is not None:
+        return written
     if is_inserted(inner):
         return None
     if represents_exactly(source_dtype(inner), cast_dtype(inner)):

@@ -3,7 +3,7 @@
 from torch.fx import Graph, Node
 
 from fx16.casts import INSERTED, is_cast, is_inserted
-from fx16.passes.cast_rule import CastRule, dtype_groups, is_written_in_place
+from fx16.passes.cast_rule import CastRule, copy_refusal, dtype_groups
 
 
 class DeduplicateCastsPass(CastRule):
@@ -41,5 +41,5 @@ class DeduplicateCastsPass(CastRule):
         return [
             user
             for user in node.users
-            if is_cast(user) and user.args[0] is node and not is_written_in_place(user)
+            if is_cast(user) and user.args[0] is node and copy_refusal(user) is None
         ]

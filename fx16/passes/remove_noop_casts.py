@@ -2,7 +2,7 @@
 
 from torch.fx import Node
 
-from fx16.passes.cast_rule import CastRule, is_written_in_place, same_dtype_cast
+from fx16.passes.cast_rule import CastRule, copy_refusal, same_dtype_cast
 
 
 class RemoveNoopCastsPass(CastRule):
@@ -11,7 +11,8 @@ class RemoveNoopCastsPass(CastRule):
     Input graph:  x:f16 -> _to_copy(f16) -> y
     Output graph: x:f16 -> y
 
-    Refuses when the cast's result is written in place (the copy protects x), or
+    Refuses when a write in place reaches the result or x, through any view of either
+    (the copy keeps them apart), or
     when x is a placeholder returned by the program (an output would alias an input).
     """
 
@@ -19,8 +20,9 @@ class RemoveNoopCastsPass(CastRule):
         return same_dtype_cast(node)
 
     def refusal(self, node: Node) -> str | None:
-        if is_written_in_place(node):
-            return "its result is written in place; the copy keeps the input intact"
+        written = copy_refusal(node)
+        if written is not None:
+            return written
         source = node.args[0]
         if source.op == "placeholder" and any(user.op == "output" for user in node.users):
             return "removing it would return a program input as an output"

@@ -5,6 +5,7 @@ of the same shape. Each step applies one operation from ``FLOAT_OPS`` or ``INT_O
 to registers it picks by index, with a drawn scalar, and appends the result. The menu
 covers arithmetic, matmul, conv and pooling, norms, softmax, reductions,
 exp/log/pow/rsqrt, comparisons with where/masked_fill, cat/stack/reshape/permute/slice,
+writes in place into a cast's copy, into a cast's source and through an alias,
 embedding/gather/index_select/index_put, creation ops, explicit casts, custom ops (an
 activation quantize/dequantize pair, an op with a dtype argument), integer
 arithmetic with cumsum and remainder, ``torch.cond``, ``while_loop``, ``map`` and
@@ -126,6 +127,29 @@ def _autocast_bf16(m, x, y, c):
     return h.float() + y
 
 
+def _write_into_cast_copy(m, x, y, c):
+    """A write in place into a cast's copy, then a read of the cast's source."""
+    h = x.to(torch.float16)
+    h.mul_(0.5)
+    return x * 2.0 + h.float()
+
+
+def _write_into_source(m, x, y, c):
+    """A cast of a fresh value, a write in place into that value, then both read."""
+    h = x * 1.0
+    copied = h.to(torch.bfloat16)
+    h.add_(y)
+    return copied.float() - h
+
+
+def _write_through_alias(m, x, y, c):
+    """A conversion that changes nothing (the value itself), written through a view:
+    the write shows in the value it aliases."""
+    h = x * 1.0
+    h.float().view(-1)[:1].fill_(c)
+    return h + y
+
+
 def _safe_div(m, x, y, c):
     return x / (y.abs() + 1.0)
 
@@ -198,6 +222,9 @@ FLOAT_OPS = {
     "map": _map,
     "autocast_off": _autocast_off,
     "autocast_bf16": _autocast_bf16,
+    "write_into_cast_copy": _write_into_cast_copy,
+    "write_into_source": _write_into_source,
+    "write_through_alias": _write_through_alias,
 }
 
 # Ops that also read the integer register ``ids``.

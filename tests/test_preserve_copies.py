@@ -1,0 +1,136 @@
+"""PreserveCopiesPass and the cast end to end: a copy never becomes an alias that a write
+in place reaches, nor an alias a copy."""
+
+import pytest
+import torch
+
+import fx16
+from fx16.passes import PreserveCopiesPass
+from helpers import check_program, eager, export, run, targets
+
+aten = torch.ops.aten
+ONES = torch.ones(3)
+
+
+class WriteIntoCastCopy(torch.nn.Module):
+    """y = x.to(f16); y.add_(1): the copy is written, x must not see it."""
+
+    def forward(self, x):
+        y = x.to(torch.float16)
+        y.add_(1)
+        return x * 2, y
+
+
+class WriteIntoSourceAfterCast(torch.nn.Module):
+    """y = x.to(f16); x.mul_(3): the source is written, the copy must not see it."""
+
+    def forward(self, x):
+        x = x + 0  # an activation, so the write is allowed
+        y = x.to(torch.float16)
+        x.mul_(3)
+        return x, y + 1
+
+
+class WriteThroughViewOfCopy(torch.nn.Module):
+    """A write through a view of the copy."""
+
+    def forward(self, x):
+        y = x.to(torch.float16)
+        y.view(-1)[0:2].fill_(7)
+        return x + 1, y
+
+
+class TypeAsWritten(torch.nn.Module):
+    """type_as to another dtype copies; the copy is written."""
+
+    def forward(self, x, w):
+        y = x.type_as(w)
+        y.mul_(3)
+        return x + 1, y
+
+
+class WriteIntoAlias(torch.nn.Module):
+    """y = x.float() on an fp32 activation is x itself: the write shows in x."""
+
+    def forward(self, x):
+        x = x + 0
+        y = x.float()
+        y.add_(1)
+        return x * 2
+
+
+class CastCopyNotWritten(torch.nn.Module):
+    """No write in place: nothing to pin."""
+
+    def forward(self, x):
+        return x.to(torch.float16) + 1, x * 2
+
+
+def test_a_written_copy_becomes_to_copy():
+    """x -> to.dtype(f16) -> add_   becomes   x -> _to_copy(f16) -> add_ (same values)."""
+    ep = export(WriteIntoCastCopy(), ONES)
+    assert PreserveCopiesPass()(ep.graph_module).modified
+    ep.graph_module.recompile()
+    check_program(ep)
+    assert targets(ep)[aten._to_copy.default] == 1
+    assert targets(ep)[aten.to.dtype] == 0
+    for got, want in zip(run(ep, ONES), eager(WriteIntoCastCopy(), ONES)):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_written_alias_becomes_alias():
+    """x:f32 -> to.dtype(f32) -> add_   becomes   x -> alias -> add_."""
+    ep = export(WriteIntoAlias(), ONES)
+    assert PreserveCopiesPass()(ep.graph_module).modified
+    ep.graph_module.recompile()
+    check_program(ep)
+    assert targets(ep)[aten.alias.default] == 1
+    torch.testing.assert_close(run(ep, ONES)[0], eager(WriteIntoAlias(), ONES))
+
+
+def test_a_conversion_nothing_writes_through_is_left_alone():
+    """x -> to.dtype(f16) -> add   stays as it is."""
+    ep = export(CastCopyNotWritten(), ONES)
+    assert not PreserveCopiesPass()(ep.graph_module).modified
+    assert targets(ep)[aten.to.dtype] == 1
+
+
+@pytest.mark.parametrize(
+    "model, args",
+    [
+        (WriteIntoCastCopy(), (ONES,)),
+        (WriteIntoSourceAfterCast(), (ONES,)),
+        (WriteThroughViewOfCopy(), (torch.arange(4.0),)),
+        (TypeAsWritten(), (ONES, torch.ones(3, dtype=torch.float16))),
+        (WriteIntoAlias(), (ONES,)),
+    ],
+    ids=["copy-written", "source-written", "view-of-copy-written", "type_as", "alias-written"],
+)
+@pytest.mark.parametrize("decompose", [False, True], ids=["training-ir", "aten"])
+def test_the_cast_program_returns_eagers_values(model, args, decompose):
+    """The issue's example and its kin: after the cast, every output equals eager's
+    (the values are small integers, exact in fp16)."""
+    ep = export(model, *args, decompose=decompose)
+    fx16.cast_to_16_bit_precision(ep)
+    check_program(ep)
+    want = eager(model, *args)
+    want = want if isinstance(want, tuple) else (want,)
+    for got, expected in zip(run(ep, *args), want):
+        torch.testing.assert_close(got.float(), expected.float())
+
+
+def test_int16_keeps_a_written_copy():
+    """i:i64 -> to(i32) -> add_: narrowing i must not make the copy an alias."""
+
+    class IntCopyWritten(torch.nn.Module):
+        def forward(self, i):
+            j = i.to(torch.int32)
+            j.add_(5)
+            return i * 2, j
+
+    i = torch.arange(4)
+    ep = export(IntCopyWritten(), i)
+    fx16.cast_to_16_bit_precision(ep, input_ranges={"i": (0, 10)})
+    check_program(ep)
+    for got, expected in zip(run(ep, i), eager(IntCopyWritten(), i)):
+        torch.testing.assert_close(got.long(), expected.long())
