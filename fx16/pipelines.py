@@ -48,8 +48,9 @@ def fp16_passes(ep, options: Fp16Options | None = None, **keywords) -> list[Pass
     """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
 
     Order: the model's conversions that a write in place reaches pinned as copies or
-    aliases (``PreserveCopiesPass``), before any dtype changes; with the policy's ``stabilize``, the stable rewrites of patterns 16-bit
-    spoils (``StabilizePass``); the analyses next, while the program still computes in fp32:
+    aliases (``PreserveCopiesPass``), before any dtype changes; with the policy's
+    ``stabilize``, the stable rewrites of patterns 16-bit spoils (``StabilizePass``);
+    the analyses next, while the program still computes in fp32:
     calibration, unsafe indices, integer ranges (``input_ranges``; floats made from
     integers take their range from it), conditioning and underflow (which read
     both), the routers the policy keeps (which read the index marks), which of the
@@ -157,9 +158,9 @@ def int16_passes(
 ) -> list[PassBase]:
     """The int32/int64 -> int16 pipeline for ``ep``, as fresh pass instances.
 
-    Order: copies pinned first (as in ``fp16_passes``), then the four analyses (reachability and unsafe indices feed the
-    castable set; ranges are independent of both; with ``int16="observed"``,
-    calibration before the ranges); the inserter next, then the input converter,
+    Order: copies pinned first (as in ``fp16_passes``), then the four analyses
+    (reachability and unsafe indices feed the castable set; ranges are independent of
+    both; with ``int16="observed"``, calibration before the ranges); the inserter next, then the input converter,
     which narrows only inputs that int16 ops read; cleanup last. ``int16="off"``
     gives an empty list. Options: see ``fx16.cast_int32_to_int16``.
     """
