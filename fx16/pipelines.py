@@ -160,8 +160,9 @@ def int16_passes(
 
     Order: copies pinned first (as in ``fp16_passes``), then the four analyses
     (reachability and unsafe indices feed the castable set; ranges are independent of
-    both; with ``int16="observed"``, calibration before the ranges); the inserter next, then the input converter,
-    which narrows only inputs that int16 ops read; cleanup last. ``int16="off"``
+    both; with ``int16="observed"``, calibration before the ranges); the inserter
+    next, then the input converter, which narrows only inputs that int16 ops read;
+    cleanup last. ``int16="off"``
     gives an empty list. Options: see ``fx16.cast_int32_to_int16``.
     """
     reject_unknown(int16_passes, unknown)
