@@ -80,11 +80,7 @@ def alias_group(nodes: list[Node]) -> set[Node]:
                 pending.append(user)
             pending.extend(_body_placeholders(user, node))
         if node.op == "call_function":
-            pending.extend(
-                arg
-                for arg in node.all_input_nodes
-                if _shares_storage_with(node, arg)
-            )
+            pending.extend(arg for arg in node.all_input_nodes if _shares_storage_with(node, arg))
     return group
 
 
