@@ -11,7 +11,7 @@ from torch.export import ExportedProgram
 
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.budget import cast_fp16_within_budget
-from fx16.errors import InvalidOptionError, require_number
+from fx16.errors import InvalidOptionError, require_flag, require_number
 from fx16.node_ids import assign_ids, keep_decisions
 from fx16.options import Fp16Options, shows_fp16_options
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
@@ -52,6 +52,9 @@ def cast_fp32_to_fp16(
     stabilize: rewrite patterns 16-bit spoils into stable forms first (RMSNorm's
         variance scaled, log(softmax) as log_softmax, ...; ``fx16.passes.stabilize``),
         so they need no fp32. None: the policy's setting (False).
+    routing: where the ops that choose a route compute (a mixture-of-experts router's
+        top-k): "fp32" keeps them, "16-bit" casts them like the rest. None: the
+        policy's setting ("fp32").
     keep_io_types: keep user inputs and outputs in their original dtypes, with casts
         at the boundary (onnxconverter-common's option): True, or the names of the
         inputs and outputs to keep. None: the policy's setting (False).
@@ -172,6 +175,7 @@ def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> Exp
     the int16 stage, as one transaction, whose commit converts the weights; store the
     report. ``None`` options skip a stage."""
     program = Program.of(ep)
+    require_flag("progress", progress)
     max_rel_error = budget.get("max_rel_error")
     if max_rel_error is not None:
         require_number("max_rel_error", max_rel_error, 0)

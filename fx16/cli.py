@@ -22,6 +22,7 @@ from fx16.choices import (
     METRIC_PRESETS,
     POLICY_PRESETS,
     PRECISION_NAMES,
+    ROUTING_CHOICES,
 )
 from fx16.version import installed_version
 
@@ -140,13 +141,24 @@ def _add_timings_option(parser: argparse.ArgumentParser) -> None:
 def _add_cast_options(parser: argparse.ArgumentParser) -> None:
     _add_import_option(parser)
     presets = "; ".join(f"{name}: {meaning}" for name, meaning in POLICY_PRESETS.items())
-    parser.add_argument("--policy", default="default", metavar="NAME", help=f"a preset ({presets})")
+    parser.add_argument(
+        "--policy",
+        default="default",
+        metavar="NAME",
+        help=f"a preset ({presets})",
+    )
     parser.add_argument(
         "--explicit-fp32",
         choices=EXPLICIT_FP32_CHOICES,
         default=None,
         help="the model's own fp32 regions: kept on evidence (calibrated, the policy's "
         "default), always (keep) or never (retarget)",
+    )
+    parser.add_argument(
+        "--routing",
+        choices=ROUTING_CHOICES,
+        default=None,
+        help="where routers (an MoE's top-k gate) compute: fp32 (the policy's default) or 16-bit",
     )
     parser.add_argument(
         "--stabilize",
@@ -263,9 +275,30 @@ def _input_range(text: str) -> tuple[str, tuple[int, int]]:
         raise argparse.ArgumentTypeError(f"expected NAME=LO:HI (integers), got {text!r}") from None
 
 
+def option_problem(args) -> str | None:
+    """What is wrong with the options themselves, checked before anything loads (no
+    program, no torch), or None."""
+    policy = getattr(args, "policy", None)
+    if policy is not None and policy not in POLICY_PRESETS:
+        return f"unknown policy {policy!r}; presets: {', '.join(POLICY_PRESETS)}"
+    for option in ("max_rel_error", "threshold", "target_share"):
+        value = getattr(args, option, None)
+        if value is not None and not value >= 0:  # NaN too
+            return f"--{option.replace('_', '-')} must be a number >= 0, got {value:g}"
+    if getattr(args, "max_rel_error", None) is None:
+        for option in ("target_share", "metric", "validate"):
+            if getattr(args, option, None) is not None and args.command != "compare":
+                return f"--{option.replace('_', '-')} needs --max-rel-error"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
+    problem = option_problem(args)
+    if problem is not None:
+        print(f"fx16: error: {problem}", file=sys.stderr)
+        return BAD_INPUT
     from fx16 import commands  # torch and the passes: only when a command runs
 
     return commands.run(args, started)

@@ -8,7 +8,9 @@ import torch
 
 from fx16.archive import import_modules, load_program
 from fx16.errors import one_line
+from fx16.nodes import SIXTEEN_BIT_DTYPES, dtype_name, node_val, tensor_leaves
 from fx16.program import Program
+from fx16.subgraphs import nested_graph_modules
 
 
 class CommandError(Exception):
@@ -22,6 +24,55 @@ def existing_program_path(path: Path) -> Path:
     if not path.is_file():
         raise CommandError(f"{path} is not a file")
     return path
+
+
+def writable_program_path(path: Path, source: Path, force: bool) -> Path:
+    """``-o``'s path, checked before anything runs: a file in an existing directory
+    that can be written, not a directory or a device, not the input without --force."""
+    target = path.expanduser()
+    if target.exists() and target.resolve() == source.resolve() and not force:
+        raise CommandError(f"{target} is the input file; pass --force to overwrite it")
+    if target.is_dir():
+        raise CommandError(f"{target} is a directory: name the file to write (-o DIR/OUT.pt2)")
+    if target.exists() and not target.is_file():
+        raise CommandError(f"{target} is not a regular file: name a .pt2 file to write")
+    if not target.parent.is_dir():
+        raise CommandError(f"directory {target.parent} does not exist")
+    existed = target.exists()
+    try:  # open it as the save will, before the cast runs (os.access trusts root)
+        with open(target, "ab"):
+            pass
+    except OSError as error:
+        raise CommandError(f"{target} cannot be written: {one_line(error)}") from error
+    finally:
+        if not existed and target.exists():
+            target.unlink()
+    return target
+
+
+def save_program(ep, target: Path) -> None:
+    """Save ``ep`` to ``target``; a failure to write (a full disk) is one line."""
+    try:
+        torch.export.save(ep, target)
+    except (OSError, RuntimeError) as error:  # torch's file writer raises RuntimeError
+        raise CommandError(f"cannot write {target}: {one_line(error)}") from error
+
+
+def refuse_sixteen_bit_program(ep, source: Path) -> None:
+    """A program that computes in a 16-bit float dtype and holds no fp32 value has
+    nothing to cast, and its fp32 reference would be itself: say so."""
+    dtypes = {
+        leaf.dtype
+        for module in nested_graph_modules(ep.graph_module)
+        for node in module.graph.nodes
+        for leaf in tensor_leaves(node_val(node))
+    }
+    sixteen = sorted(dtype_name(dtype) for dtype in dtypes & set(SIXTEEN_BIT_DTYPES))
+    if sixteen and torch.float32 not in dtypes:
+        raise CommandError(
+            f"{source} computes in {', '.join(sixteen)} already and holds no float32 value: "
+            "nothing to cast; cast the fp32 program it was made from"
+        )
 
 
 def check_report_path(path: Path | None) -> None:
@@ -46,6 +97,8 @@ def read_inputs(path: Path) -> list[tuple[tuple, dict]]:
             f"torch.save ({one_line(error)})"
         ) from error
     entries = loaded if isinstance(loaded, list) else [loaded]
+    if not entries:
+        raise CommandError(f"{path} holds an empty list: it needs at least one input tuple")
     calls = []
     for entry in entries:
         if isinstance(entry, torch.Tensor):

@@ -24,7 +24,10 @@ from fx16.command_files import (
     existing_program_path,
     load_with_imports,
     read_inputs,
+    refuse_sixteen_bit_program,
     run_or_name_input,
+    save_program,
+    writable_program_path,
 )
 from fx16.demo import run_demo
 from fx16.errors import AccuracyBudgetError, Fx16Error
@@ -90,11 +93,7 @@ def cast_command(args, timings: Timings) -> int:
     if args.output is None and not args.dry_run:
         raise CommandError("the cast program needs somewhere to go: pass -o OUT.pt2 (or --dry-run)")
     if args.output is not None:
-        target = args.output.expanduser()
-        if target.resolve() == source.resolve() and not args.force:
-            raise CommandError(f"{target} is the input file; pass --force to overwrite it")
-        if not target.parent.is_dir():
-            raise CommandError(f"directory {target.parent} does not exist")
+        target = writable_program_path(args.output, source, args.force)
     check_report_path(args.report)
     ep, report, error = _cast(source, args, timings)
     if not args.quiet:
@@ -102,7 +101,7 @@ def cast_command(args, timings: Timings) -> int:
     if args.report is not None:
         args.report.write_text(report.to_json())
     if not args.dry_run:
-        torch.export.save(ep, target)
+        save_program(ep, target)
         timings.lap("save")
         if not args.quiet:
             print(f"wrote {target}")
@@ -180,7 +179,10 @@ def _compare_per_node(reference, cast, calls, args, timings: Timings) -> None:
     timings.lap("run both, value by value")
     over = [value for value in diagnosis.values if value.error > args.threshold]
     print(f"{len(diagnosis.values)} values compared, {len(over)} over {args.threshold:g}")
-    print(diagnosis.table(over[:PER_NODE_ROWS]))
+    if over:
+        print(diagnosis.table(over[:PER_NODE_ROWS]))
+    else:
+        print(f"no value differs by more than {args.threshold:g} (relative)")
     if args.json:
         args.json.write_text(diagnosis.to_json())
 
@@ -243,6 +245,7 @@ def _policy(args) -> PrecisionPolicy:
         explicit_fp32=args.explicit_fp32,
         keep_io_types=keep,
         stabilize=True if args.stabilize else None,
+        routing=args.routing,
     )
     overrides = {
         table: {**getattr(policy, table), **dict(getattr(args, table))}
@@ -257,12 +260,10 @@ def _policy(args) -> PrecisionPolicy:
 def _cast(source: Path, args, timings: Timings):
     """Load, check the inputs, keep the fp32 outputs of the first as the reference,
     cast and report."""
+    policy = _policy(args)  # the overrides' names: before the program loads
     ep = load_with_imports(source, args)
     timings.lap("load")
-    policy = _policy(args)
-    for option in ("target_share", "metric", "validate"):
-        if getattr(args, option) is not None and args.max_rel_error is None:
-            raise CommandError(f"--{option.replace('_', '-')} needs --max-rel-error")
+    refuse_sixteen_bit_program(ep, source)
     label = str(args.calibrate or "example inputs")
     calls = read_inputs(args.calibrate) if args.calibrate else example_calls(ep)
     calls = calibration_calls(Program.of(ep), calls, label=label)  # count, shapes, dtypes

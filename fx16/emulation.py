@@ -135,13 +135,18 @@ class Emulation:
 
     def error(self, wide: set[Node]) -> float:
         """The largest output error, over the calls, of a run that keeps ``wide`` in fp32."""
-        errors = []
-        with torch.no_grad():
-            for call, reference in zip(self.calls, self.reference):
-                emulator = _Emulator(self.program.graph_module, self, wide)
-                outputs = pytree.tree_leaves(emulator.run(*self.graph_inputs(call)))
-                errors.append(outputs_error(reference, outputs))
+        errors = [
+            outputs_error(reference, self.outputs(call, wide))
+            for call, reference in zip(self.calls, self.reference)
+        ]
         return max(errors, default=0.0)
+
+    def outputs(self, call: tuple[tuple, dict], wide: set[Node]) -> list:
+        """The graph's outputs, flattened, of one emulated run of ``call`` that keeps
+        ``wide`` in fp32."""
+        with torch.no_grad():
+            emulator = _Emulator(self.program.graph_module, self, wide)
+            return pytree.tree_leaves(emulator.run(*self.graph_inputs(call)))
 
     def changes_nothing(self, wide: set[Node], dropped: set[Node]) -> bool:
         """Whether rounding ``dropped`` too (a run keeping ``wide - dropped`` in fp32)

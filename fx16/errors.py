@@ -52,6 +52,12 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
+def require_flag(name: str, value) -> None:
+    """``InvalidOptionError`` unless ``value`` is True, False or None (the default)."""
+    if value is not None and not isinstance(value, bool):
+        raise InvalidOptionError(f"{name} must be True, False or None, got {value!r}")
+
+
 def require_number(name: str, value, minimum: float, *, strict=False, finite=True, note="") -> None:
     """``InvalidOptionError`` unless ``value`` is a real number (not a bool) >= ``minimum``
     (> with ``strict``), and finite unless ``finite`` is False."""

@@ -24,7 +24,13 @@ from fx16.analysis import (
     ValueRangeAnalysis,
     VerdictCheckAnalysis,
 )
-from fx16.errors import Fx16Error, InvalidOptionError, PassFailedError, require_number
+from fx16.errors import (
+    Fx16Error,
+    InvalidOptionError,
+    PassFailedError,
+    require_flag,
+    require_number,
+)
 from fx16.names import check_names
 from fx16.narrowing import check_mode
 from fx16.options import Fp16Options
@@ -111,11 +117,13 @@ def _checked(program: Program, options: Fp16Options) -> tuple[Fp16Options, Preci
     ``InvalidOptionError`` for a bad margin or a name that matches nothing."""
     # a margin below 1 would count values beyond the 16-bit maximum as fitting
     require_number("overflow_margin", options.overflow_margin, 1)
+    require_flag("stabilize", options.stabilize)
     policy = resolve_policy(
         options.policy,
         explicit_fp32=options.explicit_fp32,
         keep_io_types=options.keep_io_types,
         stabilize=options.stabilize,
+        routing=options.routing,
     )
     options = replace(options, force_fp32=as_names(options.force_fp32))
     check_names(program, policy, options.force_fp32)

@@ -18,7 +18,12 @@ import torch
 from torch.fx import Node
 
 from fx16.autocast_ops import AUTOCAST_CPU, AUTOCAST_CUDA
-from fx16.choices import EXPLICIT_FP32_CHOICES, POLICY_PRESETS, ROUTING_CHOICES
+from fx16.choices import (
+    EXPLICIT_FP32_CHOICES,
+    POLICY_PRESETS,
+    PRECISION_NAMES,
+    ROUTING_CHOICES,
+)
 from fx16.errors import InvalidOptionError, require_number
 from fx16.nodes import SIXTEEN_BIT_DTYPES, node_module_path
 from fx16.op_kinds import OpKind, op_kind, op_name
@@ -36,8 +41,10 @@ def _as_precision(value) -> Precision:
     try:
         return aliases.get(value) or Precision(value)
     except ValueError:
-        choices = ", ".join(p.value for p in Precision)
-        raise InvalidOptionError(f"unknown precision {value!r}; use one of {choices}") from None
+        raise InvalidOptionError(
+            f"unknown precision {value!r}; use one of {', '.join(PRECISION_NAMES)} (fp16 "
+            "and bf16 name the policy's 16-bit dtype)"
+        ) from None
 
 
 def _precisions(mapping: Mapping | None) -> dict:

@@ -141,6 +141,8 @@ class _GraphRecord:
                 name,
                 type_expr,
             )
+            if copy_.name != name:  # the namespace renames builtins ("input"): the
+                copy_.name = name  # signature names the node as export did
             copy_.meta = dict(meta)
             copies[original] = copy_
         graph._codegen = copy.deepcopy(self._codegen)

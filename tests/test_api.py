@@ -27,6 +27,7 @@ from fx16.passes import (
     FuseCastChainsPass,
     InsertFP16CastsPass,
     InsertInt16CastsPass,
+    PreserveCopiesPass,
     RecordStatsPass,
     RemoveNoopCastsPass,
 )
@@ -69,6 +70,7 @@ def test_pass_lists_are_fresh_instances():
     assert not any(a is b for a, b in zip(first, second))
     assert [type(p) for p in first] == [
         RecordStatsPass,
+        PreserveCopiesPass,
         CalibrationAnalysis,
         UnsafeIndexAnalysis,
         ValueRangeAnalysis,

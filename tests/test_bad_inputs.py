@@ -238,22 +238,42 @@ OPTION_ERRORS = [
         dict(input_range={"x": (0, 1)}),
         "unknown option(s) ['input_range']; accepted: ['calibration', 'explicit_fp32', "
         "'force_fp32', 'input_ranges', 'int16', 'keep_io_types', 'overflow_margin', 'policy', "
-        "'stabilize']",
+        "'routing', 'stabilize']",
     ),
     (
         fx16.cast_fp32_to_fp16,
         dict(calibration=[(torch.randn(5, 8),)]),
-        "calibration[0]: input 'x' has shape (5, 8); the program takes (3, 8) (* = any size)",
+        "calibration[0]: input 'x' has shape (5, 8); the program takes (3, 8)",
     ),
     (
         fx16.cast_fp32_to_fp16,
         dict(calibration=[(torch.randn(3, 7),)], max_rel_error=1e-2),
-        "calibration[0]: input 'x' has shape (3, 7); the program takes (3, 8) (* = any size)",
+        "calibration[0]: input 'x' has shape (3, 7); the program takes (3, 8)",
     ),
     (
         fx16.cast_fp32_to_fp16,
         dict(calibration=[(torch.ones(3, 8, dtype=torch.int64),)]),
         "calibration[0]: input 'x' is integer (int64); the program takes floating point (float32)",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(calibration=[(torch.full((3, 8), float("nan")),)]),
+        "calibration[0]: input 'x' holds no finite value (all inf or NaN): it measures nothing",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(stabilize="yes"),
+        "stabilize must be True, False or None, got 'yes'",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(progress="yes"),
+        "progress must be True, False or None, got 'yes'",
+    ),
+    (
+        fx16.cast_fp32_to_fp16,
+        dict(routing="bf16"),
+        "routing must be one of 'fp32', '16-bit', not 'bf16'",
     ),
     (
         fx16.cast_fp32_to_fp16,
@@ -270,8 +290,8 @@ OPTION_ERRORS = [
         dict(keep_io=True),
         "cast_fp32_to_fp16: unknown option(s) ['keep_io']; accepted: ['calibration', "
         "'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'max_rel_error', "
-        "'metric', 'overflow_margin', 'policy', 'progress', 'stabilize', 'target_share', "
-        "'validation']",
+        "'metric', 'overflow_margin', 'policy', 'progress', 'routing', 'stabilize', "
+        "'target_share', 'validation']",
     ),
     (
         fx16.cast_int32_to_int16,
@@ -284,7 +304,7 @@ OPTION_ERRORS = [
         dict(margin=2),
         "fp16_passes: unknown option(s) ['margin']; accepted: ['calibration', "
         "'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'overflow_margin', "
-        "'policy', 'stabilize']",
+        "'policy', 'routing', 'stabilize']",
     ),
     (
         fx16.int16_passes,
@@ -361,3 +381,53 @@ def test_precision_tolerance_is_positive_and_may_be_infinite():
         precision_tolerance=0,
     )
     assert fx16.PrecisionPolicy.custom(precision_tolerance=float("inf")).precision_tolerance
+
+
+def test_calibration_outside_the_dynamic_range_is_refused_and_changes_nothing():
+    """Exported for batch 2..64: batch 100 is refused by the cast and by inputs_for, as the
+    fp32 program refuses it; the program is left as it was, and casts afterwards."""
+    from torch.export import Dim
+
+    ep = torch.export.export(
+        MLP().eval(), (torch.randn(4, 8),), dynamic_shapes=({0: Dim("b", min=2, max=64)},)
+    )
+    before = state_snapshot(ep)
+    message = (
+        "input 'x' has shape (100, 8); the program takes (2..64, 8) (a..b: any size from a to b)"
+    )
+    _raises(
+        fx16.InvalidOptionError,
+        f"calibration[0]: {message}",
+        fx16.cast_fp32_to_fp16,
+        ep,
+        calibration=[(torch.randn(100, 8),)],
+    )
+    _raises(
+        fx16.InvalidOptionError,
+        f"inputs_for[0]: {message}",
+        fx16.inputs_for,
+        ep,
+        torch.randn(100, 8),
+    )
+    assert_same_state(before, state_snapshot(ep))
+    fx16.cast_fp32_to_fp16(ep)
+    args, kwargs = fx16.inputs_for(ep, torch.randn(64, 8))
+    assert ep.module()(*args, **kwargs).dtype == torch.float16
+
+
+def test_inputs_for_refuses_what_is_not_a_tensor(mlp):
+    import numpy as np
+
+    _raises(
+        fx16.InvalidOptionError,
+        "inputs_for[0]: input 'x' is a numpy.ndarray; the program takes a torch.Tensor "
+        "(convert it with torch.from_numpy)",
+        fx16.inputs_for,
+        mlp,
+        np.zeros((3, 8), dtype=np.float32),
+    )
+
+
+def test_routing_is_a_keyword_option(mlp):
+    fx16.cast_fp32_to_fp16(mlp, routing="16-bit")
+    assert fx16.report.report_of(mlp).provenance["options"]["routing"] == "16-bit"

@@ -168,7 +168,33 @@ def _bad_inputs(folder, source):
     torch.save([(torch.randn(3, 5),)], folder / "wrong_shape.pt")
     (folder / "text.pt").write_text("x = 1\n")
     torch.export.save(export(MLP(widths=(6, 4)), torch.randn(4, 6)), folder / "other.pt2")
+    half = export(MLP().half(), torch.randn(4, 8).half())
+    torch.export.save(half, folder / "half.pt2")
+    torch.save([], folder / "empty.pt")
+    (folder / "out_dir").mkdir()
     return {
+        "output is a directory": (["cast", source, "-o", folder / "out_dir"], "is a directory"),
+        "output is a device": (["cast", source, "-o", "/dev/full"], "not a regular file"),
+        "output cannot be written": (
+            ["cast", source, "-o", "/proc/fx16_out.pt2"],
+            "cannot be written",
+        ),
+        "negative threshold": (
+            ["compare", source, source, "--per-node", "--threshold", "-5"],
+            "--threshold must be a number >= 0",
+        ),
+        "options before the program": (
+            ["cast", folder / "corrupt.pt2", "-o", folder / "x.pt2", "--policy", "bogus"],
+            "unknown policy 'bogus'",
+        ),
+        "empty calibration": (
+            ["cast", source, "-o", folder / "x.pt2", "--calibrate", folder / "empty.pt"],
+            "empty list",
+        ),
+        "16-bit program": (
+            ["cast", folder / "half.pt2", "-o", folder / "x.pt2", "--policy", "auto_mixed_bf16"],
+            "computes in float16 already",
+        ),
         "missing": (["cast", folder / "missing.pt2", "-o", folder / "x.pt2"], "does not exist"),
         "not a pt2": (["cast", folder / "notes.txt", "-o", folder / "x.pt2"], "not a .pt2"),
         "corrupt": (["cast", folder / "corrupt.pt2", "-o", folder / "x.pt2"], "cannot load"),
@@ -215,6 +241,13 @@ def _bad_inputs(folder, source):
         "not a tensor file",
         "compare different inputs",
         "unknown import",
+        "output is a directory",
+        "output is a device",
+        "output cannot be written",
+        "negative threshold",
+        "options before the program",
+        "empty calibration",
+        "16-bit program",
     ],
 )
 def test_bad_input_is_one_line_and_changes_nothing(program, tmp_path, case):
@@ -419,3 +452,11 @@ def test_help_covers_every_option_and_needs_no_torch():
     )
     result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_per_node_with_nothing_over_the_threshold_says_so(program):
+    """compare --per-node of a program with itself: no bare table header."""
+    source, _ = program
+    result = fx16("compare", source, source, "--per-node")
+    assert result.returncode == 0, result.stderr
+    assert "no value differs by more than 0.01" in result.stdout

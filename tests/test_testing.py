@@ -85,3 +85,71 @@ def test_the_check_shows_the_values_that_differ():
     case = _case([("int_add", 0, 1, 0.0)])
     with pytest.raises(AssertionError, match=r"elements: at \(0, 0\) expected -?\d+, got -?\d+"):
         check_pass(case, AddBecomesSub())
+
+
+class MulToAdd(PassBase):
+    """A wrong rewrite that keeps every dtype: float multiplies become additions."""
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        modified = False
+        for node in graph_module.graph.nodes:
+            if node.target == aten.mul.Tensor and node.meta["val"].is_floating_point():
+                node.target = aten.add.Tensor
+                modified = True
+        return PassResult(graph_module, modified)
+
+
+class AddWithoutMeta(PassBase):
+    """A broken pass: it adds a node and gives it no ``meta["val"]``."""
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        graph = graph_module.graph
+        output = graph.output_node()
+        (first, *rest) = output.args[0]
+        with graph.inserting_before(output):
+            doubled = graph.call_function(aten.mul.Tensor, (first, 1.0))
+        output.args = ((doubled, *rest),)
+        return PassResult(graph_module, True)
+
+
+def test_a_pass_that_computes_wrong_floats_is_caught():
+    """fuzz_pass(MulToAdd) on a float-only menu: a PassBroke naming the float output
+    that is off, with the values."""
+    with pytest.raises(fx16.testing.PassBroke, match=r"float output \d+ is .* off the original"):
+        fx16.testing.fuzz_pass(
+            MulToAdd, max_examples=examples(15), strategy=programs(menu=("mul",))
+        )
+
+
+def test_a_pass_that_leaves_an_invalid_program_is_a_pass_broke():
+    """A node without meta["val"] is reported as PassBroke, not a raw SpecViolationError."""
+    with pytest.raises(fx16.testing.PassBroke, match="not a valid program"):
+        fx16.testing.fuzz_pass(
+            AddWithoutMeta, max_examples=examples(5), strategy=programs(menu=("add",))
+        )
+
+
+def test_a_cast_that_computes_wrong_floats_is_caught_though_rules_kept_fp32():
+    """A cast whose result is off: fx16's cast with its multiplies made additions
+    afterwards fails the emulated bound, on a program where a rule keeps fp32 (the
+    squares of 300 pass 65504)."""
+    case = _case([("mul", 0, 0, 0.0), ("mul", 1, 0, 0.0)], scale=300.0)
+    check_cast(case, fx16.cast_fp32_to_fp16)
+
+    def cast_then_break(ep):
+        fx16.cast_fp32_to_fp16(ep)
+        MulToAdd()(ep.graph_module)
+        ep.graph_module.recompile()
+
+    with pytest.raises(AssertionError, match="float output"):
+        check_cast(case, cast_then_break)
+
+
+def test_a_pass_that_keeps_dtypes_is_held_to_fp32_tolerance():
+    """ReluAsClamp keeps values exactly: every float output checked, none off."""
+    from fx16.testing.checks import check_outputs
+
+    case = _case([("relu", 0, 0, 0.0), ("linear", 1, 0, 0.0)])
+    original = case.export()
+    ep = check_pass(case, ReluAsClamp())
+    assert check_outputs(original, ep, case.args) == 2

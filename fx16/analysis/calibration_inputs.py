@@ -1,6 +1,8 @@
 """The calls a calibration runs: the caller's entries checked against the program's
 inputs (their number, static shapes and kinds), or the program's example inputs."""
 
+import math
+
 import torch
 import torch.utils._pytree as pytree
 from torch.fx import Node
@@ -39,33 +41,69 @@ def calibration_calls(
                 f"the program takes {len(placeholders)}"
             )
         for value, placeholder in zip(supplied, placeholders):
-            _check_shape(f"{label}[{index}]", value, placeholder)
+            _check_shape(f"{label}[{index}]", value, placeholder, program.ep.range_constraints)
         calls.append(call)
     return calls
 
 
-def _check_shape(name: str, value, placeholder: Node) -> None:
+def _check_shape(name: str, value, placeholder: Node, ranges: dict) -> None:
     """A tensor whose static sizes differ from what the program takes is refused, and
-    so is a float tensor where it takes integers (token ids), or the reverse."""
+    so is one whose dynamic size lies outside the range the program was exported for
+    (``ranges``: its range constraints), a float tensor where it takes integers (token
+    ids) or the reverse, a float tensor with no finite value, and a value that is not
+    a tensor (a NumPy array) where it takes one."""
     val = placeholder.meta.get("val")
-    if not (isinstance(value, torch.Tensor) and isinstance(val, torch.Tensor)):
+    if not isinstance(val, torch.Tensor):
         return
+    if not isinstance(value, torch.Tensor):
+        raise InvalidOptionError(
+            f"{name}: input {placeholder.name!r} is a {type(value).__module__}."
+            f"{type(value).__name__}; the program takes a torch.Tensor"
+            + (" (convert it with torch.from_numpy)" if type(value).__module__ == "numpy" else "")
+        )
     if _dtype_kind(value.dtype) != _dtype_kind(val.dtype):
         raise InvalidOptionError(
             f"{name}: input {placeholder.name!r} is {_dtype_kind(value.dtype)} "
             f"({dtype_name(value.dtype)}); the program takes "
             f"{_dtype_kind(val.dtype)} ({dtype_name(val.dtype)})"
         )
-    expected = ["*" if not isinstance(size, int) else size for size in val.shape]
+    expected = [size if isinstance(size, int) else _size_range(size, ranges) for size in val.shape]
     fits = len(expected) == value.dim() and all(
-        want == "*" or want == got for want, got in zip(expected, value.shape)
+        want == got if isinstance(want, int) else want[0] <= got <= want[1]
+        for want, got in zip(expected, value.shape)
     )
     if not fits:
-        takes = "(" + ", ".join(map(str, expected)) + ")"
+        takes = "(" + ", ".join(map(_size_text, expected)) + ")"
+        dynamic = not all(isinstance(size, int) for size in expected)
         raise InvalidOptionError(
-            f"{name}: input {placeholder.name!r} has shape "
-            f"{tuple(value.shape)}; the program takes {takes} (* = any size)"
+            f"{name}: input {placeholder.name!r} has shape {tuple(value.shape)}; the program "
+            f"takes {takes}" + (" (a..b: any size from a to b)" if dynamic else "")
         )
+    if value.is_floating_point() and value.numel() and not bool(value.isfinite().any()):
+        raise InvalidOptionError(
+            f"{name}: input {placeholder.name!r} holds no finite value (all inf or NaN): "
+            "it measures nothing"
+        )
+
+
+def _size_range(size, ranges: dict) -> tuple[float, float]:
+    """The sizes a dynamic dimension may take: its symbol's range constraint (any size
+    where the size is an expression the constraints do not name)."""
+    expression = getattr(getattr(size, "node", None), "expr", None)
+    bounds = ranges.get(expression)
+    if bounds is None:
+        return (0, math.inf)
+    return (
+        int(bounds.lower),
+        float(bounds.upper) if bounds.upper.is_infinite else int(bounds.upper),
+    )
+
+
+def _size_text(size) -> str:
+    if isinstance(size, int):
+        return str(size)
+    low, high = size
+    return f"{low}..{'' if math.isinf(high) else high}"
 
 
 def _dtype_kind(dtype: torch.dtype) -> str:

@@ -3,8 +3,9 @@
 ``check_valid_program`` is what a downstream user does with a program: lint,
 validate, save and load, decompose, run, and every node's recorded dtype is the one
 it computes. ``check_pass`` applies a pass to a fresh export of a random program and
-asserts, beyond validity, that integer outputs stay bit-exact and that no inf or nan
-appears where the original program's outputs are finite.
+asserts, beyond validity, that integer outputs stay bit-exact, that no inf or nan
+appears where the original program's outputs are finite, and that float outputs stay
+within the float oracle's bound (``fx16.testing.oracle``).
 """
 
 import contextlib
@@ -20,10 +21,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
 from fx16.program import Program
-
-# fp32 values at or beyond this are infinity-like sentinels (finfo.min masks): a cast
-# may saturate them to the 16-bit maximum.
-_SENTINEL = 1e38
+from fx16.testing.oracle import SENTINEL, check_floats
 
 
 def check_valid_program(ep: ExportedProgram) -> None:
@@ -67,11 +65,31 @@ def assert_meta_matches_runtime(ep: ExportedProgram, args, kwargs=None) -> None:
 
 
 def check_cast_program(original: ExportedProgram, cast: ExportedProgram, args: tuple) -> None:
+    """``cast`` (a rewrite of ``original``) gives the outputs ``check_outputs`` asks for
+    on ``args``, and is a valid program (``check_valid_program``; any error there is an
+    ``AssertionError`` naming it). The outputs are checked first: a broken pass fails
+    there in a fraction of the time validity takes. A failure shows the values,
+    expected and got."""
+    with quiet():
+        check_outputs(original, cast, args)
+        try:
+            check_valid_program(cast)
+        except AssertionError:
+            raise
+        except Exception as error:
+            raise AssertionError(
+                f"the result is not a valid program: {type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}"
+            ) from error
+
+
+def check_outputs(original: ExportedProgram, cast: ExportedProgram, args: tuple) -> int:
     """``cast`` (a rewrite of ``original``) gives bit-exact integer outputs on ``args``,
     no inf or nan where ``original``'s outputs are finite (values fp32 holds as
-    infinity-like sentinels may saturate), and is valid. The outputs are checked
-    first: a broken pass fails there in a fraction of the time validity takes, which
-    is most of hypothesis' shrinking. A failure shows the values, expected and got."""
+    infinity-like sentinels may saturate), and float outputs within the float oracle's
+    bound (``fx16.testing.oracle``: fp32 tolerance for a pass that narrows nothing, a
+    small multiple of an emulation of its 16-bit rounding for a cast). Returns how many
+    float outputs a finite bound checked."""
     with quiet():
         expected = Program.of(original).run(args)
         got = Program.of(cast).run(args)
@@ -79,7 +97,7 @@ def check_cast_program(original: ExportedProgram, cast: ExportedProgram, args: t
         for index, (want, have) in enumerate(zip(expected, got)):
             if isinstance(want, torch.Tensor):
                 _check_output(index, want, have)
-        check_valid_program(cast)
+        return check_floats(original, cast, args, expected, got)
 
 
 def _check_output(index: int, want: torch.Tensor, have: torch.Tensor) -> None:
@@ -93,7 +111,7 @@ def _check_output(index: int, want: torch.Tensor, have: torch.Tensor) -> None:
             f"elements: {_first(differs, want, have)}"
         )
         return
-    ordinary = torch.isfinite(want) & (want.abs() < _SENTINEL)
+    ordinary = torch.isfinite(want) & (want.abs() < SENTINEL)
     broken = ordinary & ~torch.isfinite(have)
     assert not bool(broken.any()), (
         f"output {index}: the cast introduced inf/nan at {int(broken.sum())} of "
@@ -125,24 +143,29 @@ def quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def check_pass(case, graph_pass: Callable[[GraphModule], object]) -> ExportedProgram:
+def check_pass(
+    case, graph_pass: Callable[[GraphModule], object], exported: ExportedProgram | None = None
+) -> ExportedProgram:
     """Run ``graph_pass`` (a ``PassBase``, or any callable taking the graph module) on
-    a fresh export of ``case`` (a ``ProgramCase`` from ``fx16.testing.programs()``),
-    recompile, and check the result with ``check_cast_program``. Returns the program."""
+    a fresh export of ``case`` (a ``ProgramCase`` from ``fx16.testing.programs()``;
+    ``exported``: that export, when made already), recompile, and check the result
+    with ``check_cast_program``. Returns the program."""
 
     def run_on_graph(ep: ExportedProgram) -> None:
         graph_pass(ep.graph_module)
         ep.graph_module.recompile()
 
-    return check_cast(case, run_on_graph)
+    return check_cast(case, run_on_graph, exported)
 
 
-def check_cast(case, cast: Callable[[ExportedProgram], object]) -> ExportedProgram:
+def check_cast(
+    case, cast: Callable[[ExportedProgram], object], exported: ExportedProgram | None = None
+) -> ExportedProgram:
     """Apply ``cast`` (a function rewriting an ``ExportedProgram`` in place, such as
-    ``fx16.cast_fp32_to_fp16``) to a copy of an export of ``case`` and check the
-    result with ``check_cast_program``. Returns the program."""
+    ``fx16.cast_fp32_to_fp16``) to a copy of an export of ``case`` (``exported``, when
+    made already) and check the result with ``check_cast_program``. Returns the program."""
     with quiet():
-        original = case.export()
+        original = case.export() if exported is None else exported
         ep = copy.deepcopy(original)
     cast(ep)
     check_cast_program(original, ep, case.args)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from hypothesis import HealthCheck, Phase, given, settings
 
-from fx16.testing.checks import check_pass
+from fx16.testing.checks import check_pass, quiet
 from fx16.testing.strategies import ProgramCase, programs
 
 
@@ -31,7 +31,8 @@ def fuzz_pass(
     """Run a fresh ``make_pass()`` on up to ``max_examples`` random programs
     (``strategy``, default ``programs()``), checking each with ``check_pass``. On the
     first failure, reduce that program to the steps the failure needs and raise
-    ``PassBroke`` with its steps and the failure (expected and actual values)."""
+    ``PassBroke`` with its steps and the failure (expected and actual values). Any
+    failure counts: a check that fails, an invalid result, an exception the pass raises."""
     failures: list[tuple[ProgramCase, AssertionError]] = []
 
     @settings(
@@ -43,11 +44,10 @@ def fuzz_pass(
     )
     @given(strategy if strategy is not None else programs())
     def run(case: ProgramCase) -> None:
-        try:
-            check_pass(case, make_pass())
-        except AssertionError as error:
+        error = failure(case, make_pass)
+        if error is not None:
             failures.append((case, error))
-            raise
+            raise error
 
     try:
         run()
@@ -74,15 +74,30 @@ def reduce(
     while index < len(steps) and len(steps) > 1:
         trial = with_steps(case, steps[:index] + steps[index + 1 :])
         try:
-            check_pass(trial, make_pass())
-        except AssertionError as trial_error:
-            if _kind(trial_error) == kind:
-                steps, error = steps[:index] + steps[index + 1 :], trial_error
-                continue
-        except Exception:  # the smaller program is not one the pass accepts: keep the step
-            pass
+            trial_error = failure(trial, make_pass)
+        except Exception:  # the smaller program does not export: keep the step
+            trial_error = None
+        if trial_error is not None and _kind(trial_error) == kind:
+            steps, error = steps[:index] + steps[index + 1 :], trial_error
+            continue
         index += 1
     return with_steps(case, steps), error
+
+
+def failure(case: ProgramCase, make_pass: Callable[[], Callable]) -> AssertionError | None:
+    """How a fresh ``make_pass()`` fails ``check_pass`` on ``case``, or None: a failed
+    check as it is, an exception the pass raises on the valid program as an
+    ``AssertionError`` naming it (the program itself is exported before the pass runs,
+    and an export failure propagates)."""
+    with quiet():
+        original = case.export()
+    try:
+        check_pass(case, make_pass(), exported=original)
+    except AssertionError as error:
+        return error
+    except Exception as error:
+        return AssertionError(f"the pass raised {type(error).__name__}: {error}")
+    return None
 
 
 def _kind(error: AssertionError) -> str:

@@ -1,0 +1,153 @@
+"""The float oracle: how far a rewritten program's float outputs may lie from the original's.
+
+A pass that keeps every dtype must keep float outputs within fp32 tolerance of the
+original program's. A cast (a pass after which more nodes compute in a 16-bit float
+dtype) is held to an emulation of itself: the original program run in fp32, node by
+node, with every value rounded to the 16-bit dtype where the cast program computes the
+node of the same name in 16-bit, and every other value kept as computed (the weights
+and inputs likewise). Its error against the original is what 16-bit rounding alone
+costs where the cast put 16-bit; the cast may lose a small multiple of that, plus a
+few roundings of the output itself, and no more. A pass that computes wrong floats
+(a multiply made an add, a scalar dropped) lands far outside the bound whatever it
+kept in fp32; an emulation that overflows where fp32 does not bounds nothing, and
+such an output is left to the inf/nan check.
+
+The oracle shares no code with the passes it checks: it reads the cast program's
+dtypes and names, never fx16's decisions, and the emulation runs the original graph.
+"""
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import OutputKind
+from torch.fx import GraphModule, Node
+
+from fx16.emulation import Emulation
+from fx16.nodes import SIXTEEN_BIT_DTYPES, node_val, tensor_leaves
+from fx16.program import Program
+
+# a dtype-preserving pass: max |error| / max |output| over the output's ordinary values
+FP32_TOLERANCE = 1e-4
+# a cast: within this multiple of its emulation's error, plus a few roundings
+EMULATED_FACTOR = 4
+OUTPUT_ROUNDINGS = 4
+_MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8}
+
+# fp32 values at or beyond this are infinity-like sentinels (finfo.min masks): a cast
+# may saturate them to the 16-bit maximum.
+SENTINEL = 1e38
+
+
+def narrowed_dtype(original: ExportedProgram, cast: ExportedProgram) -> torch.dtype | None:
+    """The 16-bit float dtype more nodes compute in after the rewrite than before (the
+    cast's dtype), or None for a rewrite that narrows nothing."""
+    before, after = _sixteen_bit_counts(original), _sixteen_bit_counts(cast)
+    grown = {dtype: after[dtype] - before[dtype] for dtype in SIXTEEN_BIT_DTYPES}
+    dtype = max(grown, key=grown.get)
+    return dtype if grown[dtype] > 0 else None
+
+
+def _sixteen_bit_counts(ep: ExportedProgram) -> dict[torch.dtype, int]:
+    counts = dict.fromkeys(SIXTEEN_BIT_DTYPES, 0)
+    for module in _graph_modules(ep).values():
+        for node in module.graph.nodes:
+            for leaf in tensor_leaves(node_val(node)):
+                if leaf.dtype in counts:
+                    counts[leaf.dtype] += 1
+    return counts
+
+
+def _graph_modules(ep: ExportedProgram) -> dict[str, GraphModule]:
+    return {
+        name: module
+        for name, module in ep.graph_module.named_modules()
+        if isinstance(module, GraphModule)
+    }
+
+
+def kept_wide(original: ExportedProgram, cast: ExportedProgram) -> set[Node]:
+    """The nodes of ``original`` whose namesakes in ``cast`` compute no 16-bit float."""
+    cast_modules = _graph_modules(cast)
+    wide = set()
+    for name, module in _graph_modules(original).items():
+        namesakes = {node.name: node for node in cast_modules.get(name, module).graph.nodes}
+        for node in module.graph.nodes:
+            namesake = namesakes.get(node.name)
+            leaves = tensor_leaves(node_val(namesake)) if namesake is not None else []
+            if leaves and not any(leaf.dtype in SIXTEEN_BIT_DTYPES for leaf in leaves):
+                wide.add(node)
+    return wide
+
+
+def emulated_outputs(
+    original: ExportedProgram, cast: ExportedProgram, args: tuple, low: torch.dtype
+) -> list:
+    """``original``'s user outputs on ``args``, run with 16-bit rounding where ``cast``
+    computes in 16-bit (``kept_wide`` rounds nothing)."""
+    program = Program.of(original)
+    emulation = Emulation(program, [(tuple(args), {})], low, round_weights=True)
+    leaves = emulation.outputs(emulation.calls[0], kept_wide(original, cast))
+    specs = original.graph_signature.output_specs
+    return [leaf for leaf, spec in zip(leaves, specs) if spec.kind == OutputKind.USER_OUTPUT]
+
+
+def output_error(want: torch.Tensor, have: torch.Tensor) -> float:
+    """max |want - have| / max |want| over ``want``'s ordinary values (finite, below the
+    sentinels), in fp64; inf where ``have`` is not finite there."""
+    ordinary = torch.isfinite(want) & (want.abs() < SENTINEL)
+    if not bool(ordinary.any()):
+        return 0.0
+    want, have = want[ordinary].double(), have[ordinary].double()
+    if not bool(torch.isfinite(have).all()):
+        return float("inf")
+    difference = (want - have).abs().max().item()
+    scale = want.abs().max().item()
+    return difference / scale if scale else difference
+
+
+def float_bounds(
+    original: ExportedProgram, cast: ExportedProgram, args: tuple, expected: list
+) -> list[float]:
+    """For each output, the largest ``output_error`` the rewrite may show (inf where
+    nothing bounds it: an integer output, or an emulation that overflows)."""
+    low = narrowed_dtype(original, cast)
+    if low is None:
+        return [FP32_TOLERANCE if _is_float(want) else float("inf") for want in expected]
+    emulated = emulated_outputs(original, cast, args, low)
+    floor = OUTPUT_ROUNDINGS * 2.0 ** -_MANTISSA_BITS[low]
+    return [
+        EMULATED_FACTOR * output_error(want, emulation.to(want.dtype)) + floor
+        if _is_float(want)
+        else float("inf")
+        for want, emulation in zip(expected, emulated)
+    ]
+
+
+def _is_float(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def check_floats(
+    original: ExportedProgram, cast: ExportedProgram, args: tuple, expected: list, got: list
+) -> int:
+    """Assert every float output of ``cast`` lies within its bound (``float_bounds``) of
+    ``original``'s; returns how many outputs a finite bound checked."""
+    checked = 0
+    for index, (bound, want, have) in enumerate(
+        zip(float_bounds(original, cast, args, expected), expected, got)
+    ):
+        if bound == float("inf"):
+            continue
+        error = output_error(want, have.to(want.dtype))
+        assert error <= bound, (
+            f"float output {index} is {error:.3g} off the original (max |error| / max "
+            f"|output|), beyond its bound {bound:.3g}: {_worst(want, have)}"
+        )
+        checked += 1
+    return checked
+
+
+def _worst(want: torch.Tensor, have: torch.Tensor) -> str:
+    ordinary = torch.isfinite(want) & (want.abs() < SENTINEL)
+    difference = torch.where(ordinary, (want.double() - have.double()).abs(), 0.0)
+    position = tuple(int(i) for i in torch.unravel_index(difference.argmax(), want.shape))
+    return f"at {position} expected {want[position].item():.6g}, got {have[position].item():.6g}"
