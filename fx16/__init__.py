@@ -22,7 +22,7 @@ _PUBLIC = {
     "cast_fp32_to_fp16": "fx16.casting",
     "cast_int32_to_int16": "fx16.casting",
     "cast_to_16_bit_precision": "fx16.casting",
-    "diagnose": "fx16.diagnose",
+    "diagnose": "fx16.diagnosis",
     "fp16_passes": "fx16.pipelines",
     "inputs_for": "fx16.casting",
     "int16_passes": "fx16.pipelines",

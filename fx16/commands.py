@@ -173,7 +173,7 @@ def _compare_per_node(reference, cast, calls, args, timings: Timings) -> None:
     """``compare --per-node``: the diagnosis of ``cast`` against ``reference``: the values
     over the threshold as a table (the first ``PER_NODE_ROWS``), then the first
     divergence and the strongest amplifiers (the outputs' comparison follows)."""
-    from fx16.diagnose import diagnose
+    from fx16.diagnosis import diagnose
 
     diagnosis = diagnose(reference, cast, calls, threshold=args.threshold)
     timings.lap("run both, value by value")
@@ -209,7 +209,7 @@ COMMANDS = {
 def _errors_against_fp32(source: Path, cast, args) -> dict | None:
     """Each node's (relative error, amplification) against the fp32 program on the first
     calibration input, by name (None without inputs)."""
-    from fx16.diagnose import diagnose
+    from fx16.diagnosis import diagnose
 
     reference = load_with_imports(source, args)
     calls = read_inputs(args.calibrate) if args.calibrate else example_calls(reference)

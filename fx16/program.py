@@ -169,6 +169,11 @@ class Program:
     def output_node(self) -> Node:
         return self.graph_module.graph.output_node()
 
+    def user_output_count(self) -> int:
+        """How many outputs the program returns to its caller (state updates left out)."""
+        specs = self.ep.graph_signature.output_specs
+        return sum(spec.kind == OutputKind.USER_OUTPUT for spec in specs)
+
     def required_output_dtypes(self) -> dict[int, torch.dtype]:
         """Output positions whose dtype is fixed: mutations must match what they write to."""
         required = {}

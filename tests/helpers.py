@@ -3,10 +3,12 @@
 import contextlib
 import copy
 import io
+import os
 import subprocess
 import sys
 import traceback
 from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.utils._pytree as pytree
@@ -129,6 +131,19 @@ def command(*args, cwd=None):
     return result.returncode, result.stdout, result.stderr
 
 
+# The checkout under test: a subprocess imports its fx16 (not an editable install's).
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def with_checkout(env: dict | None) -> dict:
+    """``env`` (default: this process's) with the checkout first on PYTHONPATH after the
+    folders ``env`` already puts there."""
+    env = dict(os.environ if env is None else env)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([*paths, str(CHECKOUT)])
+    return env
+
+
 def run_fx16(args, cwd=None, env=None) -> subprocess.CompletedProcess:
     """Run ``fx16 ARGS`` with its exit code, stdout and stderr as a user sees them.
 
@@ -142,7 +157,7 @@ def run_fx16(args, cwd=None, env=None) -> subprocess.CompletedProcess:
             capture_output=True,
             text=True,
             cwd=cwd,
-            env=env,
+            env=with_checkout(env),
             timeout=300,
         )
     from fx16.cli import main

@@ -4,16 +4,17 @@ import copy
 import io
 import json
 
+import pytest
 import torch
 
 import fx16
 from fx16.analysis.fp32_rules import UnderflowRule
 from fx16.casts import is_cast
-from fx16.diagnose import diagnose, value_error
+from fx16.diagnosis import diagnose, value_error
 from fx16.node_ids import graph_modules, has_ids, node_id
 from fx16.pipelines import run_passes, without_rules
 from helpers import command, export
-from models import Branches, RMSNormMLP
+from models import MLP, Branches, RMSNormMLP
 
 
 class LogProbabilities(torch.nn.Module):
@@ -171,3 +172,29 @@ def test_a_masking_sentinel_held_as_16_bits_largest_value_is_not_an_error():
     assert value_error(reference, held.masked_fill(held < 0, float("-inf"))) == 0.0
     assert value_error(reference, torch.tensor([[65504.0, 1.0, 2.0]]).half()) == 1.0  # sign
     assert value_error(torch.tensor([4.0, 2.0]), torch.tensor([4.0, 1.0]).half()) == 0.25
+
+
+def test_programs_that_do_not_correspond_get_a_typed_error():
+    """diagnose(a, b) where b is not a cast of a: one InvalidProgramError naming both."""
+    first = export(MLP(), torch.randn(4, 8))
+    other = export(torch.nn.Sequential(torch.nn.Linear(6, 3)), torch.randn(2, 6))
+    fx16.cast_fp32_to_fp16(other)
+    with pytest.raises(fx16.InvalidProgramError, match="the programs do not correspond"):
+        fx16.diagnose(first, other)
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [(dict(threshold=-1), "threshold must be a number >= 0"), (dict(top=-2), "top must be")],
+)
+def test_diagnose_options_are_checked(options, words):
+    program = export(MLP(), torch.randn(4, 8))
+    with pytest.raises(fx16.InvalidOptionError, match=words):
+        fx16.diagnose(program, program, **options)
+
+
+def test_the_public_function_survives_an_import_of_its_module():
+    """``import fx16.diagnosis`` leaves ``fx16.diagnose`` the function."""
+    import fx16.diagnosis  # noqa: F401
+
+    assert callable(fx16.diagnose) and fx16.diagnose is fx16.diagnosis.diagnose

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 import fx16
 from fx16 import meta
 from fx16.decisions import PRECISION, Reason
-from fx16.diagnose import diagnose
+from fx16.diagnosis import diagnose
 from fx16.node_ids import kept_decision
 from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes

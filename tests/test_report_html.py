@@ -16,7 +16,7 @@ from fuzz_profile import examples
 from hypothesis import given, settings
 
 import fx16
-from fx16.diagnose import diagnose
+from fx16.diagnosis import diagnose
 from fx16.report import report_of
 from fx16.report_html import report_html
 from fx16.testing import programs

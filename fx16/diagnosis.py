@@ -33,6 +33,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from fx16.analysis.calibration_inputs import calibration_calls
+from fx16.errors import InvalidOptionError, InvalidProgramError, one_line, require_number
 from fx16.node_ids import graph_modules, has_ids, kept_decision, node_id
 from fx16.nodes import dtype_name, node_module_path, op_label
 from fx16.plan import explained
@@ -130,13 +131,39 @@ def diagnose(
     (a list of argument tuples or ``(args, kwargs)`` pairs; None: the reference's
     example inputs). ``threshold``: the relative error that counts as diverging;
     ``top``: how many of the most amplifying ops to name."""
+    require_number("threshold", threshold, 0)
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise InvalidOptionError(f"top must be a whole number >= 0, got {top!r}")
     reference_program, cast_program = Program.of(reference), Program.of(cast)
+    _check_correspond(reference_program, cast_program)
     calls = calibration_calls(reference_program, inputs, label="diagnose inputs")
+    calibration_calls(cast_program, calls, label="diagnose inputs (for the cast program)")
     records: dict[str, _Record] = {}
     with torch.no_grad():  # here, not inside the interleaved runs: each would undo the other's
-        for args, kwargs in calls:
-            _compare(reference_program, cast_program, args, kwargs, records)
+        for index, (args, kwargs) in enumerate(calls):
+            try:
+                _compare(reference_program, cast_program, args, kwargs, records)
+            except Exception as error:
+                raise InvalidProgramError(
+                    f"diagnose inputs[{index}]: running the two programs side by side failed "
+                    f"({one_line(error)}); is the second a cast of the first?"
+                ) from error
     return _diagnosis(reference.graph_module, records, _unit_roundoff(cast), threshold, top)
+
+
+def _check_correspond(reference: Program, cast: Program) -> None:
+    """``InvalidProgramError`` unless ``cast`` can be a cast of ``reference``: the same
+    user inputs (by name) and as many user outputs."""
+    names = [
+        [node.name for node in program.user_input_placeholders()] for program in (reference, cast)
+    ]
+    outputs = [program.user_output_count() for program in (reference, cast)]
+    if names[0] != names[1] or outputs[0] != outputs[1]:
+        raise InvalidProgramError(
+            f"the programs do not correspond: the first takes inputs {names[0]} and gives "
+            f"{outputs[0]} output(s), the second takes {names[1]} and gives {outputs[1]}; "
+            "diagnose compares an fp32 program with its own cast"
+        )
 
 
 @dataclass
