@@ -20,7 +20,7 @@ def test_two_commands_and_torch_pinned_before_the_package():
     package = next(i for i, step in enumerate(steps) if "-e " in step)
     assert pinned < package
     assert steps[-1] == "python -m fx16 demo"
-    assert test == "pytest"
+    assert test == "pytest -n 2"
 
 
 def test_ci_runs_the_readme_commands():
@@ -29,7 +29,8 @@ def test_ci_runs_the_readme_commands():
     torch_pin = re.search(r'"torch==[\d.]+"', install).group(0)
     assert f"python -m pip install -q {torch_pin}" in script
     assert 'python -m pip install -q -e ".[test,coreai]" && python -m fx16 demo' in script
-    assert script.rstrip().endswith("python -m pytest -q")
+    assert script.rstrip().endswith("python -m pytest -q -n 2")
+    assert "python3 -m venv" in script  # a fresh environment, as a new user's
 
 
 def test_cpu_only_users_are_told_the_cpu_index():
