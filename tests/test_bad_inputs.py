@@ -231,7 +231,8 @@ OPTION_ERRORS = [
     (
         fx16.cast_to_16_bit_precision,
         dict(int16="off", input_ranges={"x": (0, 1)}),
-        "input_ranges has no effect with int16='off'; drop one",
+        "input_ranges['x']: 'x' is a float input (float32); input_ranges declares integer "
+        "inputs' ranges",
     ),
     (
         fx16.cast_to_16_bit_precision,
@@ -431,3 +432,35 @@ def test_inputs_for_refuses_what_is_not_a_tensor(mlp):
 def test_routing_is_a_keyword_option(mlp):
     fx16.cast_fp32_to_fp16(mlp, routing="16-bit")
     assert fx16.report.report_of(mlp).provenance["options"]["routing"] == "16-bit"
+
+
+def test_input_ranges_on_a_float_input_are_refused(mlp):
+    before = state_snapshot(mlp)
+    _raises(
+        fx16.InvalidOptionError,
+        "input_ranges['x']: 'x' is a float input (float32); input_ranges declares integer "
+        "inputs' ranges",
+        fx16.cast_to_16_bit_precision,
+        mlp,
+        input_ranges={"x": (0, 1)},
+    )
+    assert_same_state(before, state_snapshot(mlp))
+
+
+def test_input_ranges_have_no_effect_without_int16():
+    from fx16.program import Program
+    from models import EmbeddingNormSoftmax
+
+    ids = torch.randint(0, 10, (2, 4))
+    ep = export(EmbeddingNormSoftmax(), ids)
+    before = state_snapshot(ep)
+    name = Program(ep).user_input_placeholders()[0].name
+    _raises(
+        fx16.InvalidOptionError,
+        "input_ranges has no effect with int16='off'; drop one",
+        fx16.cast_to_16_bit_precision,
+        ep,
+        int16="off",
+        input_ranges={name: (0, 9)},
+    )
+    assert_same_state(before, state_snapshot(ep))

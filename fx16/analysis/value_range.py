@@ -12,7 +12,7 @@ from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError
 from fx16.facts import Facts
 from fx16.int_ops import INT_DTYPES
-from fx16.nodes import node_val
+from fx16.nodes import dtype_name, node_val
 from fx16.program import Program
 from fx16.subgraphs import bodies_and_operands
 
@@ -73,6 +73,7 @@ class ValueRangeAnalysis(Analysis):
                 f"input_ranges names {unknown}, which are not user inputs; "
                 f"the program's user inputs are {sorted(user_inputs)}"
             )
+        self._check_against_inputs()
         declared = {
             user_inputs[name]: ValueRange(low, high, Source.DECLARED)
             for name, (low, high) in self.input_ranges.items()
@@ -90,6 +91,17 @@ class ValueRangeAnalysis(Analysis):
             reached = None if boundaries.looked_into else _downstream(confined)
             walk.forward(graph_module, confined, reached)
         return PassResult(graph_module, False)
+
+    def _check_against_inputs(self) -> None:
+        """``InvalidOptionError`` for a range declared on a float input: ranges are for
+        integers."""
+        for placeholder in self.program.user_input_placeholders():
+            val = placeholder.meta.get("val")
+            if placeholder.name in self.input_ranges and val.is_floating_point():
+                raise InvalidOptionError(
+                    f"input_ranges[{placeholder.name!r}]: {placeholder.name!r} is a float input "
+                    f"({dtype_name(val.dtype)}); input_ranges declares integer inputs' ranges"
+                )
 
 
 class _Walk:
