@@ -132,15 +132,25 @@ def _first(mask: torch.Tensor, want: torch.Tensor, have: torch.Tensor, shown: in
 def quiet() -> Iterator[None]:
     """No warnings and no torch log records below ERROR while a check runs: a failing
     example's report shows the failure, not torch's trace of the export."""
-    logger = logging.getLogger("torch")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    # torch's own loggers with a level of their own (torch.__trace logs at DEBUG) ignore
+    # their parent's: each is raised to ERROR too, and restored after
+    loggers = [logging.getLogger("torch")] + [
+        logger
+        for name, logger in list(logging.Logger.manager.loggerDict.items())
+        if name.startswith("torch.")
+        and isinstance(logger, logging.Logger)
+        and logger.level != logging.NOTSET
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def check_pass(
