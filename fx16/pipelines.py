@@ -42,6 +42,7 @@ from fx16.passes import (
     InsertFP16CastsPass,
     InsertInt16CastsPass,
     PreserveCopiesPass,
+    RecastAfterWritesPass,
     RecordStatsPass,
     StabilizePass,
 )
@@ -108,6 +109,7 @@ def _rewrites(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
         ConvertParametersPass(program, policy=policy, force_fp32=forced),
         ConvertUserInputsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
         InsertFP16CastsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
+        RecastAfterWritesPass(),
         CleanupCastsPass(program),
     ]
 
@@ -190,6 +192,7 @@ def int16_passes(
         ValueRangeAnalysis(program, input_ranges),
         InsertInt16CastsPass(program, mode=int16),
         ConvertIntInputsPass(program, mode=int16),
+        RecastAfterWritesPass(),
         CleanupCastsPass(program),
     ]
 

@@ -28,6 +28,7 @@ from fx16.passes import (
     InsertFP16CastsPass,
     InsertInt16CastsPass,
     PreserveCopiesPass,
+    RecastAfterWritesPass,
     RecordStatsPass,
     RemoveNoopCastsPass,
 )
@@ -83,6 +84,7 @@ def test_pass_lists_are_fresh_instances():
         ConvertParametersPass,
         ConvertUserInputsPass,
         InsertFP16CastsPass,
+        RecastAfterWritesPass,
         CleanupCastsPass,
     ]
 

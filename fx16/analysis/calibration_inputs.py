@@ -29,6 +29,7 @@ def calibration_calls(
             f"{label} must be a list of argument tuples, got {type(calibration).__name__}"
         )
     placeholders = program.user_input_placeholders()
+    ranges = program.range_constraints()
     calls = []
     for index, entry in enumerate(calibration):
         if isinstance(entry, torch.Tensor):
@@ -41,7 +42,7 @@ def calibration_calls(
                 f"the program takes {len(placeholders)}"
             )
         for value, placeholder in zip(supplied, placeholders):
-            _check_shape(f"{label}[{index}]", value, placeholder, program.ep.range_constraints)
+            _check_shape(f"{label}[{index}]", value, placeholder, ranges)
         calls.append(call)
     return calls
 

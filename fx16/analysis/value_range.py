@@ -97,7 +97,8 @@ class ValueRangeAnalysis(Analysis):
         integers."""
         for placeholder in self.program.user_input_placeholders():
             val = placeholder.meta.get("val")
-            if placeholder.name in self.input_ranges and val.is_floating_point():
+            declared = placeholder.name in self.input_ranges
+            if declared and isinstance(val, torch.Tensor) and val.is_floating_point():
                 raise InvalidOptionError(
                     f"input_ranges[{placeholder.name!r}]: {placeholder.name!r} is a float input "
                     f"({dtype_name(val.dtype)}); input_ranges declares integer inputs' ranges"

@@ -20,8 +20,9 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
+from fx16.numerics import INF_LIKE
 from fx16.program import Program
-from fx16.testing.oracle import SENTINEL, check_floats
+from fx16.testing.oracle import check_floats
 
 
 def check_valid_program(ep: ExportedProgram) -> None:
@@ -111,7 +112,7 @@ def _check_output(index: int, want: torch.Tensor, have: torch.Tensor) -> None:
             f"elements: {_first(differs, want, have)}"
         )
         return
-    ordinary = torch.isfinite(want) & (want.abs() < SENTINEL)
+    ordinary = torch.isfinite(want) & (want.abs() < INF_LIKE)
     broken = ordinary & ~torch.isfinite(have)
     assert not bool(broken.any()), (
         f"output {index}: the cast introduced inf/nan at {int(broken.sum())} of "

@@ -23,18 +23,15 @@ from torch.fx import GraphModule, Node
 
 from fx16.emulation import Emulation
 from fx16.nodes import SIXTEEN_BIT_DTYPES, node_val, tensor_leaves
+from fx16.numerics import INF_LIKE
 from fx16.program import Program
 
 # a dtype-preserving pass: max |error| / max |output| over the output's ordinary values
 FP32_TOLERANCE = 1e-4
-# a cast: within this multiple of its emulation's error, plus a few roundings
+# a cast: within this multiple of its emulation's error, plus a few roundings (a
+# rounding: half the 16-bit dtype's eps)
 EMULATED_FACTOR = 4
 OUTPUT_ROUNDINGS = 4
-_MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8}
-
-# fp32 values at or beyond this are infinity-like sentinels (finfo.min masks): a cast
-# may saturate them to the 16-bit maximum.
-SENTINEL = 1e38
 
 
 def narrowed_dtype(original: ExportedProgram, cast: ExportedProgram) -> torch.dtype | None:
@@ -92,8 +89,9 @@ def emulated_outputs(
 
 def output_error(want: torch.Tensor, have: torch.Tensor) -> float:
     """max |want - have| / max |want| over ``want``'s ordinary values (finite, below the
-    sentinels), in fp64; inf where ``have`` is not finite there."""
-    ordinary = torch.isfinite(want) & (want.abs() < SENTINEL)
+    infinity-like sentinels a cast may saturate), in fp64; inf where ``have`` is not
+    finite there."""
+    ordinary = torch.isfinite(want) & (want.abs() < INF_LIKE)
     if not bool(ordinary.any()):
         return 0.0
     want, have = want[ordinary].double(), have[ordinary].double()
@@ -113,7 +111,7 @@ def float_bounds(
     if low is None:
         return [FP32_TOLERANCE if _is_float(want) else float("inf") for want in expected]
     emulated = emulated_outputs(original, cast, args, low)
-    floor = OUTPUT_ROUNDINGS * 2.0 ** -_MANTISSA_BITS[low]
+    floor = OUTPUT_ROUNDINGS * torch.finfo(low).eps / 2
     return [
         EMULATED_FACTOR * output_error(want, emulation.to(want.dtype)) + floor
         if _is_float(want)
@@ -147,7 +145,7 @@ def check_floats(
 
 
 def _worst(want: torch.Tensor, have: torch.Tensor) -> str:
-    ordinary = torch.isfinite(want) & (want.abs() < SENTINEL)
+    ordinary = torch.isfinite(want) & (want.abs() < INF_LIKE)
     difference = torch.where(ordinary, (want.double() - have.double()).abs(), 0.0)
     position = tuple(int(i) for i in torch.unravel_index(difference.argmax(), want.shape))
     return f"at {position} expected {want[position].item():.6g}, got {have[position].item():.6g}"
