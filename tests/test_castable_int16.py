@@ -5,7 +5,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from fx16.analysis import CastableInt16Analysis, UnsafeIndexAnalysis, UserReachabilityAnalysis
-from fx16.analysis.castable_int16 import has_scalar_operand
 from fx16.errors import PreconditionError
 from fx16.int_ops import INT16_COMPUTE_OPS
 from fx16.program import Program
@@ -60,18 +59,59 @@ def test_gather_index_path_is_excluded():
     assert castable == {"add_1"}
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(integer_cases())
-def test_castable_nodes_are_reachable_safe_wide_integers_joined_to_a_seed(case):
-    model, args, _, _ = case
-    ep = export(model, *args)
-    castable = _analyse(ep)
-    nodes = {n.name: n for n in ep.graph_module.graph.nodes}
-    for name in castable:
-        node = nodes[name]
-        assert node.meta["val"].dtype in (torch.int32, torch.int64)
-        assert node.meta[UserReachabilityAnalysis.META_KEY]
-        assert not node.meta[UnsafeIndexAnalysis.META_KEY]
-        assert not has_scalar_operand(node)
-    seeds = {n.name for n in nodes.values() if n.name in castable and n.target in INT16_COMPUTE_OPS}
-    assert bool(seeds) == bool(castable)
+def _connected_to_a_seed(ep) -> set[str]:
+    """The castable set by its definition, computed apart from the analysis: the
+    eligible nodes (wide integers that depend on a user input, flow into no index and
+    are no add/sub/mul with a scalar), grown to a fixed point from the seeds (eligible
+    add/sub/mul of wide integers) through producer and consumer edges."""
+    nodes = list(ep.graph_module.graph.nodes)
+
+    def eligible(node):
+        val = node.meta.get("val")
+        return (
+            node.op in ("placeholder", "call_function")
+            and isinstance(val, torch.Tensor)
+            and val.dtype in (torch.int32, torch.int64)
+            and node.meta[UserReachabilityAnalysis.META_KEY]
+            and not node.meta[UnsafeIndexAnalysis.META_KEY]
+            and not (node.target in INT16_COMPUTE_OPS and _scalar_operand(node))
+        )
+
+    found = {
+        n
+        for n in nodes
+        if n.target in INT16_COMPUTE_OPS
+        and eligible(n)
+        and all(a.meta["val"].dtype in (torch.int32, torch.int64) for a in n.all_input_nodes)
+    }
+    while True:
+        grown = {
+            n
+            for n in nodes
+            if n not in found and eligible(n) and (set(n.all_input_nodes) | set(n.users)) & found
+        }
+        if not grown:
+            return {n.name for n in found}
+        found |= grown
+
+
+def _scalar_operand(node) -> bool:
+    return any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in node.args)
+
+
+def test_castable_nodes_are_exactly_the_eligible_ones_joined_to_a_seed():
+    """Random integer programs: the analysis' set equals the definition's fixed point,
+    and it is not empty in at least half of the examples (counted)."""
+    nonempty = []
+
+    @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(integer_cases())
+    def check(case):
+        model, args, _, _ = case
+        ep = export(model, *args)
+        castable = _analyse(ep)
+        assert castable == _connected_to_a_seed(ep)
+        nonempty.append(bool(castable))
+
+    check()
+    assert sum(nonempty) >= len(nonempty) / 2, f"non-empty in {sum(nonempty)} of {len(nonempty)}"

@@ -12,6 +12,7 @@ from fx16.decisions import PRECISION, Reason
 from fx16.diagnosis import diagnose
 from fx16.node_ids import kept_decision
 from fx16.options import Fp16Options
+from fx16.passes import InsertFP16CastsPass
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.policy import PrecisionPolicy
 from fx16.report import report_of
@@ -34,8 +35,8 @@ class Mixed(torch.nn.Module):
 def _ready(ep, options=None):
     """Every stage before the inserter; returns the inserter."""
     analyses, rewrites = fp16_stages(ep, options or Fp16Options())
-    *before, inserter, _ = rewrites
-    run_passes([*analyses, *before], ep.graph_module)
+    inserter = next(stage for stage in rewrites if isinstance(stage, InsertFP16CastsPass))
+    run_passes([*analyses, *rewrites[: rewrites.index(inserter)]], ep.graph_module)
     return inserter
 
 

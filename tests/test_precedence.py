@@ -33,7 +33,7 @@ def _ready(ep, policy):
     """The analyses, the safety rules and the input converters: what the inserter
     reads, with the inserter itself left out."""
     analyses, rewrites = fp16_stages(ep, Fp16Options(policy=policy))
-    rules, _, parameters, inputs, _, _ = rewrites
+    rules, _, parameters, inputs, *_ = rewrites
     run_passes([*analyses, rules, parameters, inputs], ep.graph_module)
 
 
