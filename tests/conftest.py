@@ -25,3 +25,10 @@ settings.register_profile(
     "long", max_examples=int(os.environ.get("FX16_FUZZ_EXAMPLES", 10_000)), **_COMMON
 )
 settings.load_profile("long" if os.environ.get("FX16_FUZZ") == "long" else "ci")
+
+# Under pytest-xdist each worker gets one core: torch's intra-op threads would otherwise
+# oversubscribe the machine (two workers x two threads on two cores).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    torch.set_num_threads(1)
