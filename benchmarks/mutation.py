@@ -1,0 +1,109 @@
+"""The mutation score of the safety-critical modules: mutmut's mutants, killed or not.
+
+    pip install mutmut   # 3.x
+    python -m benchmarks.mutation [--output benchmarks/MUTATION.md]
+
+mutmut (configured under ``[tool.mutmut]`` in ``pyproject.toml``: which modules it
+mutates, which tests it runs) copies the package into ``mutants/``, changes one
+operator, constant or call at a time in the modules named there, and runs the tests
+that reach the changed function. A mutant the tests fail on is killed; one they pass
+on survives. A surviving mutant is either a missing test or an equivalent mutant (a
+change no input can tell apart); the equivalent ones are listed in ``EQUIVALENT``
+below, each with its reason, and left out of the score. The goal: at least 90% of the
+other mutants killed on these modules. Run it when they change; CI does not (it takes
+tens of minutes).
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import Counter
+from datetime import date
+from pathlib import Path
+
+from benchmarks.markdown import table_row, write_results
+
+ROOT = Path(__file__).resolve().parent.parent
+TITLE = "Mutation score of the safety-critical modules"
+
+# mutant name (mutmut's "module.x_function__mutmut_N") -> why no test can kill it.
+EQUIVALENT: dict[str, str] = {}
+
+
+def run_mutmut() -> None:
+    subprocess.run([sys.executable, "-m", "mutmut", "run"], cwd=ROOT, check=False)
+
+
+def outcomes() -> dict[str, dict[str, str]]:
+    """module path -> mutant name -> mutmut's status, from the meta files it leaves."""
+    statuses = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests"}
+    found = {}
+    for meta in sorted((ROOT / "mutants").rglob("*.py.meta")):
+        module = str(meta.relative_to(ROOT / "mutants")).removesuffix(".meta")
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        found[module] = {
+            name: statuses.get(code, "timeout or error") for name, code in codes.items()
+        }
+    return found
+
+
+HEADER = ["module", "mutants", "killed", "survived", "no tests", "equivalent", "other", "score"]
+
+
+def _row(name: str, counts: Counter) -> list[str]:
+    scored = counts["killed"] + counts["survived"] + counts["no tests"]
+    score = f"{counts['killed'] / scored:.0%}" if scored else "-"
+    columns = ("killed", "survived", "no tests", "equivalent", "timeout or error")
+    return [name, str(sum(counts.values())), *(str(counts[c]) for c in columns), score]
+
+
+def report_lines(found: dict[str, dict[str, str]]) -> list[str]:
+    """The table (a row per module and the total), the survivors and the equivalents."""
+    lines = [table_row(HEADER), table_row(["---"] * len(HEADER))]
+    totals, survivors = Counter(), []
+    for module, mutants in found.items():
+        counts = Counter(
+            "equivalent" if name in EQUIVALENT and status == "survived" else status
+            for name, status in mutants.items()
+        )
+        lines.append(table_row(_row(f"`{module}`", counts)))
+        totals.update(counts)
+        survivors += [
+            f"- `{name}` ({status})"
+            for name, status in mutants.items()
+            if status in ("survived", "no tests") and name not in EQUIVALENT
+        ]
+    lines.append(table_row(_row("all", totals)))
+    equivalent = [f"- `{name}`: {why}" for name, why in EQUIVALENT.items()]
+    return [
+        *lines,
+        "",
+        "## Surviving mutants, not equivalent",
+        "",
+        *(survivors or ["None."]),
+        "",
+        "## Equivalent mutants",
+        "",
+        *(equivalent or ["None listed."]),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "MUTATION.md")
+    parser.add_argument("--no-run", action="store_true", help="report the last run only")
+    args = parser.parse_args()
+    if not args.no_run:
+        run_mutmut()
+    notes = (
+        f"{date.today().isoformat()}; the modules and tests are those under `[tool.mutmut]` in "
+        "pyproject.toml. Score: killed / (killed + survived + no tests); equivalent mutants "
+        "are left out."
+    )
+    lines = report_lines(outcomes())
+    write_results(args.output, TITLE, "python -m benchmarks.mutation", notes, lines)
+
+
+if __name__ == "__main__":
+    main()
