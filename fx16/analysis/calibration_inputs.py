@@ -7,6 +7,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import Node
 
+from fx16.analysis.intervals import size_range
 from fx16.errors import InvalidOptionError
 from fx16.nodes import dtype_name
 from fx16.program import Program
@@ -68,7 +69,7 @@ def _check_shape(name: str, value, placeholder: Node, ranges: dict) -> None:
             f"({dtype_name(value.dtype)}); the program takes "
             f"{_dtype_kind(val.dtype)} ({dtype_name(val.dtype)})"
         )
-    expected = [size if isinstance(size, int) else _size_range(size, ranges) for size in val.shape]
+    expected = [size if isinstance(size, int) else _bounds(size, ranges) for size in val.shape]
     fits = len(expected) == value.dim() and all(
         want == got if isinstance(want, int) else want[0] <= got <= want[1]
         for want, got in zip(expected, value.shape)
@@ -87,17 +88,10 @@ def _check_shape(name: str, value, placeholder: Node, ranges: dict) -> None:
         )
 
 
-def _size_range(size, ranges: dict) -> tuple[float, float]:
-    """The sizes a dynamic dimension may take: its symbol's range constraint (any size
-    where the size is an expression the constraints do not name)."""
-    expression = getattr(getattr(size, "node", None), "expr", None)
-    bounds = ranges.get(expression)
-    if bounds is None:
-        return (0, math.inf)
-    return (
-        int(bounds.lower),
-        float(bounds.upper) if bounds.upper.is_infinite else int(bounds.upper),
-    )
+def _bounds(size, ranges: dict) -> tuple[float, float]:
+    """The sizes a dynamic dimension may take (``size_range``: its range constraints)."""
+    found = size_range(size, ranges)
+    return (0, math.inf) if found is None else (found.low, found.high)
 
 
 def _size_text(size) -> str:

@@ -6,8 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 from torch.fx import Node
+from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import bound_sympy
 
 from fx16 import meta
@@ -84,11 +86,18 @@ def size_range(size: Any, range_constraints: dict) -> ValueRange | None:
         return constant(size)
     if isinstance(size, torch.SymInt):
         bounds = bound_sympy(size.node.expr, range_constraints)
-        low, high = bounds.lower, bounds.upper
-        low = int(low) if low.is_finite else -INF
-        high = int(high) if high.is_finite else INF
-        return ValueRange(low, high, Source.PROVEN)
+        return ValueRange(_bound(bounds.lower), _bound(bounds.upper), Source.PROVEN)
     return None
+
+
+def _bound(bound) -> float:
+    """A sympy bound as a number: an int, or +-inf (sympy's oo and torch's int_oo, which
+    calls itself finite)."""
+    if bound in (int_oo, sympy.oo):
+        return INF
+    if bound in (-int_oo, -sympy.oo):
+        return -INF
+    return int(bound)
 
 
 def value_range(arg: Any) -> ValueRange | None:
