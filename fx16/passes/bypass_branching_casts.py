@@ -24,7 +24,7 @@ class BypassBranchingCastsPass(CastRule):
         return is_cast_of_cast(node) and len(consumers(node.args[0])) > 1
 
     def refusal(self, node: Node) -> str | None:
-        return chain_refusal(node.args[0], node)
+        return chain_refusal(node.args[0])
 
     def rewrite(self, node: Node) -> None:
         read_through(node.args[0], node)

@@ -71,8 +71,9 @@ def copy_refusal(cast: Node) -> str | None:
     return None
 
 
-def chain_refusal(inner: Node, outer: Node) -> str | None:
-    """Why ``outer(inner(x))`` may not read ``x`` directly, or None when it may.
+def chain_refusal(inner: Node) -> str | None:
+    """Why a cast ``outer(inner(x))`` of the cast ``inner`` may not read ``x`` directly,
+    or None when it may.
 
     Never across a write in place (``copy_refusal``). Otherwise a cast fx16 inserted
     may be skipped freely: reading x instead loses nothing the

@@ -25,7 +25,7 @@ class FuseCastChainsPass(CastRule):
         return is_cast_of_cast(node) and len(consumers(node.args[0])) == 1
 
     def refusal(self, node: Node) -> str | None:
-        return chain_refusal(node.args[0], node)
+        return chain_refusal(node.args[0])
 
     def rewrite(self, node: Node) -> None:
         read_through(node.args[0], node)
