@@ -28,7 +28,38 @@ ROOT = Path(__file__).resolve().parent.parent
 TITLE = "Mutation score of the safety-critical modules"
 
 # mutant name (mutmut's "module.x_function__mutmut_N") -> why no test can kill it.
-EQUIVALENT: dict[str, str] = {}
+_SAME_VALUES_OTHER_BUFFER = "the same values through a temporary instead of the reused scratch"
+EQUIVALENT: dict[str, str] = {
+    "fx16.numerics.x_round_scalar_to_fp16__mutmut_19": (
+        "`<= tiny`: at exactly the smallest subnormal, lifting to it and rounding give it"
+    ),
+    "fx16.numerics.x_tensor_to_fp16__mutmut_12": (
+        "`< _CHUNK`: a tensor of exactly one chunk takes the chunked path, same values"
+    ),
+    "fx16.numerics.x_tensor_to_fp16__mutmut_21": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.numerics.x_tensor_to_fp16__mutmut_27": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.numerics.x_tensor_to_fp16__mutmut_30": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.numerics.x_tensor_to_fp16__mutmut_75": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.numerics.x_tensor_to_fp16__mutmut_93": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.numerics.x_tensor_to_fp16__mutmut_97": (
+        "a scratch slice longer than the chunk: torch resizes the output, same values"
+    ),
+    "fx16.numerics.x_tensor_to_fp16__mutmut_52": (
+        "a 0-d tensor not viewed as 1-d: the boolean mask lifts a 0-d value the same way"
+    ),
+    "fx16.numerics.x_conversion_scratch__mutmut_2": (
+        "a float32 scratch: the magnitude bits land in it as exact integers, same zeros"
+    ),
+    "fx16.numerics.x_conversion_scratch__mutmut_4": (
+        "a float32 scratch: the magnitude bits land in it as exact integers, same zeros"
+    ),
+    "fx16.passes.bypass_branching_casts.xǁBypassBranchingCastsPassǁmatch__mutmut_3": (
+        "`>= 1`: a chain with one consumer gets the rewrite FuseCastChainsPass gives it"
+    ),
+    "fx16.numerics.x__lift_flushed_blocks__mutmut_2": (
+        "no early return when nothing flushed: the search that follows finds nothing"
+    ),
+}
 
 
 def run_mutmut() -> None:

@@ -42,3 +42,18 @@ def test_casts_a_write_separates_are_not_merged():
     assert len(casts(ep)) == 2
     for got, want in zip(run(ep, HALF), eager(CastsAroundAWrite(), HALF)):
         torch.testing.assert_close(got, want)
+
+
+class CastsToTwoDtypes(torch.nn.Module):
+    """x -> to(f32) and x -> to(f64): two dtypes, nothing to merge."""
+
+    def forward(self, x):
+        return x.to(torch.float32).exp(), x.to(torch.float64).sin()
+
+
+def test_casts_to_different_dtypes_are_not_merged():
+    ep = export(CastsToTwoDtypes(), HALF)
+    assert not apply_rule(DeduplicateCastsPass, ep).modified
+    assert sorted(str(c.args[1]) for c in casts(ep)) == ["torch.float32", "torch.float64"]
+    for got, want in zip(run(ep, HALF), eager(CastsToTwoDtypes(), HALF)):
+        torch.testing.assert_close(got, want)

@@ -254,3 +254,27 @@ def test_tensor_to_fp16_of_a_0d_tensor_is_bit_identical(value, dtype):
 )
 def test_scalar_overflows_exactly_where_rounding_has_no_answer(value, dtype):
     assert scalar_overflows(value, dtype) == (round_scalar_to_fp16(float(value), dtype) is None)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        torch.tensor([1e-30]),  # one element, flushed
+        torch.tensor([1e-30, 1.0, -2e-30, 3.0])[::2],  # a strided 1-d view
+        torch.tensor(-1e-30),  # 0-d
+    ],
+    ids=["single", "strided", "scalar"],
+)
+def test_a_flushed_element_is_lifted_in_every_layout(source):
+    """Each nonzero below 2^-24 becomes +-2^-24 with its sign, whatever the layout."""
+    converted = tensor_to_fp16(source)
+    expected = torch.copysign(torch.full_like(source, 2.0**-24), source).half()
+    assert converted.shape == source.shape
+    assert torch.equal(converted, expected)
+
+
+def test_the_largest_sentinel_is_not_an_overflow():
+    """fp32's nearest value to 1e38 (INF_LIKE) is a sentinel: saturated, not kept fp32."""
+    sentinel = float(torch.tensor(1e38, dtype=torch.float32))
+    assert not scalar_overflows(sentinel, torch.float16)
+    assert scalar_overflows(float(torch.tensor(9.9e37, dtype=torch.float32)), torch.float16)
