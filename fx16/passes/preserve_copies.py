@@ -7,9 +7,8 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.aliases import written_in_place
 from fx16.casts import is_cast
-from fx16.facts import Facts
 from fx16.nodes import node_dtype
-from fx16.subgraphs import nested_graph_modules
+from fx16.passes.each_graph import rewrite_each_graph
 
 aten = torch.ops.aten
 
@@ -38,21 +37,17 @@ class PreserveCopiesPass(PassBase):
     """
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        modified = False
-        for module in nested_graph_modules(graph_module):
-            changed = False
-            for target in _MAY_ALIAS:
-                for node in module.graph.find_nodes(op="call_function", target=target):
-                    if _converts_dtype_only(node) and written_in_place(node, node.args[0]):
-                        _pin(node)
-                        changed = True
-            if changed:
-                modified = True
-                if module is not graph_module:
-                    module.recompile()
-        if modified:
-            Facts.invalidate(graph_module)
-        return PassResult(graph_module, modified)
+        return rewrite_each_graph(graph_module, _pin_written_conversions)
+
+
+def _pin_written_conversions(module: GraphModule) -> bool:
+    changed = False
+    for target in _MAY_ALIAS:
+        for node in module.graph.find_nodes(op="call_function", target=target):
+            if _converts_dtype_only(node) and written_in_place(node, node.args[0]):
+                _pin(node)
+                changed = True
+    return changed
 
 
 def _converts_dtype_only(node: Node) -> bool:

@@ -6,9 +6,8 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.aliases import alias_group
 from fx16.casts import INSERTED, CastInserter, cast_dtype, is_cast, is_inserted
-from fx16.facts import Facts
 from fx16.nodes import mutated_argument
-from fx16.subgraphs import nested_graph_modules
+from fx16.passes.each_graph import rewrite_each_graph
 
 
 class RecastAfterWritesPass(PassBase):
@@ -28,15 +27,7 @@ class RecastAfterWritesPass(PassBase):
     """
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        modified = False
-        for module in nested_graph_modules(graph_module):
-            if _recast(module):
-                modified = True
-                if module is not graph_module:
-                    module.recompile()
-        if modified:
-            Facts.invalidate(graph_module)
-        return PassResult(graph_module, modified)
+        return rewrite_each_graph(graph_module, _recast)
 
 
 def _recast(module: GraphModule) -> bool:
