@@ -56,6 +56,12 @@ EQUIVALENT: dict[str, str] = {
     "fx16.passes.bypass_branching_casts.xǁBypassBranchingCastsPassǁmatch__mutmut_3": (
         "`>= 1`: a chain with one consumer gets the rewrite FuseCastChainsPass gives it"
     ),
+    "fx16.aliases.x__shares_storage_with__mutmut_7": (
+        "a user that calls no function is the output node, which writes nothing"
+    ),
+    "fx16.aliases.x__shares_storage_with__mutmut_10": (
+        "`<= len(args)`: the aliased argument of every view and in-place op is positional"
+    ),
     "fx16.numerics.x__lift_flushed_blocks__mutmut_2": (
         "no early return when nothing flushed: the search that follows finds nothing"
     ),

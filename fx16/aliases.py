@@ -36,7 +36,13 @@ def _aliasing_arguments(target: Any) -> tuple[int, ...]:
     return tuple(
         index
         for index, argument in enumerate(schema.arguments)
-        if argument.alias_info is not None and set(argument.alias_info.before_set) & returned
+        if argument.alias_info is not None
+        and (
+            set(argument.alias_info.before_set) & returned
+            # ``Tensor(a -> *)``: the results (a list of views, as chunk and split give) may
+            # alias it; the bindings do not show a list's element alias sets
+            or "*" in argument.alias_info.after_set
+        )
     )
 
 

@@ -63,6 +63,27 @@ class WriteIntoAlias(torch.nn.Module):
         return x * 2
 
 
+class WriteInsideABodyIntoACopyMadeOutside(torch.nn.Module):
+    """The copy is made outside a no_grad region and written inside its body."""
+
+    def forward(self, x):
+        x = x + 0
+        y = x.to(torch.float16)
+        with torch.no_grad():
+            y.add_(1)
+        return x * 2, y
+
+
+class WriteIntoAChunkOfTheCopy(torch.nn.Module):
+    """The copy is written through one chunk of it (a getitem of a multi-view op)."""
+
+    def forward(self, x):
+        y = x.to(torch.float16)
+        first, _ = y.chunk(2)
+        first.add_(1)
+        return x * 2, y
+
+
 class CastCopyNotWritten(torch.nn.Module):
     """No write in place: nothing to pin."""
 
@@ -103,8 +124,18 @@ def test_a_conversion_nothing_writes_through_is_left_alone():
         (WriteThroughViewOfCopy(), (torch.arange(4.0),)),
         (TypeAsWritten(), (ONES, torch.ones(3, dtype=torch.float16))),
         (WriteIntoAlias(), (ONES,)),
+        (WriteInsideABodyIntoACopyMadeOutside(), (ONES,)),
+        (WriteIntoAChunkOfTheCopy(), (torch.ones(4),)),
     ],
-    ids=["copy-written", "source-written", "view-of-copy-written", "type_as", "alias-written"],
+    ids=[
+        "copy-written",
+        "source-written",
+        "view-of-copy-written",
+        "type_as",
+        "alias-written",
+        "written-in-a-body",
+        "written-through-a-chunk",
+    ],
 )
 @pytest.mark.parametrize("decompose", [False, True], ids=["training-ir", "aten"])
 def test_the_cast_program_returns_eagers_values(model, args, decompose):

@@ -58,3 +58,22 @@ def test_noop_cast_a_write_reaches_is_kept():
         assert "write in place" in cast.meta[KEPT_CAST]
         for got, want in zip(run(ep, HALF), eager(model, HALF)):
             torch.testing.assert_close(got, want)
+
+
+class NoopCastBesideAWrite(torch.nn.Module):
+    """c = to(x, f16) on an fp16 x, read by an op that writes into another value (z += c)
+    and by relu: no write reaches c or x, so the copy goes."""
+
+    def forward(self, x):
+        c = x.to(torch.float16)
+        z = x * 2
+        z.add_(c)
+        return z, c.relu()
+
+
+def test_a_write_into_another_value_does_not_keep_a_noop_cast():
+    ep = export(NoopCastBesideAWrite(), HALF)
+    assert apply_rule(RemoveNoopCastsPass, ep).modified
+    assert casts(ep) == []
+    for got, want in zip(run(ep, HALF), eager(NoopCastBesideAWrite(), HALF)):
+        torch.testing.assert_close(got, want)
