@@ -57,3 +57,18 @@ def test_casts_to_different_dtypes_are_not_merged():
     assert sorted(str(c.args[1]) for c in casts(ep)) == ["torch.float32", "torch.float64"]
     for got, want in zip(run(ep, HALF), eager(CastsToTwoDtypes(), HALF)):
         torch.testing.assert_close(got, want)
+
+
+class OneCastThenTwo(torch.nn.Module):
+    """x -> to(f32) once, x -> to(f64) twice: the f64 pair merges past the lone f32."""
+
+    def forward(self, x):
+        return x.to(torch.float32).exp(), x.to(torch.float64).sin(), x.to(torch.float64).cos()
+
+
+def test_every_dtype_group_is_merged():
+    ep = export(OneCastThenTwo(), HALF)
+    assert apply_rule(DeduplicateCastsPass, ep).modified
+    assert sorted(str(c.args[1]) for c in casts(ep)) == ["torch.float32", "torch.float64"]
+    for got, want in zip(run(ep, HALF), eager(OneCastThenTwo(), HALF)):
+        torch.testing.assert_close(got, want)

@@ -4,18 +4,22 @@ written out."""
 import math
 
 import pytest
+import sympy
 import torch
 from torch.export import Dim
+from torch.utils._sympy.numbers import int_oo
 
 import fx16
 from fx16.analysis.intervals import (
     Source,
     ValueRange,
+    _bound,
     add_ranges,
     multiply,
     size_range,
     span,
     union,
+    value_range,
 )
 from fx16.numerics import finite_interval
 from helpers import run
@@ -74,3 +78,25 @@ def test_a_dynamic_size_has_the_range_its_constraint_gives(maximum):
 def test_a_finite_interval_leaves_infinities_out():
     assert finite_interval(torch.tensor([1.0, 2.0, math.inf])) == (1.0, 2.0)
     assert finite_interval(torch.tensor([-math.inf, -1.0, 3.0])) == (-1.0, 3.0)
+
+
+def test_a_range_takes_its_weakest_source_from_either_side():
+    a, b = ValueRange(0, 1, DECLARED), ValueRange(2, 3, PROVEN)
+    assert add_ranges(a, b) == ValueRange(2, 4, DECLARED)
+    assert multiply(a, b) == ValueRange(0, 3, DECLARED)
+    assert span(0, 1) == ValueRange(0, 1, PROVEN)  # no parts: what is computed is proven
+
+
+def test_numbers_and_bounds_as_ranges():
+    assert value_range(True) == ValueRange(1, 1, PROVEN)
+    assert value_range(7) == ValueRange(7, 7, PROVEN)
+    assert value_range(0.5) is None
+    assert _bound(-int_oo) == -math.inf and _bound(-sympy.oo) == -math.inf
+    assert _bound(int_oo) == math.inf and _bound(sympy.Integer(5)) == 5
+
+
+def test_a_bounded_dynamic_size_has_both_ends():
+    dim = Dim("b", min=2, max=64)
+    ep = torch.export.export(PositionsAdded(), (torch.randn(4, 8),), dynamic_shapes=({0: dim},))
+    (x,) = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    assert size_range(x.meta["val"].shape[0], ep.range_constraints) == ValueRange(2, 64, PROVEN)

@@ -278,3 +278,9 @@ def test_the_largest_sentinel_is_not_an_overflow():
     sentinel = float(torch.tensor(1e38, dtype=torch.float32))
     assert not scalar_overflows(sentinel, torch.float16)
     assert scalar_overflows(float(torch.tensor(9.9e37, dtype=torch.float32)), torch.float16)
+
+
+def test_the_largest_sentinel_saturates():
+    sentinel = float(torch.tensor(1e38, dtype=torch.float32))
+    assert round_scalar_to_fp16(sentinel) == FP16_MAX
+    assert round_scalar_to_fp16(-sentinel) == -FP16_MAX

@@ -78,3 +78,20 @@ def test_a_write_into_another_value_does_not_keep_a_noop_cast():
     assert casts(ep) == []
     for got, want in zip(run(ep, HALF), eager(NoopCastBesideAWrite(), HALF)):
         torch.testing.assert_close(got, want)
+
+
+class NoopCastOfAViewWhoseBaseIsWritten(torch.nn.Module):
+    """c = _to_copy(view(h), f16) on an fp16 h, then h.add_(1): c must keep the old values."""
+
+    def forward(self, x):
+        h = x * 1
+        c = aten._to_copy(h.view(-1), dtype=torch.float16)
+        h.add_(1)
+        return h, c
+
+
+def test_a_write_into_the_base_of_a_casts_source_keeps_the_cast():
+    ep = export(NoopCastOfAViewWhoseBaseIsWritten(), HALF)
+    assert not apply_rule(RemoveNoopCastsPass, ep).modified
+    for got, want in zip(run(ep, HALF), eager(NoopCastOfAViewWhoseBaseIsWritten(), HALF)):
+        torch.testing.assert_close(got, want)
