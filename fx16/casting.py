@@ -49,9 +49,12 @@ def cast_fp32_to_fp16(
         proven range or the lack of any observation show 16-bit would spoil it;
         "keep" keeps them all; "retarget" casts them to fp16, as coreai-opt does.
         None: the policy's setting ("calibrated" by default).
-    stabilize: rewrite patterns 16-bit spoils into stable forms first (RMSNorm's
-        variance scaled, log(softmax) as log_softmax, ...; ``fx16.passes.stabilize``),
-        so they need no fp32. None: the policy's setting (False).
+    stabilize: rewrite patterns 16-bit spoils into forms exact in real arithmetic
+        first (RMSNorm's variance scaled, log(softmax) as log_softmax, ...;
+        ``fx16.passes.stabilize``), so they need no fp32 and hold on inputs the
+        calibration never showed. None: the policy's setting (True, except autocast).
+    eps_clamp: raise an ``eps`` below the 16-bit smallest normal to it; this changes
+        results where the sum is below it. None: the policy's setting (False).
     routing: where the ops that choose a route compute (a mixture-of-experts router's
         top-k): "fp32" keeps them, "16-bit" casts them like the rest. None: the
         policy's setting ("fp32").

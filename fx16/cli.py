@@ -162,10 +162,19 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--stabilize",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="rewrite patterns 16-bit spoils into forms exact in real arithmetic before "
+        "casting (RMSNorm's variance scaled by the row's largest magnitude, log(softmax) as "
+        "log_softmax, log(1+x) as log1p, ...), so that they need no fp32 (the policy's "
+        "default: on, except under autocast)",
+    )
+    parser.add_argument(
+        "--eps-clamp",
         action="store_true",
-        help="rewrite patterns 16-bit spoils into stable forms before casting (RMSNorm's "
-        "variance scaled by the row's largest magnitude, log(softmax) as log_softmax, "
-        "log(1+x) as log1p, ...), so that they need no fp32",
+        default=None,
+        help="raise an eps below the 16-bit smallest normal to it (rsqrt(v + 1e-12)); "
+        "changes results where the sum is below it",
     )
     for flag, table, example in (
         ("--module", "modules", "model.layers.0.mlp=fp32"),

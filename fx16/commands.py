@@ -244,7 +244,8 @@ def _policy(args) -> PrecisionPolicy:
         args.policy,
         explicit_fp32=args.explicit_fp32,
         keep_io_types=keep,
-        stabilize=True if args.stabilize else None,
+        stabilize=args.stabilize,
+        eps_clamp=args.eps_clamp,
         routing=args.routing,
     )
     overrides = {

@@ -20,6 +20,7 @@ class Fp16Options:
     policy: Any = None  # a PrecisionPolicy, a preset name, or None (the default policy)
     explicit_fp32: str | None = None
     stabilize: bool | None = None  # None: the policy's setting
+    eps_clamp: bool | None = None  # None: the policy's setting
     routing: str | None = None  # None: the policy's setting
     keep_io_types: bool | Collection[str] | None = None
     calibration: list | None = None

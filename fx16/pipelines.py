@@ -56,7 +56,8 @@ def fp16_passes(ep, options: Fp16Options | None = None, **keywords) -> list[Pass
 
     Order: the model's conversions that a write in place reaches pinned as copies or
     aliases (``PreserveCopiesPass``), before any dtype changes; with the policy's
-    ``stabilize``, the stable rewrites of patterns 16-bit spoils (``StabilizePass``);
+    ``stabilize`` (the default), the exact stable rewrites of patterns 16-bit spoils
+    (``StabilizePass``; ``eps_clamp`` adds its one inexact rule);
     the analyses next, while the program still computes in fp32:
     calibration, unsafe indices, integer ranges (``input_ranges``; floats made from
     integers take their range from it), conditioning and underflow (which read
@@ -86,7 +87,8 @@ def fp16_stages(ep, options: Fp16Options) -> tuple[list[PassBase], list[PassBase
 
 
 def _analyses(program: Program, options: Fp16Options, policy: PrecisionPolicy) -> list[PassBase]:
-    stabilize = [StabilizePass(policy.low)] if policy.stabilize else []
+    rewrites = policy.stabilize or policy.eps_clamp
+    stabilize = [StabilizePass(policy.low, policy.stabilize, policy.eps_clamp)] if rewrites else []
     return [
         RecordStatsPass(program),
         PreserveCopiesPass(),
@@ -120,11 +122,13 @@ def _checked(program: Program, options: Fp16Options) -> tuple[Fp16Options, Preci
     # a margin below 1 would count values beyond the 16-bit maximum as fitting
     require_number("overflow_margin", options.overflow_margin, 1)
     require_flag("stabilize", options.stabilize)
+    require_flag("eps_clamp", options.eps_clamp)
     policy = resolve_policy(
         options.policy,
         explicit_fp32=options.explicit_fp32,
         keep_io_types=options.keep_io_types,
         stabilize=options.stabilize,
+        eps_clamp=options.eps_clamp,
         routing=options.routing,
     )
     options = replace(options, force_fp32=as_names(options.force_fp32))

@@ -85,10 +85,15 @@ class PrecisionPolicy:
         Either way every index chosen is valid; precision only changes which.
     cast_back: return results computed in fp32 by policy to the 16-bit dtype (False:
         later ops follow the fp32 result, as eager autocast does).
-    stabilize: rewrite patterns that 16-bit spoils into stable forms before casting
-        (``fx16.passes.stabilize``: RMSNorm's variance scaled by the row's largest
-        magnitude, log(softmax) as log_softmax, log(1 + x) as log1p, ...), so that they
-        need no fp32. Off by default: the rewrite changes the program's ops.
+    stabilize: rewrite patterns that 16-bit spoils into forms that are exact in real
+        arithmetic and stable in 16-bit before casting (``fx16.passes.stabilize``:
+        RMSNorm's variance scaled by the row's largest magnitude, log(softmax) as
+        log_softmax, log(1 + x) as log1p, ...), so that they need no fp32 and hold on
+        inputs the calibration never showed. On by default (off in the ``autocast``
+        preset, which gives each op what eager autocast gives it).
+    eps_clamp: raise an ``eps`` below the 16-bit dtype's smallest normal to it
+        (``rsqrt(v + 1e-12)``): unlike the ``stabilize`` rewrites this changes the result
+        where the sum is below the new eps, so it is off unless asked for.
     precision_tolerance: the relative output error 16-bit rounding of an op's input
         may cause through the op's condition number before the op stays fp32
         (``fx16.analysis.conditioning``); None: two roundings of ``low`` (its eps:
@@ -108,7 +113,8 @@ class PrecisionPolicy:
     routing: str = "fp32"
     cast_back: bool = True
     precision_tolerance: float | None = None
-    stabilize: bool = False
+    stabilize: bool = True
+    eps_clamp: bool = False
 
     def __post_init__(self) -> None:
         if self.low not in SIXTEEN_BIT_DTYPES:
@@ -212,6 +218,7 @@ class PrecisionPolicy:
             cast_back=False,
             precision_tolerance=math.inf,  # eager autocast's dtypes, op by op
             explicit_fp32="keep",
+            stabilize=False,  # eager autocast's ops, not rewritten ones
         )
 
     @classmethod

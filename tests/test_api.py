@@ -31,6 +31,7 @@ from fx16.passes import (
     RecastAfterWritesPass,
     RecordStatsPass,
     RemoveNoopCastsPass,
+    StabilizePass,
 )
 from fx16.pipelines import run_passes
 from helpers import assert_same_state, check_program, export, state_snapshot
@@ -72,6 +73,7 @@ def test_pass_lists_are_fresh_instances():
     assert [type(p) for p in first] == [
         RecordStatsPass,
         PreserveCopiesPass,
+        StabilizePass,
         CalibrationAnalysis,
         UnsafeIndexAnalysis,
         ValueRangeAnalysis,

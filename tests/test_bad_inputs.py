@@ -237,7 +237,7 @@ OPTION_ERRORS = [
     (
         fx16.cast_to_16_bit_precision,
         dict(input_range={"x": (0, 1)}),
-        "unknown option(s) ['input_range']; accepted: ['calibration', 'explicit_fp32', "
+        "unknown option(s) ['input_range']; accepted: ['calibration', 'eps_clamp', 'explicit_fp32', "
         "'force_fp32', 'input_ranges', 'int16', 'keep_io_types', 'overflow_margin', 'policy', "
         "'routing', 'stabilize']",
     ),
@@ -290,7 +290,7 @@ OPTION_ERRORS = [
         fx16.cast_fp32_to_fp16,
         dict(keep_io=True),
         "cast_fp32_to_fp16: unknown option(s) ['keep_io']; accepted: ['calibration', "
-        "'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'max_rel_error', "
+        "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'max_rel_error', "
         "'metric', 'overflow_margin', 'policy', 'progress', 'routing', 'stabilize', "
         "'target_share', 'validation']",
     ),
@@ -304,7 +304,7 @@ OPTION_ERRORS = [
         fx16.fp16_passes,
         dict(margin=2),
         "fp16_passes: unknown option(s) ['margin']; accepted: ['calibration', "
-        "'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'overflow_margin', "
+        "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'overflow_margin', "
         "'policy', 'routing', 'stabilize']",
     ),
     (
@@ -353,7 +353,7 @@ def test_presets_take_overrides_of_any_field():
         fx16.InvalidOptionError,
         "unknown policy field(s) ['keep_io']; fields: name, low, kinds, ops, modules, nodes, "
         "predicate, op_table, keep_io_types, explicit_fp32, routing, cast_back, "
-        "precision_tolerance, stabilize",
+        "precision_tolerance, stabilize, eps_clamp",
         fx16.PrecisionPolicy.default,
         keep_io=True,
     )

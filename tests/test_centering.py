@@ -1,8 +1,9 @@
-"""Cancellation inside ops that subtract a mean: batch/layer/group/instance norms, var, std.
+"""Cancellation inside ops that subtract a mean (batch/layer/group/instance norms, var,
+std) and in a subtraction of a per-slice statistic (``x - x.mean(0, keepdim=True)``).
 
 The conditioning rule measures their input's cancellation ratio (max |x| / max |x -
-mean| per group) on calibration, or a batch norm's from its running statistics. Unseen
-inputs lie further from zero than the calibration inputs.
+mean| per group or slice) on calibration, or a batch norm's from its running statistics.
+Unseen inputs lie further from zero than the calibration inputs.
 """
 
 import pytest
@@ -21,6 +22,7 @@ from benchmarks.precision_zoo import (
     TabularBatchNorm,
     offset_features,
 )
+from benchmarks.shift_traps import MixedColumns, mixed_columns
 from fx16.analysis import CalibrationAnalysis, ConditioningAnalysis, ValueRangeAnalysis
 from fx16.analysis.centering import (
     Centered,
@@ -161,4 +163,66 @@ def test_property_a_layer_norm_is_accurate_at_any_offset(offset, spread, seed):
     means, spreads = torch.full((16,), offset), torch.full((16,), spread)
     ep = fx16.cast_fp32_to_fp16(export(model, offset_features(32, means, spreads, seed)))
     unseen = offset_features(32, means, spreads, seed + 1)
+    assert max_error(fp64_reference(model, unseen), run(ep, unseen)) < 3e-3
+
+
+# ---- a subtraction of a per-slice statistic ----------------------------------------------
+
+
+def test_a_subtraction_of_a_broadcast_statistic_is_centred_per_slice():
+    """x - mean over dim 0 centres each column, x - mean over dim -1 each row; a
+    subtraction of same-shaped tensors, of a scalar, or broadcast along every dim is
+    the whole-tensor rule's."""
+    sub = torch.ops.aten.sub.Tensor
+    x = torch.randn(6, 4, 5)
+    assert centered_input(sub, (x, x.mean(0, keepdim=True))).dims == (0,)
+    assert centered_input(sub, (x, x.mean((0, 2), keepdim=True))).dims == (0, 2)
+    assert centered_input(sub, (x, x.amax(-1, keepdim=True))).dims == (2,)
+    assert centered_input(sub, (x.mean(-1, keepdim=True), x)).dims == (2,)  # mean - x
+    assert centered_input(sub, (x[0], x.mean(0))) is None  # same shape
+    assert centered_input(sub, (x, 1.0)) is None
+    assert centered_input(sub, (x[:, :1, :1], x[:1, :, :1])) is None  # every dim: whole
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(
+    st.lists(st.floats(-5000, 5000), min_size=2, max_size=6),
+    st.lists(st.floats(0.01, 100), min_size=6, max_size=6),
+    st.integers(0, 2**16),
+)
+def test_property_the_per_slice_ratio_is_the_worst_columns(means, spreads, seed):
+    """Against a loop over the columns: each column's max |x| / max |x - its mean|,
+    the largest of them (a constant column left out)."""
+    columns = len(means)
+    x = offset_features(16, torch.tensor(means), torch.tensor(spreads[:columns]), seed)
+    x[:, -1] = means[-1]  # a constant column
+    mean = x.mean(0, keepdim=True)
+    expected = max(
+        [
+            float(x[:, j].abs().max() / (x[:, j] - mean[0, j]).abs().max())
+            for j in range(columns - 1)
+        ]
+        + [1.0]
+    )
+    got = cancellation_ratio(centered_input(torch.ops.aten.sub.Tensor, (x, mean)))
+    assert got == pytest.approx(expected, rel=1e-4)
+
+
+def test_a_narrow_column_beside_wide_ones_is_kept_and_holds_on_unseen_rows():
+    """Standardizing columns of different units: the whole tensor's ratio is the wide
+    columns' (below the rule's 8), the narrow column's about 900; the subtraction and
+    the mean it reads stay fp32, the product stays 16-bit, and unseen rows come out
+    within 3e-3 of fp64 (about 0.1 off before the per-slice rule)."""
+    torch.manual_seed(0)
+    model = MixedColumns().eval()
+    example = mixed_columns(64, seed=1)
+    mean = example.mean(0, keepdim=True)
+    assert float(example.abs().max() + mean.abs().max()) / float((example - mean).abs().max()) < 8
+    marks = _marks(export(model, example))
+    assert "a - b per slice" in marks["sub"] and "(observed" in marks["sub"]
+    assert marks["mean"] == "feeds sub, kept in fp32" and marks["linear"] is None
+    ep = fx16.cast_fp32_to_fp16(export(model, example))
+    check_program(ep)
+    assert all(row.narrowed for row in fx16.report.report_of(ep).rows if row.product)
+    unseen = mixed_columns(64, seed=2)
     assert max_error(fp64_reference(model, unseen), run(ep, unseen)) < 3e-3

@@ -4,8 +4,9 @@ Trained LLMs carry a few residual-stream channels in the thousands ("massive
 activations"); an RMSNorm squares them beyond fp16. ``benchmarks.zoo`` builds a
 Llama and a T5 encoder from configs whose first layer writes |x| ~ 2000 into two
 channels: every norm after that layer needs its fp32 island, the norms before it
-do not. fx16's default cast keeps exactly those islands and stays within fp16
-tolerance; coreai-opt, which retargets every island, computes garbage (its squares
+do not. Without the stable rewrites (``stabilize=False``) fx16 keeps exactly those
+islands and stays within fp16 tolerance; by default it rewrites each norm so that its
+squares stay in range, and nothing stays fp32; coreai-opt, which retargets every island, computes garbage (its squares
 overflow to inf, and x / sqrt(inf) is 0).
 """
 
@@ -18,6 +19,7 @@ import fx16
 from benchmarks import coreai, zoo
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.explicit_fp32 import islands
+from fx16.report import report_of
 from fx16.stats import relative_error
 from helpers import check_program, run
 
@@ -52,10 +54,10 @@ def _has_coreai() -> bool:
 
 @pytest.mark.parametrize("decompose", [False, True])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_default_cast_keeps_exactly_the_islands_that_need_fp32(name, decompose):
+def test_unstabilized_cast_keeps_exactly_the_islands_that_need_fp32(name, decompose):
     build, kept, retargeted = MODELS[name]
     _, ids, expected, ep = _exported(build, decompose)
-    fx16.cast_fp32_to_fp16(ep)
+    fx16.cast_fp32_to_fp16(ep, stabilize=False)
     check_program(ep)
     verdicts = islands(ep.graph_module)
     assert sum(island.keep for island in verdicts) == kept
@@ -67,6 +69,23 @@ def test_default_cast_keeps_exactly_the_islands_that_need_fp32(name, decompose):
     for island in verdicts:  # kept: squares of |x| >= 1000; retargeted: ordinary values
         largest = max(squares.get(member, 0.0) for member in island.members)
         assert (largest >= 1e6) if island.keep else (largest < 1e3), island
+    (got,) = run(ep, ids)
+    assert torch.isfinite(got).all()
+    assert relative_error(expected.double(), got.double()) < 1e-2
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_default_cast_rewrites_every_norm_and_keeps_no_float_op_fp32(name):
+    """The stable rewrite scales each norm's squares into range: every island's ops in
+    16-bit, and the result as close to fp32 as the islands kept in fp32 were."""
+    build, _, _ = MODELS[name]
+    _, ids, expected, ep = _exported(build, decompose=False)
+    fx16.cast_fp32_to_fp16(ep)
+    check_program(ep)
+    rows = report_of(ep).rows
+    assert sum(r.stabilized.startswith("rms_norm_scaling") for r in rows) == sum(MODELS[name][1:])
+    verdicts = islands(ep.graph_module)
+    assert len(verdicts) == sum(MODELS[name][1:]) and not any(i.keep for i in verdicts)
     (got,) = run(ep, ids)
     assert torch.isfinite(got).all()
     assert relative_error(expected.double(), got.double()) < 1e-2

@@ -68,10 +68,10 @@ CASES = {
 }
 
 
-def _stabilized(model, x):
+def _stabilized(model, x, **rules):
     ep = export(model, x)
     rewritten = copy.deepcopy(ep)
-    assert StabilizePass()(rewritten.graph_module).modified
+    assert StabilizePass(**rules)(rewritten.graph_module).modified
     rewritten.graph_module.recompile()
     return ep.graph_module, rewritten.graph_module
 
@@ -133,7 +133,7 @@ def test_each_rewrite_lowers_the_16_bit_error_on_hard_inputs(name):
 
 def test_the_eps_clamp_states_its_change_and_keeps_the_result_finite():
     x = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
-    before, after = _stabilized(TinyEps(), x)
+    before, after = _stabilized(TinyEps(), x, eps_clamp=True)
     rule, detail = next(stabilized(n) for n in after.graph.nodes if stabilized(n))
     assert rule == "eps_clamp" and detail.startswith("eps 1e-12 -> 6.1e-05")
     assert torch.isinf(before(x.half())[0][0]).all()  # 1e-12 flushes: rsqrt(0)
@@ -148,9 +148,27 @@ def test_a_program_without_a_pattern_is_left_byte_identical():
     code = ep.graph_module.code
     assert not StabilizePass()(ep.graph_module).modified
     assert ep.graph_module.code == code
-    plain = fx16.cast_fp32_to_fp16(export(MLP(), x))
-    stable = fx16.cast_fp32_to_fp16(export(MLP(), x), stabilize=True)
+    plain = fx16.cast_fp32_to_fp16(export(MLP(), x), stabilize=False)
+    stable = fx16.cast_fp32_to_fp16(export(MLP(), x))
     assert stable.graph_module.code == plain.graph_module.code
+
+
+def test_the_exact_rewrites_are_the_default_and_the_eps_clamp_is_asked_for():
+    """The default cast runs every exact rule and not the one that changes results;
+    ``eps_clamp=True`` adds it, ``stabilize=False`` leaves only it; the autocast preset
+    gives eager autocast's ops, not rewritten ones."""
+    assert [rule.name for rule in StabilizePass().rules] == list(CASES)
+    x = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+
+    def rules_run(**options):
+        ep = fx16.cast_fp32_to_fp16(export(TinyEps(), x), **options)
+        return [row.stabilized.split(":")[0] for row in report_of(ep).rows if row.stabilized]
+
+    assert rules_run() == []
+    assert rules_run(eps_clamp=True) == ["eps_clamp"]
+    assert rules_run(eps_clamp=True, stabilize=False) == ["eps_clamp"]
+    assert fx16.PrecisionPolicy().stabilize and not fx16.PrecisionPolicy().eps_clamp
+    assert not fx16.PrecisionPolicy.autocast().stabilize
 
 
 class NormMLP(torch.nn.Module):
@@ -169,8 +187,8 @@ class NormMLP(torch.nn.Module):
 def test_stabilize_lets_the_norm_run_in_16_bit_and_says_so():
     torch.manual_seed(0)
     x, model = torch.randn(4, 16) * 30, NormMLP()
-    plain = fx16.cast_fp32_to_fp16(export(model, x))
-    stable = fx16.cast_fp32_to_fp16(export(model, x), stabilize=True)
+    plain = fx16.cast_fp32_to_fp16(export(model, x), stabilize=False)
+    stable = fx16.cast_fp32_to_fp16(export(model, x))
     wide = [r for r in report_of(plain).rows if r.kind == "float" and r.dtype == "float32"]
     assert wide  # without it, the squares overflow: fp32
     rows = report_of(stable).rows
@@ -184,14 +202,14 @@ def test_stabilize_lets_the_norm_run_in_16_bit_and_says_so():
     assert float((got - reference).abs().max() / reference.abs().max()) < 5e-3
 
 
-def test_the_command_line_stabilizes_on_request(tmp_path):
+def test_the_command_line_stabilizes_unless_told_not_to(tmp_path):
     torch.manual_seed(0)
     x, model = torch.randn(4, 16) * 30, NormMLP()
     torch.export.save(export(model, x), tmp_path / "norm.pt2")
-    code, plain, err = command("inspect", tmp_path / "norm.pt2")
+    code, plain, err = command("inspect", tmp_path / "norm.pt2", "--no-stabilize")
     assert code == 0, err
     assert "stabilized" not in plain and "explicit_fp32" in plain
-    code, stable, err = command("inspect", tmp_path / "norm.pt2", "--stabilize")
+    code, stable, err = command("inspect", tmp_path / "norm.pt2")
     assert code == 0, err
     assert "stabilized (rewritten for 16-bit): rms_norm_scaling x1" in stable
 

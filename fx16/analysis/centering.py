@@ -1,4 +1,5 @@
-"""Ops that subtract a mean inside them: normalizations, var and std.
+"""Ops that subtract a center: normalizations, var and std inside them, and an
+explicit subtraction of a per-slice statistic (``x - mean(x, 0, keepdim=True)``).
 
 ``batch_norm`` subtracts ``running_mean`` (or the batch's mean), ``layer_norm``,
 ``group_norm`` and ``instance_norm`` the mean of each group they normalize, ``var``
@@ -6,10 +7,18 @@ and ``std`` the mean along their dims. Rounding the input to 16-bit happens befo
 that subtraction, so it cancels as an explicit ``x - mean`` does: features of
 4096 +- 2 rounded to fp16's spacing of 4 come out of the norm as noise.
 
+A subtraction ``a - b`` where one operand is broadcast along some dims (a per-column
+mean, a per-channel running mean, a per-row maximum) centres each slice along those
+dims on its own: standardizing columns of different units, one wide and centred and
+one with a large offset and a small spread, cancels three orders of magnitude in the
+narrow column, which one ratio over the whole tensor (the wide column's) hides.
+
 The cancellation ratio of one group is max |x| / max |x - center|: the 16-bit
 rounding of the input (relative to max |x|) over the output's scale (the largest
 deviation). It is about 1 for centred data and |mean| / spread for offset data;
-the op's ratio is the largest over its groups. ``centered_input`` reads where an
+the op's ratio is the largest over its groups. A group that is constant up to fp32's
+own rounding (a constant row or column) is left out: 16-bit rounds its every element
+alike, and what fp32 computes of it is rounding noise too. ``centered_input`` reads where an
 op keeps its input, center and groups (data: ``_LAYOUTS``), ``cancellation_ratio``
 measures it on real tensors (calibration), ``buffer_ratio`` estimates it from a
 batch norm's running statistics alone, |running_mean| / sqrt(running_var).
@@ -80,6 +89,26 @@ def _variance(args) -> Centered:  # (input, dim, ...): dim None is every dim
     return Centered(x, tuple(d % x.dim() for d in dims) if x.dim() else ())
 
 
+def _subtraction(args) -> Centered | None:  # (a, b): a - b, centred per slice
+    a, b = args[0], args[1]
+    if not isinstance(b, torch.Tensor) or a.shape == b.shape:
+        return None
+    a, b = torch.broadcast_tensors(a, b)
+    original = args[0].shape, args[1].shape
+    dims = tuple(
+        d for d in range(a.dim()) if a.shape[d] > 1 and any(_broadcast(s, d, a.dim()) for s in original)
+    )
+    if not dims or len(dims) == sum(size > 1 for size in a.shape):  # no slices, or one
+        return None
+    return Centered(a, dims, b)
+
+
+def _broadcast(shape: torch.Size, dim: int, rank: int) -> bool:
+    """Whether an operand of ``shape`` is broadcast along ``dim`` of a rank-``rank`` result."""
+    own = dim - (rank - len(shape))
+    return own < 0 or shape[own] == 1
+
+
 _LAYOUTS = {
     **dict.fromkeys(overloads("layer_norm.default", "native_layer_norm.default"), _layer_norm),
     **dict.fromkeys(overloads("group_norm.default"), _group_norm),
@@ -115,9 +144,10 @@ _LAYOUTS = {
         ),
         _variance,
     ),
+    **dict.fromkeys(overloads("sub.Tensor"), _subtraction),
 }
 
-# The ops that subtract a mean inside them.
+# The ops that subtract a center: a mean inside them, or a per-slice statistic.
 CENTERING_OPS = frozenset(_LAYOUTS)
 
 _INFERENCE_BATCH_NORMS = overloads("_native_batch_norm_legit_no_training.default")
@@ -142,6 +172,11 @@ def running_statistics(target, args: tuple) -> tuple | None:
     return (args[3], args[4]) if inference else None
 
 
+# A group whose deviation is within this many of fp32's roundings of its largest
+# magnitude is constant: what fp32 computes of its deviation is rounding noise.
+_FP32_NOISE = 16 * torch.finfo(torch.float32).eps
+
+
 def cancellation_ratio(centered: Centered) -> float:
     """The largest max |x| / max |x - center| over the groups (1 where nothing deviates)."""
     x = centered.values.detach().float()
@@ -152,7 +187,8 @@ def cancellation_ratio(centered: Centered) -> float:
         center = x.mean(centered.dims, keepdim=True)
     largest = x.abs().amax(centered.dims)
     deviation = (x - center.float()).abs().amax(centered.dims)
-    ratios = torch.where(deviation > 0, largest / deviation, 1.0)
+    deviates = deviation > largest * _FP32_NOISE  # else constant up to fp32's rounding
+    ratios = torch.where(deviates, largest / deviation, 1.0)
     ratio = float(ratios.max()) if ratios.numel() else 1.0
     return ratio if math.isfinite(ratio) else 1.0
 

@@ -228,13 +228,22 @@ def _logarithm(low: float, high: float) -> float:
 
 
 def _cancellation(node: Node, ranges: _Ranges) -> tuple[float, str] | None:
+    """The larger of the whole tensor's cancellation and, for a subtraction of a
+    per-slice statistic, the worst slice's (as calibration measured it)."""
     a, b, result = (ranges.magnitude(arg) for arg in (node.args[0], node.args[1], node))
-    if a is None or b is None or not result or (a + b) / result < _CANCELLING:
+    if a is None or b is None or max(a, b) >= INF_LIKE:  # an additive mask's finfo.min:
+        return None  # a sentinel, not a rounding
+    whole = (a + b) / result if result else 0.0
+    sliced = node.meta.get(CalibrationAnalysis.CENTERING_KEY, 0.0)
+    if max(whole, sliced) < _CANCELLING:
         return None
-    if max(a, b) >= INF_LIKE:  # an additive mask's finfo.min: a sentinel, not a rounding
-        return None
+    if sliced > whole:
+        return sliced, (
+            f"a - b per slice: a slice of a reaches {sliced:.3g}x its largest deviation from "
+            f"b there (observed; over the whole tensor {whole:.3g}x)"
+        )
     operation = "a - b" if node.target._opname == "sub" else "a + b"
-    return (a + b) / result, f"{operation} with |a| ~ {a:.3g}, |b| ~ {b:.3g}, result {result:.3g}"
+    return whole, f"{operation} with |a| ~ {a:.3g}, |b| ~ {b:.3g}, result {result:.3g}"
 
 
 def _centering(node: Node, ranges: FloatRanges) -> tuple[float, str] | None:

@@ -5,12 +5,13 @@ accelerator and on a GPU costs bandwidth and casts. Each rule here rewrites a kn
 unstable pattern of the fp32 program into an equivalent one (the same result in exact
 arithmetic; fp64 agrees to a few ulps, see ``tests/test_stabilize.py``) whose
 intermediate values stay inside 16-bit's range, so the precision rules that run after
-it find nothing to keep in fp32. The one rule that changes a result, ``EpsClamp``,
-says by how much.
+it find nothing to keep in fp32, and the rewritten form holds on every input, not
+only on the calibration inputs. The one rule that changes a result, ``EpsClamp``,
+says by how much, and runs only when asked for (``eps_clamp=True``, ``--eps-clamp``).
 
-Opt-in: ``PrecisionPolicy(stabilize=True)`` (``stabilize=True`` in the cast functions,
-``--stabilize`` on the command line) puts it first in ``fx16.fp16_passes``, before the
-analyses, which then see the stable forms. Reads: the graph. Writes: the rewritten
+On by default: ``PrecisionPolicy(stabilize=True)`` (``stabilize=False`` in the cast
+functions, ``--no-stabilize`` on the command line, turns it off) puts it early in
+``fx16.fp16_passes``, before the analyses, which then see the stable forms. Reads: the graph. Writes: the rewritten
 nodes (the replaced ones removed), ``meta["val"]`` and the model's provenance on the
 new ones, and ``meta["fx16.stabilized"]`` (the rule's name and what it did) on the node
 that now gives the pattern's result; the report lists them. A program without any
@@ -35,26 +36,27 @@ from fx16.passes.stable_rewrites import (
 )
 
 
-def standard_rules(low: torch.dtype) -> list:
-    """fx16's rules, the RMSNorm one first (its pattern holds an ``rsqrt(v + eps)``)."""
-    return [
-        RmsNormScaling(),
-        LogSoftmax(),
-        LogSigmoid(),
-        Log1p(),
-        Expm1(),
-        TwoPassVariance(),
-        EpsClamp(low),
-    ]
+def standard_rules(low: torch.dtype, exact: bool = True, eps_clamp: bool = False) -> list:
+    """fx16's rules: the ``exact`` ones (the same result in real arithmetic), the
+    RMSNorm one first (its pattern holds an ``rsqrt(v + eps)``); with ``eps_clamp``,
+    the one that changes results last."""
+    exact_rules = [RmsNormScaling(), LogSoftmax(), LogSigmoid(), Log1p(), Expm1(), TwoPassVariance()]
+    return (exact_rules if exact else []) + ([EpsClamp(low)] if eps_clamp else [])
 
 
 class StabilizePass(PassBase):
-    """Apply ``rules`` (default: ``standard_rules``) in order, each in one sweep over the
-    graph (a rule's pattern may hold a later rule's: RMSNorm's holds ``rsqrt(v + eps)``);
-    see the module docstring for what it reads and writes."""
+    """Apply ``rules`` (default: ``standard_rules(low, exact, eps_clamp)``) in order, each
+    in one sweep over the graph (a rule's pattern may hold a later rule's: RMSNorm's holds
+    ``rsqrt(v + eps)``); see the module docstring for what it reads and writes."""
 
-    def __init__(self, low: torch.dtype = torch.float16, rules: list | None = None) -> None:
-        self.rules = standard_rules(low) if rules is None else list(rules)
+    def __init__(
+        self,
+        low: torch.dtype = torch.float16,
+        exact: bool = True,
+        eps_clamp: bool = False,
+        rules: list | None = None,
+    ) -> None:
+        self.rules = standard_rules(low, exact, eps_clamp) if rules is None else list(rules)
 
     def call(self, graph_module: GraphModule) -> PassResult:
         modified = False
