@@ -237,9 +237,9 @@ OPTION_ERRORS = [
     (
         fx16.cast_to_16_bit_precision,
         dict(input_range={"x": (0, 1)}),
-        "unknown option(s) ['input_range']; accepted: ['calibration', 'eps_clamp', 'explicit_fp32', "
-        "'force_fp32', 'input_ranges', 'int16', 'keep_io_types', 'overflow_margin', 'policy', "
-        "'routing', 'stabilize']",
+        "unknown option(s) ['input_range']; accepted: ['calibration', 'eps_clamp', "
+        "'explicit_fp32', 'force_fp32', 'input_ranges', 'int16', 'keep_io_types', "
+        "'overflow_margin', 'policy', 'routing', 'stabilize']",
     ),
     (
         fx16.cast_fp32_to_fp16,
@@ -290,9 +290,9 @@ OPTION_ERRORS = [
         fx16.cast_fp32_to_fp16,
         dict(keep_io=True),
         "cast_fp32_to_fp16: unknown option(s) ['keep_io']; accepted: ['calibration', "
-        "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'max_rel_error', "
-        "'metric', 'overflow_margin', 'policy', 'progress', 'routing', 'stabilize', "
-        "'target_share', 'validation']",
+        "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', "
+        "'max_rel_error', 'metric', 'overflow_margin', 'policy', 'progress', 'routing', "
+        "'stabilize', 'target_share', 'validation']",
     ),
     (
         fx16.cast_int32_to_int16,
@@ -304,8 +304,8 @@ OPTION_ERRORS = [
         fx16.fp16_passes,
         dict(margin=2),
         "fp16_passes: unknown option(s) ['margin']; accepted: ['calibration', "
-        "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', 'overflow_margin', "
-        "'policy', 'routing', 'stabilize']",
+        "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', "
+        "'overflow_margin', 'policy', 'routing', 'stabilize']",
     ),
     (
         fx16.int16_passes,

@@ -6,8 +6,8 @@ Llama and a T5 encoder from configs whose first layer writes |x| ~ 2000 into two
 channels: every norm after that layer needs its fp32 island, the norms before it
 do not. Without the stable rewrites (``stabilize=False``) fx16 keeps exactly those
 islands and stays within fp16 tolerance; by default it rewrites each norm so that its
-squares stay in range, and nothing stays fp32; coreai-opt, which retargets every island, computes garbage (its squares
-overflow to inf, and x / sqrt(inf) is 0).
+squares stay in range, and nothing stays fp32; coreai-opt, which retargets every
+island, computes garbage (its squares overflow to inf, and x / sqrt(inf) is 0).
 """
 
 import copy

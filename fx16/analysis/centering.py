@@ -96,7 +96,9 @@ def _subtraction(args) -> Centered | None:  # (a, b): a - b, centred per slice
     a, b = torch.broadcast_tensors(a, b)
     original = args[0].shape, args[1].shape
     dims = tuple(
-        d for d in range(a.dim()) if a.shape[d] > 1 and any(_broadcast(s, d, a.dim()) for s in original)
+        d
+        for d in range(a.dim())
+        if a.shape[d] > 1 and any(_broadcast(s, d, a.dim()) for s in original)
     )
     if not dims or len(dims) == sum(size > 1 for size in a.shape):  # no slices, or one
         return None

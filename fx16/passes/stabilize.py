@@ -11,10 +11,11 @@ says by how much, and runs only when asked for (``eps_clamp=True``, ``--eps-clam
 
 On by default: ``PrecisionPolicy(stabilize=True)`` (``stabilize=False`` in the cast
 functions, ``--no-stabilize`` on the command line, turns it off) puts it early in
-``fx16.fp16_passes``, before the analyses, which then see the stable forms. Reads: the graph. Writes: the rewritten
-nodes (the replaced ones removed), ``meta["val"]`` and the model's provenance on the
-new ones, and ``meta["fx16.stabilized"]`` (the rule's name and what it did) on the node
-that now gives the pattern's result; the report lists them. A program without any
+``fx16.fp16_passes``, before the analyses, which then see the stable forms.
+Reads: the graph. Writes: the rewritten nodes (the replaced ones removed), ``meta["val"]``
+and the model's provenance on the new ones, and ``meta["fx16.stabilized"]`` (the rule's
+name and what it did) on the node that now gives the pattern's result; the report lists
+them. A program without any
 pattern is left byte-identical.
 """
 
@@ -40,7 +41,14 @@ def standard_rules(low: torch.dtype, exact: bool = True, eps_clamp: bool = False
     """fx16's rules: the ``exact`` ones (the same result in real arithmetic), the
     RMSNorm one first (its pattern holds an ``rsqrt(v + eps)``); with ``eps_clamp``,
     the one that changes results last."""
-    exact_rules = [RmsNormScaling(), LogSoftmax(), LogSigmoid(), Log1p(), Expm1(), TwoPassVariance()]
+    exact_rules = [
+        RmsNormScaling(),
+        LogSoftmax(),
+        LogSigmoid(),
+        Log1p(),
+        Expm1(),
+        TwoPassVariance(),
+    ]
     return (exact_rules if exact else []) + ([EpsClamp(low)] if eps_clamp else [])
 
 
