@@ -31,6 +31,7 @@ PLANNED = "fx16.planned"  # the fp16 inserter: its plan for the node (fx16.plan.
 STABILIZED = "fx16.stabilized"  # StabilizePass: (rule name, detail) on a rewrite's result
 NEGLIGIBLE = "fx16.negligible"  # StabilizePass: why flushing this value to 0 loses nothing
 ROUNDING_CANCELS = "fx16.rounding_cancels"  # StabilizePass: why this value's error is harmless
+BOUNDED_BELOW = "fx16.bounded_below"  # StabilizePass: why this value cannot flush to zero
 
 # ---- graph_module.meta ---------------------------------------------------------------
 CALIBRATION_OUTPUTS = "fx16.calibration_outputs"  # CalibrationAnalysis: fp32 reference
@@ -43,6 +44,11 @@ VERDICT_CHECKS = "fx16.verdict_checks"  # VerdictCheckAnalysis: what each check 
 def observed_max_abs(node: Any) -> float | None:
     """The largest magnitude calibration saw the node hold (None: not observed)."""
     return _meta(node).get(OBSERVED_MAX_ABS)
+
+
+def bounded_below(node: Any) -> str | None:
+    """Why a stable rewrite's value cannot flush to zero (None: nothing said)."""
+    return _meta(node).get(BOUNDED_BELOW)
 
 
 def observed_interval(node: Any) -> tuple[float, float] | None:

@@ -222,6 +222,41 @@ SINGULAR_AT_ZERO = {
 }
 # Of those, the powers: singular at zero only for a negative exponent.
 POWER_OPS = overloads("pow.Tensor_Scalar")
+# Values that are an exponential of their input, whose small end is its tail e^z: the
+# input M times wider takes their smallest value s to about s ** M.
+EXPONENTIAL_TAIL_OPS = overloads("exp.default", "exp2.default", "sigmoid.default")
+# Normalized exponentials: the input M times wider takes the smallest probability s to
+# about (s / l) ** M * l, l the largest (the ratio of two is e^(z_i - z_j)).
+SOFTMAX_OPS = overloads("softmax.int", "_softmax.default", "_safe_softmax.default")
+# Reductions whose result is a norm's statistic when they read squares (a mean or sum of
+# x ** 2), and the ops that are one on their own: zero on a silent input.
+SUMMING_OPS = overloads("mean.dim", "mean.default", "sum.dim_IntList", "sum.default")
+SQUARE_STATISTIC_OPS = overloads(
+    "var.default",
+    "var.dim",
+    "var.correction",
+    "std.default",
+    "std.dim",
+    "std.correction",
+    "linalg_vector_norm.default",
+    "norm.Scalar",
+    "norm.ScalarOpt_dim",
+)
+# Ops a value keeps its small end through on the way to a singular op: moves, casts, sqrt.
+SMALL_END_PRESERVING_OPS = overloads(
+    "sqrt.default",
+    "_to_copy.default",
+    "to.dtype",
+    "clone.default",
+    "view.default",
+    "reshape.default",
+    "unsqueeze.default",
+    "squeeze.dim",
+    "expand.default",
+    "expand_as.default",
+)
+# Ops that raise a value to at least a scalar (an eps guard): add, clamp_min, clamp.
+GUARD_OPS = overloads("add.Tensor", "clamp_min.default", "clamp.default")
 
 # ---- conditioning (fx16.analysis.conditioning) -------------------------------------------
 

@@ -20,7 +20,9 @@ from benchmarks.precision_zoo import (
     Normalized,
     RMSNormEps,
 )
+from benchmarks.shift_traps import FrameRmsNorm, TailEntropy, audio_frames
 from fx16.analysis import CalibrationAnalysis, UnderflowAnalysis, ValueRangeAnalysis
+from fx16.analysis.underflow import small_end
 from fx16.decisions import PRECISION, Reason
 from fx16.program import Program
 from helpers import check_program, export, fp64_reference, max_error, run
@@ -123,17 +125,19 @@ def test_a_proven_range_counts_without_calibration():
     assert "(proven)" in marks["div"]
 
 
+# model -> (inputs, the remedy: fp32 by the underflow rule, or the stable rewrite where
+# the softmax has no other reader)
 CASES = {
-    "entropy": (Entropy, 1),
-    "kl": (KLDivergence, 1),
-    "nll": (NegativeLogLikelihood, 2),
+    "entropy": (Entropy, 1, "underflow"),
+    "kl": (KLDivergence, 1, "underflow"),
+    "nll": (NegativeLogLikelihood, 2, "log_softmax"),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_log_of_probabilities_is_finite_and_accurate_on_sharper_unseen_logits(case):
     """Calibrated on x, run on 1.5x: eager .half() gives nan or inf, fx16 within 3e-3."""
-    build, inputs = CASES[case]
+    build, inputs, remedy = CASES[case]
     torch.manual_seed(0)
     model = build().eval()
     example = [torch.randn(16, 32, generator=_generator(1))]
@@ -147,42 +151,78 @@ def test_log_of_probabilities_is_finite_and_accurate_on_sharper_unseen_logits(ca
     assert bad == 0 and error < 3e-3
     assert not torch.isfinite(_half(model, *unseen)).all()  # what the rule prevents
     rows = {row.node: row for row in fx16.report.report_of(ep).rows}
-    assert rows["log"].rule == "underflow" and rows["log"].dtype == "float32"
+    if remedy == "underflow":
+        assert rows["log"].rule == "underflow" and rows["log"].dtype == "float32"
+    else:
+        assert [row.stabilized for row in rows.values() if row.stabilized] == [remedy]
     assert all(row.dtype == "float16" for row in rows.values() if row.product)
 
 
-@pytest.mark.parametrize(
-    "build", [lambda: Normalized(), lambda: Normalized(by_hand=True), lambda: RMSNormEps()]
-)
-def test_an_eps_of_1e_12_is_clamped_with_a_recorded_reason_and_zero_rows_stay_finite(build):
-    """eps 1e-12 flushes to 0 in fp16 (eager .half(): 0 / 0 on a row of zeros); fx16
-    clamps it to the smallest subnormal and records why."""
+# model -> how fx16 holds a row of zeros: the norm kept fp32 (a mean or sum of squares,
+# guarded by an eps below 16-bit's normal range, has no lower bound), or the RMSNorm
+# rewritten with its squares scaled into range
+GUARDED_NORMS = {
+    "F.normalize": (lambda: Normalized(), "underflow"),
+    "x / (norm + eps)": (lambda: Normalized(by_hand=True), "underflow"),
+    "rsqrt(mean(x^2) + eps)": (lambda: RMSNormEps(), "rms_norm_scaling"),
+}
+
+
+@pytest.mark.parametrize("case", GUARDED_NORMS)
+def test_a_norm_guarded_by_an_eps_of_1e_12_holds_rows_of_zeros_and_quiet_rows(case):
+    """eps 1e-12 flushes to 0 in fp16 (eager .half(): 0 / 0 on a row of zeros), and a
+    quiet row's squares flush too, although calibration saw neither."""
+    build, remedy = GUARDED_NORMS[case]
     torch.manual_seed(0)
     model = build().eval()
     ep = fx16.cast_fp32_to_fp16(export(model, torch.randn(16, 32, generator=_generator(1))))
     check_program(ep)
     unseen = torch.randn(16, 32, generator=_generator(2))
     unseen[:3] = 0  # rows of zeros
+    unseen[3:6] *= 1e-4  # quiet rows
     error, bad = _error_and_nonfinite(model, ep, unseen)
     assert bad == 0 and error < 3e-3
     assert not torch.isfinite(_half(model, unseen)).all()
+    rows = fx16.report.report_of(ep).rows
+    assert remedy in {row.rule for row in rows} | {row.stabilized.split(":")[0] for row in rows}
+    assert all(row.dtype == "float16" for row in rows if row.product)
+
+
+class SoftSign(nn.Module):
+    """``x / (|x| + 1e-12)``: the guard keeps 0 / 0 away, and |x| is no statistic."""
+
+    def forward(self, x):
+        return x / (x.abs() + 1e-12)
+
+
+def test_an_eps_of_1e_12_is_clamped_with_a_recorded_reason_and_zeros_stay_finite():
+    """The guard flushes to 0 in fp16 (0 / 0 where x is 0); fx16 clamps it to the
+    smallest subnormal and records why."""
+    ep = fx16.cast_fp32_to_fp16(export(SoftSign(), torch.randn(16, 32, generator=_generator(1))))
+    unseen = torch.randn(16, 32, generator=_generator(2))
+    unseen[:3] = 0
+    error, bad = _error_and_nonfinite(SoftSign(), ep, unseen)
+    assert bad == 0 and error < 3e-3
+    assert not torch.isfinite(_half(SoftSign(), unseen)).all()
     clamped = [row for row in fx16.report.report_of(ep).rows if row.rule == "scalar_clamped"]
     assert len(clamped) == 1 and "1e-12 -> 5.96e-08" in clamped[0].detail
 
 
-def test_when_zero_rows_are_calibrated_the_guarded_op_stays_fp32_with_its_eps():
-    """A calibration input with a row of zeros shows mean(x^2) + 1e-12 at 1e-12: the
-    add (its eps kept at 1e-12), the mean and the squares stay fp32 for the rsqrt,
-    which stays fp32 too (its 1e6 overflows fp16 first)."""
+def test_without_the_rewrite_the_guarded_statistic_stays_fp32_with_its_eps():
+    """``stabilize=False``: mean(x^2) + 1e-12 has no lower bound above 16-bit's normal
+    range, so the add (its eps kept at 1e-12), the mean and the squares stay fp32 for
+    the rsqrt, whatever calibration saw. The rsqrt's result of 1e6 on a row of zeros is
+    the overflow rule's, on what calibration saw: a row of zeros is calibrated here."""
     torch.manual_seed(0)
     model = RMSNormEps().eval()
     example = torch.randn(4, 32)
     example[0] = 0
-    ep = fx16.cast_fp32_to_fp16(export(model, example))
+    ep = fx16.cast_fp32_to_fp16(export(model, example), stabilize=False)
     nodes = {node.name: node for node in ep.graph_module.graph.nodes}
     for name in ("add", "mean", "pow_1"):
         assert nodes[name].meta[PRECISION].reason == Reason.UNDERFLOW
     assert nodes["rsqrt"].meta[PRECISION].reason == Reason.ACTIVATION_OVERFLOW
+    assert "a mean or sum of squares (mean)" in nodes["rsqrt"].meta[UnderflowAnalysis.META_KEY]
     assert nodes["add"].args[1] == 1e-12
     assert max_error(fp64_reference(model, example), run(ep, example)) < 3e-3
 
@@ -200,3 +240,94 @@ def test_property_entropy_is_finite_where_fp64_is(sharpness, unseen_scale, seed)
     unseen = torch.randn(8, 32, generator=_generator(seed + 1)) * unseen_scale
     error, bad = _error_and_nonfinite(model, ep, unseen)
     assert bad == 0 and error < 3e-3
+
+
+# ---- where the small end comes from: margins at the input, statistics without a bound ----
+
+
+def test_a_softmax_tail_is_judged_at_twice_its_logits():
+    """Calibration's smallest probability is 2e-3, above 16-bit's normal range even with
+    the margin on the output; at twice the logits it is about 4e-6, so the log and the
+    softmax stay fp32, and logits six times wider hold (eager .half(): nan)."""
+    torch.manual_seed(0)
+    model = TailEntropy().eval()
+    example = torch.randn(64, 16, generator=_generator(1))
+    marks = _analyse(export(model, example))
+    assert "at 2x its input" in marks["log"] and "(observed)" in marks["log"]
+    assert marks["softmax"] == "feeds log, kept in fp32" and marks["linear"] is None
+    ep = fx16.cast_fp32_to_fp16(export(model, example))
+    unseen = 6 * torch.randn(64, 16, generator=_generator(2))
+    error, bad = _error_and_nonfinite(model, ep, unseen)
+    assert bad == 0 and error < 3e-3
+    assert not torch.isfinite(_half(model, unseen)).all()
+
+
+@pytest.mark.parametrize("divide", [False, True])
+def test_a_hand_written_rms_norm_holds_near_silent_frames_it_never_saw(divide):
+    """Calibrated on speech-loud frames, run on frames 1000x quieter: their squares
+    flush to zero in fp16 (eager .half() is far off); the rewrite scales them into range
+    in either form, ``x * rsqrt(...)`` or ``x / sqrt(...)``, and nothing stays fp32."""
+    torch.manual_seed(0)
+    model = FrameRmsNorm(divide=divide).eval()
+    ep = fx16.cast_fp32_to_fp16(export(model, audio_frames(32, seed=1)))
+    rows = fx16.report.report_of(ep).rows
+    assert [row.stabilized.split(":")[0] for row in rows if row.stabilized] == ["rms_norm_scaling"]
+    assert not [row for row in rows if row.kind == "float" and row.dtype == "float32"]
+    quiet = audio_frames(32, seed=2, loudness=3e-4)
+    error, bad = _error_and_nonfinite(model, ep, quiet)
+    assert bad == 0 and error < 3e-3
+    want = fp64_reference(model, quiet)[0]
+    half_error = float((_half(model, quiet) - want).abs().max() / want.abs().max())
+    assert not half_error < 0.1  # nan or far off
+
+
+class Lambda(nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def forward(self, x):
+        return self.function(x)
+
+
+SMALL_ENDS = {
+    "x / x.norm()": (lambda x: x / x.norm(dim=-1, keepdim=True), "div", "statistic", 0.0),
+    "x / sqrt(mean(x*x) + 1e-8)": (
+        lambda x: x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-8),
+        "div",
+        "statistic",
+        1e-8,
+    ),
+    "x / clamp_min(x.std(), 1e-3)": (
+        lambda x: x / x.std(-1, keepdim=True).clamp_min(1e-3),
+        "div",
+        "statistic",
+        1e-3,
+    ),
+    "log(sigmoid(x) + 1e-9)": (
+        lambda x: torch.log(torch.sigmoid(x) + 1e-9),
+        "log",
+        "exponential",
+        1e-9,
+    ),
+    "1 / exp(x)": (lambda x: torch.reciprocal(torch.exp(x)), "reciprocal", "exponential", 0.0),
+    "log(softmax(x) * 2)": (lambda x: torch.log(torch.softmax(x, -1) * 2), "log", "other", 0.0),
+}
+
+
+@pytest.mark.parametrize("case", SMALL_ENDS)
+def test_the_small_end_is_found_where_the_value_comes_from(case):
+    function, singular, kind, guard = SMALL_ENDS[case]
+    ep = export(Lambda(function), torch.randn(4, 8))
+    node = next(n for n in ep.graph.nodes if n.name == singular)
+    end = small_end(node.args[1 if singular == "div" else 0])
+    assert (end.kind, end.guard) == (kind, guard)
+
+
+def test_a_guard_at_16_bit_normal_range_bounds_a_statistic():
+    """``x / sqrt(mean(x^2) + 1e-4)``: a row of zeros divides by 1e-2 and a quiet row
+    by at least that, in fp16 as in fp32: nothing to keep (``stabilize=False``, so no
+    rewrite hides the rule)."""
+    function = lambda x: x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-4)  # noqa: E731
+    marks = _analyse(export(Lambda(function), torch.randn(4, 8)))
+    assert not any(marks.values())

@@ -10,22 +10,39 @@ Flushed, its result is an infinity, and the entropy term ``p * log(p)`` becomes
 
 Such an op is kept in fp32, with its argument's elementwise past
 (``fx16.analysis.upstream``: the softmax before the log, the mean of squares before
-the rsqrt; not the matrix product before them, nor a division's numerator), when
-the smallest nonzero magnitude its argument takes lies below the 16-bit smallest
-normal times the overflow margin: proven (an interval
-that excludes zero), or observed on the calibration inputs. A scalar argument
-(``x / 1e-9``) is judged the same way. A scalar an op adds as a guard (``var +
-1e-12``) is clamped to the smallest subnormal instead of flushing to zero, as
-weights are (InsertFP16CastsPass records that as a decision); when the values
-show the guard matters, this rule keeps the op it guards.
+the rsqrt; not the matrix product before them, nor a division's numerator), when its
+argument can come near zero on the inputs users send, judged where the argument comes
+from (``small_end``):
+
+- a mean or sum of squares, a variance or a norm (a norm's statistic, through sqrt and
+  casts): zero on a silent input, whatever calibration showed; it is bounded below
+  only by a scalar guard added or clamped to it (``+ eps``, ``clamp_min(eps)``). A
+  guard below the 16-bit smallest normal leaves the op singular: kept, unless a
+  stable rewrite (``fx16.passes.stabilize``, the default) already scaled the statistic
+  into range, which its nodes say (``meta["fx16.bounded_below"]``);
+- an exponential of its input (exp, sigmoid): calibration's smallest value s moves to
+  about s ** margin when the input is ``overflow_margin`` times wider (twice the logits
+  square a sigmoid's tail), so that is what must stay above the 16-bit smallest
+  normal; for a softmax, whose probabilities are ratios of exponentials, (s / l) **
+  margin * l, l the largest probability seen (a near-uniform softmax stays one);
+- anything else: the smallest nonzero magnitude must stay above the 16-bit smallest
+  normal times the margin: proven (an interval that excludes zero), or observed on the
+  calibration inputs.
+
+A scalar argument (``x / 1e-9``) is judged the same way. A scalar an op adds as a guard
+(``var + 1e-12``) is clamped to the smallest subnormal instead of flushing to zero, as
+weights are (InsertFP16CastsPass records that as a decision); when the values show the
+guard matters, this rule keeps the op it guards.
 
 Reads: ``meta["fx16.observed_smallest"]`` (CalibrationAnalysis), proven ranges
-(``fx16.analysis.float_range``, after ValueRangeAnalysis). Writes:
+(``fx16.analysis.float_range``, after ValueRangeAnalysis), ``meta["fx16.bounded_below"]``
+(StabilizePass). Writes:
 ``node.meta["fx16.underflow"]``: why (a string), on the singular op and every node
 of its elementwise past, bodies included; absent elsewhere.
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
@@ -39,9 +56,22 @@ from fx16.contracts import Analysis
 from fx16.facts import Facts
 from fx16.nodes import node_val
 from fx16.numerics import smallest_normal
-from fx16.ops import POWER_OPS, SINGULAR_AT_ZERO
+from fx16.ops import (
+    EXPONENTIAL_TAIL_OPS,
+    GUARD_OPS,
+    POWER_OPS,
+    SINGULAR_AT_ZERO,
+    SMALL_END_PRESERVING_OPS,
+    SOFTMAX_OPS,
+    SQUARE_STATISTIC_OPS,
+    SUMMING_OPS,
+    overloads,
+)
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
+
+ADDS = overloads("add.Tensor")
+MULTIPLIES = overloads("mul.Tensor")
 
 
 class UnderflowAnalysis(Analysis):
@@ -57,9 +87,10 @@ class UnderflowAnalysis(Analysis):
         overflow_margin: float = 2.0,
     ) -> None:
         self.program = Program.of(program)
+        self.normal = smallest_normal((policy or PrecisionPolicy.default()).low)
+        self.margin = overflow_margin
         # below this (the margin again) a value is among the 16-bit subnormals, or zero
-        self.smallest_normal = smallest_normal((policy or PrecisionPolicy.default()).low)
-        self.smallest_normal *= overflow_margin
+        self.smallest_normal = self.normal * overflow_margin
 
     def call(self, graph_module: GraphModule) -> PassResult:
         boundaries = Facts.of(graph_module).boundaries
@@ -91,15 +122,107 @@ class UnderflowAnalysis(Analysis):
         ):
             return None  # a positive power is not singular at zero
         argument = node.args[position]
+        singular = f"{node.target._opname} is singular at zero, and"
+        end = small_end(argument)
+        if end.kind == "bounded":
+            return None
+        if end.kind == "statistic" and end.guard < self.normal:
+            return (
+                f"{singular} {argument.name} is {end.what} ({end.source.name}), zero on a silent "
+                f"input whatever calibration saw, guarded only by {end.guard:.3g}, below 16-bit's "
+                f"smallest normal value ({self.normal:.3g}): in 16-bit a quiet input's squares "
+                "flush to zero"
+            )
         smallest, seen = _smallest_magnitude(argument, ranges)
-        if smallest is None or not 0 < smallest < self.smallest_normal:
+        if smallest is None or smallest <= 0:
             return None
         name = argument.name if isinstance(argument, Node) else f"{argument:g}"
+        if end.kind in ("exponential", "softmax") and seen == "observed" and smallest < 1:
+            widened = self.widened(end, argument, smallest)
+            if widened < self.normal:
+                return (
+                    f"{singular} {name} is {end.what} ({end.source.name}): it reaches "
+                    f"{smallest:.3g} (observed), and {widened:.3g} at {self.margin:g}x its input "
+                    f"(the overflow margin), below 16-bit's smallest normal value "
+                    f"({self.normal:.3g}): in 16-bit it is subnormal or zero"
+                )
+            return None
+        if smallest >= self.smallest_normal:
+            return None
         return (
-            f"{node.target._opname} is singular at zero, and {name} reaches {smallest:.3g} "
+            f"{singular} {name} reaches {smallest:.3g} "
             f"({seen}), below 16-bit's smallest normal value with the margin "
             f"({self.smallest_normal:.3g}): in 16-bit it is subnormal or zero"
         )
+
+    def widened(self, end: "SmallEnd", argument: Node, smallest: float) -> float:
+        """An exponential's smallest value when its input is ``margin`` times wider."""
+        if end.kind == "exponential":
+            return smallest**self.margin
+        largest = min(meta.observed_max_abs(argument) or 1.0, 1.0)
+        return (smallest / largest) ** self.margin * largest
+
+
+@dataclass(frozen=True)
+class SmallEnd:
+    """Where a value's smallest magnitude comes from: ``kind`` "statistic" (a mean or sum
+    of squares, a variance, a norm), "exponential" (exp, sigmoid), "softmax", "bounded"
+    (a stable rewrite's statistic, scaled into range) or "other"; ``source`` the op that
+    sets it; ``guard`` the largest scalar added or clamped to on the way (0: none)."""
+
+    kind: str
+    source: Node | None = None
+    guard: float = 0.0
+
+    @property
+    def what(self) -> str:
+        if self.kind == "statistic":
+            return "a mean or sum of squares"
+        return "an exponential of its input"
+
+
+def small_end(argument) -> SmallEnd:
+    """Walk from ``argument`` through casts, moves, sqrt and scalar guards to the op
+    that sets its small end (see ``SmallEnd``)."""
+    guard, node = 0.0, argument
+    while isinstance(node, Node) and node.op == "call_function":
+        if meta.bounded_below(node):
+            return SmallEnd("bounded", node, guard)
+        target = node.target
+        if target in SMALL_END_PRESERVING_OPS:
+            node = node.args[0]
+        elif target in GUARD_OPS and _guard(node) is not None:
+            guard = max(guard, _guard(node))
+            node = node.args[0]
+        elif target in EXPONENTIAL_TAIL_OPS:
+            return SmallEnd("exponential", node, guard)
+        elif target in SOFTMAX_OPS:
+            return SmallEnd("softmax", node, guard)
+        elif target in SQUARE_STATISTIC_OPS or (target in SUMMING_OPS and _squares(node.args[0])):
+            return SmallEnd("statistic", node, guard)
+        else:
+            break
+    return SmallEnd("other", node if isinstance(node, Node) else None, guard)
+
+
+def _guard(node: Node) -> float | None:
+    """The positive scalar ``node`` adds (``x + eps``) or raises its input to
+    (``clamp_min(x, eps)``, ``clamp(x, eps, ...)``), or None."""
+    if node.target in ADDS:
+        scalar = node.args[1] if node.kwargs.get("alpha", 1) == 1 else None
+    else:  # clamp_min(x, min), clamp(x, min, max)
+        scalar = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+    is_scalar = isinstance(scalar, (int, float)) and not isinstance(scalar, bool)
+    return float(scalar) if is_scalar and scalar > 0 else None
+
+
+def _squares(node) -> bool:
+    """Whether ``node`` is ``x ** 2`` or ``x * x``."""
+    if not (isinstance(node, Node) and node.op == "call_function"):
+        return False
+    if node.target in POWER_OPS:
+        return node.args[1] == 2
+    return node.target in MULTIPLIES and node.args[0] is node.args[1]
 
 
 def _smallest_magnitude(argument, ranges: FloatRanges) -> tuple[float | None, str]:

@@ -31,6 +31,7 @@ from fx16.passes.stable_rewrites import (
     Expm1,
     Log1p,
     LogSigmoid,
+    MagnitudeScaling,
     LogSoftmax,
     RmsNormScaling,
     TwoPassVariance,
@@ -43,6 +44,7 @@ def standard_rules(low: torch.dtype, exact: bool = True, eps_clamp: bool = False
     the one that changes results last."""
     exact_rules = [
         RmsNormScaling(),
+        MagnitudeScaling(),
         LogSoftmax(),
         LogSigmoid(),
         Log1p(),

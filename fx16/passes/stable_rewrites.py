@@ -8,7 +8,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fx16.casts import copy_provenance
-from fx16.meta import NEGLIGIBLE, ROUNDING_CANCELS
+from fx16.meta import BOUNDED_BELOW, NEGLIGIBLE, ROUNDING_CANCELS
 from fx16.numerics import smallest_normal
 from fx16.propagation import propagate_fake
 
@@ -67,13 +67,16 @@ class Rewrite:
     result: Node
     replaced: tuple[Node, ...]
     detail: str = ""
+    parts: tuple = ()  # what the rule's build reads, where the match found it
 
 
 class RmsNormScaling:
     """RMSNorm's variance divided through by a power of two near the row's largest magnitude.
 
-    Before: ``x * rsqrt(mean(x**2, dims, keepdim=True) + eps)`` - with activations of
-    a few hundred, x**2 passes 65504 (why models compute it in an fp32 region).
+    Before: ``x * rsqrt(mean(x**2, dims, keepdim=True) + eps)``, or
+    ``x / sqrt(mean(x**2, dims, keepdim=True) + eps)`` - with activations of a few
+    hundred, x**2 passes 65504 (why models compute it in an fp32 region); on a quiet
+    input (a near-silent audio frame) it flushes to zero.
     After: ``s = 2**floor(log2(max(amax(|x|, dims) / 64, 2**-14))); y = x / s;
     y * rsqrt(mean(y**2, dims) + (sqrt(eps) / s)**2)``: the same value in exact
     arithmetic for any s > 0, and s a power of two makes ``x / s`` exact in 16-bit too.
@@ -86,47 +89,107 @@ class RmsNormScaling:
     name = "rms_norm_scaling"
 
     def match(self, node: Node) -> Rewrite | None:
-        if not _is(node, aten.mul.Tensor):
+        if _is(node, aten.mul.Tensor):
+            pairs = [(x, root) for x, root in (node.args, node.args[::-1])]
+            pairs = [(x, root) for x, root in pairs if _is(root, aten.rsqrt.default)]
+        elif _is(node, aten.div.Tensor) and _is(node.args[1], aten.sqrt.default):
+            pairs = [tuple(node.args)]
+        else:
             return None
-        for x, root in (node.args, reversed(node.args)):
-            if not _is(root, aten.rsqrt.default) or not _only_user(root, node):
-                continue
+        for x, root in pairs:
             added = root.args[0]
-            if not (_is(added, aten.add.Tensor) and _only_user(added, root)):
+            if not (_only_user(root, node) and _is(added, aten.add.Tensor)):
                 continue
             mean, eps = added.args[0], added.args[1]
-            if not isinstance(eps, float) or eps < 0 or not _only_user(mean, added):
+            if not (_only_user(added, root) and isinstance(eps, float) and eps >= 0):
                 continue
             found = _mean(mean)
-            if found is None or not found[2] or not _only_user(found[0], mean):
+            if found is None or not found[2] or not _only_user(mean, added):
                 continue
-            if _squared(found[0]) is x:
-                return Rewrite(node, (node, root, added, mean, found[0]), f"eps {eps:g}")
+            if _only_user(found[0], mean) and _squared(found[0]) is x:
+                replaced = (node, root, added, mean, found[0])
+                return Rewrite(node, replaced, f"eps {eps:g}", parts=(x, added))
         return None
 
     def build(self, graph: Graph, rewrite: Rewrite) -> Node:
-        node = rewrite.result
-        root = next(arg for arg in node.args if _is(arg, aten.rsqrt.default))
-        x = next(arg for arg in node.args if arg is not root)
-        added = root.args[0]
+        x, added = rewrite.parts
         eps = added.args[1]
         _, dims, _ = _mean(added.args[0])
-        make = _Builder(graph, node)
+        make = _Builder(graph, rewrite.result)
         magnitudes = make(aten.abs.default, x)
         largest = make(aten.amax.default, magnitudes, dims, True)
-        clamped = make(aten.clamp.default, make(aten.mul.Tensor, largest, 2.0**-6), 2.0**-14)
-        exponent = make(aten.floor.default, make(aten.log2.default, clamped))
-        scale = make(aten.exp2.default, exponent)
-        for part in (magnitudes, largest, clamped, exponent, exponent.args[0], scale):
-            part.meta[ROUNDING_CANCELS] = _ANY_SCALE
+        scale = _power_of_two_near(make, largest, 2.0**-6, (magnitudes, largest), _ANY_SCALE)
         y = make(aten.div.Tensor, x, scale)
         mean = make(aten.mean.dim, make(aten.pow.Tensor_Scalar, y, 2), dims, True)
         shrunk = make(aten.mul.Tensor, make(aten.reciprocal.default, scale), math.sqrt(eps))
         eps_term = make(aten.mul.Tensor, shrunk, shrunk)
         for small in (shrunk, eps_term):
             small.meta[NEGLIGIBLE] = _EPS_TERM
-        inverse = make(aten.rsqrt.default, make(aten.add.Tensor, mean, eps_term))
-        return make(aten.mul.Tensor, y, inverse)
+        power = make(aten.add.Tensor, mean, eps_term)
+        power.meta[BOUNDED_BELOW] = _SCALED_POWER
+        return make(aten.mul.Tensor, y, make(aten.rsqrt.default, power))
+
+
+def _power_of_two_near(make: _Builder, largest: Node, factor: float, parts, why: str) -> Node:
+    """``2**floor(log2(max(largest * factor, 2**-14)))``: a power of two (dividing by it is
+    exact in 16-bit), at least 16-bit's smallest normal. Its nodes and ``parts`` (what
+    ``largest`` is computed from) say ``why`` their rounding cancels."""
+    clamped = make(aten.clamp.default, make(aten.mul.Tensor, largest, factor), 2.0**-14)
+    exponent = make(aten.floor.default, make(aten.log2.default, clamped))
+    scale = make(aten.exp2.default, exponent)
+    for part in (*parts, clamped, clamped.args[0], exponent, exponent.args[0], scale):
+        part.meta[ROUNDING_CANCELS] = why
+    scale.meta[BOUNDED_BELOW] = "a power of two at least 2**-14, 16-bit's smallest normal"
+    return scale
+
+
+class MagnitudeScaling:
+    """A complex magnitude computed from its parts, divided through by a power of two.
+
+    Before: ``sqrt(a**2 + b**2)`` (an STFT's magnitude from its real and imaginary
+    parts) - parts above 256 square past 65504, and a quiet signal's parts below 2.4e-4
+    square to 16-bit's subnormals or zero. After: ``s = 2**floor(log2(max(|a|, |b|,
+    2**-14))); sqrt((a/s)**2 + (b/s)**2) * s``, elementwise: the same value in exact
+    arithmetic for any s > 0 (the scaling of ``hypot``); the larger part over s lies in
+    [1, 2), so its square is normal and below 4, and a smaller part that flushes is
+    below 2**-12 of the larger, where its square no longer moves the sum."""
+
+    name = "magnitude_scaling"
+
+    def match(self, node: Node) -> Rewrite | None:
+        if not _is(node, aten.sqrt.default):
+            return None
+        added = node.args[0]
+        if not (_is(added, aten.add.Tensor) and _only_user(added, node)):
+            return None
+        if added.kwargs.get("alpha", 1) != 1 or not all(isinstance(a, Node) for a in added.args):
+            return None
+        squares = added.args[:2]
+        parts = tuple(_squared(square) for square in squares)
+        if None in parts or squares[0] is squares[1]:
+            return None
+        if not all(_only_user(square, added) for square in squares):
+            return None
+        return Rewrite(node, (node, added, *squares), parts=parts)
+
+    def build(self, graph: Graph, rewrite: Rewrite) -> Node:
+        a, b = rewrite.parts
+        make = _Builder(graph, rewrite.result)
+        magnitudes = (make(aten.abs.default, a), make(aten.abs.default, b))
+        largest = make(aten.maximum.default, *magnitudes)
+        scale = _power_of_two_near(make, largest, 1.0, (*magnitudes, largest), _ANY_PART_SCALE)
+        scaled = [make(aten.div.Tensor, part, scale) for part in (a, b)]
+        squares = [make(aten.mul.Tensor, part, part) for part in scaled]
+        return make(
+            aten.mul.Tensor, make(aten.sqrt.default, make(aten.add.Tensor, *squares)), scale
+        )
+
+
+# Why a magnitude's scale's rounding does not matter: any s > 0 gives the same result.
+_ANY_PART_SCALE = (
+    "the scale s of a scaled magnitude sqrt(a**2 + b**2): the result is the same for any "
+    "s > 0, so its rounding cancels"
+)
 
 
 # Why the scale's rounding does not matter: the result is the same for any s > 0.
@@ -142,6 +205,14 @@ _EPS_TERM = (
     "range, s is a power of two within 2x of the row's largest magnitude over 64, and the "
     "mean of squares it is added to is at least 4096 / row length: flushing it changes "
     "that sum by under 1.5e-8 of it per element of the row"
+)
+
+
+# Why the scaled mean of squares cannot flush: a row's largest |y| is at least 64 unless
+# the row's largest |x| is below 2**-8, and then (sqrt(eps)/s)**2 = eps * 2**28.
+_SCALED_POWER = (
+    "the mean of squares of a scaled RMSNorm: at least 4096 / row length where the row's "
+    "largest magnitude is 2**-8 or more, else at least eps * 2**28"
 )
 
 
