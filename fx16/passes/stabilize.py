@@ -31,8 +31,8 @@ from fx16.passes.stable_rewrites import (
     Expm1,
     Log1p,
     LogSigmoid,
-    MagnitudeScaling,
     LogSoftmax,
+    MagnitudeScaling,
     RmsNormScaling,
     TwoPassVariance,
 )
