@@ -214,8 +214,9 @@ def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> Exp
     keep_decisions(ep.graph_module, explained)  # they survive torch.export.save
     if accuracy is None and previous is not None:  # a second cast keeps the first's search
         accuracy = previous.accuracy
+    margin = fp16_options.overflow_margin if fp16_options is not None else 2.0
     ep.graph_module.meta[REPORT_KEY] = replace(
-        build_report(ep, before, accuracy), provenance=made_by
+        build_report(ep, before, accuracy, margin), provenance=made_by
     )
     return ep
 

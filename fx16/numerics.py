@@ -57,6 +57,19 @@ def round_scalar_to_fp16(value: float, dtype: torch.dtype = torch.float16) -> fl
     return _nearest(float(value), dtype)
 
 
+def scalar_for_16_bit_op(value: float, dtype: torch.dtype = torch.float16) -> float | None:
+    """The number an op computing in ``dtype`` takes in place of the Python float
+    ``value``: ``value`` itself, since eager PyTorch applies a scalar in the op's fp32
+    math (``z / 0.18215`` divides by fp32's 0.18215, not fp16's 0.18212890625); except
+    an infinity-like sentinel, saturated to +-maximum (a 16-bit kernel refuses it), a
+    nonzero magnitude below the smallest subnormal, clamped to it (``var + 1e-12`` would
+    round to ``var``, a flush), and None where it overflows (the op stays fp32)."""
+    rounded = round_scalar_to_fp16(value, dtype)
+    if rounded is None or abs(value) >= INF_LIKE or 0 < abs(value) < smallest_subnormal(dtype):
+        return rounded
+    return value
+
+
 def scalar_overflows(value: float, dtype: torch.dtype = torch.float16) -> bool:
     """``round_scalar_to_fp16(value, dtype)`` is None: a finite magnitude beyond the
     dtype's maximum that is not an infinity-like sentinel."""

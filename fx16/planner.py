@@ -29,7 +29,7 @@ from fx16.nodes import (
     node_dtype,
     node_val,
 )
-from fx16.numerics import round_scalar_to_fp16, smallest_subnormal
+from fx16.numerics import round_scalar_to_fp16, scalar_for_16_bit_op, smallest_subnormal
 from fx16.ops import ASSERT_METADATA_OPS, CAST_OPS, CREATION_OPS, is_custom_op, per_op
 from fx16.plan import Plan, Read, Step
 from fx16.plan_bodies import plan_autocast, plan_opaque, plan_shared, plan_subgraphs
@@ -194,11 +194,12 @@ class Planner:
 
     def in_low(self, node: Node, choice: Choice, view: View) -> Step:
         """Computed in 16-bit: its fp32 inputs that may be narrowed are, its float
-        scalars rounded (a nonzero one below the subnormals clamped to them), its fp32
-        dtype arguments made 16-bit."""
+        scalars kept as eager applies them (a sentinel saturated, a nonzero one below
+        the subnormals clamped to them: ``scalar_for_16_bit_op``), its fp32 dtype
+        arguments made 16-bit."""
         arguments, clamped = [], []
         for location, value in view.scalars:
-            rounded = round_scalar_to_fp16(value, self.low) if isinstance(value, float) else value
+            rounded = scalar_for_16_bit_op(value, self.low) if isinstance(value, float) else value
             if rounded != value:
                 arguments.append((location, rounded))
                 if value and abs(value) < smallest_subnormal(self.low):

@@ -42,9 +42,9 @@ class Pending:
     every weight alive. ``report_of`` hands out a report that holds the program until
     the report is built (``holding``)."""
 
-    def __init__(self, ep: ExportedProgram, before: ProgramStats | None) -> None:
+    def __init__(self, ep: ExportedProgram, before: ProgramStats | None, margin: float) -> None:
         self.program = weakref.ref(ep)
-        self.before = before
+        self.before, self.margin = before, margin
         self.built: tuple[list[Row], Totals] | None = None
 
     def __call__(self, ep: ExportedProgram | None = None) -> tuple[list[Row], Totals]:
@@ -55,7 +55,7 @@ class Pending:
                     "fx16: the program this report describes was freed before the report "
                     "was first read; read report_of(ep) while ep lives"
                 )
-            self.built = decision_rows(ep), totals(ep, self.before)
+            self.built = decision_rows(ep), totals(ep, self.before, self.margin)
         return self.built
 
     def holding(self, ep: ExportedProgram) -> "_Held":
@@ -168,6 +168,8 @@ class CastReport:
             lines.append(f"stabilized (rewritten for 16-bit): {kinds}")
         if self.accuracy is not None:
             lines.append(self.accuracy.describe())
+        if t.envelope is not None:
+            lines += [f"envelope: {line}" for line in t.envelope.lines()]
         return lines
 
     def by_layer(self) -> list[str]:
@@ -218,12 +220,16 @@ def layer_flop_share(rows: list[Row]) -> str:
 
 
 def build_report(
-    ep: ExportedProgram, before: ProgramStats | None, accuracy: AccuracySearch | None = None
+    ep: ExportedProgram,
+    before: ProgramStats | None,
+    accuracy: AccuracySearch | None = None,
+    margin: float = 2.0,
 ) -> CastReport:
     """The report of a cast of ``ep``, built when first read; ``before``: the program's
     figures before it (None: not recorded; the weight bytes before then follow from the
-    decisions, and the model's casts the cleanup removed are not known)."""
-    return CastReport(Pending(ep, before), accuracy)
+    decisions, and the model's casts the cleanup removed are not known); ``margin``:
+    the overflow margin the cast was made with (its envelope states it)."""
+    return CastReport(Pending(ep, before, margin), accuracy)
 
 
 def format_rows(rows: list[Row]) -> str:

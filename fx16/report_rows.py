@@ -14,6 +14,7 @@ from fx16.analysis.intervals import ValueRange
 from fx16.casts import INSERTED, WHY_RETARGETED, is_inserted
 from fx16.cost import flops, is_product, tensor_bytes
 from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason
+from fx16.envelope import Envelope, envelope
 from fx16.int_ops import WIDE_INT_DTYPES
 from fx16.nodes import dtype_name, node_dtype, node_module_path, node_val, op_label
 from fx16.program import Program
@@ -85,6 +86,7 @@ class Totals:
     product_flops_16bit: int = 0  # of those, computed in 16-bit
     cast_bytes: int = 0  # bytes every cast of the program reads and writes per call
     fp32_weight_bytes: int = 0
+    envelope: Envelope | None = None  # the inputs under which the decisions hold
 
     @property
     def share_16bit(self) -> float:
@@ -241,8 +243,9 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
     return rows
 
 
-def totals(ep: ExportedProgram, before: ProgramStats | None) -> Totals:
-    """The figures of ``ep`` after its cast, beside ``before``'s."""
+def totals(ep: ExportedProgram, before: ProgramStats | None, margin: float = 2.0) -> Totals:
+    """The figures of ``ep`` after its cast, beside ``before``'s, and the envelope of
+    its decisions (made with the overflow ``margin``)."""
     after = program_stats(ep)
     model_casts = after.casts - after.inserted_casts
     return Totals(
@@ -258,6 +261,7 @@ def totals(ep: ExportedProgram, before: ProgramStats | None) -> Totals:
         product_flops_16bit=after.product_flops_16bit,
         cast_bytes=after.cast_bytes,
         fp32_weight_bytes=after.fp32_weight_bytes,
+        envelope=envelope(ep, margin),
     )
 
 

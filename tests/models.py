@@ -64,9 +64,9 @@ class EmbeddingNormSoftmax(nn.Module):
 class RMSNormMLP(nn.Module):
     """A Llama-style RMSNorm (explicit ``x.to(torch.float32)``) in front of a linear layer."""
 
-    def __init__(self, width=16):
+    def __init__(self, width=16, eps=1e-6):
         super().__init__()
-        self.norm = RMSNorm(width)
+        self.norm = RMSNorm(width, eps)
         self.fc = nn.Linear(width, width)
 
     def forward(self, x):

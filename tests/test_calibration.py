@@ -9,10 +9,13 @@ from hypothesis import strategies as st
 import fx16
 from benchmarks.zoo import ExpLogits, ScaledAttention, SquaredSum
 from fx16.analysis import CalibrationAnalysis
+from fx16.analysis.fp32_rules import UnderflowRule
 from fx16.analysis.magnitudes import observe_floats
 from fx16.decisions import PRECISION, Reason
 from fx16.numerics import INF_LIKE
+from fx16.pipelines import run_passes, without_rules
 from fx16.program import Program
+from fx16.report import report_of
 from fx16.testing import programs
 from helpers import check_program, export, fp64_reference, max_error, run, state_snapshot
 from models import BufferUpdate, MaskedAttention
@@ -58,12 +61,21 @@ def test_sum_of_squares_stays_fp32_and_returns_to_fp16():
     assert max_error(fp64_reference(model, x), outputs) < 1e-2
 
 
-def test_without_calibration_the_same_model_goes_wrong():
-    """What coreai-opt does: everything fp16, the sum becomes inf and the output collapses."""
+def test_without_calibration_the_energy_is_kept_for_its_missing_lower_bound():
+    """Without calibration nothing shows the sum overflowing; but a sum of squares under
+    a division has no lower bound either (a silent input), so the underflow rule keeps
+    the chain fp32 whatever calibration saw, and the output holds. With that rule out
+    too, the sum becomes inf and the output collapses, as coreai-opt's does."""
     torch.manual_seed(0)
     model, x = SumOfSquares(), torch.randn(4, 8)
     ep = fx16.cast_fp32_to_fp16(export(model, x), calibration=[])
-    assert max_error(fp64_reference(model, x), run(ep, x)) > 0.5
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 3e-3
+    rows = {row.node: row.rule for row in report_of(ep).rows}
+    assert rows["sum_1"] == rows["sqrt"] == rows["div"] == "underflow"
+    bare = export(model, x)
+    passes = fx16.fp16_passes(bare, calibration=[])
+    run_passes(without_rules(passes, UnderflowRule), bare.graph_module)
+    assert max_error(fp64_reference(model, x), run(bare, x)) > 0.5
 
 
 def test_explicit_calibration_inputs_and_margin():

@@ -26,6 +26,7 @@ MODELS = {name: (build, args, ranges) for name, build, args, ranges in coreai.mo
 DELIBERATE = {
     "explicit_fp32",
     "activation_overflow",
+    "underflow",
     "unsafe_index",
     "fp32_input",
     "ill_conditioned",

@@ -1,5 +1,6 @@
 """InsertFP16CastsPass on its own (after the two converters, before cleanup)."""
 
+import math
 import operator
 
 import pytest
@@ -11,7 +12,6 @@ import fx16
 from fx16.analysis import ExplicitFp32Analysis, Fp32RulesAnalysis
 from fx16.casts import INSERTED
 from fx16.decisions import PRECISION, Reason
-from fx16.numerics import round_scalar_to_fp16
 from fx16.passes import ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass
 from fx16.pipelines import run_passes
 from fx16.policy import PrecisionPolicy
@@ -81,12 +81,20 @@ def test_scalar_beyond_fp16_keeps_the_op_in_fp32():
     assert targets(ep)[aten._to_copy.default] == 2
 
 
-def test_scalars_are_rounded_to_fp16_values():
-    ep = export(Scale(0.1), torch.randn(3))
+@pytest.mark.parametrize("scalar", [0.1, 1 / 0.18215, 1e-6, 3e-5, 65504.0, -7.0])
+def test_scalars_keep_the_value_eager_applies(scalar):
+    """A 16-bit op takes a Python scalar in its fp32 op math, as eager ``.half()`` does:
+    the scalar is written unrounded (``z / 0.18215`` divides by fp32's 0.18215, not
+    fp16's nearest 0.18212890625), subnormal-range ones (an RMSNorm's eps) included,
+    and the result equals eager fp16's bit for bit."""
+    ep = export(Scale(scalar), torch.randn(3))
     _insert(ep)
     mul = _only(ep, aten.mul.Tensor)
-    assert mul.args[1] == round_scalar_to_fp16(0.1) != 0.1
-    assert mul.meta["val"].dtype == torch.float16
+    assert mul.args[1] == scalar and mul.meta["val"].dtype == torch.float16
+    assert mul.meta[PRECISION].reason == Reason.FITS
+    x = torch.randn(3, generator=torch.Generator().manual_seed(0)).half()
+    ep.graph_module.recompile()
+    assert torch.equal(ep.module()(x), Scale(scalar).half()(x))
 
 
 def test_inf_like_scalar_saturates_instead_of_forcing_fp32():
@@ -339,18 +347,24 @@ def test_opaque_higher_order_region_is_fed_fp32():
     )
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.floats(allow_nan=False, allow_infinity=True, width=32))
 def test_any_scalar_keeps_the_program_valid(factor):
     ep = export(Scale(factor), torch.randn(3))
     _insert(ep)
     check_program(ep)
     mul = _only(ep, aten.mul.Tensor)
-    if round_scalar_to_fp16(factor) is None:
-        assert mul.meta["val"].dtype == torch.float32
-    else:
-        assert mul.meta["val"].dtype == torch.float16
-        assert mul.args[1] == round_scalar_to_fp16(factor)
+    magnitude = abs(factor)
+    if 65504 < magnitude < 1e38:  # beyond fp16, no sentinel: the op stays fp32
+        assert mul.meta["val"].dtype == torch.float32 and mul.args[1] == factor
+        return
+    assert mul.meta["val"].dtype == torch.float16
+    if 1e38 <= magnitude < math.inf:  # a sentinel: saturated
+        assert mul.args[1] == math.copysign(65504.0, factor)
+    elif 0 < magnitude < 2.0**-24:  # below the subnormals: clamped, not flushed
+        assert mul.args[1] == math.copysign(2.0**-24, factor)
+    else:  # as eager applies it, in fp32 op math
+        assert mul.args[1] == factor
 
 
 class TypeAsValue(torch.nn.Module):

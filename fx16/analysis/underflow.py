@@ -19,7 +19,9 @@ from (``small_end``):
   only by a scalar guard added or clamped to it (``+ eps``, ``clamp_min(eps)``). A
   guard below the 16-bit smallest normal leaves the op singular: kept, unless a
   stable rewrite (``fx16.passes.stabilize``, the default) already scaled the statistic
-  into range, which its nodes say (``meta["fx16.bounded_below"]``);
+  into range, which its nodes say (``meta["fx16.bounded_below"]``). What is kept is the
+  short chain from the op to the squares, not what the squares read: squaring and
+  summing in fp32 is what keeps a quiet input's statistic from flushing;
 - an exponential of its input (exp, sigmoid): calibration's smallest value s moves to
   about s ** margin when the input is ``overflow_margin`` times wider (twice the logits
   square a sigmoid's tail), so that is what must stay above the 16-bit smallest
@@ -104,24 +106,22 @@ class UnderflowAnalysis(Analysis):
                     node.meta[self.META_KEY] = why
                     seeds.append(node)
         for seed in seeds:
-            argument = seed.args[SINGULAR_AT_ZERO[seed.target]]
+            argument = singular_argument(seed)
             reads = [argument] if isinstance(argument, Node) else []
-            for node in elementwise_past(seed, boundaries, ranges.of, reads):
+            end = small_end(argument)
+            if end.kind == "statistic":  # its squares and sum in fp32 are what matters
+                chain = list(end.path)
+            else:
+                chain = elementwise_past(seed, boundaries, ranges.of, reads)
+            for node in chain:
                 node.meta.setdefault(self.META_KEY, f"feeds {seed.name}, kept in fp32")
         return PassResult(graph_module, False)
 
     def verdict(self, node: Node, ranges: FloatRanges) -> str | None:
-        position = SINGULAR_AT_ZERO.get(node.target) if node.op == "call_function" else None
+        argument = singular_argument(node)
         val = node_val(node)
-        if position is None or position >= len(node.args):
+        if argument is None or not (isinstance(val, torch.Tensor) and val.is_floating_point()):
             return None
-        if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
-            return None
-        if node.target in POWER_OPS and not (
-            isinstance(node.args[1], (int, float)) and node.args[1] < 0
-        ):
-            return None  # a positive power is not singular at zero
-        argument = node.args[position]
         singular = f"{node.target._opname} is singular at zero, and"
         end = small_end(argument)
         if end.kind == "bounded":
@@ -163,6 +163,19 @@ class UnderflowAnalysis(Analysis):
         return (smallest / largest) ** self.margin * largest
 
 
+def singular_argument(node: Node):
+    """The argument (a node or a number) ``node`` is singular at where it is zero (a
+    log's argument, a divisor, a negative power's base), or None for another op."""
+    position = SINGULAR_AT_ZERO.get(node.target) if node.op == "call_function" else None
+    if position is None or position >= len(node.args):
+        return None
+    if node.target in POWER_OPS and not (
+        isinstance(node.args[1], (int, float)) and node.args[1] < 0
+    ):
+        return None  # a positive power is not singular at zero
+    return node.args[position]
+
+
 @dataclass(frozen=True)
 class SmallEnd:
     """Where a value's smallest magnitude comes from: ``kind`` "statistic" (a mean or sum
@@ -173,6 +186,7 @@ class SmallEnd:
     kind: str
     source: Node | None = None
     guard: float = 0.0
+    path: tuple[Node, ...] = ()  # the nodes from the value to the source, and its squares
 
     @property
     def what(self) -> str:
@@ -184,8 +198,9 @@ class SmallEnd:
 def small_end(argument) -> SmallEnd:
     """Walk from ``argument`` through casts, moves, sqrt and scalar guards to the op
     that sets its small end (see ``SmallEnd``)."""
-    guard, node = 0.0, argument
+    guard, node, path = 0.0, argument, []
     while isinstance(node, Node) and node.op == "call_function":
+        path.append(node)
         if meta.bounded_below(node):
             return SmallEnd("bounded", node, guard)
         target = node.target
@@ -198,8 +213,10 @@ def small_end(argument) -> SmallEnd:
             return SmallEnd("exponential", node, guard)
         elif target in SOFTMAX_OPS:
             return SmallEnd("softmax", node, guard)
-        elif target in SQUARE_STATISTIC_OPS or (target in SUMMING_OPS and _squares(node.args[0])):
-            return SmallEnd("statistic", node, guard)
+        elif target in SQUARE_STATISTIC_OPS:
+            return SmallEnd("statistic", node, guard, tuple(path))
+        elif target in SUMMING_OPS and _squares(node.args[0]):
+            return SmallEnd("statistic", node, guard, (*path, node.args[0]))
         else:
             break
     return SmallEnd("other", node if isinstance(node, Node) else None, guard)

@@ -139,7 +139,8 @@ def _power_of_two_near(make: _Builder, largest: Node, factor: float, parts, why:
     scale = make(aten.exp2.default, exponent)
     for part in (*parts, clamped, clamped.args[0], exponent, exponent.args[0], scale):
         part.meta[ROUNDING_CANCELS] = why
-    scale.meta[BOUNDED_BELOW] = "a power of two at least 2**-14, 16-bit's smallest normal"
+    for bounded in (clamped, scale):
+        bounded.meta[BOUNDED_BELOW] = "at least 2**-14, 16-bit's smallest normal"
     return scale
 
 
