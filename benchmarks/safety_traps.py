@@ -107,14 +107,17 @@ def cases():
     )
 
 
-def _fp64(model, args):
+def fp64_outputs(model, args):
+    """What ``model`` computes in fp64 on ``args`` (floats widened)."""
     with torch.no_grad():
         return copy.deepcopy(model).double()(
             *[a.double() if a.is_floating_point() else a for a in args]
         )
 
 
-def _judge(want: torch.Tensor, got: torch.Tensor) -> tuple[float, int]:
+def judge(want: torch.Tensor, got: torch.Tensor) -> tuple[float, int]:
+    """(max |want - got| / max |want| over the finite elements, how many elements are inf
+    or nan in ``got`` where ``want``'s are finite)."""
     want, got = want.double(), got.double()
     bad = int((~torch.isfinite(got) & torch.isfinite(want)).sum())
     finite = torch.isfinite(got) & torch.isfinite(want)
@@ -143,7 +146,7 @@ def fx16_results() -> dict:
         ep = fx16.cast_fp32_to_fp16(torch.export.export(model, example))
         with torch.no_grad():
             got = ep.module()(*Program(ep).adapt_call(unseen)[0])
-        results[name] = (*_judge(_fp64(model, unseen), got), _rules(ep))
+        results[name] = (*judge(fp64_outputs(model, unseen), got), _rules(ep))
     for name in ("qwen3", "gemma3", "llama"):
         for strict in (False, True):
             results[
@@ -156,7 +159,7 @@ def _rope(name: str, strict: bool) -> tuple[float, int, str]:
     step = rope_llm(name)
     example = {"input_ids": torch.tensor([[1]]), "cache_position": torch.tensor([0])}
     cast = fx16.cast_fp32_to_fp16(torch.export.export(step, (), example, strict=strict))
-    judged = [_judge(want, got) for want, got in decode_outputs(step, cast)]
+    judged = [judge(want, got) for want, got in decode_outputs(step, cast)]
     return max(e for e, _ in judged), sum(b for _, b in judged), _rules(cast)
 
 
@@ -169,7 +172,7 @@ def half_results() -> dict:
             got = copy.deepcopy(model).half()(
                 *[a.half() if a.is_floating_point() else a for a in unseen]
             )
-        results[name] = _judge(_fp64(model, unseen), got)
+        results[name] = judge(fp64_outputs(model, unseen), got)
     return results
 
 

@@ -9,12 +9,13 @@ can move the outputs along the current error. The worst uses return to fp32 (the
 consumer, reading its producer in fp32), so fp32 regions grow as connected pieces,
 joined by casts only at their edges, and the other uses of a value stay 16-bit.
 
-Which first: fp32 is a cost, and the search spends it where it buys the most. A
-remedy's score (the error its rounding causes) is weighed against what it costs:
-the matmul/conv/attention FLOPs it moves to fp32, an elementwise op or reduction
-counting ``ELEMENTWISE_WEIGHT`` of its FLOPs (on a GPU or the Neural Engine an fp32
-product costs 8-16x its 16-bit time, an fp32 elementwise op about twice its
-bytes). Remedies are taken by error removed per FLOP paid.
+Which first: fp32 is a cost, and the search spends it where it buys the most. On a
+GPU or the Neural Engine an fp32 product costs 8-16x its 16-bit time, an fp32
+elementwise op about twice its bytes: so every remedy that moves no matmul/conv/
+attention FLOPs to fp32 (elementwise ops, reductions) comes before any that moves a
+product. Within each group a remedy's score (the error its rounding causes) is
+weighed against what it costs, an elementwise op or reduction counting
+``ELEMENTWISE_WEIGHT`` of its FLOPs: remedies are taken by error removed per FLOP paid.
 
 How many: the first round takes the single best remedy; a round that does not
 halve the excess over the budget doubles the count for the next one, which scores

@@ -5,9 +5,10 @@
 round); one backward run per bounded group of gradients gives, for every use u of
 a float value v that the cast program holds in 16-bit, sum |dL/du * (v - fp16(v))|:
 how far that use's rounding moves the outputs along the current error. A remedy
-returns the use to fp32 (the consumer, reading its producer in fp32); remedies come
-ranked by that score per FLOP they move to fp32 (an elementwise op or reduction
-counting ``ELEMENTWISE_WEIGHT`` of its FLOPs).
+returns the use to fp32 (the consumer, reading its producer in fp32); remedies that
+move no matmul/conv/attention FLOPs to fp32 come first, each group ranked by that score
+per FLOP they move to fp32 (an elementwise op or reduction counting
+``ELEMENTWISE_WEIGHT`` of its FLOPs).
 """
 
 import torch
@@ -188,8 +189,10 @@ def remedies(graph_module, reference: Reference, observed: list[list], forced: s
     Removing that rounding for that use takes the consumer in fp32 (``OUTPUTS`` for a
     program output), reading the value's producer in fp32 (the producer too, when it
     computes in 16-bit); its other consumers keep reading 16-bit. So fp32 regions grow
-    as connected pieces and stop where the error does. Remedies come by score per
-    cost (``_fp32_cost`` of the nodes they return to fp32), best first.
+    as connected pieces and stop where the error does. Remedies that return no product
+    to fp32 come first (elementwise ops and reductions cost bytes, a product in fp32
+    8-16x its time), each group by score per cost (``_fp32_cost`` of the nodes they
+    return to fp32), best first.
     """
     errors = [
         [
@@ -222,13 +225,17 @@ def remedies(graph_module, reference: Reference, observed: list[list], forced: s
             fix = frozenset(fix - forced)
             if fix:
                 best[fix] = max(best.get(fix, 0.0), impact(producer.name, consumer.name))
-    costs = {node.name: _fp32_cost(node) for node in reference.graph_module.graph.nodes}
+    nodes = {node.name: node for node in reference.graph_module.graph.nodes}
+    costs = {name: _fp32_cost(node) for name, node in nodes.items()}
+
+    def rank(remedy) -> tuple[bool, float]:
+        """Remedies that move no product FLOPs first, then by score per cost."""
+        score, fix = remedy
+        moves_products = any(name in nodes and is_product(nodes[name]) for name in fix)
+        return not moves_products, score / (1 + sum(costs.get(name, 0.0) for name in fix))
+
     remedies = [(score, fix) for fix, score in best.items() if score > 0.0]
-    return sorted(
-        remedies,
-        key=lambda remedy: remedy[0] / (1 + sum(costs.get(name, 0.0) for name in remedy[1])),
-        reverse=True,
-    )
+    return sorted(remedies, key=rank, reverse=True)
 
 
 def _fp32_cost(node: Node) -> float:

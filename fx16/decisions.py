@@ -33,6 +33,10 @@ class Reason(str, enum.Enum):
     )
     FIXED_OUTPUT_DTYPE = "a custom op that returns fp32 whatever its inputs' dtype"
     SUBCLASS_KEPT = "a tensor subclass that cannot be rebuilt with 16-bit parts: left as it is"
+    SHARED_FP32 = (
+        "the same tensor is stored under another name that stays fp32: stored once, in "
+        "fp32, and cast for the 16-bit ops that read it"
+    )
     OPAQUE_SUBGRAPH = "a higher-order op fx16 does not look inside runs as exported, in fp32"
     LOOP_CARRIED = "carried by a while_loop from one iteration to the next in its exported dtype"
     AUTOCAST_DISABLED = "inside a torch.autocast(enabled=False) region the model wrote"

@@ -4,11 +4,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fx16
 from fx16.decisions import PRECISION, Reason
 from fx16.numerics import FP16_TINY
 from fx16.passes import ConvertParametersPass
 from fx16.program import Program
-from helpers import export, node_named
+from fx16.stats import program_stats
+from helpers import export, node_named, run
 from models import MLP, MixedBuffers, OverflowWeight
 
 
@@ -117,17 +119,18 @@ def test_conversion_is_exactly_rounding_or_nothing(values):
         assert torch.all((table.float() - original).abs() <= original.abs() * 2**-11 + FP16_TINY)
 
 
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.embed(ids))
+
+
 def test_tied_weights_stay_tied():
-    class Tied(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.embed = torch.nn.Embedding(10, 4)
-            self.head = torch.nn.Linear(4, 10, bias=False)
-            self.head.weight = self.embed.weight
-
-        def forward(self, ids):
-            return self.head(self.embed(ids))
-
     ep = export(Tied(), torch.tensor([1, 2]))
     assert list(ep.state_dict) == ["embed.weight", "head.weight"]
     _convert(ep)
@@ -195,3 +198,24 @@ def test_only_a_tensor_whose_interval_allows_a_flush_is_checked_for_one(monkeypa
         stored = ep.state_dict[name]
         assert stored.dtype == torch.float16
         assert torch.equal(stored, ConstantParts().state_dict()[name].half())
+
+
+def test_a_tied_weight_one_name_keeps_fp32_is_stored_once_in_fp32():
+    """The head's name is kept fp32 (here by force_fp32, as the accuracy budget's
+    fallback does): the embedding's name stays fp32 too, so the program holds the
+    tensor once, not in both dtypes; the weight bytes do not grow, and the embedding's
+    16-bit readers get a cast."""
+    torch.manual_seed(0)
+    model, ids = Tied().eval(), torch.tensor([1, 2, 7])
+    before = program_stats(export(model, ids)).weight_bytes
+    ep = fx16.cast_fp32_to_fp16(export(model, ids), force_fp32={"p_head_weight"})
+    assert ep.state_dict["embed.weight"] is ep.state_dict["head.weight"]
+    assert ep.state_dict["embed.weight"].dtype == torch.float32
+    embed = node_named(ep, "p_embed_weight").meta[PRECISION]
+    assert embed.reason == Reason.SHARED_FP32 and embed.detail == "head.weight stays fp32"
+    assert program_stats(ep).weight_bytes == before
+    with torch.no_grad():
+        expected = model(ids)
+    assert float((run(ep, ids)[0].float() - expected).abs().max()) < 2e-3 * float(
+        expected.abs().max()
+    )

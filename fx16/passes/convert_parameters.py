@@ -36,6 +36,11 @@ class ConvertParametersPass(PolicyPass):
     A tensor subclass of dtype fp32 (torchao's ``Int8Tensor``) is rebuilt with its fp32
     inner tensors (scales) in 16-bit and its quantized data untouched, where the
     subclass can be rebuilt so; otherwise it stays as it is (``subclass_kept``).
+
+    A tensor stored under several names (tied weights) is stored once: where one name
+    stays fp32 (a rule, the policy, the accuracy budget's fallback), every name does
+    (``shared_fp32``), and the 16-bit ops reading it get a cast, rather than the
+    program holding the tensor in both dtypes.
     """
 
     def call(self, graph_module: GraphModule) -> PassResult:
@@ -43,6 +48,7 @@ class ConvertParametersPass(PolicyPass):
         fits: dict[int, tuple[bool, bool]] = {}  # checked once per object (tied weights)
         modified = False
         low = self.policy.low
+        narrowing, kept = [], {}  # kept: tensor id -> a name it stays fp32 under
         for slot in self.program.state_slots():
             tensor = self.program.state_tensor(slot.target)
             if tensor is None or tensor.dtype != torch.float32:
@@ -50,17 +56,24 @@ class ConvertParametersPass(PolicyPass):
             rule = self.kept_fp32(slot.placeholder)
             if rule is not None:
                 slot.placeholder.meta[PRECISION] = rule
-                continue
-            if self.policy.precision_for(slot.placeholder, slot.target) != Precision.LOW:
+            elif self.policy.precision_for(slot.placeholder, slot.target) != Precision.LOW:
                 entry = self.policy.matching_entry(slot.placeholder, slot.target)[1]
                 decide(slot.placeholder, torch.float32, Reason.POLICY, detail=entry)
+            else:
+                if id(tensor) not in fits:
+                    fits[id(tensor)] = _fit(slot.placeholder, tensor, low)
+                if fits[id(tensor)][0]:
+                    decide(slot.placeholder, torch.float32, Reason.VALUE_OVERFLOW)
+                else:
+                    narrowing.append((slot, tensor))
+                    continue
+            kept.setdefault(id(tensor), slot.target)
+        for slot, tensor in narrowing:
+            if id(tensor) in kept:  # stored once: a second, 16-bit copy would add bytes
+                detail = f"{kept[id(tensor)]} stays fp32"
+                decide(slot.placeholder, torch.float32, Reason.SHARED_FP32, detail=detail)
                 continue
-            if id(tensor) not in fits:
-                fits[id(tensor)] = _fit(slot.placeholder, tensor, low)
-            overflows, may_flush = fits[id(tensor)]
-            if overflows:
-                decide(slot.placeholder, torch.float32, Reason.VALUE_OVERFLOW)
-                continue
+            may_flush = fits[id(tensor)][1]
             val = narrowed_val(slot.placeholder.meta["val"], low)
             if is_subclass(tensor):
                 stored = rebuilt.get(id(tensor))
