@@ -88,8 +88,9 @@ def mixed_columns(rows: int, seed: int, columns: int = 8) -> torch.Tensor:
 
 class StftMagnitude(nn.Module):
     """A real DFT of audio frames as two products (cosine and sine bases), the
-    magnitude ``sqrt(re^2 + im^2)``, its log, and a linear layer: quiet audio's
-    squares flush to zero in fp16."""
+    magnitude ``sqrt(re^2 + im^2)`` and a linear layer without bias (features in
+    proportion to the spectrum): quiet audio's squares flush to zero in fp16, loud
+    audio's pass 65504."""
 
     def __init__(self, frame: int = 64, bins: int = 33) -> None:
         super().__init__()
@@ -98,12 +99,11 @@ class StftMagnitude(nn.Module):
         window = torch.hann_window(frame)
         self.register_buffer("cosines", (torch.cos(angles) * window).T.contiguous())
         self.register_buffer("sines", (-torch.sin(angles) * window).T.contiguous())
-        self.project = nn.Linear(bins, 16)
+        self.project = nn.Linear(bins, 16, bias=False)
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
         real, imaginary = frames @ self.cosines, frames @ self.sines
-        magnitude = torch.sqrt(real * real + imaginary * imaginary)
-        return self.project(torch.log(magnitude + 1e-3))
+        return self.project(torch.sqrt(real * real + imaginary * imaginary))
 
 
 def audio_frames(frames: int, seed: int, frame: int = 64, loudness: float = 0.3) -> torch.Tensor:

@@ -17,6 +17,11 @@ product. Within each group a remedy's score (the error its rounding causes) is
 weighed against what it costs, an elementwise op or reduction counting
 ``ELEMENTWISE_WEIGHT`` of its FLOPs: remedies are taken by error removed per FLOP paid.
 
+How far: below the budget on the calibration inputs by a margin for inputs it has not
+seen, estimated from the calibration inputs themselves: a first search on every other
+input, judged on the inputs it did not see (``_Search.held_out_share``); the caller's
+``target_share`` instead where given.
+
 How many: the first round takes the single best remedy; a round that does not
 halve the excess over the budget doubles the count for the next one, which scores
 again from where the last left off, so the fp32 set grows geometrically when the
@@ -93,9 +98,10 @@ def cast_fp16_within_budget(
     The plain cast is kept when its calibration error is within ``target_share`` of
     ``budget`` (None: within the budget itself: the plain cast was not chosen to fit
     the calibration inputs, so their error is a fair sample). Otherwise the search
-    stops once the calibration error is below ``target_share`` of the budget (None:
-    ``stopping_share``, a margin for inputs it has not seen: its choices were fitted
-    to these inputs, and fit unseen ones less well). ``options``: the cast's
+    stops once the calibration error is below ``target_share`` of the budget (None: a
+    margin for inputs it has not seen, estimated from these inputs by holding half of
+    them out, ``_Search.held_out_share``: its choices were fitted to these inputs, and
+    fit unseen ones less well). ``options``: the cast's
     (its ``calibration`` is ``calibration``). ``metric``: what the errors measure, a
     preset name or a callable (``fx16.metrics``; default "rel"). ``validation``: inputs
     the search never uses; the error on them is reported beside the calibration error.
@@ -121,8 +127,8 @@ def cast_fp16_within_budget(
     options = replace(options or Fp16Options(), calibration=calibration)
     analyses, _ = fp16_stages(ep, options)
     run_passes(analyses, ep.graph_module)  # once: what they find does not depend on the fp32 set
-    plain_share, search_share = target_share or 1.0, target_share or stopping_share(len(calls))
-    targets = (plain_share * budget, search_share * budget)
+    plain_share = target_share or 1.0
+    targets = (plain_share * budget, None if target_share is None else target_share * budget)
     metric_name, measure = resolve_metric(metric)
     held_out = calibration_calls(program, validation, label="validation") if validation else []
     search = _Search(program, calls, calibration, budget, targets, progress, options)
@@ -172,6 +178,7 @@ class _Search:
             if node.op in ("placeholder", "call_function")
         }
         self.evaluations = self.rounds = 0
+        self.fold_evaluations = 0  # the held-out estimate's (``held_out_share``)
         self.metric, self.metric_name = relative, "rel"
         self.validation: tuple[list, list] = ([], [])  # calls and their fp32 outputs
         specs = program.ep.graph_signature.output_specs
@@ -237,6 +244,8 @@ class _Search:
         forced: set[str] = set()
         error, outputs = self.measure(forced)
         plain_error = error
+        if self.target is None and error > self.plain_target:
+            self.target = self.held_out_share() * self.budget
         count, last_round = 1, []
         while error > (self.plain_target if not self.rounds else self.target):
             self.rounds += 1
@@ -259,7 +268,7 @@ class _Search:
         return AccuracySearch(
             self.budget,
             error,
-            self.evaluations,
+            self.evaluations + self.fold_evaluations,
             self.rounds,
             tuple(sorted(forced)),
             program_stats(self.program.ep).flop_share_16bit,
@@ -268,6 +277,42 @@ class _Search:
             self.metric_name,
             self.validate(),
         )
+
+    def held_out_share(self) -> float:
+        """The share of the budget to aim at on the calibration inputs, estimated from
+        them: search on every other input with the whole budget as target, then measure
+        the inputs it did not see with what it chose. An unseen input exceeds the
+        inputs a search fitted by about as much as the held-out fold exceeds its own
+        fold, so the share is the fitted fold's error over the held-out fold's (1 where
+        it holds as well; never below half). One input has nothing to hold out: half
+        (``stopping_share``). The program is left cast with the fold's choice; the
+        next ``cast`` restores it."""
+        if len(self.calls) < 2:
+            return stopping_share(1)
+        fitted, held = slice(0, None, 2), slice(1, None, 2)
+        self.pristine.restore()
+        fold = _Search(
+            self.program,
+            self.calls[fitted],
+            self.calibration,
+            self.budget,
+            (self.budget, self.budget),
+            False,
+            self.options,
+        )
+        fold.metric, fold.answers = self.metric, self.answers
+        try:
+            found = fold.run()
+        except AccuracyBudgetError:  # even all-fp32 misses it: the search itself will say so
+            return stopping_share(len(self.calls))
+        finally:
+            fold.progress.close()
+        self.holds = set(found.fp32_nodes) | {OUTPUTS}  # cast by the fold: restore before next
+        self.fold_evaluations = fold.evaluations + 1
+        held_error = self.error(self.reference.outputs[held], self.run_cast(self.calls[held]))
+        if not held_error > found.error:
+            return 1.0
+        return max(stopping_share(1), found.error / held_error)
 
     def shortest_prefix(self, remedies: list, before: set[str], error: float):
         """The last round took ``remedies`` at once (adding them to ``before`` gave

@@ -242,7 +242,7 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="with --max-rel-error: the share of X the calibration error must reach, a "
         "margin for unseen inputs (default: the plain cast is kept when it meets X; a "
-        "search aims at 1 - 0.5/sqrt(inputs) of X)",
+        "search aims at a share estimated by holding half the calibration inputs out)",
     )
     parser.add_argument(
         "--metric",
