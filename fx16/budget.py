@@ -18,9 +18,9 @@ weighed against what it costs, an elementwise op or reduction counting
 ``ELEMENTWISE_WEIGHT`` of its FLOPs: remedies are taken by error removed per FLOP paid.
 
 How far: below the budget on the calibration inputs by a margin for inputs it has not
-seen, estimated from the calibration inputs themselves: a first search on every other
-input, judged on the inputs it did not see (``_Search.held_out_share``); the caller's
-``target_share`` instead where given.
+seen, estimated from the calibration inputs themselves by two folds: a search on every
+other input, judged on the inputs it did not see, and the same the other way round
+(``_Search.held_out_share``); the caller's ``target_share`` instead where given.
 
 How many: the first round takes the single best remedy; a round that does not
 halve the excess over the budget doubles the count for the next one, which scores
@@ -96,12 +96,13 @@ def cast_fp16_within_budget(
     """Cast ``ep`` to fp16 in place, returning nodes to fp32 until the error is within budget.
 
     The plain cast is kept when its calibration error is within ``target_share`` of
-    ``budget`` (None: within the budget itself: the plain cast was not chosen to fit
-    the calibration inputs, so their error is a fair sample). Otherwise the search
+    ``budget`` (None: within the share ``_Search.spread_share`` estimates from how its
+    error spreads over the calibration inputs: the plain cast was not chosen to fit
+    them, so an unseen input is one more draw). Otherwise the search
     stops once the calibration error is below ``target_share`` of the budget (None: a
-    margin for inputs it has not seen, estimated from these inputs by holding half of
-    them out, ``_Search.held_out_share``: its choices were fitted to these inputs, and
-    fit unseen ones less well). ``options``: the cast's
+    margin for inputs it has not seen, estimated from these inputs by two folds that
+    each hold half of them out, ``_Search.held_out_share``: its choices were fitted to
+    these inputs, and fit unseen ones less well). ``options``: the cast's
     (its ``calibration`` is ``calibration``). ``metric``: what the errors measure, a
     preset name or a callable (``fx16.metrics``; default "rel"). ``validation``: inputs
     the search never uses; the error on them is reported beside the calibration error.
@@ -127,8 +128,8 @@ def cast_fp16_within_budget(
     options = replace(options or Fp16Options(), calibration=calibration)
     analyses, _ = fp16_stages(ep, options)
     run_passes(analyses, ep.graph_module)  # once: what they find does not depend on the fp32 set
-    plain_share = target_share or 1.0
-    targets = (plain_share * budget, None if target_share is None else target_share * budget)
+    target = None if target_share is None else target_share * budget
+    targets = (target, target)  # None: estimated from the calibration inputs
     metric_name, measure = resolve_metric(metric)
     held_out = calibration_calls(program, validation, label="validation") if validation else []
     search = _Search(program, calls, calibration, budget, targets, progress, options)
@@ -244,6 +245,8 @@ class _Search:
         forced: set[str] = set()
         error, outputs = self.measure(forced)
         plain_error = error
+        if self.plain_target is None:
+            self.plain_target = self.spread_share(outputs) * self.budget
         if self.target is None and error > self.plain_target:
             self.target = self.held_out_share() * self.budget
         count, last_round = 1, []
@@ -278,18 +281,47 @@ class _Search:
             self.validate(),
         )
 
+    def spread_share(self, outputs: list[list]) -> float:
+        """The share of the budget the plain cast must meet on the calibration inputs to
+        be kept: nothing was fitted to them, so an unseen input is one more draw, and may
+        exceed the worst of them by as much as one of them exceeds the worst of the
+        others (leave each out in turn: the smallest ratio of the others' worst error to
+        its own, at most 1). One input has nothing to compare with: the budget itself."""
+        if len(outputs) < 2:
+            return 1.0
+        errors = [
+            self.error([reference], [observed])
+            for reference, observed in zip(self.reference.outputs, outputs)
+        ]
+        share = 1.0
+        for index, error in enumerate(errors):
+            others = max(errors[:index] + errors[index + 1 :])
+            if error > others:
+                share = min(share, others / error)
+        return share
+
     def held_out_share(self) -> float:
         """The share of the budget to aim at on the calibration inputs, estimated from
-        them: search on every other input with the whole budget as target, then measure
-        the inputs it did not see with what it chose. An unseen input exceeds the
-        inputs a search fitted by about as much as the held-out fold exceeds its own
-        fold, so the share is the fitted fold's error over the held-out fold's (1 where
-        it holds as well; never below half). One input has nothing to hold out: half
-        (``stopping_share``). The program is left cast with the fold's choice; the
+        them by two folds: search on every other input with the whole budget as
+        target, then measure the inputs it did not see with what it chose; and the
+        same with the roles swapped. An unseen input exceeds the inputs a search fitted
+        by about as much as a held-out fold exceeds its fitted one, so the share is the
+        smaller of the two ratios of the fitted fold's error to the held-out fold's (1
+        where they hold as well; never below half). One input has nothing to hold out:
+        half (``stopping_share``). The program is left cast with a fold's choice; the
         next ``cast`` restores it."""
         if len(self.calls) < 2:
             return stopping_share(1)
-        fitted, held = slice(0, None, 2), slice(1, None, 2)
+        evens, odds = slice(0, None, 2), slice(1, None, 2)
+        shares = [self.fold_share(evens, odds), self.fold_share(odds, evens)]
+        if None in shares:  # even all-fp32 misses the budget on a fold
+            return stopping_share(len(self.calls))
+        return min(shares)
+
+    def fold_share(self, fitted: slice, held: slice) -> float | None:
+        """The fitted fold's error over the held-out fold's, after a search on the
+        fitted one (at most 1, at least half); None where that search cannot meet the
+        budget."""
         self.pristine.restore()
         fold = _Search(
             self.program,
@@ -303,12 +335,12 @@ class _Search:
         fold.metric, fold.answers = self.metric, self.answers
         try:
             found = fold.run()
-        except AccuracyBudgetError:  # even all-fp32 misses it: the search itself will say so
-            return stopping_share(len(self.calls))
+        except AccuracyBudgetError:
+            return None
         finally:
             fold.progress.close()
         self.holds = set(found.fp32_nodes) | {OUTPUTS}  # cast by the fold: restore before next
-        self.fold_evaluations = fold.evaluations + 1
+        self.fold_evaluations += fold.evaluations + 1
         held_error = self.error(self.reference.outputs[held], self.run_cast(self.calls[held]))
         if not held_error > found.error:
             return 1.0

@@ -85,10 +85,11 @@ def cast_fp32_to_fp16(
         ``calibration``): the error on them is reported as the search's
         ``validation_error``, beside the calibration error.
     target_share: with ``max_rel_error``, the share of the budget the calibration
-        error must reach, a margin for inputs not seen (0 < share <= 1). None: the
-        plain cast is kept when it meets the budget itself; a search aims at a share
-        estimated from the calibration inputs: a search on every other input, judged
-        on the ones it did not see (half the budget with one input).
+        error must reach, a margin for inputs not seen (0 < share <= 1). None: estimated
+        from the calibration inputs: the plain cast is kept when its worst input is
+        within the budget by as much as each input's error exceeds the others' (one
+        input: the budget itself); a search aims at what a search on every other input
+        reaches on the ones it did not see (half the budget with one input).
     force_fp32: names of nodes (as in ``ep.graph``) that must stay fp32, whatever the
         policy says; "output" returns outputs computed in fp32 as fp32.
     progress: show progress bars on stderr for the accuracy search and the weight

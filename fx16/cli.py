@@ -241,8 +241,8 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="S",
         help="with --max-rel-error: the share of X the calibration error must reach, a "
-        "margin for unseen inputs (default: the plain cast is kept when it meets X; a "
-        "search aims at a share estimated by holding half the calibration inputs out)",
+        "margin for unseen inputs (default: estimated from the calibration inputs, by "
+        "leaving each out for the plain cast and holding half out for a search)",
     )
     parser.add_argument(
         "--metric",

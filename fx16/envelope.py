@@ -14,7 +14,8 @@ observed"). The report prints it (``CastReport.summary``), the JSON carries it.
 
 Reads: the cast program's decisions and what calibration recorded on its nodes
 (``meta["fx16.observed_range"]``, ``meta["fx16.observed_smallest"]``), the rewrites'
-``meta["fx16.stabilized"]`` and ``meta["fx16.bounded_below"]``, proven ranges.
+``meta["fx16.stabilized"]``, ``meta["fx16.bounded_below"]``, ``meta["fx16.scaled"]`` and
+``meta["fx16.rounding_cancels"]``, proven ranges.
 """
 
 import math
@@ -93,7 +94,8 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
                 proven += bool(_narrowed_on_proof(node))
                 continue
             observed = meta.observed_max_abs(node)
-            if decision is not None and observed and math.isfinite(observed):
+            bounded = meta.scaled(node) or meta.rounding_cancels(node)  # for any input
+            if decision is not None and observed and math.isfinite(observed) and not bounded:
                 factor = largest(val.dtype) / observed
                 if headroom is None or factor < headroom[0]:
                     headroom = (factor, node.name)

@@ -32,6 +32,7 @@ STABILIZED = "fx16.stabilized"  # StabilizePass: (rule name, detail) on a rewrit
 NEGLIGIBLE = "fx16.negligible"  # StabilizePass: why flushing this value to 0 loses nothing
 ROUNDING_CANCELS = "fx16.rounding_cancels"  # StabilizePass: why this value's error is harmless
 BOUNDED_BELOW = "fx16.bounded_below"  # StabilizePass: why this value cannot flush to zero
+SCALED = "fx16.scaled"  # StabilizePass: why this value stays in range for any input
 
 # ---- graph_module.meta ---------------------------------------------------------------
 CALIBRATION_OUTPUTS = "fx16.calibration_outputs"  # CalibrationAnalysis: fp32 reference
@@ -49,6 +50,11 @@ def observed_max_abs(node: Any) -> float | None:
 def bounded_below(node: Any) -> str | None:
     """Why a stable rewrite's value cannot flush to zero (None: nothing said)."""
     return _meta(node).get(BOUNDED_BELOW)
+
+
+def scaled(node: Any) -> str | None:
+    """Why a stable rewrite's value stays in 16-bit's range for any input (None: nothing said)."""
+    return _meta(node).get(SCALED)
 
 
 def observed_interval(node: Any) -> tuple[float, float] | None:

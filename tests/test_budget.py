@@ -267,9 +267,9 @@ def test_the_search_keeps_no_copy_of_the_weights(monkeypatch):
 
     monkeypatch.setattr(fx16.budget_remedies.Reference, "_tape", recording)
     fx16.cast_fp32_to_fp16(ep, calibration=calibration, max_rel_error=2e-3)
-    # one tape per input, built once, in the search and in its held-out estimate's
-    # search on every other input
-    assert len(taped) == len(calibration) + len(calibration[::2])
+    # one tape per input, built once, in the search and in each of its held-out
+    # estimate's two searches on half of them
+    assert len(taped) == 2 * len(calibration)
     for _, _, _, values in taped:
         storages = {v.untyped_storage().data_ptr() for v in values.values()}
         assert weights <= storages  # the weights as they are, not copies
@@ -333,10 +333,11 @@ def test_remedies_that_move_no_product_come_before_any_that_does():
 
 
 def test_the_margin_is_estimated_on_inputs_held_out_of_a_first_search(monkeypatch):
-    """With several calibration inputs and no target_share, a first search runs on
-    every other input with the whole budget as its target; the target of the search on
-    all of them is that search's error over the error on the inputs it did not see
-    (1 where those hold as well, never below half), and its evaluations count."""
+    """With several calibration inputs and no target_share, two searches run first,
+    each on every other input with the whole budget as its target; the target of the
+    search on all of them is the smaller of their errors over the errors on the inputs
+    they did not see (1 where those hold as well, never below half), and their
+    evaluations count."""
     torch.manual_seed(0)
     model = SharpSoftmax().eval()
     calibration = _calibration(4, 1)
@@ -353,7 +354,7 @@ def test_the_margin_is_estimated_on_inputs_held_out_of_a_first_search(monkeypatc
         export(model, *calibration[0]), calibration=calibration, max_rel_error=2e-3
     )
     ((inputs, share, evaluations),) = folds
-    assert inputs == 4 and 0.5 <= share <= 1.0 and evaluations >= 2
+    assert inputs == 4 and 0.5 <= share <= 1.0 and evaluations >= 4
     search = report_of(ep).accuracy
     assert search.target == pytest.approx(share * 2e-3)
     assert search.error <= search.target and search.evaluations > evaluations

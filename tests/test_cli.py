@@ -291,7 +291,7 @@ def test_a_budget_that_cannot_be_met_has_its_own_exit_code(program, tmp_path):
     errors = [line for line in met.stdout.splitlines() if "error" in line]
     assert len(errors) == 1  # the search's own figure, over every calibration input
     assert errors[0].startswith("accuracy: error ")
-    assert "on the calibration inputs (budget 0.05)" in errors[0]
+    assert "on the calibration inputs (budget 0.05" in errors[0]
     assert "exit codes: 0 done, 2 bad input" in fx16("--help").stdout
 
 

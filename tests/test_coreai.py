@@ -33,7 +33,7 @@ DELIBERATE = {
 }
 
 
-# The tools these tests read (the benchmark's table also converts fx16 with stabilize=True).
+# The tools these tests read (the benchmark's table also converts fx16 with stabilize=False).
 TOOLS = {"uncast", "fx16", "fx16 16-bit", coreai.PEER, coreai.WITHOUT_PRECISION_RULES}
 
 

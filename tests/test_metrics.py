@@ -89,7 +89,8 @@ def test_a_callable_metric_is_used_and_validation_is_never_searched_on():
     )
     search = report_of(cast).accuracy
     assert search.metric == "worst_logit_gap"
-    assert seen[:-1] == [2] * (len(seen) - 1) and seen[-1] == 4  # the search, then validation
+    # the search on both inputs (one at a time to estimate its margin), then validation
+    assert set(seen[:-1]) <= {1, 2} and seen[-1] == 4
     assert report_of(cast).provenance["options"]["metric"].endswith("worst_logit_gap")
 
 

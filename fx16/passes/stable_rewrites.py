@@ -8,7 +8,7 @@ import torch
 from torch.fx import Graph, Node
 
 from fx16.casts import copy_provenance
-from fx16.meta import BOUNDED_BELOW, NEGLIGIBLE, ROUNDING_CANCELS
+from fx16.meta import BOUNDED_BELOW, NEGLIGIBLE, ROUNDING_CANCELS, SCALED
 from fx16.numerics import smallest_normal
 from fx16.propagation import propagate_fake
 
@@ -120,13 +120,17 @@ class RmsNormScaling:
         largest = make(aten.amax.default, magnitudes, dims, True)
         scale = _power_of_two_near(make, largest, 2.0**-6, (magnitudes, largest), _ANY_SCALE)
         y = make(aten.div.Tensor, x, scale)
-        mean = make(aten.mean.dim, make(aten.pow.Tensor_Scalar, y, 2), dims, True)
+        squares = make(aten.pow.Tensor_Scalar, y, 2)
+        mean = make(aten.mean.dim, squares, dims, True)
+        for part in (y, squares, mean):
+            part.meta[SCALED] = "a scaled RMSNorm's: |y| < 128 and y**2 < 16384 for any input"
         shrunk = make(aten.mul.Tensor, make(aten.reciprocal.default, scale), math.sqrt(eps))
         eps_term = make(aten.mul.Tensor, shrunk, shrunk)
         for small in (shrunk, eps_term):
             small.meta[NEGLIGIBLE] = _EPS_TERM
         power = make(aten.add.Tensor, mean, eps_term)
         power.meta[BOUNDED_BELOW] = _SCALED_POWER
+        power.meta[SCALED] = mean.meta[SCALED]  # eps_term below 2**28 eps
         return make(aten.mul.Tensor, y, make(aten.rsqrt.default, power))
 
 
@@ -181,9 +185,11 @@ class MagnitudeScaling:
         scale = _power_of_two_near(make, largest, 1.0, (*magnitudes, largest), _ANY_PART_SCALE)
         scaled = [make(aten.div.Tensor, part, scale) for part in (a, b)]
         squares = [make(aten.mul.Tensor, part, part) for part in scaled]
-        return make(
-            aten.mul.Tensor, make(aten.sqrt.default, make(aten.add.Tensor, *squares)), scale
-        )
+        total = make(aten.add.Tensor, *squares)
+        root = make(aten.sqrt.default, total)
+        for part in (*scaled, *squares, total, root):
+            part.meta[SCALED] = "a scaled magnitude's: each part below 2 and its square below 4"
+        return make(aten.mul.Tensor, root, scale)
 
 
 # Why a magnitude's scale's rounding does not matter: any s > 0 gives the same result.
