@@ -75,6 +75,7 @@ def models():
         _frames,
     )
     yield "STFT magnitude of audio frames", shift_traps.StftMagnitude, _frames
+    yield "peak-normalized audio frames", shift_traps.PeakNormalized, _frames
     yield (
         "standardized mixed columns",
         shift_traps.MixedColumns,

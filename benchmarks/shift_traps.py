@@ -114,3 +114,16 @@ def audio_frames(frames: int, seed: int, frame: int = 64, loudness: float = 0.3)
     tone = sum(torch.sin(2 * math.pi * k * pitch * time / frame) / k for k in (1, 2, 3))
     noise = 0.1 * torch.randn(frames, frame, generator=generator)
     return loudness * (tone + noise) / 2
+
+
+class PeakNormalized(nn.Module):
+    """Audio frames divided by their peak, then a linear layer: the division is
+    singular on a silent frame, and nothing but calibration bounds a peak below (the
+    envelope states how much quieter than calibrated a frame may get)."""
+
+    def __init__(self, frame: int = 64) -> None:
+        super().__init__()
+        self.project = nn.Linear(frame, 16)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        return self.project(frames / frames.abs().amax(-1, keepdim=True))

@@ -17,10 +17,10 @@ product. Within each group a remedy's score (the error its rounding causes) is
 weighed against what it costs, an elementwise op or reduction counting
 ``ELEMENTWISE_WEIGHT`` of its FLOPs: remedies are taken by error removed per FLOP paid.
 
-How far: below the budget on the calibration inputs by a margin for inputs it has not
-seen, estimated from the calibration inputs themselves by two folds: a search on every
-other input, judged on the inputs it did not see, and the same the other way round
-(``_Search.held_out_share``); the caller's ``target_share`` instead where given.
+How far: the plain cast is kept when its calibration error is within the budget by the
+margin its own spread over the inputs calls for (``_Search.spread_share``); a search
+stops below ``stopping_share`` of the budget, a margin for inputs it has not seen, since
+its choices fit the ones it sees; the caller's ``target_share`` instead where given.
 
 How many: the first round takes the single best remedy; a round that does not
 halve the excess over the budget doubles the count for the next one, which scores
@@ -99,10 +99,9 @@ def cast_fp16_within_budget(
     ``budget`` (None: within the share ``_Search.spread_share`` estimates from how its
     error spreads over the calibration inputs: the plain cast was not chosen to fit
     them, so an unseen input is one more draw). Otherwise the search
-    stops once the calibration error is below ``target_share`` of the budget (None: a
-    margin for inputs it has not seen, estimated from these inputs by two folds that
-    each hold half of them out, ``_Search.held_out_share``: its choices were fitted to
-    these inputs, and fit unseen ones less well). ``options``: the cast's
+    stops once the calibration error is below ``target_share`` of the budget (None:
+    ``stopping_share``, a margin for inputs it has not seen: its choices were fitted
+    to these inputs, and fit unseen ones less well). ``options``: the cast's
     (its ``calibration`` is ``calibration``). ``metric``: what the errors measure, a
     preset name or a callable (``fx16.metrics``; default "rel"). ``validation``: inputs
     the search never uses; the error on them is reported beside the calibration error.
@@ -179,7 +178,6 @@ class _Search:
             if node.op in ("placeholder", "call_function")
         }
         self.evaluations = self.rounds = 0
-        self.fold_evaluations = 0  # the held-out estimate's (``held_out_share``)
         self.metric, self.metric_name = relative, "rel"
         self.validation: tuple[list, list] = ([], [])  # calls and their fp32 outputs
         specs = program.ep.graph_signature.output_specs
@@ -247,8 +245,8 @@ class _Search:
         plain_error = error
         if self.plain_target is None:
             self.plain_target = self.spread_share(outputs) * self.budget
-        if self.target is None and error > self.plain_target:
-            self.target = self.held_out_share() * self.budget
+        if self.target is None:
+            self.target = stopping_share(len(self.calls)) * self.budget
         count, last_round = 1, []
         while error > (self.plain_target if not self.rounds else self.target):
             self.rounds += 1
@@ -271,7 +269,7 @@ class _Search:
         return AccuracySearch(
             self.budget,
             error,
-            self.evaluations + self.fold_evaluations,
+            self.evaluations,
             self.rounds,
             tuple(sorted(forced)),
             program_stats(self.program.ep).flop_share_16bit,
@@ -299,52 +297,6 @@ class _Search:
             if error > others:
                 share = min(share, others / error)
         return share
-
-    def held_out_share(self) -> float:
-        """The share of the budget to aim at on the calibration inputs, estimated from
-        them by two folds: search on every other input with the whole budget as
-        target, then measure the inputs it did not see with what it chose; and the
-        same with the roles swapped. An unseen input exceeds the inputs a search fitted
-        by about as much as a held-out fold exceeds its fitted one, so the share is the
-        smaller of the two ratios of the fitted fold's error to the held-out fold's (1
-        where they hold as well; never below half). One input has nothing to hold out:
-        half (``stopping_share``). The program is left cast with a fold's choice; the
-        next ``cast`` restores it."""
-        if len(self.calls) < 2:
-            return stopping_share(1)
-        evens, odds = slice(0, None, 2), slice(1, None, 2)
-        shares = [self.fold_share(evens, odds), self.fold_share(odds, evens)]
-        if None in shares:  # even all-fp32 misses the budget on a fold
-            return stopping_share(len(self.calls))
-        return min(shares)
-
-    def fold_share(self, fitted: slice, held: slice) -> float | None:
-        """The fitted fold's error over the held-out fold's, after a search on the
-        fitted one (at most 1, at least half); None where that search cannot meet the
-        budget."""
-        self.pristine.restore()
-        fold = _Search(
-            self.program,
-            self.calls[fitted],
-            self.calibration,
-            self.budget,
-            (self.budget, self.budget),
-            False,
-            self.options,
-        )
-        fold.metric, fold.answers = self.metric, self.answers
-        try:
-            found = fold.run()
-        except AccuracyBudgetError:
-            return None
-        finally:
-            fold.progress.close()
-        self.holds = set(found.fp32_nodes) | {OUTPUTS}  # cast by the fold: restore before next
-        self.fold_evaluations += fold.evaluations + 1
-        held_error = self.error(self.reference.outputs[held], self.run_cast(self.calls[held]))
-        if not held_error > found.error:
-            return 1.0
-        return max(stopping_share(1), found.error / held_error)
 
     def shortest_prefix(self, remedies: list, before: set[str], error: float):
         """The last round took ``remedies`` at once (adding them to ``before`` gave

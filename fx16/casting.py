@@ -88,8 +88,8 @@ def cast_fp32_to_fp16(
         error must reach, a margin for inputs not seen (0 < share <= 1). None: estimated
         from the calibration inputs: the plain cast is kept when its worst input is
         within the budget by as much as each input's error exceeds the others' (one
-        input: the budget itself); a search aims at what a search on every other input
-        reaches on the ones it did not see (half the budget with one input).
+        input: the budget itself); a search aims at ``1 - 0.5 / sqrt(inputs)`` of it (its
+        choices fit the calibration inputs).
     force_fp32: names of nodes (as in ``ep.graph``) that must stay fp32, whatever the
         policy says; "output" returns outputs computed in fp32 as fp32.
     progress: show progress bars on stderr for the accuracy search and the weight

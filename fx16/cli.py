@@ -241,8 +241,8 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
         type=float,
         metavar="S",
         help="with --max-rel-error: the share of X the calibration error must reach, a "
-        "margin for unseen inputs (default: estimated from the calibration inputs, by "
-        "leaving each out for the plain cast and holding half out for a search)",
+        "margin for unseen inputs (default: the plain cast's from its spread over the "
+        "calibration inputs, leaving each out; a search aims at 1 - 0.5/sqrt(inputs) of X)",
     )
     parser.add_argument(
         "--metric",

@@ -267,9 +267,7 @@ def test_the_search_keeps_no_copy_of_the_weights(monkeypatch):
 
     monkeypatch.setattr(fx16.budget_remedies.Reference, "_tape", recording)
     fx16.cast_fp32_to_fp16(ep, calibration=calibration, max_rel_error=2e-3)
-    # one tape per input, built once, in the search and in each of its held-out
-    # estimate's two searches on half of them
-    assert len(taped) == 2 * len(calibration)
+    assert len(taped) == len(calibration)  # one tape per input, built once
     for _, _, _, values in taped:
         storages = {v.untyped_storage().data_ptr() for v in values.values()}
         assert weights <= storages  # the weights as they are, not copies
@@ -330,35 +328,3 @@ def test_remedies_that_move_no_product_come_before_any_that_does():
     moves = [any(name in nodes and is_product(nodes[name]) for name in fix) for _, fix in ranked]
     assert False in moves and True in moves
     assert moves == sorted(moves)  # every False (no product) before the first True
-
-
-def test_the_margin_is_estimated_on_inputs_held_out_of_a_first_search(monkeypatch):
-    """With several calibration inputs and no target_share, two searches run first,
-    each on every other input with the whole budget as its target; the target of the
-    search on all of them is the smaller of their errors over the errors on the inputs
-    they did not see (1 where those hold as well, never below half), and their
-    evaluations count."""
-    torch.manual_seed(0)
-    model = SharpSoftmax().eval()
-    calibration = _calibration(4, 1)
-    folds = []
-    held_out_share = fx16.budget._Search.held_out_share
-
-    def recording(self):
-        share = held_out_share(self)
-        folds.append((len(self.calls), share, self.fold_evaluations))
-        return share
-
-    monkeypatch.setattr(fx16.budget._Search, "held_out_share", recording)
-    ep = fx16.cast_fp32_to_fp16(
-        export(model, *calibration[0]), calibration=calibration, max_rel_error=2e-3
-    )
-    ((inputs, share, evaluations),) = folds
-    assert inputs == 4 and 0.5 <= share <= 1.0 and evaluations >= 4
-    search = report_of(ep).accuracy
-    assert search.target == pytest.approx(share * 2e-3)
-    assert search.error <= search.target and search.evaluations > evaluations
-    single = fx16.cast_fp32_to_fp16(
-        export(model, *calibration[0]), calibration=calibration[:1], max_rel_error=2e-3
-    )
-    assert report_of(single).accuracy.target == pytest.approx(1e-3)  # one input: half
