@@ -14,6 +14,15 @@ import torch
 from torch import nn
 
 
+def logit_head(width: int, outputs: int, spread: float) -> nn.Linear:
+    """A linear layer whose logits are about N(0, spread) on unit normal inputs (each
+    weight row scaled to norm ``spread``)."""
+    head = nn.Linear(width, outputs)
+    with torch.no_grad():
+        head.weight.mul_(spread / head.weight.norm(dim=1, keepdim=True))
+    return head
+
+
 class TailEntropy(nn.Module):
     """The entropy ``-(p * log p).sum(-1)`` of a softmax whose smallest probability on
     the calibration inputs is about 1e-3: twice those logits square it to 1e-6, below
@@ -22,9 +31,7 @@ class TailEntropy(nn.Module):
 
     def __init__(self, width: int = 16, classes: int = 32) -> None:
         super().__init__()
-        self.head = nn.Linear(width, classes)
-        with torch.no_grad():  # logits about N(0, 0.7) on unit normal inputs
-            self.head.weight.mul_(0.7 / self.head.weight.norm(dim=1, keepdim=True))
+        self.head = logit_head(width, classes, spread=0.7)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.head(x).softmax(-1)
@@ -37,9 +44,7 @@ class LogLikelihood(nn.Module):
 
     def __init__(self, width: int = 16, outputs: int = 8) -> None:
         super().__init__()
-        self.head = nn.Linear(width, outputs)
-        with torch.no_grad():  # logits about N(0, 3) on unit normal inputs
-            self.head.weight.mul_(3.0 / self.head.weight.norm(dim=1, keepdim=True))
+        self.head = logit_head(width, outputs, spread=3.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log(torch.sigmoid(self.head(x)))

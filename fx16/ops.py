@@ -231,16 +231,11 @@ SOFTMAX_OPS = overloads("softmax.int", "_softmax.default", "_safe_softmax.defaul
 # Reductions whose result is a norm's statistic when they read squares (a mean or sum of
 # x ** 2), and the ops that are one on their own: zero on a silent input.
 SUMMING_OPS = overloads("mean.dim", "mean.default", "sum.dim_IntList", "sum.default")
-SQUARE_STATISTIC_OPS = overloads(
-    "var.default",
-    "var.dim",
-    "var.correction",
-    "std.default",
-    "std.dim",
-    "std.correction",
-    "linalg_vector_norm.default",
-    "norm.Scalar",
-    "norm.ScalarOpt_dim",
+VARIANCE_OPS = overloads(
+    "var.default", "var.dim", "var.correction", "std.default", "std.dim", "std.correction"
+)
+SQUARE_STATISTIC_OPS = VARIANCE_OPS | overloads(
+    "linalg_vector_norm.default", "norm.Scalar", "norm.ScalarOpt_dim"
 )
 # Ops a value keeps its small end through on the way to a singular op: moves, casts, sqrt.
 SMALL_END_PRESERVING_OPS = overloads(

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fx16.ops import overloads
+from fx16.ops import VARIANCE_OPS, overloads
 
 
 @dataclass(frozen=True)
@@ -130,13 +130,8 @@ _LAYOUTS = {
     **dict.fromkeys(overloads("_native_batch_norm_legit.no_stats"), _batch_norm_no_stats),
     **dict.fromkeys(overloads("instance_norm.default"), _instance_norm),
     **dict.fromkeys(
-        overloads(
-            "var.default",
-            "var.dim",
-            "var.correction",
-            "std.default",
-            "std.dim",
-            "std.correction",
+        VARIANCE_OPS
+        | overloads(
             "var_mean.default",
             "var_mean.dim",
             "var_mean.correction",
