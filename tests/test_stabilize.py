@@ -2,6 +2,7 @@
 pattern's hard inputs, and leaves a program without the pattern as it was."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fx16
+from benchmarks.shift_traps import LogLikelihood, StftMagnitude, audio_frames
 from fx16.meta import stabilized
 from fx16.passes import StabilizePass
+from fx16.program import Program
 from fx16.report import report_of
 from helpers import command, export
 from models import MLP
@@ -261,3 +264,51 @@ def test_patterns_inside_higher_order_op_bodies_are_rewritten_too():
     assert torch.isfinite(got).all()  # log(softmax) in fp16 gives -inf for the -40 logit
     reference = BranchLogSoftmax().double()(x.double())[0]
     assert float((got.double() - reference).abs().max()) < 0.2
+
+
+# trap model -> (calibration input, the unseen input it meets later, what plain 16-bit gives)
+UNSEEN = {
+    "log of a sigmoid, logits 3x wider": (
+        lambda: LogLikelihood(),
+        lambda: torch.randn(64, 16, generator=torch.Generator().manual_seed(1)),
+        lambda: 3 * torch.randn(64, 16, generator=torch.Generator().manual_seed(2)),
+    ),
+    "STFT magnitude, audio 100x quieter": (
+        lambda: StftMagnitude(),
+        lambda: audio_frames(32, seed=1),
+        lambda: audio_frames(32, seed=2, loudness=3e-3),
+    ),
+    "STFT magnitude, audio 1000x louder": (
+        lambda: StftMagnitude(),
+        lambda: audio_frames(32, seed=1),
+        lambda: audio_frames(32, seed=2, loudness=300.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", UNSEEN)
+def test_the_default_cast_holds_inputs_the_calibration_never_showed(case):
+    """With nothing but the default options, calibrated on ordinary inputs and run on
+    shifted ones: finite and within 3e-3 of fp64 with every op in 16-bit, where eager
+    ``.half()`` misses that or is not finite."""
+    build, example, unseen = UNSEEN[case]
+    torch.manual_seed(0)
+    model = build().eval()
+    stable = fx16.cast_fp32_to_fp16(export(model, example()))
+    x = unseen()
+    with torch.no_grad():
+        want = model.double()(x.double())
+        model.float()
+        outputs = (
+            stable.module()(*Program(stable).adapt_call((x,))[0]),
+            copy.deepcopy(model).half()(x.half()),
+        )
+    errors = []
+    for got in outputs:
+        got = got.double()
+        finite = bool(torch.isfinite(got).all())
+        errors.append(float((got - want).abs().max() / want.abs().max()) if finite else math.inf)
+    assert errors[0] < 3e-3 and not errors[1] < 3e-3, errors
+    rows = report_of(stable).rows
+    assert not [row for row in rows if row.kind == "float" and row.dtype == "float32"]
+    assert report_of(stable).totals.flop_share_16bit == 1.0
