@@ -48,10 +48,11 @@ def test_records_the_largest_magnitude_and_changes_nothing():
 
 
 def test_sum_of_squares_stays_fp32_and_returns_to_fp16():
-    """linear:f16 -> pow:f32 -> sum:f32 -> sqrt -> div -> to(f16): no inf, small error."""
+    """linear:f16 -> pow:f32 -> sum:f32 -> sqrt -> div -> to(f16): no inf, small error
+    (without the stable rewrite, which would scale the squares into range instead)."""
     torch.manual_seed(0)
     model, x = SumOfSquares(), torch.randn(4, 8)
-    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    ep = fx16.cast_fp32_to_fp16(export(model, x), stabilize=False)
     check_program(ep)
     assert _by_target(ep, aten.sum.dim_IntList).meta["val"].dtype == torch.float32
     assert _by_target(ep, aten.sum.dim_IntList).meta[PRECISION].reason == Reason.ACTIVATION_OVERFLOW
@@ -61,19 +62,27 @@ def test_sum_of_squares_stays_fp32_and_returns_to_fp16():
     assert max_error(fp64_reference(model, x), outputs) < 1e-2
 
 
-def test_without_calibration_the_energy_is_kept_for_its_missing_lower_bound():
-    """Without calibration nothing shows the sum overflowing; but a sum of squares under
-    a division has no lower bound either (a silent input), so the underflow rule keeps
-    the chain fp32 whatever calibration saw, and the output holds. With that rule out
-    too, the sum becomes inf and the output collapses, as coreai-opt's does."""
+def test_without_calibration_the_energy_holds_by_rewrite_or_by_its_missing_lower_bound():
+    """Without calibration nothing shows the sum of squares overflowing. By default the
+    stable rewrite scales the squares into range, and everything runs in 16-bit. Without
+    it, a sum of squares under a division has no lower bound either (a silent input),
+    so the underflow rule keeps that chain fp32 whatever calibration saw. With that rule
+    out too, the sum becomes inf and the output collapses, as coreai-opt's does."""
     torch.manual_seed(0)
     model, x = SumOfSquares(), torch.randn(4, 8)
     ep = fx16.cast_fp32_to_fp16(export(model, x), calibration=[])
     assert max_error(fp64_reference(model, x), run(ep, x)) < 3e-3
-    rows = {row.node: row.rule for row in report_of(ep).rows}
-    assert rows["sum_1"] == rows["sqrt"] == rows["div"] == "underflow"
+    rows = report_of(ep).rows
+    assert [r.stabilized for r in rows if r.stabilized] == [
+        "rms_norm_scaling: sum of squares, no eps"
+    ]
+    assert not [r for r in rows if r.kind == "float" and r.dtype == "float32"]
+    ep = fx16.cast_fp32_to_fp16(export(model, x), calibration=[], stabilize=False)
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 3e-3
+    rules = {row.node: row.rule for row in report_of(ep).rows}
+    assert rules["sum_1"] == rules["sqrt"] == rules["div"] == "underflow"
     bare = export(model, x)
-    passes = fx16.fp16_passes(bare, calibration=[])
+    passes = fx16.fp16_passes(bare, calibration=[], stabilize=False)
     run_passes(without_rules(passes, UnderflowRule), bare.graph_module)
     assert max_error(fp64_reference(model, x), run(bare, x)) > 0.5
 

@@ -96,10 +96,11 @@ def test_int16_narrowed_programs_convert_and_stay_exact(name):
 
 
 def test_calibration_overflow_survives_conversion():
-    """The squared-sum trap's fp32 energy reaches Core AI as f32, and the result the
-    cast program computes is finite and accurate."""
-    build, args, _ = MODELS["trap: squared sum"]
-    types, ep = _measured("trap: squared sum")["fx16"]
+    """The exp trap's fp32 logits reach Core AI as f32, and the result the cast program
+    computes is finite and accurate. (The squared-sum trap's energy no longer needs
+    fp32: the stable rewrite scales its squares into range.)"""
+    build, args, _ = MODELS["trap: exp of large logits"]
+    types, ep = _measured("trap: exp of large logits")["fx16"]
     assert types["f32"] > 0
     rules = {r.rule for r in decision_rows(ep) if r.dtype == "float32"}
     assert "activation_overflow" in rules

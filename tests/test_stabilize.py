@@ -34,6 +34,11 @@ class RmsNormDivided(RmsNorm):
         return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
+class L2Normalized(torch.nn.Module):
+    def forward(self, x):
+        return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True))
+
+
 class Magnitude(torch.nn.Module):
     """An STFT's magnitude from its real and imaginary halves."""
 
@@ -77,6 +82,7 @@ class TinyEps(torch.nn.Module):
 CASES = {
     "rms_norm_scaling": (RmsNorm, (1e-3, 1e4), 8),
     "rms_norm_scaling/divided": (RmsNormDivided, (1e-3, 1e4), 8),
+    "rms_norm_scaling/sum": (L2Normalized, (1e-3, 1e4), 8),
     "magnitude_scaling": (Magnitude, (1e-8, 1e6), 8),
     "log_softmax": (LogSoftmax, (1e-3, 50.0), 64),
     "log_sigmoid": (LogSigmoid, (1e-3, 30.0), 64),
@@ -132,6 +138,7 @@ def test_each_rewrite_equals_its_pattern_in_fp64(name, data):
 HARD_INPUTS = {
     "rms_norm_scaling": torch.tensor([[300.0, -200.0, 1.0, 0.5], [1e3, 2.0, -3.0, 4.0]]),
     "rms_norm_scaling/divided": torch.tensor([[3e-5, -2e-4, 1e-5, 5e-5], [1e3, 2.0, -3.0, 4.0]]),
+    "rms_norm_scaling/sum": torch.tensor([[3e-5, -2e-4, 1e-5, 5e-5], [300.0, 2.0, -3.0, 4.0]]),
     "magnitude_scaling": torch.tensor([[300.0, 1e-4, -3e-5, 400.0, 2e-4, 4e-5]]),
     "log_softmax": torch.tensor([[0.0, -20.0, -40.0, 10.0]]),
     "log_sigmoid": torch.tensor([[-5.0, -20.0, -30.0, 3.0]]),

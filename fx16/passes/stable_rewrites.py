@@ -71,20 +71,22 @@ class Rewrite:
 
 
 class RmsNormScaling:
-    """RMSNorm's variance divided through by a power of two near the row's largest magnitude.
+    """A norm of a row's squares divided through by a power of two near its largest magnitude.
 
-    Before: ``x * rsqrt(mean(x**2, dims, keepdim=True) + eps)``, or
-    ``x / sqrt(mean(x**2, dims, keepdim=True) + eps)`` - with activations of a few
-    hundred, x**2 passes 65504 (why models compute it in an fp32 region); on a quiet
-    input (a near-silent audio frame) it flushes to zero.
-    After: ``s = 2**floor(log2(max(amax(|x|, dims) / 64, 2**-14))); y = x / s;
+    Before: ``x * rsqrt(mean(x**2, dims, keepdim=True) + eps)`` (RMSNorm), or
+    ``x / sqrt(...)``, or the same over ``sum`` (an L2 normalization,
+    ``x / sqrt(sum(x**2))``), with or without eps - with activations of a few hundred,
+    x**2 passes 65504 (why models compute it in an fp32 region); on a quiet input (a
+    near-silent audio frame) it flushes to zero.
+    After: ``s = 2**floor(log2(max(amax(|x|, dims) * f, 2**-14))); y = x / s;
     y * rsqrt(mean(y**2, dims) + (sqrt(eps) / s)**2)``: the same value in exact
     arithmetic for any s > 0, and s a power of two makes ``x / s`` exact in 16-bit too.
-    The row's largest |y| lies in [64, 128), so every y**2 is below 16384, and elements
-    1/2000 of the largest still square to a normal 16-bit number (scaling the largest
-    to 1 would leave their squares subnormal, with a few bits). The scale's own rounding
-    cannot matter (any s would do), which its nodes say in ``meta["fx16.rounding_cancels"]``
-    for the conditioning analysis."""
+    For a mean, f = 1/64: the row's largest |y| lies in [64, 128), so every y**2 is below
+    16384, and elements 1/2000 of the largest still square to a normal 16-bit number
+    (scaling the largest to 1 would leave their squares subnormal, with a few bits). For
+    a sum, f = 1: the largest |y| lies in [1, 2), so a row of up to 16000 squares stays
+    below 65504. The scale's own rounding cannot matter (any s would do), which its nodes
+    say in ``meta["fx16.rounding_cancels"]`` for the conditioning analysis."""
 
     name = "rms_norm_scaling"
 
@@ -97,41 +99,66 @@ class RmsNormScaling:
         else:
             return None
         for x, root in pairs:
-            added = root.args[0]
-            if not (_only_user(root, node) and _is(added, aten.add.Tensor)):
+            if not _only_user(root, node):
                 continue
-            mean, eps = added.args[0], added.args[1]
-            if not (_only_user(added, root) and isinstance(eps, float) and eps >= 0):
+            reduced, eps, guard = root.args[0], None, ()
+            if _is(reduced, aten.add.Tensor) and _only_user(reduced, root):
+                eps, guard, reduced = reduced.args[1], (reduced,), reduced.args[0]
+                if not (isinstance(eps, float) and eps >= 0):
+                    continue
+            found = _reduction(reduced)
+            reader = guard[0] if guard else root
+            if found is None or not found[2] or not _only_user(reduced, reader):
                 continue
-            found = _mean(mean)
-            if found is None or not found[2] or not _only_user(mean, added):
-                continue
-            if _only_user(found[0], mean) and _squared(found[0]) is x:
-                replaced = (node, root, added, mean, found[0])
-                return Rewrite(node, replaced, f"eps {eps:g}", parts=(x, added))
+            squares = found[0]
+            if _only_user(squares, reduced) and _squared(squares) is x:
+                replaced = (node, root, *guard, reduced, squares)
+                detail = ("sum of squares, " if found[3] is aten.sum.dim_IntList else "") + (
+                    f"eps {eps:g}" if eps is not None else "no eps"
+                )
+                return Rewrite(node, replaced, detail, parts=(x, reduced, eps))
         return None
 
     def build(self, graph: Graph, rewrite: Rewrite) -> Node:
-        x, added = rewrite.parts
-        eps = added.args[1]
-        _, dims, _ = _mean(added.args[0])
+        x, reduced, eps = rewrite.parts
+        _, dims, _, reduction = _reduction(reduced)
+        summed = reduction is aten.sum.dim_IntList
         make = _Builder(graph, rewrite.result)
         magnitudes = make(aten.abs.default, x)
         largest = make(aten.amax.default, magnitudes, dims, True)
-        scale = _power_of_two_near(make, largest, 2.0**-6, (magnitudes, largest), _ANY_SCALE)
+        factor = 1.0 if summed else 2.0**-6
+        scale = _power_of_two_near(make, largest, factor, (magnitudes, largest), _ANY_SCALE)
         y = make(aten.div.Tensor, x, scale)
         squares = make(aten.pow.Tensor_Scalar, y, 2)
-        mean = make(aten.mean.dim, squares, dims, True)
-        for part in (y, squares, mean):
-            part.meta[SCALED] = "a scaled RMSNorm's: |y| < 128 and y**2 < 16384 for any input"
-        shrunk = make(aten.mul.Tensor, make(aten.reciprocal.default, scale), math.sqrt(eps))
-        eps_term = make(aten.mul.Tensor, shrunk, shrunk)
-        for small in (shrunk, eps_term):
-            small.meta[NEGLIGIBLE] = _EPS_TERM
-        power = make(aten.add.Tensor, mean, eps_term)
+        power = make(reduction, squares, dims, True)
+        why = _SCALED_SUM if summed else _SCALED_MEAN
+        for part in (y, squares, power):
+            part.meta[SCALED] = why
+        if eps is not None:
+            shrunk = make(aten.mul.Tensor, make(aten.reciprocal.default, scale), math.sqrt(eps))
+            eps_term = make(aten.mul.Tensor, shrunk, shrunk)
+            for small in (shrunk, eps_term):
+                small.meta[NEGLIGIBLE] = _EPS_TERM
+            power = make(aten.add.Tensor, power, eps_term)
+            power.meta[SCALED] = why  # eps_term below 2**28 eps
         power.meta[BOUNDED_BELOW] = _SCALED_POWER
-        power.meta[SCALED] = mean.meta[SCALED]  # eps_term below 2**28 eps
         return make(aten.mul.Tensor, y, make(aten.rsqrt.default, power))
+
+
+# Why a scaled norm's values stay in range for any input.
+_SCALED_MEAN = "a scaled RMSNorm's: |y| < 128 and y**2 < 16384 for any input"
+_SCALED_SUM = "a scaled L2 norm's: |y| < 2, a sum of n squares below 4n, for any input"
+
+
+def _reduction(node) -> tuple[Node, list, bool, object] | None:
+    """(x, dims, keepdim, op) for ``mean(x, dims, keepdim)`` or ``sum(x, dims, keepdim)``."""
+    if _is(node, aten.sum.dim_IntList) and isinstance(node.args[0], Node):
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if node.kwargs.get("dtype") is None and (len(node.args) < 4 or node.args[3] is None):
+            return node.args[0], list(node.args[1]), bool(keepdim), node.target
+        return None
+    found = _mean(node)
+    return None if found is None else (*found, node.target)
 
 
 def _power_of_two_near(make: _Builder, largest: Node, factor: float, parts, why: str) -> Node:
@@ -215,11 +242,13 @@ _EPS_TERM = (
 )
 
 
-# Why the scaled mean of squares cannot flush: a row's largest |y| is at least 64 unless
-# the row's largest |x| is below 2**-8, and then (sqrt(eps)/s)**2 = eps * 2**28.
+# Why the scaled mean (or sum) of squares cannot flush: a row's largest |y| is at least 64
+# (a sum's: 1) unless the row's largest |x| is below 2**-8 (2**-14), and then the eps term
+# is eps * 2**28; without an eps, such a row was subnormal in 16-bit before the norm.
 _SCALED_POWER = (
-    "the mean of squares of a scaled RMSNorm: at least 4096 / row length where the row's "
-    "largest magnitude is 2**-8 or more, else at least eps * 2**28"
+    "the mean (or sum) of squares of a scaled norm: at least 4096 / row length (a sum: 1) "
+    "where the row's largest magnitude is 2**-8 (a sum: 2**-14) or more, else at least "
+    "eps * 2**28; without an eps, a row below that was subnormal in 16-bit before the norm"
 )
 
 
