@@ -10,7 +10,9 @@ left in 16-bit because the smallest value it read stayed in 16-bit's normal rang
 before one of those observed decisions no longer holds: how much larger before a
 16-bit value passes the 16-bit maximum, and how much quieter before a value a 16-bit
 singular op reads leaves the normal range ("quiet inputs below this were never
-observed"). The report prints it (``CastReport.summary``), the JSON carries it.
+observed"), and how coarsely 16-bit products round the logits an exponential reads (no
+rule keeps a product fp32: sharper logits are named here, not held). The report prints
+it (``CastReport.summary``), the JSON carries it.
 
 Reads: the cast program's decisions and what calibration recorded on its nodes
 (``meta["fx16.observed_range"]``, ``meta["fx16.observed_smallest"]``), the rewrites'
@@ -29,9 +31,11 @@ from fx16 import meta
 from fx16.analysis.intervals import Source, ValueRange
 from fx16.analysis.underflow import singular_argument, small_end
 from fx16.casts import is_cast
+from fx16.cost import is_product
 from fx16.decisions import PRECISION
 from fx16.nodes import node_val
 from fx16.numerics import largest, smallest_normal
+from fx16.ops import EXPONENTIAL_TAIL_OPS, SOFTMAX_OPS
 from fx16.subgraphs import nested_graph_modules
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -55,6 +59,12 @@ class Envelope:
     quietest: float | None = None
     quietest_node: str = ""
     quiet_factor: float | None = None
+    # the largest rounding a 16-bit product leaves in values an exponential reads
+    # (logits): exponentiated, it is a relative error, and k times sharper logits are
+    # rounded k times coarser, which no rule keeps fp32 (products stay 16-bit)
+    logit_rounding: float | None = None
+    logit_node: str = ""
+    logit_product: str = ""
 
     def lines(self) -> list[str]:
         """What the command line prints: what holds for every input, then what was observed."""
@@ -77,6 +87,12 @@ class Envelope:
                 f"{self.quietest:.3g} in 16-bit; inputs {self.quiet_factor:.3g}x quieter "
                 "leave 16-bit's normal range there and were never observed"
             )
+        if self.logit_rounding is not None:
+            lines.append(
+                f"  sharper logits: {self.logit_node} exponentiates values the 16-bit product "
+                f"{self.logit_product} rounds by up to {self.logit_rounding:.3g}; logits k "
+                "times sharper are rounded k times coarser (a budget keeps that product fp32)"
+            )
         return lines
 
 
@@ -85,6 +101,7 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
     rewritten = proven = 0
     headroom: tuple[float, str] | None = None
     quiet: tuple[float, float, str] | None = None
+    logits: tuple[float, str, str] | None = None
     for module in nested_graph_modules(ep.graph_module):
         for node in module.graph.nodes:
             rewritten += bool(meta.stabilized(node))
@@ -102,6 +119,10 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
             found = _quietest_argument(node, val.dtype)
             if found is not None and (quiet is None or found[0] < quiet[0]):
                 quiet = (*found, node.name)
+        for node in module.graph.nodes:
+            found = _logit_rounding(node)
+            if found is not None and (logits is None or found[0] > logits[0]):
+                logits = (*found, node.name)
     status = ep.graph_module.meta.get(meta.CALIBRATION_STATUS, "skipped: not run")
     return Envelope(
         calibration=status,
@@ -113,6 +134,9 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
         quietest=quiet[1] if quiet else None,
         quietest_node=quiet[2] if quiet else "",
         quiet_factor=quiet[0] if quiet else None,
+        logit_rounding=logits[0] if logits else None,
+        logit_product=logits[1] if logits else "",
+        logit_node=logits[2] if logits else "",
     )
 
 
@@ -141,3 +165,23 @@ def _quietest_argument(node: Node, dtype: torch.dtype) -> tuple[float, float] | 
     if not smallest:
         return None
     return smallest / smallest_normal(dtype), smallest
+
+
+def _logit_rounding(node: Node) -> tuple[float, str] | None:
+    """(half a 16-bit ulp of the largest value seen, the product) where ``node``
+    exponentiates (softmax, exp, sigmoid) what a 16-bit product computed."""
+    if node.op != "call_function" or node.target not in EXPONENTIALS:
+        return None
+    source = node.args[0] if node.args else None
+    while isinstance(source, Node) and is_cast(source):
+        source = source.args[0]
+    if not (isinstance(source, Node) and is_product(source)):
+        return None
+    val = node_val(source)
+    largest_seen = meta.observed_max_abs(source)
+    if not (isinstance(val, torch.Tensor) and val.dtype in SIXTEEN_BIT and largest_seen):
+        return None
+    return largest_seen * torch.finfo(val.dtype).eps / 2, source.name
+
+
+EXPONENTIALS = EXPONENTIAL_TAIL_OPS | SOFTMAX_OPS

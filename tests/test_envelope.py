@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import fx16
+from benchmarks.precision_zoo import Entropy
 from benchmarks.shift_traps import FrameRmsNorm, audio_frames
 from fx16.envelope import envelope
 from fx16.report import report_of
@@ -94,3 +95,20 @@ def test_the_envelope_is_in_the_json_and_on_the_command_line(tmp_path):
     code, out, err = command("cast", tmp_path / "peak.pt2", "-o", tmp_path / "cast.pt2")
     assert code == 0, err
     assert "envelope:   quieter inputs: div reads values down to" in out + err
+
+
+def test_the_rounding_16_bit_products_leave_in_logits_is_named():
+    """A softmax of a 16-bit head's logits: no rule keeps the head fp32, so the envelope
+    names how coarsely it rounds them (half fp16's ulp of the largest logit seen)."""
+    torch.manual_seed(0)
+    model = Entropy().eval()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    found = report_of(ep).totals.envelope
+    with torch.no_grad():
+        largest = float(model.head(x).abs().max())
+    assert found.logit_product == "linear" and found.logit_node == "softmax"
+    assert abs(found.logit_rounding - largest * 2.0**-11) < 1e-3 * found.logit_rounding
+    assert any(line.startswith("envelope:   sharper logits:") for line in report_of(ep).summary())
+    plain = fx16.cast_fp32_to_fp16(export(ScaleByRowPeak(), _rows(1)))
+    assert report_of(plain).totals.envelope.logit_rounding is None
