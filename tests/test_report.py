@@ -82,7 +82,10 @@ def test_every_cast_stores_a_report_whose_json_has_a_reason_for_every_wide_node(
         "flop_share_16bit",
         "cast_bytes",
         "fp32_weight_bytes",
+        "envelope",
     }
+    envelope = document["totals"]["envelope"]
+    assert envelope["calibration"] == "observed on 1 input(s)" and envelope["margin"] == 2.0
     for node in document["nodes"]:
         assert node["reason"] and node["rule"]
         if node["kind"] == "float" and node["dtype"] != "float16":
