@@ -57,16 +57,22 @@ def round_scalar_to_fp16(value: float, dtype: torch.dtype = torch.float16) -> fl
     return _nearest(float(value), dtype)
 
 
-def scalar_for_16_bit_op(value: float, dtype: torch.dtype = torch.float16) -> float | None:
+def scalar_for_16_bit_op(
+    value: float, dtype: torch.dtype = torch.float16, guard: bool = False
+) -> float | None:
     """The number an op computing in ``dtype`` takes in place of the Python float
     ``value``: ``value`` itself, since eager PyTorch applies a scalar in the op's fp32
     math (``z / 0.18215`` divides by fp32's 0.18215, not fp16's 0.18212890625); except
     an infinity-like sentinel, saturated to +-maximum (a 16-bit kernel refuses it), a
-    nonzero magnitude below the smallest subnormal, clamped to it (``var + 1e-12`` would
-    round to ``var``, a flush), and None where it overflows (the op stays fp32)."""
+    nonzero magnitude below the smallest subnormal that the op adds (``guard``:
+    ``var + 1e-12``, whose sum with a zero would round to a flush), clamped to it, and
+    None where it overflows (the op stays fp32). A tiny scalar the op multiplies by
+    stays as it is: clamped, ``x * 1e-9`` would come out 60 times too large."""
     rounded = round_scalar_to_fp16(value, dtype)
-    if rounded is None or abs(value) >= INF_LIKE or 0 < abs(value) < smallest_subnormal(dtype):
+    if rounded is None or abs(value) >= INF_LIKE:
         return rounded
+    if 0 < abs(value) < smallest_subnormal(dtype):
+        return rounded if guard else value
     return value
 
 

@@ -252,6 +252,9 @@ SMALL_END_PRESERVING_OPS = overloads(
 )
 # Ops that raise a value to at least a scalar (an eps guard): add, clamp_min, clamp.
 GUARD_OPS = overloads("add.Tensor", "clamp_min.default", "clamp.default")
+# Ops whose scalar is added or clamped to (a guard, when tiny): a scalar below the 16-bit
+# subnormals is clamped to them there, where elsewhere (a multiplier) it is left as it is.
+GUARDING_OPS = GUARD_OPS | overloads("add.Scalar", "sub.Tensor", "sub.Scalar")
 
 # ---- conditioning (fx16.analysis.conditioning) -------------------------------------------
 

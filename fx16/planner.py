@@ -30,7 +30,14 @@ from fx16.nodes import (
     node_val,
 )
 from fx16.numerics import round_scalar_to_fp16, scalar_for_16_bit_op, smallest_subnormal
-from fx16.ops import ASSERT_METADATA_OPS, CAST_OPS, CREATION_OPS, is_custom_op, per_op
+from fx16.ops import (
+    ASSERT_METADATA_OPS,
+    CAST_OPS,
+    CREATION_OPS,
+    GUARDING_OPS,
+    is_custom_op,
+    per_op,
+)
 from fx16.plan import Plan, Read, Step
 from fx16.plan_bodies import plan_autocast, plan_opaque, plan_shared, plan_subgraphs
 from fx16.plan_structural import plan_assertion, plan_getitem, plan_in_place
@@ -195,11 +202,14 @@ class Planner:
     def in_low(self, node: Node, choice: Choice, view: View) -> Step:
         """Computed in 16-bit: its fp32 inputs that may be narrowed are, its float
         scalars kept as eager applies them (a sentinel saturated, a nonzero one below
-        the subnormals clamped to them: ``scalar_for_16_bit_op``), its fp32 dtype
-        arguments made 16-bit."""
+        the subnormals that the op adds clamped to them: ``scalar_for_16_bit_op``), its
+        fp32 dtype arguments made 16-bit."""
         arguments, clamped = [], []
         for location, value in view.scalars:
-            rounded = scalar_for_16_bit_op(value, self.low) if isinstance(value, float) else value
+            guard = node.target in GUARDING_OPS
+            rounded = (
+                scalar_for_16_bit_op(value, self.low, guard) if isinstance(value, float) else value
+            )
             if rounded != value:
                 arguments.append((location, rounded))
                 if value and abs(value) < smallest_subnormal(self.low):
