@@ -356,12 +356,12 @@ def test_any_scalar_keeps_the_program_valid(factor):
     _insert(ep)
     check_program(ep)
     mul = _only(ep, aten.mul.Tensor)
-    magnitude = abs(factor)
-    if 65504 < magnitude < 1e38:  # beyond fp16, no sentinel: the op stays fp32
+    magnitude, sentinel = abs(factor), float(torch.tensor(1e38))  # 1e38 as fp32 holds it
+    if 65504 < magnitude < sentinel:  # beyond fp16, no sentinel: the op stays fp32
         assert mul.meta["val"].dtype == torch.float32 and mul.args[1] == factor
         return
     assert mul.meta["val"].dtype == torch.float16
-    if 1e38 <= magnitude < math.inf:  # a sentinel: saturated
+    if sentinel <= magnitude < math.inf:  # a sentinel: saturated
         assert mul.args[1] == math.copysign(65504.0, factor)
     else:  # as eager applies it, in fp32 op math (a tiny multiplier too: not clamped)
         assert mul.args[1] == factor
