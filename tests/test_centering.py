@@ -226,3 +226,27 @@ def test_a_narrow_column_beside_wide_ones_is_kept_and_holds_on_unseen_rows():
     assert all(row.narrowed for row in fx16.report.report_of(ep).rows if row.product)
     unseen = mixed_columns(64, seed=2)
     assert max_error(fp64_reference(model, unseen), run(ep, unseen)) < 3e-3
+
+
+class MixedColumnsInABody(torch.nn.Module):
+    """The per-column standardization inside a ``torch.no_grad()`` body."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            return (x - x.mean(0, keepdim=True)) / x.std(0, keepdim=True)
+
+
+def test_a_narrow_column_is_judged_per_slice_inside_a_body_too():
+    ep = export(MixedColumnsInABody(), mixed_columns(64, seed=1))
+    program = Program(ep)
+    CalibrationAnalysis(program)(ep.graph_module)
+    ValueRangeAnalysis(program)(ep.graph_module)
+    ConditioningAnalysis(program)(ep.graph_module)
+    marks = [
+        node.meta.get(KEY)
+        for module in ep.graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.target == torch.ops.aten.sub.Tensor
+    ]
+    assert marks and all(mark and "a - b per slice" in mark for mark in marks)
