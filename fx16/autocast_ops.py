@@ -4,7 +4,9 @@ from fx16.op_kinds import packets
 
 # torch.autocast op tables, from PyTorch's aten/src/ATen/autocast_mode.cpp (AutocastCPU
 # registrations) and aten/src/ATen/autocast_mode.h (AT_FORALL_* lists used for CUDA), as
-# of torch 2.13. Ops in none of the lists run in whatever dtype their inputs have.
+# of torch 2.13. Ops in none of the lists run in whatever dtype their inputs have. An entry
+# names an op packet, or one overload ("_convolution.deprecated") where autocast registers
+# only that one.
 AUTOCAST_CPU = {
     "lower_precision_fp": packets(
         "conv1d",
@@ -18,7 +20,7 @@ AUTOCAST_CPU = {
         "_addmm_activation",
         "addbmm",
         "linear",
-        "_convolution",
+        "_convolution.deprecated",
         "matmul",
         "conv_tbc",
         "mkldnn_rnn_layer",
@@ -40,6 +42,7 @@ AUTOCAST_CPU = {
         "stft",
         "cdist",
         "grid_sampler_2d",
+        "_grid_sampler_2d_cpu_fallback",
         "grid_sampler_3d",
         "trace",
         "view_as_complex",
@@ -125,7 +128,7 @@ AUTOCAST_CPU = {
 }
 AUTOCAST_CUDA = {
     "lower_precision_fp": packets(
-        "_convolution",
+        "_convolution.deprecated",
         "conv1d",
         "conv2d",
         "conv3d",

@@ -40,16 +40,19 @@ def narrowed_arguments(planner, node: Node, narrowed: tuple, arguments: list) ->
     return tuple(args), kwargs
 
 
-def follow(planner, node: Node, choice: Choice, promote: bool) -> Step:
-    """Computed in the dtype its inputs give it (``promote``: their widest first)."""
+def follow(
+    planner, node: Node, choice: Choice, promote: bool, widest: torch.dtype | None = None
+) -> Step:
+    """Computed in the dtype its inputs give it (``promote``: their widest first;
+    ``widest``: float inputs narrower than it widened to it first)."""
     reads = {arg: planner.plan.read(arg, node) for arg in tensor_inputs(node)}
-    widest = None
     if promote:
         floats = [read.dtype for read in reads.values() if read.dtype in FLOAT_DTYPES]
         widest = max(floats, key=float_rank, default=None)
+    if widest is not None:
         reads = {
             arg: Read(retype_val(read.val, widest), None, arg.name)
-            if read.dtype in FLOAT_DTYPES and read.dtype != widest
+            if read.dtype in FLOAT_DTYPES and float_rank(read.dtype) < float_rank(widest)
             else read
             for arg, read in reads.items()
         }
@@ -78,7 +81,7 @@ def follow(planner, node: Node, choice: Choice, promote: bool) -> Step:
         step = planner.in_fp32(node, fp32, True)
     else:
         dtype = planner.low if planner.low in dtypes else FP32
-        step = Step(choice, decision(dtype, Reason.POLICY_FOLLOW, choice.detail), result)
+        step = Step(choice, decision(dtype, choice.reason, choice.detail), result)
         if dtype == planner.low:
             step.arguments = saturated_sentinels(node, planner.low)
     step.widest = widest

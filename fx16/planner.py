@@ -163,6 +163,8 @@ class Planner:
             return self.in_fp32(node, choice, view.produces_fp32)
         if action in (Action.FOLLOW, Action.PROMOTE):
             return follow(self, node, choice, promote=action == Action.PROMOTE)
+        if action == Action.WIDEN:
+            return follow(self, node, choice, promote=False, widest=FP32)
         return self.in_low(node, choice, view)
 
     def cast_to_fp32(self, node: Node) -> Step:
@@ -186,7 +188,7 @@ class Planner:
         view = self.view(node)
         choice = choose(CREATION_RULES, view)
         if choice.action == Action.LEAVE:
-            return None
+            return Step(choice, decision(FP32, choice.reason, choice.detail), node_val(node))
         if choice.action == Action.FOLLOW:
             return follow(self, node, choice, promote=False)
         if choice.action == Action.FP32:

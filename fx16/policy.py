@@ -85,6 +85,10 @@ class PrecisionPolicy:
         Either way every index chosen is valid; precision only changes which.
     cast_back: return results computed in fp32 by policy to the 16-bit dtype (False:
         later ops follow the fp32 result, as eager autocast does).
+    widen_model_16bit: an op the policy puts in fp32 computes in fp32 even where the
+        model made its inputs 16-bit itself (``x.to(torch.bfloat16)`` then ``mse_loss``),
+        as eager autocast's fp32 list does; off, such an op is left as the model
+        computes it. On in the ``autocast`` preset.
     stabilize: rewrite patterns that 16-bit spoils into forms that are exact in real
         arithmetic and stable in 16-bit before casting (``fx16.passes.stabilize``:
         RMSNorm's variance scaled by the row's largest magnitude, log(softmax) as
@@ -112,6 +116,7 @@ class PrecisionPolicy:
     explicit_fp32: str = "calibrated"
     routing: str = "fp32"
     cast_back: bool = True
+    widen_model_16bit: bool = False
     precision_tolerance: float | None = None
     stabilize: bool = True
     eps_clamp: bool = False
@@ -216,6 +221,7 @@ class PrecisionPolicy:
             kinds=kinds,
             op_table=op_table,
             cast_back=False,
+            widen_model_16bit=True,  # fp32-list ops widen the model's own 16-bit inputs
             precision_tolerance=math.inf,  # eager autocast's dtypes, op by op
             explicit_fp32="keep",
             stabilize=False,  # eager autocast's ops, not rewritten ones
@@ -295,9 +301,11 @@ class PrecisionPolicy:
                 longest = max(matches, key=len)
                 return self.modules[longest], _entry("modules", longest, self.modules[longest])
         name = op_name(node)
+        overload = getattr(node.target, "_overloadname", None) if name is not None else None
         for table, entries in (("ops", self.ops), ("op_table", self.op_table)):
-            if name in entries:
-                return entries[name], _entry(table, name, entries[name])
+            for key in (f"{name}.{overload}", name):  # "_convolution.deprecated", "_convolution"
+                if key in entries:
+                    return entries[key], _entry(table, key, entries[key])
         kind = op_kind(node)
         return self.kinds[kind], f"kinds[{kind.value}] = {self.kinds[kind].value}"
 

@@ -44,6 +44,7 @@ class Action(enum.Enum):
     IN_REGION = "inside the model's fp32 region: fp32 as the model computes it, no casts"
     FOLLOW = "take the dtype its inputs give it"
     PROMOTE = "widen its inputs to the widest of them, then follow"
+    WIDEN = "compute in fp32 as eager autocast does: 16-bit inputs widened, the model's own too"
     RETARGET = "point the model's cast at the 16-bit dtype"
     KEEP = "keep the model's cast to fp32 of an fp32 value as it is"
     LEAVE = "nothing to decide: no input was narrowed"
@@ -102,6 +103,16 @@ def _scalar_overflow(view: View) -> Choice | None:
 
 
 # ---- compute ops -------------------------------------------------------------------
+
+
+def _policy_widens_model_16bit(view: View) -> Choice | None:
+    """An op the policy puts in fp32 reads a 16-bit value the model made itself, and the
+    policy widens those too (eager autocast's fp32 list)."""
+    if not view.policy.widen_model_16bit or view.precision != Precision.FP32:
+        return None
+    if any(view.read(arg).dtype in SIXTEEN_BIT_DTYPES for arg in view.float_inputs):
+        return Choice(Action.WIDEN, Reason.POLICY, view.entry())
+    return None
 
 
 def _nothing_narrowed(view: View) -> Choice | None:
@@ -168,6 +179,7 @@ def _fits(view: View) -> Choice:
 
 
 COMPUTE_RULES = (
+    Rule("policy_widens_model_16bit", _policy_widens_model_16bit),
     Rule("no_narrowed_input", _nothing_narrowed),
     Rule("opens_model_fp32_region", _opens_region),
     Rule("inside_model_fp32_region", _inside_region),
@@ -234,7 +246,9 @@ def _creation_follows(view: View) -> Choice | None:
         return None
     if any(view.read(arg).narrowed for arg in tensor_inputs(view.node)):  # *_like of 16-bit
         return Choice(Action.FOLLOW, Reason.POLICY_FOLLOW, view.entry())
-    return Choice(Action.LEAVE)
+    # fp32 as the model makes it; a 16-bit op may read it through a cast, as eager
+    # autocast casts the fp32 tensors its lower-precision ops read
+    return Choice(Action.LEAVE, Reason.POLICY_FOLLOW, view.entry())
 
 
 def _creation_fits(view: View) -> Choice:

@@ -45,6 +45,21 @@ def node_named(ep, name: str) -> torch.fx.Node:
     return next(n for n in ep.graph_module.graph.nodes if n.name == name)
 
 
+class DtypeRecorder(torch.fx.Interpreter):
+    """Runs a graph and keeps the dtype of each node's tensor result, by node name
+    (under ``torch.autocast``: the dtypes eager autocast gives the graph's ops)."""
+
+    def __init__(self, graph_module):
+        super().__init__(graph_module)
+        self.dtypes = {}
+
+    def run_node(self, node):
+        result = super().run_node(node)
+        if isinstance(result, torch.Tensor):
+            self.dtypes[node.name] = result.dtype
+        return result
+
+
 def inputs_for(ep, args):
     """``args`` converted to the dtypes the program's user inputs now expect."""
     placeholders = Program(ep).user_input_placeholders()

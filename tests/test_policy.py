@@ -12,13 +12,25 @@ from hypothesis import strategies as st
 import fx16
 from benchmarks.zoo import ResNetish
 from fx16 import OpKind, Precision, PrecisionPolicy
+from fx16.autocast_ops import AUTOCAST_CPU, AUTOCAST_CUDA
 from fx16.decisions import PRECISION, Reason
 from fx16.demo import DemoBlock
 from fx16.op_kinds import op_kind
+from fx16.policy import POLICY_PRESETS
 from fx16.program import Program
 from fx16.report import report_of
 from fx16.testing.strategies import model_cases
-from helpers import casts, check_program, export, fp64_reference, max_error, run, state_snapshot
+from helpers import (
+    DtypeRecorder,
+    casts,
+    check_program,
+    export,
+    fp64_reference,
+    max_error,
+    node_named,
+    run,
+    state_snapshot,
+)
 
 aten = torch.ops.aten
 
@@ -108,24 +120,12 @@ class Mix(torch.nn.Module):
         return joined.exp() @ joined.transpose(-1, -2) + total
 
 
-class _DtypeRecorder(torch.fx.Interpreter):
-    def __init__(self, graph_module):
-        super().__init__(graph_module)
-        self.dtypes = {}
-
-    def run_node(self, node):
-        result = super().run_node(node)
-        if isinstance(result, torch.Tensor):
-            self.dtypes[node.name] = result.dtype
-        return result
-
-
 @pytest.mark.parametrize("decompose", [False, True])
 def test_static_autocast_matches_eager_autocast_op_by_op(decompose):
     torch.manual_seed(0)
     model, x = Mix().eval(), torch.randn(2, 3, 8)
     ep = export(model, x, decompose=decompose)
-    recorder = _DtypeRecorder(ep.graph_module)
+    recorder = DtypeRecorder(ep.graph_module)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         eager = recorder.run(*Program(ep).graph_inputs((x,)))[0]
     cast = fx16.cast_fp32_to_fp16(
@@ -241,6 +241,60 @@ def test_each_preset_gives_each_op_kind_its_dtype(preset):
 def test_op_keys_may_be_aten_ops():
     policy = PrecisionPolicy.custom(ops={aten.softmax.int: "fp32"})
     assert policy.ops == {"softmax": Precision.FP32}
+
+
+def test_autocast_tables_name_real_ops_and_the_overloads_torch_registers():
+    """Every entry is an ATen op (an overload where autocast registers only one): CPU
+    autocast takes ``_convolution.deprecated`` alone, and ``_grid_sampler_2d_cpu_fallback``
+    is in its fp32 list."""
+    for table in (AUTOCAST_CPU, AUTOCAST_CUDA):
+        for names in table.values():
+            for name in names:
+                packet, _, overload = name.partition(".")
+                assert hasattr(torch.ops.aten, packet), name
+                assert not overload or overload in getattr(torch.ops.aten, packet).overloads()
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    convolution_args = (x, x, None, [1], [0], [1], False, [0], 1, False, False, True)
+    deprecated = graph.call_function(aten._convolution.deprecated, convolution_args[:-1])
+    current = graph.call_function(aten._convolution.default, convolution_args)
+    fallback = graph.call_function(aten._grid_sampler_2d_cpu_fallback.default, (x, x, 0, 0, False))
+    policy = PrecisionPolicy.autocast("cpu", torch.bfloat16)
+    assert policy.matching_entry(deprecated) == (
+        Precision.LOW,
+        "op_table['_convolution.deprecated'] = 16-bit",
+    )
+    assert policy.precision_for(current) == Precision.FOLLOW
+    assert policy.precision_for(fallback) == Precision.FP32
+
+
+def test_an_op_table_entry_may_name_one_overload():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    by_dim = graph.call_function(aten.softmax.int, (x, -1))
+    policy = PrecisionPolicy.custom(ops={"softmax.int": "fp32"})
+    assert policy.precision_for(by_dim) == Precision.FP32
+    assert PrecisionPolicy.custom(ops={"softmax.Dimname": "fp32"}).precision_for(by_dim) == (
+        Precision.LOW
+    )
+
+
+class _CreatedOperand(torch.nn.Module):
+    def forward(self, x):
+        return torch.mm(x, torch.eye(8)) + torch.nn.functional.prelu(x, torch.ones(1))
+
+
+@pytest.mark.parametrize("preset", sorted(set(POLICY_PRESETS) - {"always_fp32"}))
+def test_a_product_of_a_tensor_made_in_forward_runs_16_bit_where_the_policy_says_so(preset):
+    """``torch.mm(x, torch.eye(8))``: the eye is an fp32 tensor the program makes, and
+    a 16-bit product reads it through a cast, as eager autocast does."""
+    policy = PrecisionPolicy.named(preset)
+    x = torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(_CreatedOperand(), x), policy=policy)
+    check_program(ep)
+    for name in ("mm", "prelu"):
+        assert node_named(ep, name).meta["val"].dtype == policy.low, name
+    torch.testing.assert_close(run(ep, x)[0].float(), x + x, rtol=1e-2, atol=1e-2)
 
 
 def test_static_autocast_on_a_decomposed_cnn():

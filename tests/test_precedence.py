@@ -67,6 +67,7 @@ def test_choices_are_made_without_touching_the_graph():
 
 def test_each_list_is_ordered_data_that_ends_in_a_rule_that_always_applies():
     assert [rule.name for rule in COMPUTE_RULES] == [
+        "policy_widens_model_16bit",
         "no_narrowed_input",
         "opens_model_fp32_region",
         "inside_model_fp32_region",
@@ -177,3 +178,50 @@ def test_inside_a_cond_branch_an_op_the_model_computes_in_16_bit_stays_so(policy
     with torch.no_grad():
         reference = Bf16IndexInBranch()(x)
     assert (run(ep, x)[0].float() - reference).abs().max() < 1e-2
+
+
+class Bf16LossInBranch(torch.nn.Module):
+    """The program casts to bf16 itself, then an op of autocast's fp32 list reads it:
+    in the program's graph and inside a cond branch."""
+
+    def forward(self, x, target):
+        def branch(x, target):
+            return torch.nn.functional.mse_loss(x.bfloat16(), target.bfloat16()).reshape(1)
+
+        def other(x, target):
+            return torch.nn.functional.l1_loss(x.bfloat16(), target.bfloat16()).reshape(1)
+
+        inside = torch.cond(x.sum() > 0, branch, other, (x, target))
+        outside = torch.nn.functional.l1_loss(x.bfloat16(), target.bfloat16())
+        return inside, outside
+
+
+def test_the_autocast_policy_widens_the_programs_own_16_bit_inputs_of_fp32_ops():
+    """``policy_widens_model_16bit``: an op of autocast's fp32 list computes in fp32 from
+    the bf16 values the program made itself, as eager autocast does, in a body too;
+    the default policy leaves it as the model computes it."""
+    x, target = torch.randn(3, 4).abs() + 0.1, torch.randn(3, 4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = Bf16LossInBranch()(x, target)
+    assert [value.dtype for value in eager] == [torch.float32, torch.float32]
+    ep = export(Bf16LossInBranch(), x, target)
+    fx16.cast_fp32_to_fp16(ep, policy=PrecisionPolicy.autocast("cpu", torch.bfloat16))
+    check_program(ep)
+    losses = [
+        node
+        for module in ep.graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.target in (torch.ops.aten.mse_loss.default, torch.ops.aten.l1_loss.default)
+    ]
+    assert len(losses) == 3
+    for loss in losses:
+        assert loss.meta["val"].dtype == torch.float32
+        assert loss.meta["fx16.precision"].reason.name == "POLICY"
+    got = run(ep, x, target)
+    assert [value.dtype for value in got] == [torch.float32, torch.float32]
+    for ours, theirs in zip(got, eager, strict=True):
+        torch.testing.assert_close(ours, theirs)
+    kept = export(Bf16LossInBranch(), x, target)
+    fx16.cast_fp32_to_fp16(kept)
+    assert [value.dtype for value in run(kept, x, target)] == [torch.bfloat16] * 2

@@ -27,7 +27,7 @@ from fx16.casts import (
 )
 from fx16.decisions import PRECISION, was_narrowed
 from fx16.meta import PLANNED
-from fx16.nodes import FLOAT_DTYPES, node_dtype, node_val, set_argument
+from fx16.nodes import FLOAT_DTYPES, float_rank, node_dtype, node_val, set_argument
 from fx16.plan import Plan, Step
 from fx16.policy import PrecisionPolicy
 
@@ -128,7 +128,8 @@ class Rewriter:
 
     def promote(self, node: Node, widest: torch.dtype) -> None:
         def widen(arg: Node) -> Node:
-            if node_dtype(arg) in FLOAT_DTYPES and node_dtype(arg) != widest:
+            dtype = node_dtype(arg)
+            if dtype in FLOAT_DTYPES and float_rank(dtype) < float_rank(widest):
                 return self.casts.cast(arg, widest, WHY_UPCAST)
             return arg
 

@@ -164,7 +164,7 @@ class _Run(Rewriter):
         action = step.choice.action
         if action == Action.FP32:
             self.run_in_fp32(node, step)
-        elif action in (Action.FOLLOW, Action.PROMOTE):
+        elif action in (Action.FOLLOW, Action.PROMOTE, Action.WIDEN):
             self.follow(node, step)
         elif action == Action.LOW:
             self.run_in_low(node, step)
@@ -186,5 +186,7 @@ class _Run(Rewriter):
         action = step.choice.action
         if action == Action.FOLLOW:
             self.follow(node, step)
+        elif action == Action.LEAVE:  # fp32 as the model makes it
+            self.record(node, step)
         else:  # *_like and new_* ops follow their input's dtype, which may be 16-bit now
             self.creation(node, step, FP32 if action == Action.FP32 else self.low)
