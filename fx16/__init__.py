@@ -26,6 +26,7 @@ _PUBLIC = {
     "fp16_passes": "fx16.pipelines",
     "inputs_for": "fx16.casting",
     "int16_passes": "fx16.pipelines",
+    "load": "fx16.archive",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -1,12 +1,16 @@
-"""Loading ``.pt2`` archives for the command line, with reasons a user can act on.
+"""Loading ``.pt2`` archives (``fx16.load``, the command line), with reasons a user can
+act on.
 
 ``torch.export.load`` logs the real cause of a failed load and raises a generic
 "We ran into an error when deserializing"; a damaged entry may even load. Here an
 archive is checked (a zip file whose entries match their CRCs) before it is loaded,
-and a failure is reported with torch's own reason. Output types a model returns
-(every transformers model returns a ``ModelOutput`` subclass) must be registered with
-pytree before their programs deserialize; the module that defines such a type is
-imported by its recorded name, or named by the user (``--import MODULE``).
+and a failure is reported with torch's own reason in one line. Output types a model
+returns (every transformers model returns a ``ModelOutput`` subclass) must be
+registered with pytree, and custom ops it calls (transformers' MoE layers call
+``torch.ops.transformers.grouped_mm_fallback``) registered with torch, before their
+programs deserialize: the module that defines such a type is imported by its recorded
+name, the module of the op's package that registers it is found by its source, or the
+user names it (``--import MODULE``, ``fx16.load(path, imports=[...])``).
 """
 
 import importlib
@@ -19,8 +23,10 @@ from pathlib import Path
 import torch
 
 from fx16.errors import Fx16Error, one_line
+from fx16.saved_decisions import restore_decisions
 
 _UNREGISTERED = re.compile(r"Deserializing (\S+) in pytree is not registered")
+_UNRESOLVED_OP = re.compile(r"failed to resolve torch\.ops\.(\w+)\.(\w+)\.\w+ to an operator")
 
 
 class ArchiveError(Fx16Error):
@@ -70,15 +76,68 @@ def load_program(path: Path) -> torch.export.ExportedProgram:
         try:
             return _load_logging_the_cause(path)
         except _LoadFailure as failure:
-            missing = _UNREGISTERED.search(failure.reason)
-            module = missing.group(1).rpartition(".")[0] if missing else ""
+            missing_type = _UNREGISTERED.search(failure.reason)
+            missing_op = _UNRESOLVED_OP.search(failure.reason)
+            if missing_type:
+                module = missing_type.group(1).rpartition(".")[0]
+            else:
+                module = _registering_module(*missing_op.groups()) if missing_op else ""
             if not module or module in imported or not _importable(module):
-                reason = failure.reason
-                if missing:
-                    reason = f"{reason.rstrip('.')}; pass --import MODULE for the module that does"
-                raise ArchiveError(f"cannot load {path}: {reason}") from None
+                raise ArchiveError(f"cannot load {path}: {_said(failure.reason)}") from None
             imported.add(module)
             import_modules([module])
+
+
+def _said(reason: str) -> str:
+    """torch's reason for a failed load, with the step a user takes where one helps."""
+    missing_op = _UNRESOLVED_OP.search(reason)
+    if missing_op:  # torch's reason runs on with the whole node (kilobytes)
+        namespace, op = missing_op.groups()
+        return (
+            f"it calls the custom op torch.ops.{namespace}.{op}, which no imported module "
+            "registers; pass --import MODULE (fx16.load(path, imports=[...])) for the "
+            "module that does"
+        )
+    if _UNREGISTERED.search(reason):
+        return f"{reason.rstrip('.')}; pass --import MODULE for the module that does"
+    return reason
+
+
+def _registering_module(namespace: str, op: str) -> str:
+    """The module of the installed package ``namespace`` whose source registers the
+    custom op ``namespace::op`` ("" if none does)."""
+    spec = importlib.util.find_spec(namespace) if _importable(namespace) else None
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    names = (f'"{namespace}::{op}"', f"'{namespace}::{op}'")
+    for location in spec.submodule_search_locations:
+        root = Path(location)
+        for source in sorted(root.rglob("*.py")):
+            try:
+                text = source.read_text(encoding="utf-8", errors="ignore")
+            except OSError:
+                continue
+            if any(name in text for name in names):
+                parts = source.relative_to(root).with_suffix("").parts
+                parts = parts[:-1] if parts[-1] == "__init__" else parts
+                return ".".join((namespace, *parts))
+    return ""
+
+
+def load(path, imports=()) -> torch.export.ExportedProgram:
+    """The program in the ``.pt2`` file at ``path``, cast by fx16 or not.
+
+    ``torch.export.load`` after the archive is checked, with the modules its output
+    types and custom ops need imported (``imports``: modules to import first, as the
+    command line's ``--import``), and an fx16 cast's decisions restored on its nodes, so
+    ``fx16.report.report_of`` gives its report. Raises ``ArchiveError`` (an
+    ``Fx16Error``) with the reason in one line."""
+    if isinstance(imports, str):
+        imports = [imports]
+    import_modules(list(imports))
+    ep = load_program(Path(path))
+    restore_decisions(ep.graph_module)
+    return ep
 
 
 def _importable(name: str) -> bool:

@@ -12,14 +12,15 @@ from torch.export import ExportedProgram
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.budget import cast_fp16_within_budget
 from fx16.errors import InvalidOptionError, require_flag, require_number
-from fx16.node_ids import assign_ids, keep_decisions
+from fx16.node_ids import assign_ids
 from fx16.options import Fp16Options, shows_fp16_options
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
 from fx16.plan import explained
 from fx16.policy import as_names
 from fx16.program import Program
 from fx16.provenance import provenance
-from fx16.report import REPORT_KEY, build_report
+from fx16.report import REPORT_KEY, build_report, json_ready
+from fx16.saved_decisions import keep_decisions
 from fx16.snapshot import collector_paused
 from fx16.stats import record_stats_before
 
@@ -213,10 +214,11 @@ def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> Exp
             run_passes(fp16_passes(ep, fp16_options), ep.graph_module, recompile=last)
         if int16_options is not None:
             run_passes(int16_passes(ep, **int16_options), ep.graph_module)
-    keep_decisions(ep.graph_module, explained)  # they survive torch.export.save
     if accuracy is None and previous is not None:  # a second cast keeps the first's search
         accuracy = previous.accuracy
     margin = fp16_options.overflow_margin if fp16_options is not None else 2.0
+    # they survive torch.export.save
+    keep_decisions(ep.graph_module, explained, json_ready(made_by), margin)
     ep.graph_module.meta[REPORT_KEY] = replace(
         build_report(ep, before, accuracy, margin), provenance=made_by
     )

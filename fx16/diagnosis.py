@@ -34,12 +34,13 @@ from torch.fx import GraphModule, Node
 
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.errors import InvalidOptionError, InvalidProgramError, one_line, require_number
-from fx16.node_ids import graph_modules, has_ids, kept_decision, node_id
+from fx16.node_ids import graph_modules, has_ids, node_id
 from fx16.nodes import dtype_name, node_module_path, op_label
 from fx16.plan import explained
 from fx16.program import Program
 from fx16.program_values import program_values
 from fx16.report import json_ready
+from fx16.saved_decisions import kept_decision
 from fx16.stats import relative_error
 
 DEFAULT_THRESHOLD = 1e-2

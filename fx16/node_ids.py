@@ -22,7 +22,6 @@ from torch.fx import GraphModule, Node
 
 CUSTOM = "custom"  # the node meta key torch.export serializes for users
 ID = "fx16_id"
-DECISION = "fx16_decision"  # the rule and reason of a node's precision, as text
 
 
 def assign_ids(root: GraphModule) -> None:
@@ -66,20 +65,3 @@ def graph_modules(root: GraphModule) -> Iterator[tuple[str, GraphModule]]:
     for name, module in root.named_modules():
         if isinstance(module, GraphModule):
             yield (f"{name}." if name else ""), module
-
-
-def keep_decisions(root: GraphModule, explained) -> None:
-    """Copy each node's precision decision as text (``explained(node)``, "" for none)
-    into its custom meta, so a saved and loaded cast program still says why."""
-    for _, module in graph_modules(root):
-        for node in module.graph.nodes:
-            if node.op != "call_function":
-                continue
-            said = explained(node)
-            if said:
-                node.meta[CUSTOM] = {**node.meta.get(CUSTOM, {}), DECISION: said}
-
-
-def kept_decision(node: Node) -> str:
-    """The decision ``keep_decisions`` stored on ``node`` ("" if none)."""
-    return (node.meta.get(CUSTOM) or {}).get(DECISION, "")

@@ -1,8 +1,11 @@
 """The decision report: what fx16 did to a program, node by node and in total.
 
 Every public cast function stores a ``CastReport`` in
-``ep.graph_module.meta["fx16.report"]`` (it lives with the program object; it is
-not saved in ``.pt2`` files, so write ``to_json()`` where you need it kept).
+``ep.graph_module.meta["fx16.report"]``. It lives with the program object; a ``.pt2``
+file keeps each node's decision and the report's provenance
+(``fx16.saved_decisions``), from which ``report_of`` rebuilds the report of a loaded
+program (without the calibration's observations or the accuracy search: write
+``to_json()`` where you need those kept).
 """
 
 import copy
@@ -26,6 +29,7 @@ from fx16.report_rows import (
     layer_of,
     totals,
 )
+from fx16.saved_decisions import kept_report, restore_decisions
 from fx16.stats import BEFORE_KEY, ProgramStats
 
 REPORT_KEY = "fx16.report"
@@ -254,11 +258,20 @@ def format_rows(rows: list[Row]) -> str:
 
 
 def report_of(ep: ExportedProgram) -> CastReport | None:
-    """The report of the cast of ``ep``: the one an fx16 cast function stored, or, for a
-    program cast by fx16's passes in a pipeline of its own (``PassManager``), one built
-    now from the decisions its nodes carry. None for a program fx16 did not cast."""
+    """The report of the cast of ``ep``: the one an fx16 cast function stored; for a cast
+    program saved and loaded, one rebuilt from the decisions it kept; for a program cast
+    by fx16's passes in a pipeline of its own (``PassManager``), one built now from the
+    decisions its nodes carry. None for a program fx16 did not cast."""
     report = ep.graph_module.meta.get(REPORT_KEY)
     if report is None:
+        if restore_decisions(ep.graph_module):  # a cast program, saved and loaded
+            kept = kept_report(ep.graph_module)
+            report = replace(
+                build_report(ep, None, margin=kept.get("margin", 2.0)),
+                provenance=kept.get("provenance", {}),
+            )
+            ep.graph_module.meta[REPORT_KEY] = report
+            return report_of(ep)
         decided = any(
             PRECISION in node.meta or INT_PRECISION in node.meta
             for module in ep.graph_module.modules()

@@ -375,6 +375,67 @@ def test_an_output_type_registered_elsewhere_is_named_with_import(tmp_path):
     assert with_import.returncode == 0, with_import.stderr
 
 
+def test_a_custom_op_is_registered_from_its_package_or_named_with_import(tmp_path):
+    """A program calling ``torch.ops.NS.op`` loads only once the op is registered: the
+    module of package NS whose source registers it is imported (transformers' MoE
+    layers: ``transformers.integrations.moe``); an op no package names gets one line
+    that asks for --import, and loads with it (``fx16.load(path, imports=...)`` too)."""
+    registration = (
+        "import torch\n"
+        "@torch.library.custom_op('{ns}::twice', mutates_args=())\n"
+        "def twice(x: torch.Tensor) -> torch.Tensor:\n    return x * 2\n"
+        "@twice.register_fake\n"
+        "def _(x):\n    return torch.empty_like(x)\n"
+    )
+    package = tmp_path / "opspackage"
+    (package / "layers").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "layers" / "__init__.py").write_text("")
+    (package / "layers" / "kernels.py").write_text(registration.format(ns="opspackage"))
+    (tmp_path / "loose_ops.py").write_text(registration.format(ns="loose"))
+    save = textwrap.dedent(
+        """
+        import torch, opspackage.layers.kernels, loose_ops
+        class Twice(torch.nn.Module):
+            def __init__(self, ns):
+                super().__init__()
+                self.op = getattr(torch.ops, ns).twice
+            def forward(self, x):
+                return self.op(x).relu()
+        for ns in ("opspackage", "loose"):
+            ep = torch.export.export(Twice(ns), (torch.randn(2, 3),))
+            torch.export.save(ep, ns + ".pt2")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(CHECKOUT)])}
+    subprocess.run([sys.executable, "-c", save], cwd=tmp_path, env=env, check=True)
+    found = fx16("cast", tmp_path / "opspackage.pt2", "-o", tmp_path / "o16.pt2", path=tmp_path)
+    assert found.returncode == 0, found.stderr
+    without = fx16("inspect", tmp_path / "loose.pt2", path=tmp_path)
+    assert without.returncode == 2 and without.stderr.count("\n") == 1, without.stderr
+    assert "custom op torch.ops.loose.twice" in without.stderr
+    assert "pass --import MODULE" in without.stderr and len(without.stderr) < 400
+    with_import = fx16("inspect", tmp_path / "loose.pt2", "--import", "loose_ops", path=tmp_path)
+    assert with_import.returncode == 0, with_import.stderr
+    load = textwrap.dedent(
+        """
+        import fx16, torch
+        ep = fx16.load("loose.pt2", imports="loose_ops")
+        assert torch.equal(ep.module()(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+        try:
+            fx16.load("o16.pt2", imports=["no_such_module"])
+        except fx16.Fx16Error as error:
+            assert "cannot import no_such_module" in str(error)
+        else:
+            raise AssertionError("no error")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", load], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+
+
 class TokenModel(torch.nn.Module):
     """Token ids through an embedding of 10 rows, then a linear layer."""
 

@@ -10,6 +10,7 @@ from torch.export import Dim
 from torch.utils._sympy.numbers import int_oo
 
 import fx16
+from fx16 import meta
 from fx16.analysis.intervals import (
     Source,
     ValueRange,
@@ -93,6 +94,20 @@ def test_numbers_and_bounds_as_ranges():
     assert value_range(0.5) is None
     assert _bound(-int_oo) == -math.inf and _bound(-sympy.oo) == -math.inf
     assert _bound(int_oo) == math.inf and _bound(sympy.Integer(5)) == 5
+
+
+def test_a_node_has_a_range_only_when_it_recorded_a_single_one():
+    """A multi-output op (sort: values and indices) records a tuple of ranges, one per
+    output: the node itself has no single range; its getitems have theirs."""
+    graph = torch.fx.Graph()
+    node = graph.placeholder("x")
+    each = (ValueRange(-5, 5, PROVEN), ValueRange(0, 7, PROVEN))
+    node.meta[meta.PROVEN_RANGE] = each
+    assert value_range(node) is None
+    node.meta[meta.PROVEN_RANGE] = each[1]
+    assert value_range(node) == ValueRange(0, 7, PROVEN)
+    del node.meta[meta.PROVEN_RANGE]
+    assert value_range(node) is None
 
 
 def test_a_bounded_dynamic_size_has_both_ends():

@@ -10,13 +10,13 @@ import fx16
 from fx16 import meta
 from fx16.decisions import PRECISION, Reason
 from fx16.diagnosis import diagnose
-from fx16.node_ids import kept_decision
 from fx16.options import Fp16Options
 from fx16.passes import InsertFP16CastsPass
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.policy import PrecisionPolicy
 from fx16.report import report_of
 from fx16.report_html import report_html
+from fx16.saved_decisions import kept_decision
 from fx16.subgraphs import nested_graph_modules
 from fx16.testing.strategies import programs
 from helpers import assert_same_state, check_program, export, state_snapshot

@@ -95,3 +95,20 @@ def test_a_write_into_the_base_of_a_casts_source_keeps_the_cast():
     assert not apply_rule(RemoveNoopCastsPass, ep).modified
     for got, want in zip(run(ep, HALF), eager(NoopCastOfAViewWhoseBaseIsWritten(), HALF)):
         torch.testing.assert_close(got, want)
+
+
+def test_a_returned_cast_removed_from_the_program_renames_its_output():
+    """The program returns the cast: removing it makes the relu the output, and the
+    signature's output spec follows the new name (a body's outputs have no spec)."""
+
+    class ReturnsCast(torch.nn.Module):
+        def forward(self, x):
+            return x.relu().to(torch.float16)
+
+    ep = export(ReturnsCast(), HALF)
+    assert apply_rule(RemoveNoopCastsPass, ep).modified
+    assert casts(ep) == []
+    (returned,) = ep.graph_module.graph.output_node().args[0]
+    assert returned.name == "relu"
+    assert [spec.arg.name for spec in ep.graph_signature.output_specs] == ["relu"]
+    torch.testing.assert_close(run(ep, HALF)[0], HALF.relu())
