@@ -15,7 +15,7 @@ A first table gives fx16 four calibration inputs and a budget just under its pla
 cast's error (and the T5 encoder 6e-4), with the cast program's weight bytes over the
 fp32 program's (never above 1: a weight is stored once). fx16 stops below a share of the
 budget on the calibration input (a margin for unseen inputs,
-``fx16.budget.stopping_share``); onnxconverter-common runs
+``fx16.accuracy.budget.stopping_share``); onnxconverter-common runs
 twice, with its own convention (the budget itself) and with fx16's margin.
 """
 
@@ -32,10 +32,10 @@ import torch
 import fx16
 from benchmarks.precision_zoo import SinusoidalPositions, TimestepEmbedding
 from benchmarks.zoo import ScaledAttention, bert, gpt2, t5_encoder
-from fx16.budget import stopping_share
+from fx16.accuracy.budget import stopping_share
 from fx16.program import Program
+from fx16.program.stats import relative_error
 from fx16.report import report_of
-from fx16.stats import relative_error
 
 
 def cases():

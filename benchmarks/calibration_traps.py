@@ -16,8 +16,8 @@ import torch
 from benchmarks.peers import fp16_casts
 from benchmarks.zoo import ExpLogits, ScaledAttention, SquaredSum, gpt2
 from fx16.program import Program
+from fx16.program.stats import relative_error
 from fx16.report import report_of
-from fx16.stats import relative_error
 
 
 def cases():

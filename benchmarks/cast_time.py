@@ -17,7 +17,7 @@ import torch
 
 from benchmarks.peers import fp16_casts
 from benchmarks.zoo import gpt2
-from fx16.stats import relative_error
+from fx16.program.stats import relative_error
 
 
 def measure(ep, cast, repeats: int):

@@ -27,7 +27,7 @@ import fx16
 from benchmarks import zoo
 from benchmarks.markdown import table_row, write_results
 from fx16.program import Program
-from fx16.stats import program_stats, relative_error
+from fx16.program.stats import program_stats, relative_error
 
 _REPEATS = 3  # casts timed per tool and model (the median is reported)
 

@@ -217,7 +217,7 @@ def compressed_program(
 
 def quantized_bytes(ep: torch.export.ExportedProgram) -> dict[str, bytes]:
     """Every int8/uint8 tensor of the program's state (subclasses' inner ones too), as bytes."""
-    from fx16.tensor_subclasses import inner_tensors
+    from fx16.program.tensor_subclasses import inner_tensors
 
     found = {}
     for name, tensor in (*ep.state_dict.items(), *ep.constants.items()):
@@ -242,7 +242,7 @@ def snr_db(reference: torch.Tensor, value: torch.Tensor) -> float:
 
 def share_16bit(ep: torch.export.ExportedProgram) -> float:
     """Float compute ops that produce a 16-bit value, among all float compute ops."""
-    from fx16.stats import program_stats
+    from fx16.program.stats import program_stats
 
     stats = program_stats(ep)
     low = stats.ops_in(torch.float16) + stats.ops_in(torch.bfloat16)

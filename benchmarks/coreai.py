@@ -42,8 +42,8 @@ from benchmarks.markdown import table_row, write_results
 from fx16.analysis.fp32_rules import ConditioningRule, UnderflowRule, UnsafeIndexRule
 from fx16.pipelines import run_passes, without_rules
 from fx16.program import Program
-from fx16.report_rows import decision_rows
-from fx16.stats import relative_error
+from fx16.program.stats import relative_error
+from fx16.report.rows import decision_rows
 
 # Element types of the tensor types in Core AI's textual IR: tensor<1x16xf32>, tensor<si16>.
 _TENSOR_TYPE = re.compile(r"tensor<(?:[^<>]*x)?([a-z]+\d+)>")

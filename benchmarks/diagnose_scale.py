@@ -20,7 +20,7 @@ import torch
 
 import fx16
 from benchmarks.llm_scale import _reset_peak, _status, build, weight_bytes
-from fx16.cost import tensor_bytes
+from fx16.program.cost import tensor_bytes
 
 
 def activation_bytes(ep, inputs) -> int:

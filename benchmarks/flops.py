@@ -6,7 +6,7 @@ On a GPU or the Neural Engine a matmul, convolution or attention op left in fp32
 8-16x slower than in 16-bit, every cast is a pass over memory, and every fp32 weight
 is twice its bytes. Per model (from configs, seeded weights) and tool:
 
-- the share of matmul/conv/attention FLOPs computed in 16-bit (``fx16.cost``);
+- the share of matmul/conv/attention FLOPs computed in 16-bit (``fx16.program.cost``);
 - the casts the program executes per call, and the bytes they read and write;
 - the bytes of fp32 weights;
 - the error against the fp32 model on unseen inputs (max |diff| / max |fp32| over
@@ -16,7 +16,7 @@ Tools: fx16's default cast, coreai-opt 0.3.0's ``cast_fp32_to_fp16``, and eager
 ``model.half()`` (its figures read off the export of the half model). The goal per
 model: where ``.half()`` is within ``TOLERANCE`` of fp32, fx16 keeps at least 99% of
 the FLOPs in 16-bit, with an error at most ``.half()``'s or fp16's intrinsic error
-(that of every op's result rounded to fp16, emulated: ``fx16.emulation``); and never
+(that of every op's result rounded to fp16, emulated: ``fx16.analysis.emulation``); and never
 more fp32 FLOPs than coreai-opt where coreai-opt is correct.
 
 The mixture of experts also gets the routing table: how many (token, layer) expert
@@ -36,12 +36,12 @@ import torch.utils._pytree as pytree
 import fx16
 from benchmarks import zoo
 from benchmarks.markdown import table_row, write_results
-from fx16.casts import is_cast
-from fx16.emulation import Emulation
-from fx16.interpreter import BodyInterpreter
+from fx16.analysis.emulation import Emulation
 from fx16.program import Program
-from fx16.stats import outputs_error, program_stats
-from fx16.subgraphs import nested_graph_modules
+from fx16.program.casts import is_cast
+from fx16.program.interpreter import BodyInterpreter
+from fx16.program.stats import outputs_error, program_stats
+from fx16.program.subgraphs import nested_graph_modules
 
 TOLERANCE = 1e-2  # .half() within this of fp32 counts as correct
 SLACK = 1.05  # fx16's error may exceed the better of the two by this factor (run to run)

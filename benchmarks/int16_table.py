@@ -17,7 +17,7 @@ import fx16
 from benchmarks.zoo import BucketHash, RunningCount, bert, gpt2
 from fx16.program import Program
 from fx16.report import format_rows
-from fx16.report_rows import decision_rows
+from fx16.report.rows import decision_rows
 
 
 def transformer(kind: str):

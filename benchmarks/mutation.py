@@ -30,40 +30,40 @@ TITLE = "Mutation score of the safety-critical modules"
 # mutant name (mutmut's "module.x_function__mutmut_N") -> why no test can kill it.
 _SAME_VALUES_OTHER_BUFFER = "the same values through a temporary instead of the reused scratch"
 EQUIVALENT: dict[str, str] = {
-    "fx16.numerics.x_round_scalar_to_fp16__mutmut_19": (
+    "fx16.ops.numerics.x_round_scalar_to_fp16__mutmut_19": (
         "`<= tiny`: at exactly the smallest subnormal, lifting to it and rounding give it"
     ),
-    "fx16.numerics.x_tensor_to_fp16__mutmut_12": (
+    "fx16.ops.numerics.x_tensor_to_fp16__mutmut_12": (
         "`< _CHUNK`: a tensor of exactly one chunk takes the chunked path, same values"
     ),
-    "fx16.numerics.x_tensor_to_fp16__mutmut_21": _SAME_VALUES_OTHER_BUFFER,
-    "fx16.numerics.x_tensor_to_fp16__mutmut_27": _SAME_VALUES_OTHER_BUFFER,
-    "fx16.numerics.x_tensor_to_fp16__mutmut_30": _SAME_VALUES_OTHER_BUFFER,
-    "fx16.numerics.x_tensor_to_fp16__mutmut_75": _SAME_VALUES_OTHER_BUFFER,
-    "fx16.numerics.x_tensor_to_fp16__mutmut_93": _SAME_VALUES_OTHER_BUFFER,
-    "fx16.numerics.x_tensor_to_fp16__mutmut_97": (
+    "fx16.ops.numerics.x_tensor_to_fp16__mutmut_21": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.ops.numerics.x_tensor_to_fp16__mutmut_27": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.ops.numerics.x_tensor_to_fp16__mutmut_30": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.ops.numerics.x_tensor_to_fp16__mutmut_75": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.ops.numerics.x_tensor_to_fp16__mutmut_93": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.ops.numerics.x_tensor_to_fp16__mutmut_97": (
         "a scratch slice longer than the chunk: torch resizes the output, same values"
     ),
-    "fx16.numerics.x_tensor_to_fp16__mutmut_52": (
+    "fx16.ops.numerics.x_tensor_to_fp16__mutmut_52": (
         "a 0-d tensor not viewed as 1-d: the boolean mask lifts a 0-d value the same way"
     ),
-    "fx16.numerics.x_conversion_scratch__mutmut_2": (
+    "fx16.ops.numerics.x_conversion_scratch__mutmut_2": (
         "a float32 scratch: the magnitude bits land in it as exact integers, same zeros"
     ),
-    "fx16.numerics.x_conversion_scratch__mutmut_4": (
+    "fx16.ops.numerics.x_conversion_scratch__mutmut_4": (
         "a float32 scratch: the magnitude bits land in it as exact integers, same zeros"
     ),
     "fx16.passes.bypass_branching_casts.xǁBypassBranchingCastsPassǁmatch__mutmut_3": (
         "`>= 1`: a chain with one consumer gets the rewrite FuseCastChainsPass gives it"
     ),
-    "fx16.aliases.x__shares_storage_with__mutmut_7": (
+    "fx16.program.aliases.x__shares_storage_with__mutmut_7": (
         "a user that calls no function is the output node, which writes nothing"
     ),
-    "fx16.aliases.x__shares_storage_with__mutmut_10": (
+    "fx16.program.aliases.x__shares_storage_with__mutmut_10": (
         "`<= len(args)`: the aliased argument of every view and in-place op is positional"
     ),
-    "fx16.numerics.x__convert_chunk__mutmut_5": _SAME_VALUES_OTHER_BUFFER,
-    "fx16.numerics.x__convert_chunk__mutmut_8": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.ops.numerics.x__convert_chunk__mutmut_5": _SAME_VALUES_OTHER_BUFFER,
+    "fx16.ops.numerics.x__convert_chunk__mutmut_8": _SAME_VALUES_OTHER_BUFFER,
     "fx16.analysis.intervals.x__show__mutmut_10": (
         "`bound <= 0` for a bound that is not finite: it is +-inf, never 0"
     ),
@@ -83,7 +83,7 @@ EQUIVALENT: dict[str, str] = {
     "fx16.passes.cast_rule.xǁCastRuleǁcall__mutmut_19": (
         "PassResult without its graph module: every caller reads only `modified`"
     ),
-    "fx16.numerics.x__lift_flushed_blocks__mutmut_2": (
+    "fx16.ops.numerics.x__lift_flushed_blocks__mutmut_2": (
         "no early return when nothing flushed: the search that follows finds nothing"
     ),
 }

@@ -12,8 +12,8 @@ import torch
 import fx16
 from benchmarks.zoo import gpt2
 from fx16.program import Program
+from fx16.program.stats import relative_error
 from fx16.report import report_of
-from fx16.stats import relative_error
 
 PRESETS = [
     "default",

@@ -26,7 +26,7 @@ from benchmarks.precision_zoo import (
     rope_llm,
 )
 from fx16.program import Program
-from fx16.stats import relative_error
+from fx16.program.stats import relative_error
 
 RULE_OFF = fx16.PrecisionPolicy.custom(precision_tolerance=float("inf"))
 

@@ -14,7 +14,7 @@ _PUBLIC = {
     "Fx16Error": "fx16.errors",
     "InvalidOptionError": "fx16.errors",
     "InvalidProgramError": "fx16.errors",
-    "OpKind": "fx16.op_kinds",
+    "OpKind": "fx16.ops.kinds",
     "PassFailedError": "fx16.errors",
     "Precision": "fx16.policy",
     "PrecisionPolicy": "fx16.policy",
@@ -26,7 +26,7 @@ _PUBLIC = {
     "fp16_passes": "fx16.pipelines",
     "inputs_for": "fx16.casting",
     "int16_passes": "fx16.pipelines",
-    "load": "fx16.archive",
+    "load": "fx16.loading",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -9,20 +9,20 @@ from dataclasses import replace
 
 from torch.export import ExportedProgram
 
+from fx16.accuracy.budget import cast_fp16_within_budget
 from fx16.analysis.calibration_inputs import calibration_calls
-from fx16.budget import cast_fp16_within_budget
 from fx16.errors import InvalidOptionError, require_flag, require_number
-from fx16.node_ids import assign_ids
 from fx16.options import Fp16Options, shows_fp16_options
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
-from fx16.plan import explained
+from fx16.plan.steps import explained
 from fx16.policy import as_names
 from fx16.program import Program
-from fx16.provenance import provenance
+from fx16.program.node_ids import assign_ids
+from fx16.program.snapshot import collector_paused
+from fx16.program.stats import record_stats_before
 from fx16.report import REPORT_KEY, build_report, json_ready
-from fx16.saved_decisions import keep_decisions
-from fx16.snapshot import collector_paused
-from fx16.stats import record_stats_before
+from fx16.report.provenance import provenance
+from fx16.report.saved import keep_decisions
 
 
 @shows_fp16_options
@@ -75,13 +75,13 @@ def cast_fp32_to_fp16(
         rule can tell a sin/cos of them is safe in fp16.
     max_rel_error: an accuracy budget. After casting, outputs are compared with fp32
         on the calibration inputs (max |diff| / max |fp32| per output); while over
-        budget, the nodes that add the most error return to fp32 (see fx16.budget).
+        budget, the nodes that add the most error return to fp32 (see fx16.accuracy.budget).
         The search is recorded in the report's ``accuracy``.
     metric: with ``max_rel_error``, what the budget measures: "rel" (default: the
         largest relative error of any output), "cosine" (1 - cosine similarity), "top1"
         (the share of rows whose argmax differs), or a callable
         ``metric(reference_outputs, outputs) -> float``, lower is better, given one list
-        of user outputs per input call for each program (see ``fx16.metrics``).
+        of user outputs per input call for each program (see ``fx16.accuracy.metrics``).
     validation: with ``max_rel_error``, inputs the search never uses (a list like
         ``calibration``): the error on them is reported as the search's
         ``validation_error``, beside the calibration error.

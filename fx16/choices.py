@@ -25,5 +25,5 @@ POLICY_PRESETS = {
 }
 # Precisions a policy override may ask for (PrecisionPolicy's modules/ops/nodes values).
 PRECISION_NAMES = ("16-bit", "fp16", "bf16", "fp32", "follow", "promote")
-# Accuracy metrics the budget can measure in (fx16.metrics has their definitions).
+# Accuracy metrics the budget can measure in (fx16.accuracy.metrics has their definitions).
 METRIC_PRESETS = ("rel", "cosine", "top1")

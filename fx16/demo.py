@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fx16.casting import cast_fp32_to_fp16
-from fx16.stats import program_stats, relative_error
+from fx16.program.stats import program_stats, relative_error
 
 
 class RMSNorm(nn.Module):

@@ -3,7 +3,7 @@ and the ops that amplify error most.
 
 ``diagnose(reference, cast, inputs)`` runs the fp32 program and the cast program
 side by side, node by node, and aligns their values by stable node id
-(``fx16.node_ids``), never by guessing from names: casts fx16 inserted have no id
+(``fx16.program.node_ids``), never by guessing from names: casts fx16 inserted have no id
 and are skipped, retargeted casts keep theirs, removed casts are simply not met in
 the cast program, and the bodies of ``cond``, ``while_loop``, ``map`` and
 ``invoke_subgraph`` are walked too (each iteration, each slice: a value's error is
@@ -34,14 +34,14 @@ from torch.fx import GraphModule, Node
 
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.errors import InvalidOptionError, InvalidProgramError, one_line, require_number
-from fx16.node_ids import graph_modules, has_ids, node_id
-from fx16.nodes import dtype_name, node_module_path, op_label
-from fx16.plan import explained
+from fx16.plan.steps import explained
 from fx16.program import Program
-from fx16.program_values import program_values
+from fx16.program.node_ids import graph_modules, has_ids, node_id
+from fx16.program.nodes import dtype_name, node_module_path, op_label
+from fx16.program.stats import relative_error
+from fx16.program.values import program_values
 from fx16.report import json_ready
-from fx16.saved_decisions import kept_decision
-from fx16.stats import relative_error
+from fx16.report.saved import kept_decision
 
 DEFAULT_THRESHOLD = 1e-2
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')

@@ -27,7 +27,7 @@ ROUTER = "fx16.router"  # RoutingAnalysis: why
 ISLAND = "fx16.explicit_fp32"  # ExplicitFp32Analysis: the verdict on a region's opening
 FP32_RULE = "fx16.fp32_rule"  # Fp32RulesAnalysis: the Decision of the rule that fired
 NOT_WORTH_FP32 = "fx16.not_worth_fp32"  # VerdictCheckAnalysis: why a verdict was refuted
-PLANNED = "fx16.planned"  # the fp16 inserter: its plan for the node (fx16.plan.Planned)
+PLANNED = "fx16.planned"  # the fp16 inserter: its plan for the node (fx16.plan.steps.Planned)
 STABILIZED = "fx16.stabilized"  # StabilizePass: (rule name, detail) on a rewrite's result
 NEGLIGIBLE = "fx16.negligible"  # StabilizePass: why flushing this value to 0 loses nothing
 ROUNDING_CANCELS = "fx16.rounding_cancels"  # StabilizePass: why this value's error is harmless
@@ -173,7 +173,7 @@ def rounding_cancels(node: Any) -> str | None:
 
 
 def planned(node: Any):
-    """What the fp16 inserter's plan said of the node (``fx16.plan.Planned``: the
+    """What the fp16 inserter's plan said of the node (``fx16.plan.steps.Planned``: the
     precedence rule that chose, the inputs it reads narrowed, its cast-back or why it
     has none); None for a node no plan decided."""
     return _meta(node).get(PLANNED)

@@ -31,8 +31,6 @@ from fx16.errors import (
     require_flag,
     require_number,
 )
-from fx16.names import check_names
-from fx16.narrowing import check_mode
 from fx16.options import Fp16Options
 from fx16.passes import (
     CleanupCastsPass,
@@ -47,8 +45,10 @@ from fx16.passes import (
     StabilizePass,
 )
 from fx16.passes.policy_pass import overflow_limit
+from fx16.plan.narrowing import check_mode
 from fx16.policy import PrecisionPolicy, as_names
 from fx16.program import Program
+from fx16.program.names import check_names
 
 
 def fp16_passes(ep, options: Fp16Options | None = None, **keywords) -> list[PassBase]:

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from torch.fx import Node
 
-from fx16.autocast_ops import AUTOCAST_CPU, AUTOCAST_CUDA
 from fx16.choices import (
     EXPLICIT_FP32_CHOICES,
     POLICY_PRESETS,
@@ -25,8 +24,9 @@ from fx16.choices import (
     ROUTING_CHOICES,
 )
 from fx16.errors import InvalidOptionError, require_number
-from fx16.nodes import SIXTEEN_BIT_DTYPES, node_module_path
-from fx16.op_kinds import OpKind, op_kind, op_name
+from fx16.ops.autocast import AUTOCAST_CPU, AUTOCAST_CUDA
+from fx16.ops.kinds import OpKind, op_kind, op_name
+from fx16.program.nodes import SIXTEEN_BIT_DTYPES, node_module_path
 
 
 class Precision(str, enum.Enum):
@@ -202,7 +202,7 @@ class PrecisionPolicy:
         dtype, and every other op follows its inputs. The conditioning rule is off
         (``precision_tolerance=inf``), so every op gets what eager autocast gives it,
         and the model's own fp32 regions stay fp32, as under eager autocast.
-        Tables: ``fx16.autocast_ops.AUTOCAST_*``.
+        Tables: ``fx16.ops.autocast.AUTOCAST_*``.
         """
         tables = {"cpu": AUTOCAST_CPU, "cuda": AUTOCAST_CUDA}
         if device_type not in tables:

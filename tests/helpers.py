@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
-from fx16.casts import is_cast, is_inserted
 from fx16.pipelines import run_passes
 from fx16.program import Program
-from fx16.stats import relative_error
+from fx16.program.casts import is_cast, is_inserted
+from fx16.program.stats import relative_error
 from fx16.testing.checks import assert_meta_matches_runtime  # noqa: F401  (tests import it)
 from fx16.testing.checks import check_valid_program as check_program
 

@@ -1,7 +1,7 @@
 """What the fp16 pipeline decides and writes for a fixed set of programs, as data.
 
 ``tests/data/pipeline_before_plan.json`` holds these fingerprints as the pipeline
-computed them before the cast inserter was split into choice (``fx16.precedence``)
+computed them before the cast inserter was split into choice (``fx16.plan.precedence``)
 and rewrite (``fx16.passes.fp16_rewrite``), and the accuracy search stopped re-running
 the analyses; ``test_pipeline_unchanged.py`` checks the pipeline of today against it.
 The fingerprints are kept per program as exported (by ``input_digest``): a recorded cast
@@ -27,7 +27,7 @@ import torch
 
 import fx16
 from fx16.decisions import PRECISION
-from fx16.subgraphs import nested_graph_modules
+from fx16.program.subgraphs import nested_graph_modules
 from fx16.testing.random_programs import VOCAB, RandomProgram
 from fx16.testing.strategies import EXTREME_WEIGHTS, ProgramCase
 

@@ -23,10 +23,10 @@ from fx16.analysis import (
     ValueRangeAnalysis,
 )
 from fx16.analysis.float_range import FloatRanges
-from fx16.boundaries import Boundaries
 from fx16.decisions import PRECISION, Reason
 from fx16.program import Program
-from fx16.subgraphs import nested_graph_modules
+from fx16.program.boundaries import Boundaries
+from fx16.program.subgraphs import nested_graph_modules
 from fx16.testing import programs
 from helpers import check_program, fp64_reference, max_error, run
 

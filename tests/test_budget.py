@@ -8,14 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fx16
-import fx16.budget_remedies
+import fx16.accuracy.remedies
 from benchmarks.zoo import ScaledAttention, t5_encoder
-from fx16.budget_remedies import Reference, reference_outputs, remedies
-from fx16.cost import is_product
+from fx16.accuracy.remedies import Reference, reference_outputs, remedies
 from fx16.decisions import PRECISION, Reason
 from fx16.program import Program
+from fx16.program.cost import is_product
+from fx16.program.stats import relative_error
 from fx16.report import report_of
-from fx16.stats import relative_error
 from fx16.testing.strategies import programs
 from helpers import check_program, export, run
 
@@ -160,7 +160,7 @@ def _search_on_one_input(model_class, budget):
 
 
 def test_a_search_out_of_evaluations_returns_everything_to_fp32(monkeypatch):
-    monkeypatch.setattr(fx16.budget, "_MOST_EVALUATIONS", 1)
+    monkeypatch.setattr(fx16.accuracy.budget, "_MOST_EVALUATIONS", 1)
     search = _search_on_one_input(SharpSoftmax, 1e-6)
     assert search.met and search.error <= 1e-6 and search.evaluations == 2
 
@@ -258,14 +258,14 @@ def test_the_search_keeps_no_copy_of_the_weights(monkeypatch):
     ep = export(model, *calibration[0])
     weights = {t.untyped_storage().data_ptr() for t in ep.state_dict.values()}
     taped = []
-    make_tape = fx16.budget_remedies.Reference._tape
+    make_tape = fx16.accuracy.remedies.Reference._tape
 
     def recording(self, inputs):
         tape = make_tape(self, inputs)
         taped.append(tape)
         return tape
 
-    monkeypatch.setattr(fx16.budget_remedies.Reference, "_tape", recording)
+    monkeypatch.setattr(fx16.accuracy.remedies.Reference, "_tape", recording)
     fx16.cast_fp32_to_fp16(ep, calibration=calibration, max_rel_error=2e-3)
     assert len(taped) == len(calibration)  # one tape per input, built once
     for _, _, _, values in taped:
@@ -286,7 +286,7 @@ def test_gradients_taken_in_small_groups_give_the_same_search(monkeypatch):
         return report_of(ep).accuracy
 
     whole = search()
-    monkeypatch.setattr(fx16.budget_remedies, "_GRADIENT_ELEMENTS", 64)
+    monkeypatch.setattr(fx16.accuracy.remedies, "_GRADIENT_ELEMENTS", 64)
     grouped = search()
     assert whole.fp32_nodes == grouped.fp32_nodes and whole.evaluations == grouped.evaluations
     assert grouped.error == pytest.approx(whole.error)

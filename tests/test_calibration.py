@@ -12,7 +12,7 @@ from fx16.analysis import CalibrationAnalysis
 from fx16.analysis.fp32_rules import UnderflowRule
 from fx16.analysis.magnitudes import observe_floats
 from fx16.decisions import PRECISION, Reason
-from fx16.numerics import INF_LIKE
+from fx16.ops.numerics import INF_LIKE
 from fx16.pipelines import run_passes, without_rules
 from fx16.program import Program
 from fx16.report import report_of

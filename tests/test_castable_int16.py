@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 
 from fx16.analysis import CastableInt16Analysis, UnsafeIndexAnalysis, UserReachabilityAnalysis
 from fx16.errors import PreconditionError
-from fx16.int_ops import INT16_COMPUTE_OPS
+from fx16.ops.int_ops import INT16_COMPUTE_OPS
 from fx16.program import Program
 from fx16.testing.strategies import integer_cases
 from helpers import export

@@ -1,9 +1,9 @@
-"""fx16.casts: recognising casts, exact-representation facts, and the cast inserter."""
+"""fx16.program.casts: recognising casts, exact-representation facts, and the cast inserter."""
 
 import pytest
 import torch
 
-from fx16.casts import INSERTED, CastInserter, cast_dtype, is_cast, represents_exactly
+from fx16.program.casts import INSERTED, CastInserter, cast_dtype, is_cast, represents_exactly
 from helpers import export
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64

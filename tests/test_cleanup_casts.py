@@ -5,9 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fx16.casts import is_cast
 from fx16.passes import CleanupCastsPass
 from fx16.program import Program
+from fx16.program.casts import is_cast
 from helpers import casts, check_program, eager, export, run
 from models import Branching, SameDtypeCast, TwoCasts, Widening
 

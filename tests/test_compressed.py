@@ -22,9 +22,9 @@ from benchmarks.compression import (  # noqa: E402
     converts,
     quantized_bytes,
 )
+from fx16.program.stats import program_stats  # noqa: E402
+from fx16.program.tensor_subclasses import inner_tensors, is_subclass  # noqa: E402
 from fx16.report import report_of  # noqa: E402
-from fx16.stats import program_stats  # noqa: E402
-from fx16.tensor_subclasses import inner_tensors, is_subclass  # noqa: E402
 from helpers import assert_meta_matches_runtime, check_program  # noqa: E402
 
 COREAI_OPT = [name for name in COMPRESSIONS if name.startswith("coreai-opt")]

@@ -20,7 +20,7 @@ from fx16.analysis import CalibrationAnalysis, ConditioningAnalysis, ValueRangeA
 from fx16.decisions import PRECISION, Reason
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
-from fx16.stats import relative_error
+from fx16.program.stats import relative_error
 from helpers import check_program, export, fp64_reference, run
 
 KEY = ConditioningAnalysis.META_KEY

@@ -5,9 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from int16_helpers import int_decisions, run_int16_stages
 
-from fx16.casts import INSERTED
 from fx16.decisions import Reason
 from fx16.passes import ConvertIntInputsPass
+from fx16.program.casts import INSERTED
 from helpers import check_program, export, node_named, run
 from models import Int32Arithmetic, PositionsAndMask
 

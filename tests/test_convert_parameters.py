@@ -6,10 +6,10 @@ from hypothesis import strategies as st
 
 import fx16
 from fx16.decisions import PRECISION, Reason
-from fx16.numerics import FP16_TINY
+from fx16.ops.numerics import FP16_TINY
 from fx16.passes import ConvertParametersPass
 from fx16.program import Program
-from fx16.stats import program_stats
+from fx16.program.stats import program_stats
 from helpers import export, node_named, run
 from models import MLP, MixedBuffers, OverflowWeight
 
@@ -181,12 +181,12 @@ class ConstantParts(torch.nn.Module):
 def test_only_a_tensor_whose_interval_allows_a_flush_is_checked_for_one(monkeypatch):
     """The overflow check's interval (min, max) also shows which tensors cannot flush:
     those are copied plainly; the one with a tiny value is checked, and lifted."""
-    import fx16.numerics
+    import fx16.ops.numerics
 
     checked = []
-    lift = fx16.numerics._lift_flushed_blocks
+    lift = fx16.ops.numerics._lift_flushed_blocks
     monkeypatch.setattr(
-        fx16.numerics,
+        fx16.ops.numerics,
         "_lift_flushed_blocks",
         lambda source, *rest: checked.append(source.tolist()) or lift(source, *rest),
     )

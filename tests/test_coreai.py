@@ -13,8 +13,8 @@ import torch.utils._pytree as pytree
 
 import fx16
 from benchmarks import coreai, zoo
-from fx16.report_rows import decision_rows
-from fx16.stats import relative_error
+from fx16.program.stats import relative_error
+from fx16.report.rows import decision_rows
 from helpers import check_program, run
 from models import AutocastRegions
 

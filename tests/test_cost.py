@@ -1,4 +1,4 @@
-"""fx16.cost: FLOPs and bytes from the shapes export recorded, checked against PyTorch's
+"""fx16.program.cost: FLOPs and bytes from the shapes export recorded, checked against PyTorch's
 own FLOP counter (torch.utils.flop_counter) on the products it knows."""
 
 import pytest
@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import zoo
-from fx16.cost import bytes_moved, flops, is_product
-from fx16.subgraphs import nested_graph_modules
+from fx16.program.cost import bytes_moved, flops, is_product
+from fx16.program.subgraphs import nested_graph_modules
 from fx16.testing import programs
 from fx16.testing.random_programs import MENU
 from helpers import export

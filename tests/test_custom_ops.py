@@ -7,8 +7,8 @@ import torch
 
 import fx16
 from fx16.decisions import Reason, decision_of
-from fx16.nodes import requested_dtypes
-from fx16.propagation import narrowed_result, runs_narrowed
+from fx16.program.nodes import requested_dtypes
+from fx16.program.propagation import narrowed_result, runs_narrowed
 from fx16.report import report_of
 from fx16.testing.custom_ops import DefaultDtypeDequantize, QuantizedLinear, UserOps
 from helpers import check_program, export, node_named, run

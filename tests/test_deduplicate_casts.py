@@ -2,8 +2,8 @@
 
 import torch
 
-from fx16.casts import INSERTED
 from fx16.passes import DeduplicateCastsPass
+from fx16.program.casts import INSERTED
 from helpers import apply_rule, casts, eager, export, run
 from models import TwoCasts
 

@@ -9,10 +9,10 @@ import torch
 
 import fx16
 from fx16.analysis.fp32_rules import UnderflowRule
-from fx16.casts import is_cast
 from fx16.diagnosis import diagnose, value_error
-from fx16.node_ids import graph_modules, has_ids, node_id
 from fx16.pipelines import run_passes, without_rules
+from fx16.program.casts import is_cast
+from fx16.program.node_ids import graph_modules, has_ids, node_id
 from helpers import command, export
 from models import MLP, Branches, RMSNormMLP
 

@@ -1,4 +1,4 @@
-"""fx16.emulation: the fp32 program run as the 16-bit cast computes it."""
+"""fx16.analysis.emulation: the fp32 program run as the 16-bit cast computes it."""
 
 import math
 
@@ -10,9 +10,9 @@ from torch import nn
 import fx16
 from benchmarks import zoo
 from fx16.analysis.calibration_inputs import calibration_calls
-from fx16.emulation import Emulation
+from fx16.analysis.emulation import Emulation
 from fx16.program import Program
-from fx16.subgraphs import nested_graph_modules
+from fx16.program.subgraphs import nested_graph_modules
 from fx16.testing import programs
 from helpers import export, max_error, run
 from models import MLP, Branches

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import fx16
-from fx16.casts import INSERTED
 from fx16.decisions import PRECISION, Reason
-from fx16.report_rows import decision_rows
+from fx16.program.casts import INSERTED
+from fx16.report.rows import decision_rows
 from helpers import casts, check_program, export, fp64_reference, max_error, run, targets
 from models import (
     MLP,

@@ -1,4 +1,4 @@
-"""fx16.envelope: the report states under which inputs a cast's decisions hold.
+"""fx16.report.envelope: the report states under which inputs a cast's decisions hold.
 
 The figures are checked against what the fp32 model computes on the calibration
 inputs, not against what the analyses recorded.
@@ -12,8 +12,8 @@ from torch import nn
 import fx16
 from benchmarks.precision_zoo import Entropy
 from benchmarks.shift_traps import FrameRmsNorm, audio_frames
-from fx16.envelope import envelope
 from fx16.report import report_of
+from fx16.report.envelope import envelope
 from helpers import command, export
 from models import PositionsAndMask
 

@@ -28,7 +28,7 @@ from fx16.errors import InvalidOptionError
 from fx16.pipelines import run_passes, without_rules
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
-from fx16.report_rows import decision_rows
+from fx16.report.rows import decision_rows
 from helpers import check_program, export, fp64_reference, max_error, run
 from models import RMSNormMLP
 

@@ -1,10 +1,10 @@
-"""fx16.facts: one table of facts per graph, shared by the analyses, dropped on rewrite."""
+"""fx16.analysis.facts: one table of facts per graph, shared by the analyses, dropped on rewrite."""
 
 import torch
 
 import fx16
 from fx16.analysis import ValueRangeAnalysis
-from fx16.facts import Facts
+from fx16.analysis.facts import Facts
 from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.program import Program

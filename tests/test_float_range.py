@@ -10,8 +10,8 @@ from torch import nn
 
 from fx16.analysis import ValueRangeAnalysis
 from fx16.analysis.float_range import FloatRanges
-from fx16.interpreter import LeanInterpreter
 from fx16.program import Program
+from fx16.program.interpreter import LeanInterpreter
 from helpers import export
 
 

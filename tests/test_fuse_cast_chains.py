@@ -2,9 +2,9 @@
 
 import torch
 
-from fx16.casts import CastInserter
 from fx16.passes import FuseCastChainsPass
 from fx16.passes.cast_rule import KEPT_CAST
+from fx16.program.casts import CastInserter
 from helpers import apply_rule, casts, eager, export, run
 from models import Branching, Narrowing, Widening
 

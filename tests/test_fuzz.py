@@ -199,7 +199,7 @@ def test_found_an_assertion_between_two_explicit_regions_cast_twice():
 def test_found_an_autocast_weight_cast_left_for_cleanup_cast_twice():
     """A decomposed bf16 autocast region casts a weight fx16 had made bf16 already: the
     no-op cast hid the narrowed weight from the ops after it, and once cleanup dropped
-    it the second cast kept an op the first had left (fixed in fx16.planner: such a
+    it the second cast kept an op the first had left (fixed in fx16.plan.planner: such a
     cast carries its value's decision)."""
     steps = [("abs", 0, 0, 1e-09), ("abs", 0, 0, 1e-09), ("autocast_bf16", 0, 0, 1e-09)]
     case = _shrunk([*steps, ("bucketed_index", 3, 0, 1e-09)])

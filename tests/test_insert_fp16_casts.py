@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 
 import fx16
 from fx16.analysis import ExplicitFp32Analysis, Fp32RulesAnalysis
-from fx16.casts import INSERTED
 from fx16.decisions import PRECISION, Reason
 from fx16.passes import ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass
 from fx16.pipelines import run_passes
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
+from fx16.program.casts import INSERTED
 from helpers import check_program, export, fp64_reference, inserted_casts, max_error, run, targets
 from models import MLP, CreationOps, OverflowWeight
 

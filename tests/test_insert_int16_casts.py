@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from int16_helpers import int_decisions, narrowed, run_int16_stages
 
 import fx16
-from fx16.casts import INSERTED
 from fx16.decisions import Reason
 from fx16.passes import InsertInt16CastsPass
+from fx16.program.casts import INSERTED
 from fx16.testing.strategies import integer_cases
 from helpers import check_program, export, run, targets
 from models import (

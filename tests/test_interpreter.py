@@ -5,9 +5,9 @@ import pytest
 import torch
 from test_boundaries import KINDS, _export, variance
 
-from fx16.interpreter import BodyInterpreter, LeanInterpreter, last_uses
 from fx16.program import Program
-from fx16.program_values import program_values
+from fx16.program.interpreter import BodyInterpreter, LeanInterpreter, last_uses
+from fx16.program.values import program_values
 from helpers import export
 from models import MLP, Branches, ScaleShiftChain
 

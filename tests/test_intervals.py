@@ -22,7 +22,7 @@ from fx16.analysis.intervals import (
     union,
     value_range,
 )
-from fx16.numerics import finite_interval
+from fx16.ops.numerics import finite_interval
 from helpers import run
 
 PROVEN, DECLARED, OBSERVED = Source.PROVEN, Source.DECLARED, Source.OBSERVED

@@ -7,7 +7,7 @@ import torch
 
 import fx16
 from fx16.analysis.intervals import Source, ValueRange
-from fx16.numerics import (
+from fx16.ops.numerics import (
     interval_may_flush,
     interval_overflows,
     largest,

@@ -19,8 +19,8 @@ import fx16
 from benchmarks import coreai, zoo
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.explicit_fp32 import islands
+from fx16.program.stats import relative_error
 from fx16.report import report_of
-from fx16.stats import relative_error
 from helpers import check_program, run
 
 pytest.importorskip("transformers", reason="the test extra is not installed")

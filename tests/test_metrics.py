@@ -1,4 +1,4 @@
-"""fx16.metrics and the budget's metric= and validation=: the search meets the budget in
+"""fx16.accuracy.metrics and the budget's metric= and validation=: the search meets the budget in
 the user's metric and reports inputs it never saw."""
 
 import copy
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import fx16
+from fx16.accuracy.metrics import PRESETS, cosine, relative, top1
 from fx16.choices import METRIC_PRESETS
-from fx16.metrics import PRESETS, cosine, relative, top1
 from fx16.report import report_of
 from helpers import command, export
 

@@ -1,4 +1,4 @@
-"""fx16.names: every name a user gives must name something; outputs by position or the
+"""fx16.program.names: every name a user gives must name something; outputs by position or the
 model's own name."""
 
 import pytest
@@ -8,8 +8,8 @@ from hypothesis import given, settings
 
 import fx16
 from fx16 import InvalidOptionError, PrecisionPolicy
-from fx16.names import check_names, kept_output_positions, output_names
 from fx16.program import Program
+from fx16.program.names import check_names, kept_output_positions, output_names
 from fx16.testing import programs
 from helpers import assert_same_state, export, state_snapshot
 

@@ -1,4 +1,4 @@
-"""fx16.numerics: which scalars and tensors fit fp16, and how they convert."""
+"""fx16.ops.numerics: which scalars and tensors fit fp16, and how they convert."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fx16.numerics import (
+from fx16.ops.numerics import (
     FP16_MAX,
     FP16_TINY,
     finite_interval,

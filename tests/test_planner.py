@@ -1,4 +1,4 @@
-"""fx16.planner: the whole graph's plan, built and printed before anything changes, and
+"""fx16.plan.planner: the whole graph's plan, built and printed before anything changes, and
 applied as planned."""
 
 import pytest
@@ -14,10 +14,10 @@ from fx16.options import Fp16Options
 from fx16.passes import InsertFP16CastsPass
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.policy import PrecisionPolicy
+from fx16.program.subgraphs import nested_graph_modules
 from fx16.report import report_of
-from fx16.report_html import report_html
-from fx16.saved_decisions import kept_decision
-from fx16.subgraphs import nested_graph_modules
+from fx16.report.html import report_html
+from fx16.report.saved import kept_decision
 from fx16.testing.strategies import programs
 from helpers import assert_same_state, check_program, export, state_snapshot
 from models import AutocastRegions, Branches, BufferUpdate, GrowingLoop
@@ -134,14 +134,14 @@ def test_the_report_html_page_diagnosis_and_saved_program_read_the_applied_plan(
 def test_a_decision_is_said_the_same_each_time_and_only_shared_ones_are_remembered():
     """``explained`` keeps the text of the shared (decision, planned step) pairs most nodes
     carry: the same text on every call, and nothing kept of a decision with a detail."""
-    import fx16.plan
+    import fx16.plan.steps
 
     x = torch.randn(4, 8)
     ep = fx16.cast_fp32_to_fp16(export(Mixed().eval(), x))
-    first = {node.name: fx16.plan.explained(node) for node in ep.graph_module.graph.nodes}
-    second = {node.name: fx16.plan.explained(node) for node in ep.graph_module.graph.nodes}
+    first = {node.name: fx16.plan.steps.explained(node) for node in ep.graph_module.graph.nodes}
+    second = {node.name: fx16.plan.steps.explained(node) for node in ep.graph_module.graph.nodes}
     assert first == second and any(first.values())
-    assert all(not decision.detail for decision, _, _ in fx16.plan._EXPLAINED.values())
+    assert all(not decision.detail for decision, _, _ in fx16.plan.steps._EXPLAINED.values())
     assert first["mul"].startswith("activation_overflow: observed")  # its detail, said
 
 

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 import fx16
 from benchmarks.zoo import ResNetish
 from fx16 import OpKind, Precision, PrecisionPolicy
-from fx16.autocast_ops import AUTOCAST_CPU, AUTOCAST_CUDA
 from fx16.decisions import PRECISION, Reason
 from fx16.demo import DemoBlock
-from fx16.op_kinds import op_kind
+from fx16.ops.autocast import AUTOCAST_CPU, AUTOCAST_CUDA
+from fx16.ops.kinds import op_kind
 from fx16.policy import POLICY_PRESETS
 from fx16.program import Program
 from fx16.report import report_of

@@ -1,22 +1,22 @@
-"""fx16.precedence: each node's precision chosen from ordered rule lists, without a rewrite."""
+"""fx16.plan.precedence: each node's precision chosen from ordered rule lists, without a rewrite."""
 
 import pytest
 import torch
 
 import fx16
-from fx16.nodes import node_dtype
 from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes
-from fx16.policy import PrecisionPolicy
-from fx16.precedence import (
+from fx16.plan.precedence import (
     CAST_TO_FP32_RULES,
     COMPUTE_RULES,
     CREATION_RULES,
     Action,
     choose,
 )
+from fx16.plan.view import View
+from fx16.policy import PrecisionPolicy
+from fx16.program.nodes import node_dtype
 from fx16.report import report_of
-from fx16.view import View
 from helpers import check_program, export, run
 
 LIMIT = 65504 / 2

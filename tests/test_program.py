@@ -152,19 +152,19 @@ def test_state_is_converted_only_when_the_transaction_commits():
 def test_commit_frees_each_fp32_tensor_as_soon_as_it_is_replaced(monkeypatch):
     """With the program holding the only references, no fp32 original outlives its
     conversion: when a tensor is converted, every earlier original is already gone."""
-    import fx16.state_commit
+    import fx16.program.state_commit
 
     ep = _tied_program()
     gc.collect()  # the exported module, if a reference cycle keeps it
     originals = [weakref.ref(t) for t in {id(t): t for t in ep.state_dict.values()}.values()]
     alive_at_each_conversion = []
-    convert = fx16.state_commit.tensor_to_fp16
+    convert = fx16.program.state_commit.tensor_to_fp16
 
     def watched(tensor, *conversion):
         alive_at_each_conversion.append(sum(ref() is not None for ref in originals))
         return convert(tensor, *conversion)
 
-    monkeypatch.setattr(fx16.state_commit, "tensor_to_fp16", watched)
+    monkeypatch.setattr(fx16.program.state_commit, "tensor_to_fp16", watched)
     fx16.cast_fp32_to_fp16(ep, calibration=[])
     count = len(originals)
     assert alive_at_each_conversion == list(range(count, 0, -1))
@@ -174,9 +174,9 @@ def test_commit_frees_each_fp32_tensor_as_soon_as_it_is_replaced(monkeypatch):
 def _second_conversion_fails(monkeypatch) -> list[int]:
     """Make the commit run out of memory on its second tensor; returns the sizes of
     the tensors it was asked to convert, in order."""
-    import fx16.state_commit
+    import fx16.program.state_commit
 
-    convert, sizes = fx16.state_commit.tensor_to_fp16, []
+    convert, sizes = fx16.program.state_commit.tensor_to_fp16, []
 
     def fails_second(tensor, *conversion):
         sizes.append(tensor.numel())
@@ -184,7 +184,7 @@ def _second_conversion_fails(monkeypatch) -> list[int]:
             raise MemoryError("no room for the fp16 copy")
         return convert(tensor, *conversion)
 
-    monkeypatch.setattr(fx16.state_commit, "tensor_to_fp16", fails_second)
+    monkeypatch.setattr(fx16.program.state_commit, "tensor_to_fp16", fails_second)
     return sizes
 
 

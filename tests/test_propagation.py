@@ -1,9 +1,9 @@
-"""fx16.propagation: output dtypes after inputs change, fake-run or remembered."""
+"""fx16.program.propagation: output dtypes after inputs change, fake-run or remembered."""
 
 import torch
 
-from fx16.casts import retype_val
-from fx16.propagation import propagate_fake, retyped_result
+from fx16.program.casts import retype_val
+from fx16.program.propagation import propagate_fake, retyped_result
 from helpers import export
 
 

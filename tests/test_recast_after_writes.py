@@ -4,8 +4,8 @@ cast fx16 placed before the write."""
 import torch
 
 import fx16
-from fx16.casts import is_cast, is_inserted
 from fx16.passes import RecastAfterWritesPass
+from fx16.program.casts import is_cast, is_inserted
 from helpers import check_program, eager, export, run
 
 aten = torch.ops.aten

@@ -5,10 +5,10 @@ from fuzz_profile import examples
 from hypothesis import given, settings
 
 import fx16
-from fx16.casts import is_cast
 from fx16.passes import RecordStatsPass
-from fx16.stats import BEFORE_KEY, program_stats
-from fx16.subgraphs import nested_graph_modules
+from fx16.program.casts import is_cast
+from fx16.program.stats import BEFORE_KEY, program_stats
+from fx16.program.subgraphs import nested_graph_modules
 from fx16.testing import programs
 from helpers import export
 from models import RMSNormMLP

@@ -2,8 +2,8 @@
 
 import torch
 
-from fx16.casts import CastInserter
 from fx16.passes import RemoveUnusedCastsPass
+from fx16.program.casts import CastInserter
 from helpers import apply_rule, casts, eager, export, run
 from models import SameDtypeCast
 

@@ -1,4 +1,4 @@
-"""fx16.replay: a verdict whose consumers compute the same bits either way needs no run."""
+"""fx16.analysis.replay: a verdict whose consumers compute the same bits either way needs no run."""
 
 import torch
 from fuzz_profile import examples
@@ -8,7 +8,7 @@ import fx16
 from benchmarks import zoo
 from fx16.analysis import VerdictCheckAnalysis
 from fx16.analysis.calibration_inputs import calibration_calls
-from fx16.emulation import Emulation
+from fx16.analysis.emulation import Emulation
 from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.program import Program

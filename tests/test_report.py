@@ -10,7 +10,7 @@ import torch
 
 import fx16
 from fx16.report import REPORT_KEY, format_rows, report_of
-from fx16.report_rows import decision_rows
+from fx16.report.rows import decision_rows
 from helpers import export
 from models import BucketHash, CumsumCounter, GrowingLoop, OverflowWeight, RMSNormMLP
 
@@ -205,7 +205,7 @@ class ScoresBeyondFp16(torch.nn.Module):
 def test_the_summary_opens_with_the_16_bit_flop_share_and_fp32_rows_state_their_cost():
     """Input: linears and a bmm whose scores overflow fp16. Output: the bmm in fp32 -
     the FLOP share below 100% by exactly its FLOPs, its row's cost naming them."""
-    from fx16.cost import flops
+    from fx16.program.cost import flops
 
     torch.manual_seed(0)
     ep = fx16.cast_fp32_to_fp16(export(ScoresBeyondFp16(), torch.randn(2, 8, 16)))

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 import fx16
 from fx16.diagnosis import diagnose
 from fx16.report import report_of
-from fx16.report_html import report_html
+from fx16.report.html import report_html
 from fx16.testing import programs
 from helpers import export
 from models import RMSNormMLP

@@ -15,7 +15,7 @@ from benchmarks.precision_zoo import ROPE_LLMS, decode_outputs, rope_llm
 from fx16.analysis.fp32_rules import ConditioningRule
 from fx16.pipelines import run_passes, without_rules
 from fx16.program import Program
-from fx16.stats import relative_error
+from fx16.program.stats import relative_error
 
 
 def _decode_errors(step, cast) -> list[float]:

@@ -1,8 +1,8 @@
-"""fx16.subgraphs: where each higher-order op keeps its bodies and what feeds them."""
+"""fx16.program.subgraphs: where each higher-order op keeps its bodies and what feeds them."""
 
 import torch
 
-from fx16.subgraphs import bodies_and_operands, carried_count
+from fx16.program.subgraphs import bodies_and_operands, carried_count
 from helpers import export
 from models import AutocastRegions, Branches, GrowingLoop, MappedLayer
 

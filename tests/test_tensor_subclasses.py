@@ -1,4 +1,4 @@
-"""fx16.tensor_subclasses: a state tensor that is a wrapper subclass is seen through its
+"""fx16.program.tensor_subclasses: a state tensor that is a wrapper subclass is seen through its
 inner tensors; its 16-bit version converts the fp32 parts and passes the rest on."""
 
 import pytest
@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.testing._internal.two_tensor import TwoTensor
 
-from fx16.numerics import tensor_to_fp16
-from fx16.tensor_subclasses import (
+from fx16.ops.numerics import tensor_to_fp16
+from fx16.program.tensor_subclasses import (
     inner_tensors,
     is_subclass,
     narrowed_state,

@@ -6,8 +6,8 @@ from torch import nn
 from fx16.analysis import CalibrationAnalysis, ValueRangeAnalysis
 from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.upstream import elementwise_past
-from fx16.boundaries import Boundaries
 from fx16.program import Program
+from fx16.program.boundaries import Boundaries
 from helpers import export, node_named
 
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from fx16.analysis import CalibrationAnalysis, Source, ValueRange, ValueRangeAnalysis, value_range
 from fx16.errors import InvalidOptionError
 from fx16.program import Program
-from fx16.subgraphs import nested_graph_modules
+from fx16.program.subgraphs import nested_graph_modules
 from fx16.testing.strategies import integer_cases, programs
 from helpers import export
 from models import BucketHash, CumsumCounter, GatherComputedIndex, PositionsAndMask

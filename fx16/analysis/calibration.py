@@ -10,13 +10,13 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
 from fx16.analysis.calibration_inputs import calibration_calls
+from fx16.analysis.facts import Facts
 from fx16.analysis.magnitudes import MagnitudeRecorder
-from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError, one_line
-from fx16.facts import Facts
-from fx16.ops import SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS, SINGULAR_AT_ZERO, per_op
+from fx16.ops.tables import SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS, SINGULAR_AT_ZERO, per_op
 from fx16.program import Program
+from fx16.program.boundaries import Boundaries
 
 
 class CalibrationAnalysis(Analysis):
@@ -42,10 +42,11 @@ class CalibrationAnalysis(Analysis):
     For the ops that subtract a mean inside (``fx16.analysis.centering``: norms, var,
     std), ``node.meta["fx16.observed_centering"]``: their input's cancellation ratio,
     max |x| / max |x - mean| over each group, the largest seen. For the values an op
-    singular at zero reads there (a log's argument, a divisor: ``fx16.ops.SINGULAR_AT_ZERO``),
+    singular at zero reads there (a log's argument, a divisor:
+    ``fx16.ops.tables.SINGULAR_AT_ZERO``),
     ``node.meta["fx16.observed_smallest"]``: the smallest nonzero magnitude seen.
 
-    Facts cross the boundaries of higher-order ops (``fx16.boundaries``): a body's
+    Facts cross the boundaries of higher-order ops (``fx16.program.boundaries``): a body's
     nodes are observed where the body ran (cond's branch taken, every iteration of a
     loop, every slice of a map), and a body's placeholder that no run reached (the
     branch not taken) has what its operands held.

@@ -9,8 +9,8 @@ from torch.fx import Node
 
 from fx16.analysis.intervals import size_range
 from fx16.errors import InvalidOptionError
-from fx16.nodes import dtype_name
 from fx16.program import Program
+from fx16.program.nodes import dtype_name
 
 
 def calibration_calls(

@@ -9,9 +9,9 @@ from fx16 import meta
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.user_reachability import UserReachabilityAnalysis
 from fx16.contracts import Analysis
-from fx16.int_ops import INT16_COMPUTE_OPS, WIDE_INT_DTYPES
-from fx16.nodes import node_dtype, value_scalars
+from fx16.ops.int_ops import INT16_COMPUTE_OPS, WIDE_INT_DTYPES
 from fx16.program import Program
+from fx16.program.nodes import node_dtype, value_scalars
 
 
 def has_scalar_operand(node: Node) -> bool:

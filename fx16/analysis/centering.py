@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fx16.ops import VARIANCE_OPS, overloads
+from fx16.ops.tables import VARIANCE_OPS, overloads
 
 
 @dataclass(frozen=True)

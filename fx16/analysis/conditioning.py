@@ -53,13 +53,12 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.centering import CENTERING_OPS, buffer_ratio, running_statistics
+from fx16.analysis.facts import Facts
 from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.upstream import elementwise_past
 from fx16.contracts import Analysis
-from fx16.facts import Facts
-from fx16.nodes import node_val
-from fx16.numerics import INF_LIKE
-from fx16.ops import (
+from fx16.ops.numerics import INF_LIKE
+from fx16.ops.tables import (
     EXPONENTIAL_OPS,
     LOGARITHM_OPS,
     PERIODIC_OPS,
@@ -69,6 +68,7 @@ from fx16.ops import (
 )
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
+from fx16.program.nodes import node_val
 
 aten = torch.ops.aten
 

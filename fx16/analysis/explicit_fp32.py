@@ -27,7 +27,7 @@ Reads: ``meta["val"]``, ``meta["fx16.observed_range"]`` (CalibrationAnalysis),
 (``fx16.analysis.float_range``, after ValueRangeAnalysis). Writes:
 ``node.meta["fx16.explicit_fp32"]``, an ``Island(keep, why, members)``, on each
 node that opens a region holding a precision-sensitive op (a region follows its
-values into the bodies of higher-order ops and out of them, ``fx16.boundaries``;
+values into the bodies of higher-order ops and out of them, ``fx16.program.boundaries``;
 its members are the ops in the opening's own graph, its evidence all of them): a cast to fp32, an
 ``_assert_tensor_metadata`` of fp32 (all that ``run_decompositions`` leaves of a
 no-op ``x.float()``), an op given ``dtype=torch.float32``;
@@ -42,18 +42,18 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
+from fx16.analysis.facts import Facts
 from fx16.analysis.float_range import FloatRanges
-from fx16.boundaries import Boundaries
-from fx16.casts import cast_dtype, is_cast
+from fx16.analysis.islands import asserted_dtype, is_sensitive, island_region
 from fx16.contracts import Analysis
-from fx16.facts import Facts
-from fx16.islands import asserted_dtype, is_sensitive, island_region
 from fx16.meta import island_verdict
-from fx16.nodes import FLOAT_DTYPES, node_dtype, node_val, op_label, requested_dtypes
-from fx16.numerics import largest, smallest_normal
-from fx16.ops import ASSERT_METADATA_OPS, CAST_OPS, CREATION_OPS, per_op
+from fx16.ops.numerics import largest, smallest_normal
+from fx16.ops.tables import ASSERT_METADATA_OPS, CAST_OPS, CREATION_OPS, per_op
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
+from fx16.program.boundaries import Boundaries
+from fx16.program.casts import cast_dtype, is_cast
+from fx16.program.nodes import FLOAT_DTYPES, node_dtype, node_val, op_label, requested_dtypes
 
 FP32 = torch.float32
 

@@ -10,7 +10,7 @@ a seq=16 example never shows the angles a seq=2048 call makes.
 
 Ranges are computed on demand (only the values a rule asks about, and their
 inputs), each once; a state tensor's range is its min and max. A value holds its
-range across the boundaries of higher-order ops (``fx16.boundaries``): a body's
+range across the boundaries of higher-order ops (``fx16.program.boundaries``): a body's
 placeholder has its operand's, an op's result its bodies' outputs' (a value a loop
 carries has none: nothing bounds how it grows).
 """
@@ -31,11 +31,11 @@ from fx16.analysis.intervals import (
     union,
     value_range,
 )
-from fx16.boundaries import Boundaries
-from fx16.nodes import named_argument, node_val
-from fx16.ops import CAST_OPS, VALUE_PRESERVING_OPS, overloads, per_op
+from fx16.ops.tables import CAST_OPS, VALUE_PRESERVING_OPS, overloads, per_op
 from fx16.program import Program
-from fx16.tensor_subclasses import is_subclass
+from fx16.program.boundaries import Boundaries
+from fx16.program.nodes import named_argument, node_val
+from fx16.program.tensor_subclasses import is_subclass
 
 aten = torch.ops.aten
 _DEPTH = 64  # positions and timesteps are a few ops from their integers

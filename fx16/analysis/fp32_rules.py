@@ -16,15 +16,15 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.conditioning import ConditioningAnalysis
+from fx16.analysis.facts import Facts
 from fx16.analysis.routing import RoutingAnalysis
 from fx16.analysis.underflow import UnderflowAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.contracts import Analysis
 from fx16.decisions import Decision, Reason
-from fx16.facts import Facts
-from fx16.int_ops import SELECTION_OPS
-from fx16.ops import is_custom_op
-from fx16.propagation import runs_narrowed
+from fx16.ops.int_ops import SELECTION_OPS
+from fx16.ops.tables import is_custom_op
+from fx16.program.propagation import runs_narrowed
 
 FP32 = torch.float32
 
@@ -34,7 +34,11 @@ class UnsafeIndexRule:
     """A float value that decides an index (positions turned into bucket ids) stays
     fp32: rounding would pick another element. A selection (topk, argmax) is not
     one: its indices are valid whatever it compares (see RouterRule). Reads
-    ``meta["fx16.unsafe_index"]``."""
+    ``meta["fx16.unsafe_index"]``.
+
+    Before: ``(log(p.float() / 8) * 4).long()`` picks bucket 17 in fp32 and 16 in fp16.
+    After: the log, the scale and the floor stay fp32; the embedding they index runs
+    16-bit. Costs: the elementwise chain's bytes, no product FLOPs."""
 
     needs = (UnsafeIndexAnalysis,)
     reason = Reason.UNSAFE_INDEX
@@ -46,7 +50,12 @@ class UnsafeIndexRule:
 
 @dataclass(frozen=True)
 class AccuracyBudgetRule:
-    """The nodes the accuracy-budget search returned to fp32, by name."""
+    """The nodes the accuracy-budget search returned to fp32, by name.
+
+    Before: every op 16-bit, 1.2e-3 off fp32 against a budget of 1e-3. After: the
+    search's remedies (a rewrite, then elementwise ops, then the products that matter
+    most) in fp32 until the budget holds. Costs: what the search returned, cheapest
+    first; the report names each node."""
 
     names: frozenset[str]
     reason = Reason.ACCURACY_FALLBACK
@@ -59,7 +68,12 @@ class AccuracyBudgetRule:
 class ObservedOverflowRule:
     """An op whose values on the calibration inputs exceed ``limit`` (the 16-bit
     maximum over the overflow margin) computes in fp32. Reads
-    ``meta["fx16.observed_range"]``."""
+    ``meta["fx16.observed_range"]``.
+
+    Before: a T5 feed-forward whose activations reach 7e4 gives inf in fp16. After:
+    that op computes in fp32 and its consumers read a 16-bit copy where it fits.
+    Costs: the op's FLOPs in fp32 (often an elementwise op; a product only where the
+    product itself overflows)."""
 
     limit: float
     needs = (CalibrationAnalysis,)
@@ -78,7 +92,11 @@ class ObservedOverflowRule:
 @dataclass(frozen=True)
 class FakeKernelRule:
     """A custom op whose fake kernel refuses ``low`` inputs (or that has none) keeps
-    its inputs as exported: nothing can say what it computes on 16-bit values."""
+    its inputs as exported: nothing can say what it computes on 16-bit values.
+
+    Before: ``torch.ops.mylib.fused(x)`` registered for fp32 only fails on fp16 input.
+    After: it reads fp32 inputs (cast up) and its result is cast back. Costs: the
+    custom op's own FLOPs in fp32."""
 
     low: torch.dtype
     reason = Reason.NO_FAKE_KERNEL
@@ -91,7 +109,13 @@ class FakeKernelRule:
 @dataclass(frozen=True)
 class ConditioningRule:
     """An op the conditioning analysis found ill-conditioned, and the values it reads.
-    Reads ``meta["fx16.ill_conditioned"]``."""
+    Reads ``meta["fx16.ill_conditioned"]``.
+
+    Before: ``x - x.mean()`` on values near 1000 with a spread of 0.1 loses every
+    digit in fp16 (a condition number of 1e4). After: the subtraction and what it
+    reads stay fp32 (per slice: one narrow column is judged apart from wide ones).
+    Costs: elementwise ops and reductions, no product FLOPs unless a product is
+    itself ill-conditioned."""
 
     needs = (ConditioningAnalysis,)
     reason = Reason.ILL_CONDITIONED
@@ -103,7 +127,12 @@ class ConditioningRule:
 @dataclass(frozen=True)
 class UnderflowRule:
     """An op singular at zero whose argument would flush to zero or be subnormal in
-    16-bit, and its elementwise past. Reads ``meta["fx16.underflow"]``."""
+    16-bit, and its elementwise past. Reads ``meta["fx16.underflow"]``.
+
+    Before: ``log(sigmoid(z))`` with logits of -20 gives ``log(0) = -inf`` in fp16.
+    After: the sigmoid and the log compute in fp32 (where no stable rewrite holds;
+    ``log_sigmoid`` does, and is preferred). Costs: the short chain from the small
+    value's source to the singular op, no product FLOPs."""
 
     needs = (UnderflowAnalysis,)
     reason = Reason.UNDERFLOW
@@ -115,7 +144,12 @@ class UnderflowRule:
 @dataclass(frozen=True)
 class RouterRule:
     """A router op the policy keeps in fp32 (``routing="fp32"``). Reads
-    ``meta["fx16.router"]``."""
+    ``meta["fx16.router"]``.
+
+    Before: a mixture-of-experts gate's top-k picks another expert when its scores
+    round to 16-bit. After: the gate's product (where it costs at most 1% of the
+    product FLOPs), softmax and top-k stay fp32. Costs: that small product and the
+    selection; ``routing="16-bit"`` pays nothing and lets the choice change."""
 
     needs = (RoutingAnalysis,)
     reason = Reason.ROUTER

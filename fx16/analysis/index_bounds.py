@@ -14,9 +14,9 @@ from collections.abc import Callable
 import torch
 from torch.fx import Graph, Node
 
-from fx16.int_ops import INDEX_LIST_OPS, INDEXED_DIMENSIONS, INT_DTYPES
-from fx16.nodes import named_argument, node_val
-from fx16.ops import CAST_OPS, VALUE_PRESERVING_OPS, overloads
+from fx16.ops.int_ops import INDEX_LIST_OPS, INDEXED_DIMENSIONS, INT_DTYPES
+from fx16.ops.tables import CAST_OPS, VALUE_PRESERVING_OPS, overloads
+from fx16.program.nodes import named_argument, node_val
 
 aten = torch.ops.aten
 

@@ -9,11 +9,11 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
 from fx16.analysis.centering import CENTERING_OPS, cancellation_ratio, centered_input
-from fx16.int_ops import INT_DTYPES
-from fx16.interpreter import BodyInterpreter
-from fx16.numerics import INF_LIKE
-from fx16.ops import overloads, per_op
-from fx16.tensor_subclasses import inner_tensors, is_subclass
+from fx16.ops.int_ops import INT_DTYPES
+from fx16.ops.numerics import INF_LIKE
+from fx16.ops.tables import overloads, per_op
+from fx16.program.interpreter import BodyInterpreter
+from fx16.program.tensor_subclasses import inner_tensors, is_subclass
 
 
 def observe_floats(value) -> tuple[float | None, bool, tuple[float, float] | None]:

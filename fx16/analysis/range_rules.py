@@ -21,9 +21,9 @@ from fx16.analysis.intervals import (
     union,
     value_range,
 )
-from fx16.int_ops import INT_DTYPES, POSITION_OPS
-from fx16.nodes import named_argument, node_val
-from fx16.ops import CAST_OPS, VALUE_PRESERVING_OPS, overloads
+from fx16.ops.int_ops import INT_DTYPES, POSITION_OPS
+from fx16.ops.tables import CAST_OPS, VALUE_PRESERVING_OPS, overloads
+from fx16.program.nodes import named_argument, node_val
 
 aten = torch.ops.aten
 

@@ -25,16 +25,16 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
+from fx16.analysis.facts import Facts
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.upstream import elementwise_past
-from fx16.boundaries import Boundaries
 from fx16.contracts import Analysis
-from fx16.cost import flops, is_product
-from fx16.facts import Facts
-from fx16.int_ops import SELECTION_OPS
-from fx16.nodes import node_val
+from fx16.ops.int_ops import SELECTION_OPS
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
+from fx16.program.boundaries import Boundaries
+from fx16.program.cost import flops, is_product
+from fx16.program.nodes import node_val
 
 # A product that scores a route stays fp32 only when it costs at most this share of the
 # program's product FLOPs.

@@ -4,7 +4,7 @@ A 16-bit float has a smallest normal value (fp16: 6.1e-5) and a smallest subnorm
 (fp16: 6e-8); below the first it loses precision bit by bit, below the second it
 is zero. Most ops do not care: a probability of 1e-9 read as 0 moves a sum by
 1e-9. An op that is singular at zero does: the log of a softmax's tail, a divisor,
-what a reciprocal, ``rsqrt`` or a negative power reads (``fx16.ops.SINGULAR_AT_ZERO``).
+what a reciprocal, ``rsqrt`` or a negative power reads (``fx16.ops.tables.SINGULAR_AT_ZERO``).
 Flushed, its result is an infinity, and the entropy term ``p * log(p)`` becomes
 ``0 * -inf = nan``; subnormal, it is off by up to 100%.
 
@@ -52,13 +52,12 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.facts import Facts
 from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.upstream import elementwise_past
 from fx16.contracts import Analysis
-from fx16.facts import Facts
-from fx16.nodes import node_val
-from fx16.numerics import smallest_normal
-from fx16.ops import (
+from fx16.ops.numerics import smallest_normal
+from fx16.ops.tables import (
     EXPONENTIAL_TAIL_OPS,
     GUARD_OPS,
     POWER_OPS,
@@ -71,6 +70,7 @@ from fx16.ops import (
 )
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
+from fx16.program.nodes import node_val
 
 ADDS = overloads("add.Tensor")
 MULTIPLIES = overloads("mul.Tensor")

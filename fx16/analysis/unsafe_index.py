@@ -8,17 +8,17 @@ from torch.fx.node import map_arg
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
+from fx16.analysis.facts import Facts
 from fx16.contracts import Analysis
-from fx16.cost import is_product
-from fx16.facts import Facts
-from fx16.int_ops import INDEX_ARGUMENTS, SELECTION_OPS
-from fx16.nodes import node_val
+from fx16.ops.int_ops import INDEX_ARGUMENTS, SELECTION_OPS
+from fx16.program.cost import is_product
+from fx16.program.nodes import node_val
 
 
 class UnsafeIndexAnalysis(Analysis):
     """Mark every node whose exact value decides an index, along any path.
 
-    Index arguments are listed in ``fx16.int_ops.INDEX_ARGUMENTS``: embedding ids,
+    Index arguments are listed in ``fx16.ops.int_ops.INDEX_ARGUMENTS``: embedding ids,
     gather/scatter/index_* indices, ``index.Tensor`` index lists, one_hot,
     nll_loss/cross_entropy targets, and tensors read as Python sizes (``item()``,
     ``repeat_interleave`` counts). Narrowing such a value could send it out of range
@@ -36,7 +36,7 @@ class UnsafeIndexAnalysis(Analysis):
 
     Values cross the boundaries of higher-order ops (cond, while_loop, map,
     autocast and set_grad_enabled regions, invoke_subgraph) both ways
-    (``fx16.boundaries``): an operand that becomes an index inside a body is marked
+    (``fx16.program.boundaries``): an operand that becomes an index inside a body is marked
     outside, a body's result that becomes one outside is marked inside, and so is a
     value a loop carries into the step that uses it as one.
 

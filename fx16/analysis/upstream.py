@@ -4,7 +4,7 @@ Keeping an op in fp32 helps only if its input arrives with fp32 accuracy. A valu
 rounded to 16-bit anywhere on its way (an ``x * x`` before a mean, a softmax before
 a log) carries that rounding into the op, so a rule marks the op's whole elementwise
 past: elementwise ops, reductions, data movement and casts, across the boundaries of
-higher-order ops (``fx16.boundaries``), up to the placeholders it starts from (a
+higher-order ops (``fx16.program.boundaries``), up to the placeholders it starts from (a
 buffer such as ``inv_freq``, a timestep input: the converters keep them fp32).
 
 The walk stops before a matrix product, convolution or attention: that is the
@@ -19,9 +19,9 @@ from collections.abc import Callable
 import torch
 from torch.fx import Node
 
-from fx16.boundaries import Boundaries
-from fx16.cost import is_product
-from fx16.nodes import node_val
+from fx16.program.boundaries import Boundaries
+from fx16.program.cost import is_product
+from fx16.program.nodes import node_val
 
 # The most nodes one op marks upstream (its position or timestep chain, a residual stream).
 CHAIN_LIMIT = 256

@@ -5,16 +5,16 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
+from fx16.analysis.facts import Facts
 from fx16.analysis.index_bounds import index_bounds
 from fx16.analysis.intervals import Source, ValueRange, union, value_range
 from fx16.analysis.range_rules import RangeRules
 from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError
-from fx16.facts import Facts
-from fx16.int_ops import INT_DTYPES
-from fx16.nodes import dtype_name, node_val
+from fx16.ops.int_ops import INT_DTYPES
 from fx16.program import Program
-from fx16.subgraphs import bodies_and_operands
+from fx16.program.nodes import dtype_name, node_val
+from fx16.program.subgraphs import bodies_and_operands
 
 
 def _checked_ranges(input_ranges) -> dict[str, tuple[int, int]]:
@@ -50,7 +50,7 @@ class ValueRangeAnalysis(Analysis):
     nothing tighter is known (a cache position writing a static cache). Where
     none of these gives a range and CalibrationAnalysis saw the value, its observed
     (min, max) is used, marked observed. Bodies of higher-order ops are ranged too
-    (``fx16.boundaries``): a body's placeholder has its operands' range, an op's result
+    (``fx16.program.boundaries``): a body's placeholder has its operands' range, an op's result
     its bodies' outputs'; a value a loop carries has only what calibration saw.
 
     Reads: the program's signature, state and range constraints, and

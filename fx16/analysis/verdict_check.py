@@ -12,14 +12,14 @@ knowing what its verdict buys. Two kinds of verdict are worth asking:
   times what the tolerance allows: GELU's cube has 3): the rounding it amplifies
   may be damped by what follows (the cube is scaled by 0.044715 and added to x).
 
-(A router the policy keeps in fp32, ``routing="fp32"``, is the policy's choice, and
-is not asked.) Each is measured with ``fx16.emulation``: the output error on the calibration
-inputs with every verdict, and without that one. It holds when the error without it
-exceeds ``MEASURABLE`` times the error with it (or is not finite); otherwise it is
-dropped, and its nodes say why. Before any whole run, a question whose nodes' consumers
-compute bit-identical values either way (replayed over what they depend on alone,
-when that is a small part of the program: a rotary embedding's sin and cos, rounded
-by the op that reads them) is dropped without one. Verdicts of one kind in
+(A router the policy keeps in fp32, ``routing="fp32"``, is the policy's choice, and is
+not asked.) Each is measured with ``fx16.analysis.emulation``: the output error on the
+calibration inputs with every verdict, and without that one. It holds when the error
+without it exceeds ``MEASURABLE`` times the error with it (or is not finite); otherwise
+it is dropped, and its nodes say why. Before any whole run, a question whose nodes'
+consumers compute bit-identical values either way (replayed over what they depend on
+alone, when that is a small part of the program: a rotary embedding's sin and cos,
+rounded by the op that reads them) is dropped without one. Verdicts of one kind in
 different layers (the same rule and op at the same module path up to the layer
 index) are measured together:
 twelve GELU cubes are one question, not twelve. The most expensive are asked first,
@@ -46,16 +46,16 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16 import meta
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.analysis.conditioning import ConditioningAnalysis
+from fx16.analysis.emulation import Emulation
 from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis, islands
+from fx16.analysis.facts import Facts
 from fx16.analysis.fp32_rules import Fp32RulesAnalysis, fp32_rule
 from fx16.contracts import Analysis
-from fx16.cost import flops, is_product
 from fx16.decisions import Reason
-from fx16.emulation import Emulation
-from fx16.facts import Facts
-from fx16.nodes import node_module_path, op_label
 from fx16.policy import Precision, PrecisionPolicy
 from fx16.program import Program
+from fx16.program.cost import flops, is_product
+from fx16.program.nodes import node_module_path, op_label
 
 # A verdict that puts at least this share of the program's product FLOPs in fp32 is heavy.
 HEAVY_SHARE = 0.005

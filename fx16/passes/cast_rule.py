@@ -4,8 +4,11 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fx16.aliases import written_in_place
-from fx16.casts import (
+from fx16.analysis.facts import Facts
+from fx16.ops.tables import ASSERT_METADATA_OPS
+from fx16.program import Program
+from fx16.program.aliases import written_in_place
+from fx16.program.casts import (
     cast_dtype,
     cast_op_nodes,
     is_cast,
@@ -13,9 +16,6 @@ from fx16.casts import (
     represents_exactly,
     source_dtype,
 )
-from fx16.facts import Facts
-from fx16.ops import ASSERT_METADATA_OPS
-from fx16.program import Program
 
 # meta key: why a cleanup rule left a matching cast in place.
 KEPT_CAST = "fx16.kept_cast"
@@ -65,7 +65,7 @@ class CastRule(PassBase):
 
 def copy_refusal(cast: Node) -> str | None:
     """Why ``cast``'s copy must stay apart from its source, or None when reading the
-    source instead changes nothing: a write in place reaches one side (``fx16.aliases``)."""
+    source instead changes nothing: a write in place reaches one side (``fx16.program.aliases``)."""
     if written_in_place(cast, cast.args[0]):
         return "a write in place reaches the cast's result or its source; the copy keeps them apart"
     return None

@@ -3,8 +3,8 @@
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from fx16.analysis.facts import Facts
 from fx16.errors import PassFailedError
-from fx16.facts import Facts
 from fx16.passes.bypass_branching_casts import BypassBranchingCastsPass
 from fx16.passes.cast_rule import CastRule
 from fx16.passes.deduplicate_casts import DeduplicateCastsPass
@@ -18,6 +18,16 @@ from fx16.program import Program
 _MAX_ROUNDS = 64
 
 
+# The cleanup rules in the order the driver tries them (the rules' reference page lists them).
+STANDARD_RULES = (
+    DeduplicateCastsPass,
+    FuseCastChainsPass,
+    BypassBranchingCastsPass,
+    RemoveNoopCastsPass,
+    RemoveUnusedCastsPass,
+)
+
+
 class CleanupCastsPass(PassBase):
     """Drive the cleanup rules to a fixed point.
 
@@ -29,13 +39,7 @@ class CleanupCastsPass(PassBase):
     """
 
     def __init__(self, program: Program, rules: list[CastRule] | None = None) -> None:
-        self.rules = rules or [
-            DeduplicateCastsPass(program),
-            FuseCastChainsPass(program),
-            BypassBranchingCastsPass(program),
-            RemoveNoopCastsPass(program),
-            RemoveUnusedCastsPass(program),
-        ]
+        self.rules = rules or [rule(program) for rule in STANDARD_RULES]
 
     def call(self, graph_module: GraphModule) -> PassResult:
         modified = False

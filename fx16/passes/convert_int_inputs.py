@@ -4,13 +4,13 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fx16.casts import INSERTED, WHY_CAST_BACK, WHY_NARROW, CastInserter, retype_val
+from fx16.analysis.facts import Facts
 from fx16.decisions import INT_PRECISION, Reason, decide
-from fx16.facts import Facts
-from fx16.int_ops import WIDE_INT_DTYPES
-from fx16.narrowing import int16_verdict, may_narrow
-from fx16.nodes import node_dtype
+from fx16.ops.int_ops import WIDE_INT_DTYPES
 from fx16.passes.int16_pass import Int16Pass
+from fx16.plan.narrowing import int16_verdict, may_narrow
+from fx16.program.casts import INSERTED, WHY_CAST_BACK, WHY_NARROW, CastInserter, retype_val
+from fx16.program.nodes import node_dtype
 
 
 class ConvertIntInputsPass(Int16Pass):
@@ -20,7 +20,7 @@ class ConvertIntInputsPass(Int16Pass):
     absorbed into the input itself, and the input's other consumers get a cast back
     to its original dtype. Callers pass int16 tensors for those inputs afterwards.
 
-    Reads: the int16 analyses' findings (see ``fx16.narrowing.int16_verdict``) and
+    Reads: the int16 analyses' findings (see ``fx16.plan.narrowing.int16_verdict``) and
     the casts the inserter marked ``meta["fx16.inserted"] == "narrow"``.
     Writes: the placeholders' ``meta["val"]``, ``meta["fx16.int16"]`` on every wide
     integer input, a cast-back where wide consumers remain, the example inputs.

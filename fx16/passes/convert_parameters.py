@@ -6,10 +6,15 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
 from fx16.decisions import PRECISION, Reason, decide
-from fx16.numerics import finite_interval, interval_may_flush, interval_overflows
+from fx16.ops.numerics import finite_interval, interval_may_flush, interval_overflows
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision
-from fx16.tensor_subclasses import is_subclass, narrowed_state, narrowed_val, state_overflows
+from fx16.program.tensor_subclasses import (
+    is_subclass,
+    narrowed_state,
+    narrowed_val,
+    state_overflows,
+)
 
 
 class ConvertParametersPass(PolicyPass):

@@ -5,12 +5,12 @@ from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
-from fx16.casts import WHY_NARROW, CastInserter, retype_val
+from fx16.analysis.facts import Facts
 from fx16.decisions import PRECISION, Reason, decide
-from fx16.facts import Facts
-from fx16.nodes import node_dtype
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision
+from fx16.program.casts import WHY_NARROW, CastInserter, retype_val
+from fx16.program.nodes import node_dtype
 
 
 class ConvertUserInputsPass(PolicyPass):

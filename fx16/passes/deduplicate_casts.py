@@ -2,8 +2,8 @@
 
 from torch.fx import Graph, Node
 
-from fx16.casts import INSERTED, is_cast, is_inserted
 from fx16.passes.cast_rule import CastRule, copy_refusal, dtype_groups
+from fx16.program.casts import INSERTED, is_cast, is_inserted
 
 
 class DeduplicateCastsPass(CastRule):

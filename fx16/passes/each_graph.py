@@ -5,8 +5,8 @@ from collections.abc import Callable
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fx16.facts import Facts
-from fx16.subgraphs import nested_graph_modules
+from fx16.analysis.facts import Facts
+from fx16.program.subgraphs import nested_graph_modules
 
 
 def rewrite_each_graph(

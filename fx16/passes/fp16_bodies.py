@@ -1,6 +1,6 @@
 """Higher-order ops for the fp16 cast inserter: applying their steps.
 
-``fx16.plan_bodies`` plans each body of ``cond``, ``while_loop``, ``map``,
+``fx16.plan.bodies`` plans each body of ``cond``, ``while_loop``, ``map``,
 ``set_grad_enabled`` and ``invoke_subgraph`` with the operands' dtypes and decisions
 on its placeholders; these functions carry the plans out. An enabled autocast region
 is recomputed under its own dtype; a disabled one, and a higher-order op fx16 does not
@@ -16,11 +16,11 @@ import torch
 from torch.fx import Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fx16.casts import WHY_UPCAST, CastInserter, substitute_inputs
 from fx16.decisions import PRECISION
-from fx16.nodes import node_val
-from fx16.plan import Step
-from fx16.subgraphs import bodies_and_operands, carried_count
+from fx16.plan.steps import Step
+from fx16.program.casts import WHY_UPCAST, CastInserter, substitute_inputs
+from fx16.program.nodes import node_val
+from fx16.program.subgraphs import bodies_and_operands, carried_count
 
 FP32 = torch.float32
 

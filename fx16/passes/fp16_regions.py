@@ -2,7 +2,7 @@
 
 After ``run_decompositions`` a model's ``x.float()`` on a value that was fp32 at
 export (a no-op cast) is gone; only its ``_assert_tensor_metadata(dtype=float32)``
-check remains. The planner (``fx16.planner.Planner.assertion``) reads the region from
+check remains. The planner (``fx16.plan.planner.Planner.assertion``) reads the region from
 such checks and plans the cast the model's own would have been where fx16's
 decisions make it matter; ``visit_assert`` puts it back, and keeps every check's
 dtype equal to the value it checks.
@@ -14,10 +14,10 @@ inputs, the checks' dtype arguments.
 import torch
 from torch.fx import Node
 
-from fx16.casts import WHY_CAST_BACK, WHY_UPCAST
 from fx16.decisions import PRECISION
-from fx16.nodes import node_dtype, set_argument
-from fx16.plan import Step
+from fx16.plan.steps import Step
+from fx16.program.casts import WHY_CAST_BACK, WHY_UPCAST
+from fx16.program.nodes import node_dtype, set_argument
 
 FP32 = torch.float32
 

@@ -1,6 +1,6 @@
 """Applying a plan: the graph edits the fp16 cast inserter makes, deciding nothing.
 
-``fx16.planner`` decides what every op computes in and what each value becomes; a
+``fx16.plan.planner`` decides what every op computes in and what each value becomes; a
 ``Rewriter`` carries one graph's ``Plan`` out: it narrows or widens an op's inputs
 through casts, writes its rounded scalars and 16-bit dtype arguments, its planned
 value and decision (``meta["fx16.precision"]``) with the step itself as plain data
@@ -12,7 +12,11 @@ plan asks for.
 import torch
 from torch.fx import GraphModule, Node
 
-from fx16.casts import (
+from fx16.decisions import PRECISION, was_narrowed
+from fx16.meta import PLANNED
+from fx16.plan.steps import Plan, Step
+from fx16.policy import PrecisionPolicy
+from fx16.program.casts import (
     INSERTED,
     WHY_CAST_BACK,
     WHY_NARROW,
@@ -25,11 +29,7 @@ from fx16.casts import (
     set_cast_dtype,
     substitute_inputs,
 )
-from fx16.decisions import PRECISION, was_narrowed
-from fx16.meta import PLANNED
-from fx16.nodes import FLOAT_DTYPES, float_rank, node_dtype, node_val, set_argument
-from fx16.plan import Plan, Step
-from fx16.policy import PrecisionPolicy
+from fx16.program.nodes import FLOAT_DTYPES, float_rank, node_dtype, node_val, set_argument
 
 FP32 = torch.float32
 

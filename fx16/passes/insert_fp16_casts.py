@@ -5,19 +5,19 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis
+from fx16.analysis.facts import Facts
 from fx16.analysis.fp32_rules import Fp32RulesAnalysis
-from fx16.casts import cast_dtype
 from fx16.contracts import require
-from fx16.facts import Facts
-from fx16.names import kept_output_positions, user_output_positions
-from fx16.nodes import node_dtype
 from fx16.passes.fp16_bodies import apply_autocast, apply_opaque, apply_shared, apply_subgraphs
 from fx16.passes.fp16_regions import visit_assert
 from fx16.passes.fp16_rewrite import Rewriter
 from fx16.passes.policy_pass import PolicyPass
-from fx16.plan import Plan
-from fx16.planner import plan_fp16, role
-from fx16.precedence import Action
+from fx16.plan.planner import plan_fp16, role
+from fx16.plan.precedence import Action
+from fx16.plan.steps import Plan
+from fx16.program.casts import cast_dtype
+from fx16.program.names import kept_output_positions, user_output_positions
+from fx16.program.nodes import node_dtype
 
 FP32 = torch.float32
 
@@ -28,8 +28,8 @@ OUTPUTS = "output"
 class InsertFP16CastsPass(PolicyPass):
     """Give every float op a precision (fp16, or the policy's 16-bit dtype; the policy
     can ask for fp32, or to follow the inputs): first the whole graph's plan
-    (``plan``: ``fx16.planner``, which asks each node's ordered rule list in
-    ``fx16.precedence`` and changes nothing), then one walk that applies it
+    (``plan``: ``fx16.plan.planner``, which asks each node's ordered rule list in
+    ``fx16.plan.precedence`` and changes nothing), then one walk that applies it
     (``fx16.passes.fp16_rewrite``; the bodies of higher-order ops in ``fp16_bodies``,
     the model's decomposed fp32 casts in ``fp16_regions``).
 
@@ -110,7 +110,7 @@ class InsertFP16CastsPass(PolicyPass):
 
 
 class _Run(Rewriter):
-    """One walk over one graph, applying its plan: each node's step (``fx16.plan``)."""
+    """One walk over one graph, applying its plan: each node's step (``fx16.plan.steps``)."""
 
     def __init__(self, *rewriter, root: GraphModule | None = None) -> None:
         """``rewriter``: ``Rewriter``'s arguments; ``root``: the program's graph module

@@ -5,7 +5,13 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fx16.casts import (
+from fx16.analysis.facts import Facts
+from fx16.decisions import INT_PRECISION, Reason, decide
+from fx16.ops.int_ops import WIDE_INT_DTYPES
+from fx16.ops.tables import CREATION_OPS
+from fx16.passes.int16_pass import Int16Pass
+from fx16.plan.narrowing import int16_verdict, may_narrow
+from fx16.program.casts import (
     INSERTED,
     WHY_CAST_BACK,
     WHY_NARROW,
@@ -17,11 +23,7 @@ from fx16.casts import (
     retype_val,
     set_cast_dtype,
 )
-from fx16.decisions import INT_PRECISION, Reason, decide
-from fx16.facts import Facts
-from fx16.int_ops import WIDE_INT_DTYPES
-from fx16.narrowing import int16_verdict, may_narrow
-from fx16.nodes import (
+from fx16.program.nodes import (
     accepts_keyword,
     dtype_arguments,
     mutated_argument,
@@ -29,9 +31,7 @@ from fx16.nodes import (
     node_val,
     set_argument,
 )
-from fx16.ops import CREATION_OPS
-from fx16.passes.int16_pass import Int16Pass
-from fx16.propagation import propagate_fake
+from fx16.program.propagation import propagate_fake
 
 INT16 = torch.int16
 
@@ -39,7 +39,7 @@ INT16 = torch.int16
 class InsertInt16CastsPass(Int16Pass):
     """Walk the graph in order and move castable int32/int64 ops to int16.
 
-    A node is narrowed when ``fx16.narrowing.int16_verdict`` allows it: castable,
+    A node is narrowed when ``fx16.plan.narrowing.int16_verdict`` allows it: castable,
     and (unless ``mode="assume_safe"``) its range and its integer inputs' ranges
     fit int16, so nothing can wrap around. Its wide inputs are cast to int16 and its
     result is cast back to its *original* dtype (int32 or int64) for consumers;

@@ -2,13 +2,13 @@
 
 from torch.fx.passes.infra.pass_base import PassBase
 
-from fx16.narrowing import check_mode
+from fx16.plan.narrowing import check_mode
 from fx16.program import Program
 
 
 class Int16Pass(PassBase):
     """Base of the int16 transforms. mode: "proven", "observed" or "assume_safe"
-    (see ``fx16.narrowing``); "off" is handled by the pipeline, which then has no passes."""
+    (see ``fx16.plan.narrowing``); "off" is handled by the pipeline, which then has no passes."""
 
     def __init__(self, program: Program, *, mode: str = "proven") -> None:
         self.program = Program.of(program)

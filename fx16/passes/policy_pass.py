@@ -6,7 +6,7 @@ from torch.fx.passes.infra.pass_base import PassBase
 
 from fx16.analysis.fp32_rules import fp32_rule
 from fx16.decisions import Decision, Reason
-from fx16.numerics import largest
+from fx16.ops.numerics import largest
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 

@@ -5,10 +5,10 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fx16.aliases import written_in_place
-from fx16.casts import is_cast
-from fx16.nodes import node_dtype
 from fx16.passes.each_graph import rewrite_each_graph
+from fx16.program.aliases import written_in_place
+from fx16.program.casts import is_cast
+from fx16.program.nodes import node_dtype
 
 aten = torch.ops.aten
 
@@ -22,7 +22,7 @@ class PreserveCopiesPass(PassBase):
     ``x.to(torch.float16)`` on an fp32 ``x`` copies; once the cast makes ``x`` fp16,
     the same ``aten.to.dtype`` returns ``x`` itself, and a later ``y.add_(1)`` writes
     into ``x``. Where a write in place reaches the conversion's result or its source
-    (``fx16.aliases``), this pass states the program's meaning before anything else
+    (``fx16.program.aliases``), this pass states the program's meaning before anything else
     changes a dtype:
 
     Input graph:  x:f32 -> to.dtype(f16) -> add_        (a copy)

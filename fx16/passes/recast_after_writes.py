@@ -4,10 +4,10 @@ written last, not before a later write in place."""
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fx16.aliases import alias_group
-from fx16.casts import INSERTED, CastInserter, cast_dtype, is_cast, is_inserted
-from fx16.nodes import mutated_argument
 from fx16.passes.each_graph import rewrite_each_graph
+from fx16.program.aliases import alias_group
+from fx16.program.casts import INSERTED, CastInserter, cast_dtype, is_cast, is_inserted
+from fx16.program.nodes import mutated_argument
 
 
 class RecastAfterWritesPass(PassBase):

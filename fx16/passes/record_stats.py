@@ -4,9 +4,9 @@ every node's stable id, for the per-node diagnosis."""
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fx16.node_ids import assign_ids
 from fx16.program import Program
-from fx16.stats import BEFORE_KEY, record_stats_before
+from fx16.program.node_ids import assign_ids
+from fx16.program.stats import BEFORE_KEY, record_stats_before
 
 
 class RecordStatsPass(PassBase):
@@ -17,7 +17,7 @@ class RecordStatsPass(PassBase):
     Reads: the program. Writes: ``graph_module.meta["fx16.before"]`` (a ProgramStats),
     only when absent: a second pipeline on the same program (the int16 one after the
     fp16 one, or a second cast) keeps the first record; and each op node's id
-    (``fx16.node_ids``) where it has none, so that ``fx16.diagnose`` aligns the cast
+    (``fx16.program.node_ids``) where it has none, so that ``fx16.diagnose`` aligns the cast
     program with the fp32 one whatever the cast rewrites.
     """
 

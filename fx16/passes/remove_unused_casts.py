@@ -2,8 +2,8 @@
 
 from torch.fx import Node
 
-from fx16.casts import is_cast
 from fx16.passes.cast_rule import CastRule
+from fx16.program.casts import is_cast
 
 
 class RemoveUnusedCastsPass(CastRule):

@@ -23,9 +23,8 @@ import torch
 from torch.fx import Graph, GraphModule
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from fx16.facts import Facts
+from fx16.analysis.facts import Facts
 from fx16.meta import STABILIZED
-from fx16.node_ids import assign_ids
 from fx16.passes.stable_rewrites import (
     EpsClamp,
     Expm1,
@@ -36,6 +35,7 @@ from fx16.passes.stable_rewrites import (
     RmsNormScaling,
     TwoPassVariance,
 )
+from fx16.program.node_ids import assign_ids
 
 
 def standard_rules(low: torch.dtype, exact: bool = True, eps_clamp: bool = False) -> list:

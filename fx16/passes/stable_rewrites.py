@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from fx16.casts import copy_provenance
 from fx16.meta import BOUNDED_BELOW, NEGLIGIBLE, ROUNDING_CANCELS, SCALED
-from fx16.numerics import smallest_normal
-from fx16.propagation import propagate_fake
+from fx16.ops.numerics import smallest_normal
+from fx16.program.casts import copy_provenance
+from fx16.program.propagation import propagate_fake
 
 aten = torch.ops.aten
 

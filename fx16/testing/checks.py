@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from fx16.numerics import INF_LIKE
+from fx16.ops.numerics import INF_LIKE
 from fx16.program import Program
 from fx16.testing.oracle import check_floats
 

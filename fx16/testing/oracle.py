@@ -21,10 +21,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx import GraphModule, Node
 
-from fx16.emulation import Emulation
-from fx16.nodes import SIXTEEN_BIT_DTYPES, node_val, tensor_leaves
-from fx16.numerics import INF_LIKE
+from fx16.analysis.emulation import Emulation
+from fx16.ops.numerics import INF_LIKE
 from fx16.program import Program
+from fx16.program.nodes import SIXTEEN_BIT_DTYPES, node_val, tensor_leaves
 
 # a dtype-preserving pass: max |error| / max |output| over the output's ordinary values
 FP32_TOLERANCE = 1e-4

@@ -1,0 +1,124 @@
+"""What the ``fx16`` commands read: program files (after the modules that register
+their custom ops), input files saved with ``torch.save``, the program's example
+inputs; and a run that, when the program fails on an input, says which."""
+
+from pathlib import Path
+
+import torch
+
+from fx16.errors import one_line
+from fx16.program import Program
+from fx16.program.archive import import_modules, load_program
+from fx16.program.nodes import SIXTEEN_BIT_DTYPES, dtype_name, node_val, tensor_leaves
+from fx16.program.subgraphs import nested_graph_modules
+
+
+class CommandError(Exception):
+    """A problem with what the user asked for, reported as one line."""
+
+
+def existing_program_path(path: Path) -> Path:
+    path = path.expanduser()
+    if not path.exists():
+        raise CommandError(f"{path} does not exist")
+    if not path.is_file():
+        raise CommandError(f"{path} is not a file")
+    return path
+
+
+def writable_program_path(path: Path, source: Path, force: bool) -> Path:
+    """``-o``'s path, checked before anything runs: a file in an existing directory
+    that can be written, not a directory or a device, not the input without --force."""
+    target = path.expanduser()
+    if target.exists() and target.resolve() == source.resolve() and not force:
+        raise CommandError(f"{target} is the input file; pass --force to overwrite it")
+    if target.is_dir():
+        raise CommandError(f"{target} is a directory: name the file to write (-o DIR/OUT.pt2)")
+    if target.exists() and not target.is_file():
+        raise CommandError(f"{target} is not a regular file: name a .pt2 file to write")
+    if not target.parent.is_dir():
+        raise CommandError(f"directory {target.parent} does not exist")
+    existed = target.exists()
+    try:  # open it as the save will, before the cast runs (os.access trusts root)
+        with open(target, "ab"):
+            pass
+    except OSError as error:
+        raise CommandError(f"{target} cannot be written: {one_line(error)}") from error
+    finally:
+        if not existed and target.exists():
+            target.unlink()
+    return target
+
+
+def save_program(ep, target: Path) -> None:
+    """Save ``ep`` to ``target``; a failure to write (a full disk) is one line."""
+    try:
+        torch.export.save(ep, target)
+    except (OSError, RuntimeError) as error:  # torch's file writer raises RuntimeError
+        raise CommandError(f"cannot write {target}: {one_line(error)}") from error
+
+
+def refuse_sixteen_bit_program(ep, source: Path) -> None:
+    """A program that computes in a 16-bit float dtype and holds no fp32 value has
+    nothing to cast, and its fp32 reference would be itself: say so."""
+    dtypes = {
+        leaf.dtype
+        for module in nested_graph_modules(ep.graph_module)
+        for node in module.graph.nodes
+        for leaf in tensor_leaves(node_val(node))
+    }
+    sixteen = sorted(dtype_name(dtype) for dtype in dtypes & set(SIXTEEN_BIT_DTYPES))
+    if sixteen and torch.float32 not in dtypes:
+        raise CommandError(
+            f"{source} computes in {', '.join(sixteen)} already and holds no float32 value: "
+            "nothing to cast; cast the fp32 program it was made from"
+        )
+
+
+def check_report_path(path: Path | None) -> None:
+    if path is not None and not path.expanduser().parent.is_dir():
+        raise CommandError(f"directory {path.expanduser().parent} does not exist")
+
+
+def load_with_imports(path: Path, args):
+    """The program in ``path``, after importing the modules ``--import`` names."""
+    import_modules(args.imports)
+    return load_program(path)
+
+
+def read_inputs(path: Path) -> list[tuple[tuple, dict]]:
+    if not path.exists():
+        raise CommandError(f"{path} does not exist")
+    try:
+        loaded = torch.load(path, weights_only=False)
+    except Exception as error:
+        raise CommandError(
+            f"cannot read inputs from {path}: expected a list of input tuples saved with "
+            f"torch.save ({one_line(error)})"
+        ) from error
+    entries = loaded if isinstance(loaded, list) else [loaded]
+    if not entries:
+        raise CommandError(f"{path} holds an empty list: it needs at least one input tuple")
+    calls = []
+    for entry in entries:
+        if isinstance(entry, torch.Tensor):
+            entry = (entry,)
+        if not isinstance(entry, (tuple, list)):
+            raise CommandError(
+                f"{path} must hold a list of input tuples, found {type(entry).__name__}"
+            )
+        calls.append((tuple(entry), {}))
+    return calls
+
+
+def example_calls(ep) -> list[tuple[tuple, dict]]:
+    return [ep.example_inputs] if ep.example_inputs is not None else []
+
+
+def run_or_name_input(ep, call: tuple[tuple, dict], label: str) -> list:
+    """``ep``'s outputs on ``call``; one line naming the input if the program fails on it
+    (an id past the vocabulary, ...), whatever the type of its complaint."""
+    try:
+        return Program.of(ep).run(*call)
+    except Exception as error:
+        raise CommandError(f"{label}: the program fails on it: {one_line(error)}") from error

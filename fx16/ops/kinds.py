@@ -1,0 +1,184 @@
+"""Op kinds for precision policies (products, reductions, data movement), by overload
+packet name, the kind of a node (``op_kind``), and whether fx16 knows an op's precision
+behaviour at all."""
+
+import enum
+import operator
+
+import torch
+from torch.fx import Node
+
+from fx16.ops.tables import CAST_OPS, CREATION_OPS, VALUE_PRESERVING_OPS, per_op
+
+
+def packets(*names: str) -> frozenset[str]:
+    """Op names (overload packets) as they appear in ``node.target._opname``."""
+    return frozenset(names)
+
+
+# Matrix products and convolutions: where 16-bit pays off most.
+COMPUTE_OPS = packets(
+    "mm",
+    "bmm",
+    "addmm",
+    "addbmm",
+    "baddbmm",
+    "matmul",
+    "linear",
+    "einsum",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "convolution",
+    "_convolution",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "addmv",
+    "mv",
+    "dot",
+    "vdot",
+    "_addmm_activation",
+    "_grouped_mm",
+    "grouped_mm_fallback",  # transformers' mixture-of-experts kernel, as exported
+)
+
+# Ops that accumulate over many elements: normalisations, softmax, sums, losses.
+REDUCTION_OPS = packets(
+    "softmax",
+    "_softmax",
+    "log_softmax",
+    "_log_softmax",
+    "_safe_softmax",
+    "layer_norm",
+    "native_layer_norm",
+    "group_norm",
+    "native_group_norm",
+    "batch_norm",
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional",
+    "rms_norm",
+    "_fused_rms_norm",
+    "sum",
+    "mean",
+    "var",
+    "std",
+    "var_mean",
+    "std_mean",
+    "cumsum",
+    "cumprod",
+    "prod",
+    "norm",
+    "linalg_vector_norm",
+    "logsumexp",
+    "nll_loss",
+    "nll_loss_forward",
+    "cross_entropy_loss",
+    "mse_loss",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "kl_div",
+    "binary_cross_entropy_with_logits",
+    "amax",
+    "amin",
+)
+
+# Ops that move or select data without arithmetic.
+DATA_MOVEMENT_OPS = packets(
+    *(op._opname for op in VALUE_PRESERVING_OPS),
+    "select_scatter",
+    "slice_scatter",
+    "index_put",
+    "scatter",
+    "embedding",
+    "pad",
+    "constant_pad_nd",
+    "repeat_interleave",
+    "masked_fill",
+    "tril",
+    "triu",
+    "roll",
+    "dropout",
+    "native_dropout",
+)
+
+# Ops whose accuracy is why a model opens an fp32 region itself (x.float() before a variance,
+# a softmax, a rotary embedding): a region without any of them is not kept in fp32.
+PRECISION_SENSITIVE_OPS = REDUCTION_OPS | packets(
+    "pow",
+    "rsqrt",
+    "sqrt",
+    "reciprocal",
+    "exp",
+    "expm1",
+    "log",
+    "log1p",
+    "log2",
+    "log10",
+    "sin",
+    "cos",
+    "erf",
+    "erfinv",
+    "div",
+    "logsumexp",
+)
+
+
+class OpKind(str, enum.Enum):
+    COMPUTE = "compute"  # matmul, linear, conv, attention
+    REDUCTION = "reduction"  # softmax, norms, sum/mean/var, cumsum, losses
+    ELEMENTWISE = "elementwise"  # everything else that computes
+    DATA_MOVEMENT = "data_movement"  # view, permute, cat, slice, gather...
+    BOUNDARY = "boundary"  # user inputs and parameters/buffers/constants
+
+
+def op_name(node: Node) -> str | None:
+    """The overload packet name of a call's op ("linear" for aten.linear.default)."""
+    return getattr(node.target, "_opname", None) if node.op == "call_function" else None
+
+
+def op_kind(node: Node) -> OpKind:
+    if node.op == "placeholder":
+        return OpKind.BOUNDARY
+    return target_kind(node.target if node.op == "call_function" else None)
+
+
+def target_kind(target) -> OpKind:
+    """The kind of a call's op (``op_kind`` of its nodes)."""
+    name = getattr(target, "_opname", None)
+    if name in COMPUTE_OPS:
+        return OpKind.COMPUTE
+    if name in REDUCTION_OPS:
+        return OpKind.REDUCTION
+    if name in DATA_MOVEMENT_OPS:
+        return OpKind.DATA_MOVEMENT
+    return OpKind.ELEMENTWISE
+
+
+@per_op
+def is_known_op(target) -> bool:
+    """An op whose precision behaviour fx16 knows: one of its op-kind tables (products,
+    reductions, data movement), a cast or creation op, or an ATen op tagged pointwise
+    (it computes in its inputs' dtype, element by element). Anything else computes
+    16-bit as its inputs are, and the report says it was not known."""
+    return _known_op(target)
+
+
+def _known_op(target) -> bool:
+    try:
+        hash(target)
+    except TypeError:  # not hashable: not an op
+        return False
+    if target in CAST_OPS or target in CREATION_OPS or target is operator.getitem:
+        return True
+    name = getattr(target, "_opname", None)
+    if name in COMPUTE_OPS or name in REDUCTION_OPS or name in DATA_MOVEMENT_OPS:
+        return True
+    return torch.Tag.pointwise in getattr(target, "tags", ())

@@ -1,0 +1,271 @@
+"""Op tables: which ATen overloads fx16 treats specially.
+
+The op lists the passes use are data, so a pipeline that wants different behaviour
+changes tables, not pass code: this module (casts, creation ops, value-preserving
+ops, sentinels, underflow and conditioning), ``fx16.ops.kinds`` (the policies' op
+kinds), ``fx16.ops.int_ops`` (int16 narrowing) and ``fx16.ops.autocast`` (torch.autocast's
+lists). Overloads missing from the installed torch are skipped, so the tables work
+across the supported torch versions.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+
+def overloads(*names: str) -> frozenset:
+    """Resolve "op.overload" names against torch.ops.aten, skipping unknown ones."""
+    found = set()
+    for name in names:
+        op_name, _, overload = name.partition(".")
+        packet = getattr(aten, op_name, None)
+        if packet is None:
+            continue
+        op = getattr(packet, overload or "default", None)
+        if op is not None:
+            found.add(op)
+    return frozenset(found)
+
+
+# Namespaces whose ops fx16 knows by their ATen semantics. Ops from any other
+# namespace (coreai, quantized_decomposed, torchao, a user's torch.library ops) are
+# custom: fx16 learns what they compute only from their fake kernels.
+BUILTIN_NAMESPACES = frozenset({"aten", "prims"})
+
+
+def per_op(compute: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``compute(target)``, asked once per op: a fact of an op (its schema, its kind)
+    is asked of every node that calls it. Cached by the op's id, holding the op (so the
+    id stays its own): an op's ``__hash__`` is Python code, and a dict look-up through
+    it costs as much as the question."""
+    cache: dict[int, tuple[Any, Any]] = {}
+
+    def cached(target: Any) -> Any:
+        found = cache.get(id(target))
+        if found is not None and found[0] is target:
+            return found[1]
+        answer = compute(target)
+        cache[id(target)] = (target, answer)
+        return answer
+
+    cached.__doc__ = compute.__doc__
+    cached.__name__ = compute.__name__
+    return cached
+
+
+@per_op
+def is_custom_op(target) -> bool:
+    """``target`` is an op outside aten/prims (``torch.ops.coreai.dequantize``...)."""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace not in BUILTIN_NAMESPACES
+
+
+# Ops that only change a tensor's dtype (and possibly copy it).
+CAST_OPS = overloads("_to_copy.default", "to.dtype", "to.dtype_layout")
+
+# Ops that make a new floating tensor from sizes and scalars (or from another
+# tensor's shape): their precision is set by a ``dtype`` argument, not by inputs.
+CREATION_OPS = overloads(
+    "arange.default",
+    "arange.start",
+    "arange.start_step",
+    "empty.memory_format",
+    "empty_strided.default",
+    "empty_like.default",
+    "eye.default",
+    "eye.m",
+    "full.default",
+    "full_like.default",
+    "linspace.default",
+    "logspace.default",
+    "new_empty.default",
+    "new_empty_strided.default",
+    "new_full.default",
+    "new_ones.default",
+    "new_zeros.default",
+    "ones.default",
+    "ones_like.default",
+    "rand.default",
+    "rand_like.default",
+    "randn.default",
+    "randn_like.default",
+    "scalar_tensor.default",
+    "zeros.default",
+    "zeros_like.default",
+)
+
+# Ops that only check metadata (dtype, device, shape); they must follow the dtype
+# of the value they check.
+ASSERT_METADATA_OPS = overloads("_assert_tensor_metadata.default")
+
+# ---- ops that keep the values they are given ---------------------------------------
+
+
+def positions_table(table: dict[str, tuple[int, ...]]) -> dict:
+    return {op: positions for name, positions in table.items() for op in overloads(name)}
+
+
+# Ops whose output values are all values of some inputs (data movement): op -> the
+# positions of those inputs (a position may hold a list of tensors, as in cat).
+VALUE_PRESERVING_OPS = positions_table(
+    {
+        "alias.default": (0,),
+        "as_strided.default": (0,),
+        "cat.default": (0,),
+        "chunk.default": (0,),
+        "clone.default": (0,),
+        "contiguous.default": (0,),
+        "copy_.default": (1,),
+        "detach.default": (0,),
+        "expand.default": (0,),
+        "flatten.using_ints": (0,),
+        "flip.default": (0,),
+        "gather.default": (0,),
+        "index.Tensor": (0,),
+        "index_select.default": (0,),
+        "narrow.default": (0,),
+        "permute.default": (0,),
+        "repeat.default": (0,),
+        "reshape.default": (0,),
+        "roll.default": (0,),
+        "select.int": (0,),
+        "slice.Tensor": (0,),
+        "split.Tensor": (0,),
+        "split_with_sizes.default": (0,),
+        "squeeze.default": (0,),
+        "squeeze.dim": (0,),
+        "squeeze.dims": (0,),
+        "stack.default": (0,),
+        "t.default": (0,),
+        "transpose.int": (0,),
+        "unbind.int": (0,),
+        "unsqueeze.default": (0,),
+        "view.default": (0,),
+        "_unsafe_view.default": (0,),
+        "where.self": (1, 2),
+        "amax.default": (0,),
+        "amin.default": (0,),
+        "max.default": (0,),
+        "min.default": (0,),
+        "lift_fresh_copy.default": (0,),
+    }
+)
+
+
+# ---- infinity-like sentinels (finfo.min masks) ------------------------------------------
+
+# Ops that turn a -65504 (saturated finfo.min) input into the same result as -3.4e38:
+# softmax and exp give 0, comparisons keep the order, attention applies its mask by softmax.
+SENTINEL_ABSORBING_OPS = overloads(
+    "softmax.int",
+    "_softmax.default",
+    "_safe_softmax.default",
+    "exp.default",
+    "sigmoid.default",
+    "eq.Tensor",
+    "eq.Scalar",
+    "ne.Tensor",
+    "ne.Scalar",
+    "lt.Tensor",
+    "lt.Scalar",
+    "le.Tensor",
+    "le.Scalar",
+    "gt.Tensor",
+    "gt.Scalar",
+    "ge.Tensor",
+    "ge.Scalar",
+    "scaled_dot_product_attention.default",
+    "_scaled_dot_product_flash_attention_for_cpu.default",
+    "_scaled_dot_product_efficient_attention.default",
+)
+
+# Ops that hand a sentinel on as a sentinel (adding a mask, selecting, moving data).
+SENTINEL_PASSING_OPS = overloads(
+    "add.Tensor",
+    "sub.Tensor",
+    "masked_fill.Scalar",
+    "masked_fill.Tensor",
+    "where.self",
+    "maximum.default",
+    "minimum.default",
+    "amax.default",
+    "amin.default",
+    "max.dim",
+    "min.dim",
+    "_to_copy.default",
+    "to.dtype",
+    "to.dtype_layout",
+) | frozenset(op for op, positions in VALUE_PRESERVING_OPS.items())
+
+# ---- underflow (fx16.analysis.underflow) -----------------------------------------------------
+
+# Ops singular at zero, by the position of the argument that must not be zero (or tiny):
+# a log's argument, a divisor, what a reciprocal, an inverse square root or a negative
+# power reads. A value that is nonzero in fp32 but flushes to zero in 16-bit turns their
+# result into an infinity, and 0 * inf into nan.
+SINGULAR_AT_ZERO = {
+    **dict.fromkeys(
+        overloads(
+            "log.default",
+            "log2.default",
+            "log10.default",
+            "reciprocal.default",
+            "rsqrt.default",
+            "pow.Tensor_Scalar",
+        ),
+        0,
+    ),
+    **dict.fromkeys(overloads("div.Tensor", "div.Tensor_mode"), 1),
+}
+# Of those, the powers: singular at zero only for a negative exponent.
+POWER_OPS = overloads("pow.Tensor_Scalar")
+# Values that are an exponential of their input, whose small end is its tail e^z: the
+# input M times wider takes their smallest value s to about s ** M.
+EXPONENTIAL_TAIL_OPS = overloads("exp.default", "exp2.default", "sigmoid.default")
+# Normalized exponentials: the input M times wider takes the smallest probability s to
+# about (s / l) ** M * l, l the largest (the ratio of two is e^(z_i - z_j)).
+SOFTMAX_OPS = overloads("softmax.int", "_softmax.default", "_safe_softmax.default")
+# Reductions whose result is a norm's statistic when they read squares (a mean or sum of
+# x ** 2), and the ops that are one on their own: zero on a silent input.
+SUMMING_OPS = overloads("mean.dim", "mean.default", "sum.dim_IntList", "sum.default")
+VARIANCE_OPS = overloads(
+    "var.default", "var.dim", "var.correction", "std.default", "std.dim", "std.correction"
+)
+SQUARE_STATISTIC_OPS = VARIANCE_OPS | overloads(
+    "linalg_vector_norm.default", "norm.Scalar", "norm.ScalarOpt_dim"
+)
+# Ops a value keeps its small end through on the way to a singular op: moves, casts, sqrt.
+SMALL_END_PRESERVING_OPS = overloads(
+    "sqrt.default",
+    "_to_copy.default",
+    "to.dtype",
+    "clone.default",
+    "view.default",
+    "reshape.default",
+    "unsqueeze.default",
+    "squeeze.dim",
+    "expand.default",
+    "expand_as.default",
+)
+# Ops that raise a value to at least a scalar (an eps guard): add, clamp_min, clamp.
+GUARD_OPS = overloads("add.Tensor", "clamp_min.default", "clamp.default")
+# Ops whose scalar is added or clamped to (a guard, when tiny): a scalar below the 16-bit
+# subnormals is clamped to them there, where elsewhere (a multiplier) it is left as it is.
+GUARDING_OPS = GUARD_OPS | overloads("add.Scalar", "sub.Tensor", "sub.Scalar")
+
+# ---- conditioning (fx16.analysis.conditioning) -------------------------------------------
+
+# Ops whose condition number the conditioning rule knows: periodic ones, exp (op ->
+# the factor in e^(factor x)), logarithms, powers, and tensor sums that can cancel.
+PERIODIC_OPS = overloads("sin.default", "cos.default", "tan.default")
+EXPONENTIAL_OPS = {
+    **dict.fromkeys(overloads("exp.default", "expm1.default"), 1.0),
+    **dict.fromkeys(overloads("exp2.default"), math.log(2.0)),
+}
+LOGARITHM_OPS = overloads("log.default", "log2.default", "log10.default")
+POWER_OF_SCALAR_OPS = overloads("pow.Scalar")
+POWER_BY_SCALAR_OPS = overloads("pow.Tensor_Scalar")
+SUM_OPS = overloads("add.Tensor", "sub.Tensor")

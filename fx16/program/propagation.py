@@ -1,0 +1,169 @@
+"""Recompute a node's fake value from (possibly changed) input values."""
+
+import logging
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx import Node
+from torch.fx.node import map_arg
+
+from fx16.ops.tables import is_custom_op
+from fx16.program.casts import retype_val
+from fx16.program.nodes import dtype_arguments, node_val
+
+
+def propagate_fake(node: Node, args: Any = None, kwargs: Any = None) -> Any:
+    """Run ``node``'s op on fake inputs and return the fake result.
+
+    ``args``/``kwargs`` default to the inputs' recorded values. Used where an
+    output dtype cannot be derived by rule (multi-output ops, integer promotion);
+    it costs a real dispatch, so the passes call it only for such nodes.
+    """
+    if args is None:
+        args = map_arg(node.args, node_val)
+    if kwargs is None:
+        kwargs = map_arg(node.kwargs, node_val)
+    fake_mode = next(
+        (val.fake_mode for val in map(node_val, node.all_input_nodes) if hasattr(val, "fake_mode")),
+        None,
+    )
+    if fake_mode is None:
+        return node.target(*args, **kwargs)
+    with fake_mode:
+        return node.target(*args, **kwargs)
+
+
+# (op, input dtypes and other arguments) -> output dtypes, filled by retyped_result.
+_OUTPUT_DTYPES: dict[tuple, tuple] = {}
+_MOST_REMEMBERED = 4096
+
+
+def retyped_result(node: Node, args: Any = None, kwargs: Any = None) -> Any:
+    """``node``'s recorded value with the dtypes its op gives on the inputs' current dtypes
+    (or on the values ``args``/``kwargs``, when given).
+
+    The op is fake-run once per (op, input dtypes, other arguments) and the output
+    dtypes remembered: the twelve layer norms of a transformer, or the same model cast
+    again, reuse them instead of dispatching again (an LSTM's fake run alone costs
+    milliseconds). Shapes come from the recorded value, which already has them.
+    """
+    if args is None:
+        args, kwargs = map_arg(node.args, node_val), map_arg(node.kwargs, node_val)
+    key = _signature(node.target, args, kwargs)
+    dtypes = _OUTPUT_DTYPES.get(key) if key is not None else None
+    if dtypes is None:
+        result = propagate_fake(node, args, kwargs)
+        if key is not None:
+            if len(_OUTPUT_DTYPES) >= _MOST_REMEMBERED:
+                _OUTPUT_DTYPES.clear()
+            _OUTPUT_DTYPES[key] = tuple(
+                leaf.dtype if isinstance(leaf, torch.Tensor) else None
+                for leaf in pytree.tree_leaves(result)
+            )
+        return result
+    leaves, spec = pytree.tree_flatten(node_val(node))
+    if len(leaves) != len(dtypes):
+        return propagate_fake(node, args, kwargs)
+    return pytree.tree_unflatten(
+        [
+            retype_val(leaf, dtype) if isinstance(leaf, torch.Tensor) and dtype else leaf
+            for leaf, dtype in zip(leaves, dtypes)
+        ],
+        spec,
+    )
+
+
+def _signature(target: Any, args: Any, kwargs: Any) -> tuple | None:
+    """The op and what decides its output dtypes: input dtypes and the other arguments
+    (None when an argument has no plain description)."""
+    described = []
+    for value in pytree.tree_leaves((args, kwargs)):
+        if isinstance(value, torch.Tensor):
+            described.append(value.dtype)
+        elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+            described.append((type(value), value))
+        else:
+            return None
+    return (target, tuple(described))
+
+
+def _concrete(size) -> int:
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def _real_like(value: Any) -> Any:
+    """A small real tensor with the dtype and (hinted) shape of a fake one."""
+    if isinstance(value, torch.Tensor):
+        shape = [_concrete(size) for size in value.shape]
+        return torch.ones(shape, dtype=value.dtype, device="cpu")
+    return value
+
+
+def output_dtypes_by_running(node: Node, fake_result: Any, args: Any, kwargs: Any) -> Any:
+    """``fake_result`` with the dtypes a real run of the op on (fake) ``args`` and
+    ``kwargs`` gives.
+
+    Some CPU kernels disagree with their meta functions when inputs mix float dtypes
+    (layer_norm of a bf16 input with fp32 weights returns fp32 on the CPU, bf16 in
+    fake mode); running the op once on small real tensors settles it.
+    """
+    args, kwargs = pytree.tree_map(_real_like, (args, kwargs))
+    with torch.no_grad():
+        real = node.target(*args, **kwargs)
+    if isinstance(fake_result, torch.Tensor):
+        return retype_val(fake_result, real.dtype)
+    if isinstance(fake_result, (list, tuple)):
+        return type(fake_result)(
+            retype_val(f, r.dtype) if isinstance(f, torch.Tensor) else f
+            for f, r in zip(fake_result, real)
+        )
+    return fake_result
+
+
+def narrowed_result(
+    node: Node, low: torch.dtype, produces_fp32: bool, args: Any = None, kwargs: Any = None
+) -> Any:
+    """The value ``node`` computes now that its inputs are ``low`` (``args``/``kwargs``:
+    the input values it will run on, when they are not the recorded ones).
+
+    A single fp32 tensor result of an ATen op becomes ``low`` (ATen's float ops follow
+    their inputs); other results that held fp32 are recomputed per output. A custom op
+    is always asked through its fake kernel: it may compute any dtype (a dequantize
+    returns its scale's dtype, whatever its ``output_dtype`` argument says).
+    """
+    if is_custom_op(node.target):  # its result may depend on more than dtypes: no cache
+        return propagate_fake(node, args, kwargs)
+    val = node_val(node)
+    if isinstance(val, torch.Tensor) and val.dtype == torch.float32:
+        return retype_val(val, low)
+    return retyped_result(node, args, kwargs) if produces_fp32 else val
+
+
+def runs_narrowed(node: Node, low: torch.dtype) -> bool:
+    """The op's fake kernel accepts the node's fp32 tensors and fp32 dtype arguments in
+    ``low``: the state ``run_in_low`` would leave it in. False when the kernel raises, or
+    the op has none (a custom op registered without a fake or meta kernel)."""
+
+    def narrowed(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+            return retype_val(value, low)
+        return low if value is torch.float32 else value
+
+    args, kwargs = pytree.tree_map(narrowed, map_arg((node.args, dict(node.kwargs)), node_val))
+    kwargs = dict(kwargs)
+    for (kind, name), dtype in dtype_arguments(node):
+        if kind == "kwargs" and dtype is torch.float32:
+            kwargs[name] = low  # a custom op's float32 default follows too
+    # FakeTensorMode logs a kernel's exception as an error before raising it; here a
+    # refusal is an answer, not an error.
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        propagate_fake(node, args, kwargs)
+    except Exception:  # whatever the kernel raises, it cannot run narrowed
+        return False
+    finally:
+        fake_log.setLevel(level)
+    return True

@@ -1,0 +1,48 @@
+"""Converting the state tensors a cast decided on (``Program.commit_state``).
+
+Largest first, one at a time: each fp32 tensor is dropped as soon as its 16-bit copy
+replaces it, so when fx16 holds the only reference, memory falls as the commit goes
+on. A tensor stored under several names is converted once and stays shared.
+"""
+
+import torch
+from tqdm import tqdm
+
+from fx16.ops.numerics import conversion_scratch, tensor_to_fp16
+
+
+def commit_pending(
+    program, pending: dict[str, tuple[torch.dtype, bool]], progress: bool | None
+) -> None:
+    """Store each tensor named in ``pending`` in the dtype it maps to (with whether a
+    nonzero element may flush: ``tensor_to_fp16``'s ``may_flush``), through
+    ``program`` (a ``fx16.program.Program``: its ``state_tensor`` and
+    ``replace_state_tensor``). ``progress``: a progress bar of the bytes converted on
+    stderr (None: when stderr is a terminal)."""
+    shared: dict[int, tuple[list[str], int]] = {}  # by tensor: its names, its bytes
+    for target in pending:
+        tensor = program.state_tensor(target)
+        shared.setdefault(id(tensor), ([], _nbytes(tensor)))[0].append(target)
+    tensor = None  # only names are held: each original can go as soon as it is replaced
+    groups = sorted(shared.values(), key=lambda group: -group[1])
+    with tqdm(
+        total=sum(nbytes for _, nbytes in groups),
+        desc="fx16: converting weights",
+        unit="B",
+        unit_scale=True,
+        leave=False,
+        disable=None if progress is None else not progress,
+    ) as bar:
+        scratch = conversion_scratch()  # one for all: no temporaries between the copies
+        for names, nbytes in groups:
+            original = program.state_tensor(names[0])
+            dtype, may_flush = pending[names[0]]
+            stored = tensor_to_fp16(original, dtype, scratch, may_flush)
+            for target in names:
+                stored = program.replace_state_tensor(target, stored)
+            bar.update(nbytes)
+            del original, stored  # fx16's last references to this tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,187 @@
+"""The envelope of a cast: the inputs under which its decisions hold.
+
+Some of fx16's decisions hold for every input: a stable rewrite is exact in real
+arithmetic, an integer narrowed on a proven range stays in it, and a norm's statistic
+kept fp32 because nothing bounds it below was kept whatever the inputs. The others
+rest on what the calibration inputs showed, widened by the overflow margin: a value
+judged to fit 16-bit because it stayed below 65504 / margin, an op singular at zero
+left in 16-bit because the smallest value it read stayed in 16-bit's normal range.
+``envelope(ep, margin)`` says how far inputs may move from the calibration inputs
+before one of those observed decisions no longer holds: how much larger before a
+16-bit value passes the 16-bit maximum, and how much quieter before a value a 16-bit
+singular op reads leaves the normal range ("quiet inputs below this were never
+observed"), and how coarsely 16-bit products round the logits an exponential reads (no
+rule keeps a product fp32: sharper logits are named here, not held). The report prints
+it (``CastReport.summary``), the JSON carries it.
+
+Reads: the cast program's decisions and what calibration recorded on its nodes
+(``meta["fx16.observed_range"]``, ``meta["fx16.observed_smallest"]``), the rewrites'
+``meta["fx16.stabilized"]``, ``meta["fx16.bounded_below"]``, ``meta["fx16.scaled"]`` and
+``meta["fx16.rounding_cancels"]``, proven ranges.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+from fx16 import meta
+from fx16.analysis.intervals import Source, ValueRange
+from fx16.analysis.underflow import singular_argument, small_end
+from fx16.decisions import PRECISION
+from fx16.ops.numerics import largest, smallest_normal
+from fx16.ops.tables import EXPONENTIAL_TAIL_OPS, SOFTMAX_OPS
+from fx16.program.casts import is_cast
+from fx16.program.cost import is_product
+from fx16.program.nodes import node_val
+from fx16.program.subgraphs import nested_graph_modules
+
+SIXTEEN_BIT = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """Where a cast's decisions hold (see the module). Factors are None where no
+    observed decision limits them."""
+
+    calibration: str  # how calibration went ("observed on 4 input(s)", "skipped: ...")
+    margin: float  # the overflow margin the decisions were made with
+    rewritten: int  # stable rewrites: exact for every input
+    proven: int  # values narrowed on a proven range: in range for every input
+    # inputs may make the values 16-bit holds this many times larger before the
+    # tightest (headroom_node) passes the 16-bit maximum
+    headroom: float | None = None
+    headroom_node: str = ""
+    # the smallest nonzero value a 16-bit op singular at zero read on calibration, and
+    # how many times quieter inputs may make it before it leaves the normal range
+    quietest: float | None = None
+    quietest_node: str = ""
+    quiet_factor: float | None = None
+    # the largest rounding a 16-bit product leaves in values an exponential reads
+    # (logits): exponentiated, it is a relative error, and k times sharper logits are
+    # rounded k times coarser, which no rule keeps fp32 (products stay 16-bit)
+    logit_rounding: float | None = None
+    logit_node: str = ""
+    logit_product: str = ""
+
+    def lines(self) -> list[str]:
+        """What the command line prints: what holds for every input, then what was observed."""
+        lines = [
+            f"holds for every input: {self.rewritten} stable rewrite(s), "
+            f"{self.proven} integer(s) narrowed on a proven or declared range"
+        ]
+        if not self.calibration.startswith("observed"):
+            lines.append(f"calibration {self.calibration}: nothing else was observed")
+            return lines
+        lines.append(f"{self.calibration}, with an overflow margin of {self.margin:g}x")
+        if self.headroom is not None:
+            lines.append(
+                f"  larger inputs: 16-bit values stay in range up to {self.headroom:.3g}x the "
+                f"calibrated magnitudes (tightest: {self.headroom_node})"
+            )
+        if self.quiet_factor is not None:
+            lines.append(
+                f"  quieter inputs: {self.quietest_node} reads values down to "
+                f"{self.quietest:.3g} in 16-bit; inputs {self.quiet_factor:.3g}x quieter "
+                "leave 16-bit's normal range there and were never observed"
+            )
+        if self.logit_rounding is not None:
+            lines.append(
+                f"  sharper logits: {self.logit_node} exponentiates values the 16-bit product "
+                f"{self.logit_product} rounds by up to {self.logit_rounding:.3g}; logits k "
+                "times sharper are rounded k times coarser (a budget keeps that product fp32)"
+            )
+        return lines
+
+
+def envelope(ep: ExportedProgram, margin: float) -> Envelope:
+    """The envelope of the cast program ``ep``, cast with ``margin`` (see the module)."""
+    rewritten = proven = 0
+    headroom: tuple[float, str] | None = None
+    quiet: tuple[float, float, str] | None = None
+    logits: tuple[float, str, str] | None = None
+    for module in nested_graph_modules(ep.graph_module):
+        for node in module.graph.nodes:
+            rewritten += bool(meta.stabilized(node))
+            decision = node.meta.get(PRECISION)
+            val = node_val(node)
+            if not (isinstance(val, torch.Tensor) and val.dtype in SIXTEEN_BIT):
+                proven += bool(_narrowed_on_proof(node))
+                continue
+            observed = meta.observed_max_abs(node)
+            bounded = meta.scaled(node) or meta.rounding_cancels(node)  # for any input
+            if decision is not None and observed and math.isfinite(observed) and not bounded:
+                factor = largest(val.dtype) / observed
+                if headroom is None or factor < headroom[0]:
+                    headroom = (factor, node.name)
+            found = _quietest_argument(node, val.dtype)
+            if found is not None and (quiet is None or found[0] < quiet[0]):
+                quiet = (*found, node.name)
+        for node in module.graph.nodes:
+            found = _logit_rounding(node)
+            if found is not None and (logits is None or found[0] > logits[0]):
+                logits = (*found, node.name)
+    status = ep.graph_module.meta.get(meta.CALIBRATION_STATUS, "skipped: not run")
+    return Envelope(
+        calibration=status,
+        margin=margin,
+        rewritten=rewritten,
+        proven=proven,
+        headroom=headroom[0] if headroom else None,
+        headroom_node=headroom[1] if headroom else "",
+        quietest=quiet[1] if quiet else None,
+        quietest_node=quiet[2] if quiet else "",
+        quiet_factor=quiet[0] if quiet else None,
+        logit_rounding=logits[0] if logits else None,
+        logit_product=logits[1] if logits else "",
+        logit_node=logits[2] if logits else "",
+    )
+
+
+def _narrowed_on_proof(node: Node) -> bool:
+    """An integer narrowed to int16 on a range proven (or declared by the user) for
+    every input, not observed."""
+    val, found = node_val(node), meta.proven_range(node)
+    if not (isinstance(val, torch.Tensor) and val.dtype == torch.int16):
+        return False
+    return isinstance(found, ValueRange) and found.source != Source.OBSERVED
+
+
+def _quietest_argument(node: Node, dtype: torch.dtype) -> tuple[float, float] | None:
+    """(how many times quieter, the smallest value seen) for the argument of a 16-bit
+    op singular at zero that calibration observed; None where a rewrite or a scalar
+    guard in 16-bit's normal range bounds it below, or nothing was observed."""
+    argument = singular_argument(node)
+    while isinstance(argument, Node) and is_cast(argument):  # fx16's cast to 16-bit
+        argument = argument.args[0]
+    if not isinstance(argument, Node):
+        return None
+    end = small_end(argument)
+    if end.kind == "bounded" or end.guard >= smallest_normal(dtype):  # bounded for any input
+        return None
+    smallest = argument.meta.get(meta.OBSERVED_SMALLEST)
+    if not smallest:
+        return None
+    return smallest / smallest_normal(dtype), smallest
+
+
+def _logit_rounding(node: Node) -> tuple[float, str] | None:
+    """(half a 16-bit ulp of the largest value seen, the product) where ``node``
+    exponentiates (softmax, exp, sigmoid) what a 16-bit product computed."""
+    if node.op != "call_function" or node.target not in EXPONENTIALS:
+        return None
+    source = node.args[0] if node.args else None
+    while isinstance(source, Node) and is_cast(source):
+        source = source.args[0]
+    if not (isinstance(source, Node) and is_product(source)):
+        return None
+    val = node_val(source)
+    largest_seen = meta.observed_max_abs(source)
+    if not (isinstance(val, torch.Tensor) and val.dtype in SIXTEEN_BIT and largest_seen):
+        return None
+    return largest_seen * torch.finfo(val.dtype).eps / 2, source.name
+
+
+EXPONENTIALS = EXPONENTIAL_TAIL_OPS | SOFTMAX_OPS
