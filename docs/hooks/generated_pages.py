@@ -1,0 +1,93 @@
+"""mkdocs hook: the pages generated from the code and the benchmarks, so they cannot drift.
+
+- ``benchmarks/NAME.md``: each table as the benchmark that writes it left it;
+- ``reference/rules.md``: fx16's rule registries in their order (the safety rules,
+  the stable rewrites, the cleanup rules, the planner's precedence lists), each rule
+  with its docstring (what it guards, before and after, what it costs);
+- ``reference/cli.md``: the ``fx16`` command's options, from its argparse parser.
+"""
+
+import inspect
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def on_files(files, config):
+    for table in sorted((ROOT / "benchmarks").glob("*.md")):
+        files.append(File.generated(config, f"benchmarks/{table.name}", content=table.read_text()))
+    files.append(File.generated(config, "reference/rules.md", content=rules_page()))
+    files.append(File.generated(config, "reference/cli.md", content=cli_page()))
+    return files
+
+
+def _section(title: str, intro: str, rules) -> list[str]:
+    lines = [f"## {title}", "", intro, ""]
+    for position, rule in enumerate(rules, 1):
+        kind = rule if isinstance(rule, type) else type(rule)
+        lines += [f"### {position}. `{kind.__name__}`", ""]
+        reason = getattr(rule, "reason", None)
+        if reason is not None:
+            lines += [f"Reason in the report: `{reason.name.lower()}` ({reason.value}).", ""]
+        lines += [inspect.cleandoc(kind.__doc__ or ""), ""]
+    return lines
+
+
+def rules_page() -> str:
+    import torch
+
+    from fx16.analysis.fp32_rules import Fp32RulesAnalysis
+    from fx16.passes.cleanup_casts import STANDARD_RULES
+    from fx16.passes.stabilize import standard_rules
+    from fx16.plan.precedence import CAST_TO_FP32_RULES, COMPUTE_RULES, CREATION_RULES
+
+    lines = [
+        "# Rules",
+        "",
+        "Generated from the registries the pipeline runs (`mkdocs build` reads them), in",
+        "the order they are tried.",
+        "",
+    ]
+    lines += _section(
+        "Safety rules (`Fp32RulesAnalysis.standard`)",
+        "Each node gets the first rule that keeps it fp32; the report names it.",
+        Fp32RulesAnalysis.standard(torch.float16, 65504 / 2).rules,
+    )
+    lines += _section(
+        "Stable rewrites (`fx16.passes.stabilize.standard_rules`)",
+        "Exact in real arithmetic and on by default, except `EpsClamp` (`eps_clamp=True`),"
+        " which changes results.",
+        standard_rules(torch.float16, exact=True, eps_clamp=True),
+    )
+    lines += _section(
+        "Cleanup rules (`fx16.passes.cleanup_casts.STANDARD_RULES`)",
+        "Run to a fixed point after the casts are inserted; each keeps every value's dtype."
+        " They cost nothing: they remove casts.",
+        STANDARD_RULES,
+    )
+    lines += ["## The planner's precedence lists (`fx16.plan.precedence`)", ""]
+    for name, rules in (
+        ("compute ops", COMPUTE_RULES),
+        ("the model's casts to fp32", CAST_TO_FP32_RULES),
+        ("creation ops", CREATION_RULES),
+    ):
+        lines += [f"### For {name}", "", "| # | rule | what it decides |", "|---|---|---|"]
+        for position, rule in enumerate(rules, 1):
+            said = " ".join(inspect.cleandoc(rule.test.__doc__ or "").split())
+            lines.append(f"| {position} | `{rule.name}` | {said or '-'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def cli_page() -> str:
+    from fx16.cli import build_parser
+
+    parser = build_parser()
+    lines = ["# Command-line options", "", "Generated from the `fx16` command's parser.", ""]
+    lines += ["```", parser.format_help().rstrip(), "```", ""]
+    subcommands = parser._subparsers._group_actions[0].choices  # argparse keeps them here
+    for name, subparser in subcommands.items():
+        lines += [f"## fx16 {name}", "", "```", subparser.format_help().rstrip(), "```", ""]
+    return "\n".join(lines)
