@@ -4,7 +4,8 @@
 - ``reference/rules.md``: fx16's rule registries in their order (the safety rules,
   the stable rewrites, the cleanup rules, the planner's precedence lists), each rule
   with its docstring (what it guards, before and after, what it costs);
-- ``reference/cli.md``: the ``fx16`` command's options, from its argparse parser.
+- ``reference/cli.md``: the ``fx16`` command's options, from its argparse parser;
+- in ``architecture.md``, the import-linter contracts as ``pyproject.toml`` states them.
 """
 
 import inspect
@@ -21,6 +22,18 @@ def on_files(files, config):
     files.append(File.generated(config, "reference/rules.md", content=rules_page()))
     files.append(File.generated(config, "reference/cli.md", content=cli_page()))
     return files
+
+
+CONTRACTS = "<!-- import-linter contracts -->"
+
+
+def on_page_markdown(markdown, page, config, files):
+    if CONTRACTS not in markdown:
+        return markdown
+    text = (ROOT / "pyproject.toml").read_text()
+    start = text.index("[tool.importlinter]")
+    end = text.index("\n[tool.", start + 1)
+    return markdown.replace(CONTRACTS, "```toml\n" + text[start:end].strip() + "\n```")
 
 
 def _section(title: str, intro: str, rules) -> list[str]:
