@@ -8,9 +8,11 @@ from fuzz_profile import examples
 from hypothesis import given, settings
 
 import fx16
+from fx16.decisions import PRECISION, Reason
 from fx16.passes import PreserveCopiesPass
+from fx16.program.casts import is_inserted
 from fx16.testing import check_cast, programs
-from helpers import check_program, eager, export, run, targets
+from helpers import check_program, eager, export, node_named, run, targets
 
 aten = torch.ops.aten
 ONES = torch.ones(3)
@@ -212,13 +214,19 @@ class OverflowingWriteThroughAlias(torch.nn.Module):
         return h + 1.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation: a write in place whose value exceeds fp16 into a value fx16 "
-    "narrowed gives inf (the whole written alias group would have to stay fp32)",
-)
 def test_a_write_that_overflows_16_bit_keeps_its_value():
+    """An in-place op cannot change its target's dtype: the op that made the storage a
+    write of 70000 reaches (``x * 1``) computes in fp32, the overflow rule says why, and
+    its consumers read it without a 16-bit copy (a copy would miss the write)."""
     x = torch.ones(2, 2)
     ep = export(OverflowingWriteThroughAlias(), x)
     fx16.cast_to_16_bit_precision(ep)
+    check_program(ep)
     torch.testing.assert_close(run(ep, x)[0].float(), eager(OverflowingWriteThroughAlias(), x))
+    mul = node_named(ep, "mul")
+    assert mul.meta["val"].dtype == torch.float32
+    decision = mul.meta[PRECISION]
+    assert decision.reason == Reason.ACTIVATION_OVERFLOW and "a write in place (fill_)" in (
+        decision.detail
+    )
+    assert not any(is_inserted(user) for user in mul.users)  # no cast-back

@@ -24,6 +24,8 @@ from fx16.contracts import Analysis
 from fx16.decisions import Decision, Reason
 from fx16.ops.int_ops import SELECTION_OPS
 from fx16.ops.tables import is_custom_op
+from fx16.program.aliases import storage_owners
+from fx16.program.nodes import mutated_argument
 from fx16.program.propagation import runs_narrowed
 
 FP32 = torch.float32
@@ -87,6 +89,19 @@ class ObservedOverflowRule:
             if meta.overflows(node, self.limit)
             else None
         )
+
+    def written_over(self, graph) -> dict[Node, str]:
+        """The ops whose storage a write in place that overflows reaches (``h = x * 1``,
+        then ``h.add_(y)`` of 1e5): an in-place op cannot change its target's dtype, so
+        the op that made the target computes in fp32, and the write lands in fp32."""
+        found = {}
+        for node in graph.nodes:
+            target = mutated_argument(node) if node.op == "call_function" else None
+            if target is not None and meta.overflows(node, self.limit):
+                said = f"a write in place ({node.name}) of {meta.observed_max_abs(node):.4g}"
+                for owner in storage_owners(target):
+                    found.setdefault(owner, said)
+        return found
 
 
 @dataclass(frozen=True)
@@ -207,7 +222,9 @@ class Fp32RulesAnalysis(Analysis):
         )
 
     def call(self, graph_module: GraphModule) -> PassResult:
+        overflow = [rule for rule in self.rules if isinstance(rule, ObservedOverflowRule)]
         for submodule in Facts.of(graph_module).graph_modules:
+            written = overflow[0].written_over(submodule.graph) if overflow else {}
             for node in submodule.graph.nodes:
                 node.meta.pop(self.META_KEY, None)
                 if node.op not in ("placeholder", "call_function"):
@@ -217,6 +234,10 @@ class Fp32RulesAnalysis(Analysis):
                     if detail is not None:
                         node.meta[self.META_KEY] = Decision(FP32, rule.reason, detail)
                         break
+                else:
+                    if node in written:
+                        decided = Decision(FP32, Reason.ACTIVATION_OVERFLOW, written[node])
+                        node.meta[self.META_KEY] = decided
         graph_module.meta[self.RAN_KEY] = [type(rule).__name__ for rule in self.rules]
         return PassResult(graph_module, False)
 

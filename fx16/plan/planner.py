@@ -44,6 +44,7 @@ from fx16.plan.structural import plan_assertion, plan_getitem, plan_in_place
 from fx16.plan.values import follow, narrowed_arguments
 from fx16.plan.view import View
 from fx16.policy import PrecisionPolicy
+from fx16.program.aliases import written_in_place
 from fx16.program.casts import cast_dtype, is_cast, is_inserted, retype_val
 from fx16.program.nodes import (
     dtype_arguments,
@@ -262,6 +263,8 @@ class Planner:
             step.cast_back_skipped = f"observed {seen:.4g}, beyond 16-bit with the margin"
         elif all(is_cast(user) for user in node.users):
             step.cast_back_skipped = "its consumers are casts, which convert it themselves"
+        elif written_in_place(node):
+            step.cast_back_skipped = "a write in place reaches it, which a 16-bit copy would miss"
         else:
             step.cast_back = decision(self.low, reason)
 

@@ -94,3 +94,15 @@ def written_in_place(*nodes: Node) -> bool:
     """A write in place reaches some node of ``nodes`` or a value sharing its storage."""
     group = alias_group(list(nodes))
     return any(mutated_argument(user) in group for member in group for user in member.users)
+
+
+def storage_owners(node: Node) -> list[Node]:
+    """The ops that made the storage a write into ``node`` reaches: the members of its
+    alias group computed by an op whose result is a view of none of its inputs (a
+    program input or a body's placeholder owns nothing a cast can change)."""
+    return [
+        member
+        for member in alias_group([node])
+        if member.op == "call_function"
+        and not any(_shares_storage_with(member, arg) for arg in member.all_input_nodes)
+    ]
