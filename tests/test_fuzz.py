@@ -6,7 +6,6 @@ import copy
 import itertools
 from unittest import mock
 
-import pytest
 import torch
 import torch.utils._pytree as pytree
 from fuzz_profile import examples
