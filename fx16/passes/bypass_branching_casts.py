@@ -18,6 +18,8 @@ class BypassBranchingCastsPass(CastRule):
     Output graph: x:f16 -> c=to(f32) -> relu;  x -> to(f16) -> y
 
     The shared cast stays for its other users. Same refusal as FuseCastChainsPass.
+
+    Costs: nothing; a cast is read from its source instead.
     """
 
     def match(self, node: Node) -> bool:

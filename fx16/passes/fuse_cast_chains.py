@@ -19,6 +19,8 @@ class FuseCastChainsPass(CastRule):
 
     Counter-example, refused: x:f32 -> to(f16) -> to(f32) written by the model
     rounds x to fp16 on purpose; fusing it would change the values.
+
+    Costs: nothing; it removes casts.
     """
 
     def match(self, node: Node) -> bool:

@@ -13,6 +13,8 @@ class RemoveUnusedCastsPass(CastRule):
     Output graph: x
 
     Casts are pure, so this holds for the model's casts as much as for inserted ones.
+
+    Costs: nothing; it removes casts.
     """
 
     def match(self, node: Node) -> bool:

@@ -86,7 +86,9 @@ class RmsNormScaling:
     (scaling the largest to 1 would leave their squares subnormal, with a few bits). For
     a sum, f = 1: the largest |y| lies in [1, 2), so a row of up to 16000 squares stays
     below 65504. The scale's own rounding cannot matter (any s would do), which its nodes
-    say in ``meta["fx16.rounding_cancels"]`` for the conditioning analysis."""
+    say in ``meta["fx16.rounding_cancels"]`` for the conditioning analysis.
+
+    Costs: one largest-magnitude reduction and one division per row, in 16-bit; no fp32."""
 
     name = "rms_norm_scaling"
 
@@ -184,7 +186,10 @@ class MagnitudeScaling:
     2**-14))); sqrt((a/s)**2 + (b/s)**2) * s``, elementwise: the same value in exact
     arithmetic for any s > 0 (the scaling of ``hypot``); the larger part over s lies in
     [1, 2), so its square is normal and below 4, and a smaller part that flushes is
-    below 2**-12 of the larger, where its square no longer moves the sum."""
+    below 2**-12 of the larger, where its square no longer moves the sum.
+
+    Costs: a largest magnitude of the two operands and two divisions, in 16-bit; no
+    fp32."""
 
     name = "magnitude_scaling"
 
@@ -254,7 +259,9 @@ _SCALED_POWER = (
 
 class LogSoftmax:
     """Before: ``log(softmax(x, dim))`` - probabilities below 6e-8 flush to 0 in fp16,
-    and their log to -inf. After: ``log_softmax(x, dim)``, which never forms them."""
+    and their log to -inf. After: ``log_softmax(x, dim)``, which never forms them.
+
+    Costs: nothing; one fused op replaces two."""
 
     name = "log_softmax"
 
@@ -273,7 +280,9 @@ class LogSoftmax:
 class LogSigmoid:
     """Before: ``log(sigmoid(x))`` - sigmoid of x below -17 is 0 in fp16, its log -inf.
     After: ``min(x, 0) - log1p(exp(-|x|))``, the same function: exp never overflows
-    and log1p keeps the small term, so it is finite and accurate wherever x is."""
+    and log1p keeps the small term, so it is finite and accurate wherever x is.
+
+    Costs: a few more elementwise ops (min, abs, exp, log1p), in 16-bit; no fp32."""
 
     name = "log_sigmoid"
 
@@ -296,7 +305,9 @@ class LogSigmoid:
 
 class Log1p:
     """Before: ``log(x + 1)`` - for |x| below 16-bit's epsilon, 1 + x rounds to 1 and
-    the result to 0. After: ``log1p(x)``, accurate for small x."""
+    the result to 0. After: ``log1p(x)``, accurate for small x.
+
+    Costs: nothing; one op replaces two."""
 
     name = "log1p"
 
@@ -316,7 +327,9 @@ class Log1p:
 
 class Expm1:
     """Before: ``exp(x) - 1`` - for small x, exp(x) rounds to 1 and the difference to 0
-    or a multiple of 16-bit's epsilon. After: ``expm1(x)``, accurate for small x."""
+    or a multiple of 16-bit's epsilon. After: ``expm1(x)``, accurate for small x.
+
+    Costs: nothing; one op replaces two."""
 
     name = "expm1"
 
@@ -337,7 +350,10 @@ class Expm1:
 class TwoPassVariance:
     """Before: ``mean(x**2) - mean(x)**2`` - two large, nearly equal terms: their
     difference cancels to noise (or below 0) when the mean is large against the spread.
-    After: ``var(x, dims, correction=0)``, which subtracts the mean first."""
+    After: ``var(x, dims, correction=0)``, which subtracts the mean first.
+
+    Costs: one more elementwise pass over the values (the subtraction of their mean), in
+    16-bit."""
 
     name = "two_pass_variance"
 
@@ -370,7 +386,10 @@ class EpsClamp:
     dtype's smallest normal (fp16: 6.1e-5): in 16-bit eps flushes to a subnormal or 0,
     and a zero v gives inf. After: eps raised to that smallest normal. This one changes
     the result: where v (or norm) is below the new eps the output differs; the detail
-    states both values."""
+    states both values.
+
+    Costs: nothing at run time; it changes results where the sum is below the new eps,
+    hence opt-in."""
 
     name = "eps_clamp"
 
