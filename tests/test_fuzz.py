@@ -256,10 +256,11 @@ def test_generator_draws_custom_ops_through_every_property():
             prop.hypothesis.inner_test(case, entry)
 
 
-def test_found_a_write_in_place_beyond_16_bit_into_a_narrowed_value():
-    """The long fuzz: ``h = x * 1`` (16-bit), then ``h.add_(y)`` with y up to 1.2e5 (an fp64
-    region's output): the add gave inf. The op that made h now computes in fp32."""
-    steps = [("abs", 0, 0, 1e-09), ("abs", 0, 0, 1e-09), ("fp64_region", 0, 0, 70000.0)]
+def _write_into_the_source_of_an_fp64_region(scale: float) -> None:
+    """The long fuzz's shrunk program: abs, abs, ``(x.double() * scale).float()``, then a
+    cast of a fresh value, a write in place into it (``h.add_(y)``), both read; cast
+    under always_fp16 and checked by the float oracle."""
+    steps = [("abs", 0, 0, 1e-09), ("abs", 0, 0, 1e-09), ("fp64_region", 0, 0, scale)]
     torch.manual_seed(0)
     model = RandomProgram(2, [*steps, ("write_into_source", 0, 3, 1e-09)], []).eval()
     x = torch.tensor([[0.6577, 0.9387], [1.1317, -0.6455], [-1.7703, 0.2143]])
@@ -268,19 +269,16 @@ def test_found_a_write_in_place_beyond_16_bit_into_a_narrowed_value():
     test_4_outputs_agree_with_fp32_within_the_float_oracle.hypothesis.inner_test(
         case, "always_fp16"
     )
+
+
+def test_found_a_write_in_place_beyond_16_bit_into_a_narrowed_value():
+    """``h = x * 1`` (16-bit), then ``h.add_(y)`` with y up to 1.2e5 (the fp64 region's
+    output): the add gave inf. The op that made h now computes in fp32."""
+    _write_into_the_source_of_an_fp64_region(70000.0)
 
 
 def test_found_a_write_into_the_source_of_a_tiny_fp64_region():
-    """A value made by an fp64 region (x * 1e-9), copied to bf16, then written in place
-    (``h.add_(y)``) and read beside its copy: 7% off fp32's under always_fp16, beyond the
-    float oracle's bound, while the written value's consumers read a 16-bit copy made
-    before the write; they read the value itself now."""
-    steps = [("abs", 0, 0, 1e-09), ("abs", 0, 0, 1e-09), ("fp64_region", 0, 0, 1e-09)]
-    torch.manual_seed(0)
-    model = RandomProgram(2, [*steps, ("write_into_source", 0, 3, 1e-09)], []).eval()
-    x = torch.tensor([[0.6577, 0.9387], [1.1317, -0.6455], [-1.7703, 0.2143]])
-    ids = torch.tensor([[9, 10], [10, 15], [8, 1]])
-    case = ProgramCase(model, (x, ids), dynamic=False, decompose=False, input_scale=1.0)
-    test_4_outputs_agree_with_fp32_within_the_float_oracle.hypothesis.inner_test(
-        case, "always_fp16"
-    )
+    """The region's output is x * 1e-9: 7% off fp32's, beyond the float oracle's bound,
+    while the written value's consumers read a 16-bit copy made before the write; they
+    read the value itself now."""
+    _write_into_the_source_of_an_fp64_region(1e-09)
