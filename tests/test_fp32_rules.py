@@ -130,3 +130,33 @@ def test_the_inserter_used_alone_names_the_analyses_it_reads_and_changes_nothing
         InsertFP16CastsPass(Program(ep))(ep.graph_module)
     assert ep.graph_module.code == code
     assert not any(PRECISION in n.meta for n in ep.graph_module.graph.nodes)
+
+
+class WriteIntoALinear(nn.Module):
+    """``h = linear(x)``, then ``h.view(-1)[:1].add_(x.sum() * scale)``: a write in place."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.view(-1)[:1].add_(x.abs().sum() * self.scale)
+        return h * 2
+
+
+@pytest.mark.parametrize("scale, kept", [(1e4, True), (1.0, False)])
+def test_a_write_that_overflows_keeps_the_op_that_made_its_storage_fp32(scale, kept):
+    """The overflow rule reaches back from the write to the op that made the written
+    storage (an in-place op cannot change its target's dtype); a write that fits keeps
+    nothing fp32."""
+    ep = export(WriteIntoALinear(scale).eval(), torch.randn(2, 8))
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    rules = _rules(ep, [ObservedOverflowRule(65504 / 2)])
+    written = next(n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.add_.Tensor)
+    assert (rules["linear"] is not None) == kept
+    if kept:
+        assert rules["linear"].reason == Reason.ACTIVATION_OVERFLOW
+        assert rules["linear"].detail.startswith(f"a write in place ({written.name}) of ")
+        assert rules["view"] is None  # a view follows its base's dtype

@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Node
 from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis, Island
 from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason, decision
 from fx16.program.node_ids import CUSTOM, graph_modules
+from fx16.program.nodes import dtype_name
 
 DECISION = "fx16_decision"  # the rule and reason of a node's precision, as text
 SAVED = "fx16_precision"  # {meta key: [dtype, reason name, detail]}
@@ -56,15 +57,21 @@ def keep_decisions(root: GraphModule, explained, provenance: dict, margin: float
 
 def _as_data(node: Node) -> dict:
     return {
-        key: [str(made.dtype).removeprefix("torch."), made.reason.name, made.detail]
+        key: [dtype_name(made.dtype), made.reason.name, made.detail]
         for key in _KEYS
         if isinstance(made := node.meta.get(key), Decision)
     }
 
 
 def _island_data(island: Island) -> list:
-    dtype = str(island.dtype).removeprefix("torch.")
-    return [island.opening, island.op, island.keep, dtype, island.why, sorted(island.members)]
+    return [
+        island.opening,
+        island.op,
+        island.keep,
+        dtype_name(island.dtype),
+        island.why,
+        sorted(island.members),
+    ]
 
 
 def kept_decision(node: Node) -> str:
