@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from fx16.ops.numerics import (
     FP16_MAX,
     FP16_TINY,
+    conversion_scratch,
     finite_interval,
     interval_may_flush,
     round_scalar_to_fp16,
@@ -231,6 +232,21 @@ def test_tensor_to_fp16_of_random_weights_with_flushes_in_many_blocks(pruned):
     expected = _reference_to_16_bit(source, torch.float16)
     assert int(((source.half() == 0) & (source != 0)).sum()) > 10  # in many blocks
     assert torch.equal(tensor_to_fp16(source).view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("elements", [1000, 2 * 2**20 + 5])
+def test_a_scratch_on_another_device_is_not_used(elements):
+    """A program's weights on a GPU get a scratch there: one on another device (a
+    ``meta`` one stands in for it here) is left alone, and the values are the same."""
+    source = torch.full((elements,), 0.5)
+    source[[0, elements - 1]] = torch.tensor([1e-9, -1e-9])
+    elsewhere = conversion_scratch(elements, device="meta")
+    assert elsewhere.device.type == "meta" and elsewhere.dtype == torch.int16
+    converted = tensor_to_fp16(source, torch.float16, elsewhere)
+    assert converted.device == source.device
+    assert torch.equal(
+        converted.view(torch.int16), _reference_to_16_bit(source, torch.float16).view(torch.int16)
+    )
 
 
 @pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 5, 2)])

@@ -151,7 +151,7 @@ def tensor_to_fp16(
     if source.dim() and source.is_contiguous() and source.numel() <= _CHUNK:  # one chunk
         converted = source.to(dtype)
         flat = converted.view(-1)
-        scratch = conversion_scratch(source.numel()) if scratch is None else scratch
+        scratch = _scratch_for(source, scratch)
         magnitudes = torch.bitwise_and(
             flat.view(torch.int16), _MAGNITUDE_BITS, out=scratch[: source.numel()]
         )
@@ -164,17 +164,24 @@ def tensor_to_fp16(
         _lift_flushed(*whole, whole[1].view(torch.int16) & _MAGNITUDE_BITS)
         return converted
     flat_source, flat_converted = source.reshape(-1), converted.view(-1)
-    scratch = conversion_scratch(source.numel()) if scratch is None else scratch
+    scratch = _scratch_for(source, scratch)
     for start in range(0, source.numel(), _CHUNK):
         end = min(start + _CHUNK, source.numel())
         _convert_chunk(flat_source[start:end], flat_converted[start:end], scratch[: end - start])
     return converted
 
 
-def conversion_scratch(elements: int = 1 << 20) -> torch.Tensor:
+def conversion_scratch(elements: int = 1 << 20, device: torch.device | str = "cpu") -> torch.Tensor:
     """A buffer ``tensor_to_fp16`` may reuse for a tensor of up to ``elements`` (any size
-    from one chunk on)."""
-    return torch.empty(min(_CHUNK, elements), dtype=torch.int16)
+    from one chunk on) on ``device``."""
+    return torch.empty(min(_CHUNK, elements), dtype=torch.int16, device=device)
+
+
+def _scratch_for(source: torch.Tensor, scratch: torch.Tensor | None) -> torch.Tensor:
+    """``scratch`` where it lies on ``source``'s device, else a new one there."""
+    if scratch is not None and scratch.device == source.device:
+        return scratch
+    return conversion_scratch(source.numel(), source.device)
 
 
 # Elements per chunk: 4 MiB of fp32 and its 16-bit copy stay in the shared cache. The

@@ -33,10 +33,13 @@ def commit_pending(
         leave=False,
         disable=None if progress is None else not progress,
     ) as bar:
-        scratch = conversion_scratch()  # one for all: no temporaries between the copies
+        scratches = {}  # one per device for all: no temporaries between the copies
         for names, nbytes in groups:
             original = program.state_tensor(names[0])
             dtype, may_flush = pending[names[0]]
+            if original.device not in scratches:
+                scratches[original.device] = conversion_scratch(device=original.device)
+            scratch = scratches[original.device]
             stored = tensor_to_fp16(original, dtype, scratch, may_flush)
             for target in names:
                 stored = program.replace_state_tensor(target, stored)
