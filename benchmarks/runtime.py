@@ -1,0 +1,277 @@
+"""What the cast program costs at run time: latency under ``torch.compile`` on a GPU.
+
+    python -m benchmarks.runtime cuda [--output benchmarks/RUNTIME.md] [--small]
+
+For GPT-2, Llama and a Qwen2-MoE mixture of experts, built from configs with seeded
+random weights (nothing is downloaded) and exported on the GPU, four programs:
+
+- ``fp32``: the exported program as it is;
+- ``.half()``: eager ``model.half()``, then exported;
+- ``fx16``: ``fx16.cast_to_16_bit_precision(ep)`` on the fp32 program, its weights on
+  the GPU (the cast's calibration and emulated runs run there too);
+- ``coreai-opt 0.3.0``: ``coreai_opt.casting.cast_to_16_bit_precision(ep)`` likewise;
+- for the MoE, ``fx16, routing="16-bit"``: fx16 with the router's gate, softmax and
+  top-k cast too (the default keeps them fp32 so that rounding never changes which
+  experts a token goes to): what that choice costs.
+
+Each program's ``ep.module()`` goes through ``torch.compile`` (default mode); the first
+call's time is the compile time. After ``--warmup`` calls of each, the programs take
+turns in ``--rounds`` rounds of ``--calls`` calls, each timed with CUDA events; the
+latency is the median of the rounds' medians (their range beside it), so a drift of
+the clocks between programs cannot pass for a difference. The error is max |out - fp32| /
+max |fp32| over the logits. ``--small`` builds tiny models on the CPU without
+``torch.compile``: a check that the script runs, not a measurement.
+
+On a machine without the packages: coreai-opt needs ``torchao`` and ``pydantic``;
+where pip cannot reach an index, carry their wheels (``pip download --no-deps``) and
+install them with ``pip install --no-index --no-deps``.
+"""
+
+import argparse
+import copy
+import gc
+import platform
+import statistics
+import time
+import traceback
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from benchmarks.markdown import table_row
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ("fp32", ".half()", "fx16", "coreai-opt 0.3.0")
+ROUTED = 'fx16, routing="16-bit"'  # the MoE's router computed 16-bit too
+
+
+class Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+# (small, measured) shapes of each model
+GPT2_SHAPES = (
+    dict(n_layer=2, n_embd=64, n_head=4, vocab_size=512),
+    dict(n_layer=4, n_embd=768, n_head=12, vocab_size=50257),
+)
+LLAMA_SHAPES = (
+    dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        vocab_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=6,
+        vocab_size=32000,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    ),
+)
+MOE_SHAPES = (
+    dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        vocab_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=8,
+    ),
+    dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        vocab_size=32000,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=1408,
+        num_experts=16,
+    ),
+)
+
+
+def gpt2(small: bool) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    shape = GPT2_SHAPES[0 if small else 1]
+    config = GPT2Config(**shape, n_positions=1024, use_cache=False, attn_implementation="eager")
+    return Logits(GPT2LMHeadModel(config))
+
+
+def llama(small: bool) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = LLAMA_SHAPES[0 if small else 1]
+    return Logits(LlamaForCausalLM(LlamaConfig(**shape, use_cache=False)))
+
+
+def qwen2_moe(small: bool) -> torch.nn.Module:
+    """Top-2 of ``num_experts`` routed experts per token beside a shared expert."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    shape = MOE_SHAPES[0 if small else 1]
+    config = Qwen2MoeConfig(**shape, num_experts_per_tok=2, use_cache=False)
+    return Logits(Qwen2MoeForCausalLM(config))
+
+
+MODELS = {"GPT-2": gpt2, "Llama": llama, "Qwen2-MoE": qwen2_moe}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def program(tool: str, model, ids, device) -> tuple[torch.export.ExportedProgram, float | None]:
+    """The exported program of ``tool`` and the seconds its cast took (None: no cast)."""
+    if tool == ".half()":
+        return torch.export.export(copy.deepcopy(model).half(), (ids,)), None
+    ep = torch.export.export(model, (ids,))
+    if tool == "fp32":
+        return ep, None
+    options = {"routing": "16-bit"} if tool == ROUTED else {}
+    if tool.startswith("fx16"):
+        from fx16 import cast_to_16_bit_precision
+    else:
+        from coreai_opt.casting import cast_to_16_bit_precision
+    _sync(device)
+    start = time.perf_counter()
+    cast_to_16_bit_precision(ep, **options)
+    _sync(device)
+    return ep, time.perf_counter() - start
+
+
+def timed_calls_ms(function, ids, device, calls: int) -> float:
+    """The median time of ``calls`` calls, in milliseconds (CUDA events on a GPU)."""
+    times = []
+    for _ in range(calls):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            function(ids)
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            function(ids)
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def prepare(name: str, tool: str, model, ids, reference, device, small: bool):
+    """``tool``'s compiled program and its row so far (cast and compile time, error);
+    a failure is a row, not a crash."""
+    try:
+        ep, cast_seconds = program(tool, model, ids, device)
+        function = ep.module() if small else torch.compile(ep.module())
+        _sync(device)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = function(ids)
+        _sync(device)
+        compile_seconds = time.perf_counter() - start
+        error = ((out.float() - reference).abs().max() / reference.abs().max()).item()
+        return function, dict(cast=cast_seconds, compile=compile_seconds, error=error)
+    except Exception as failure:
+        traceback.print_exc()
+        return None, dict(failed=f"{type(failure).__name__}: {str(failure).splitlines()[0][:120]}")
+
+
+def interleaved_latency(functions: dict, ids, device, args) -> dict[str, list[float]]:
+    """Each program's median call time in each of ``--rounds`` rounds, the programs
+    taking turns within a round, so that a drift of the GPU's clocks or the host's
+    load reaches them all alike."""
+    medians = {tool: [] for tool in functions}
+    with torch.no_grad():
+        for function in functions.values():
+            for _ in range(args.warmup):
+                function(ids)
+        for _ in range(args.rounds):
+            for tool, function in functions.items():
+                medians[tool].append(timed_calls_ms(function, ids, device, args.calls))
+    return medians
+
+
+def cells(name: str, tool: str, row: dict, half_ms: float | None) -> list[str]:
+    if "failed" in row:
+        return [name, tool, "", "", row["failed"], "", ""]
+    cast = f"{row['cast']:.2f} s" if row["cast"] is not None else "-"
+    ratio = f"{row['ms'] / half_ms:.3f}x" if half_ms else ""
+    error = f"{row['error']:.1e}" if tool != "fp32" else "-"
+    latency = f"{row['ms']:.2f} ms ({row['low']:.2f}-{row['high']:.2f})"
+    return [name, tool, cast, f"{row['compile']:.0f} s", latency, ratio, error]
+
+
+def run_cuda(args) -> list[str]:
+    device = torch.device("cpu" if args.small else "cuda")
+    header = ["model", "program", "cast", "compile", "latency (rounds' range)", "vs .half()"]
+    header.append("error vs fp32")
+    lines = [table_row(header), table_row(["---"] * len(header))]
+    for name, build in MODELS.items():
+        torch.manual_seed(0)
+        model = build(args.small).eval().to(device)
+        ids = torch.randint(0, model.model.config.vocab_size, (args.batch, args.tokens))
+        ids = ids.to(device)
+        with torch.no_grad():
+            reference = model(ids).float()
+        tools = (*TOOLS, ROUTED) if name == "Qwen2-MoE" else TOOLS
+        functions, rows = {}, {}
+        for tool in tools:
+            function, rows[tool] = prepare(name, tool, model, ids, reference, device, args.small)
+            if function is not None:
+                functions[tool] = function
+        for tool, medians in interleaved_latency(functions, ids, device, args).items():
+            rows[tool].update(ms=statistics.median(medians), low=min(medians), high=max(medians))
+        for tool, row in rows.items():
+            print(name, tool, row, flush=True)
+        half_ms = rows[".half()"].get("ms")
+        lines += [table_row(cells(name, tool, row, half_ms)) for tool, row in rows.items()]
+        del model, rows, functions
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return lines
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", choices=["cuda"])
+    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--small", action="store_true", help="tiny models on the CPU")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=20, help="timed calls per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    lines = run_cuda(args)
+    where = "CPU (--small)" if args.small else torch.cuda.get_device_name()
+    intro = (
+        f"Measured {date.today().isoformat()} on {where}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}: `python -m benchmarks.runtime cuda` "
+        f"(batch {args.batch} x {args.tokens} tokens; latency: the median over {args.rounds} "
+        f"rounds of each round's median of {args.calls} calls, the programs taking turns)."
+    )
+    text = "\n".join(["## torch.compile on CUDA", "", intro, "", *lines, ""])
+    print(text)
+    if args.output is not None:
+        args.output.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
