@@ -225,3 +225,61 @@ def test_the_autocast_policy_widens_the_programs_own_16_bit_inputs_of_fp32_ops()
     kept = export(Bf16LossInBranch(), x, target)
     fx16.cast_fp32_to_fp16(kept)
     assert [value.dtype for value in run(kept, x, target)] == [torch.bfloat16] * 2
+
+
+class Creations(torch.nn.Module):
+    """Two creation ops: one made from nothing, one ``*_like`` of the (narrowed) input."""
+
+    def forward(self, x):
+        return x * torch.ones(8) + torch.zeros_like(x)
+
+
+@pytest.mark.parametrize(
+    ("ops", "expected"),
+    [
+        ({}, {"ones": ("float16", "fits"), "zeros_like": ("float16", "fits")}),
+        (
+            {"ones": "follow", "zeros_like": "follow"},
+            {"ones": ("float32", "policy_follow"), "zeros_like": ("float16", "policy_follow")},
+        ),
+        (
+            {"ones": "fp32", "zeros_like": "fp32"},
+            {"ones": ("float32", "policy_fp32"), "zeros_like": ("float32", "policy_fp32")},
+        ),
+    ],
+    ids=["sixteen_bit", "follow", "fp32"],
+)
+def test_creation_ops_are_made_16_bit_follow_their_input_or_stay_fp32_as_the_policy_says(
+    ops, expected
+):
+    """A creation op that follows is made as the model makes it (fp32) unless it is the
+    ``*_like`` of a 16-bit value, which it follows; the values are eager's either way."""
+    x = torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(Creations(), x), policy=PrecisionPolicy.custom(ops=ops))
+    rows = {row.node: row for row in report_of(ep).rows}
+    assert {name: (rows[name].dtype, rows[name].chosen_by) for name in expected} == expected
+    (got,) = run(ep, x)
+    assert torch.equal(got.float(), x.half().float())  # x * 1 + 0 in either dtype
+
+
+class PolicyFp32ThenAdd(torch.nn.Module):
+    def forward(self, x):
+        return x.softmax(-1) + 1
+
+
+@pytest.mark.parametrize("cast_back", [True, False], ids=["cast_back", "no_cast_back"])
+def test_an_op_the_policy_keeps_fp32_hands_its_consumers_a_16_bit_copy_only_with_cast_back(
+    cast_back,
+):
+    """A consumer that follows its input computes 16-bit from the cast-back copy, and
+    fp32 from the fp32 result without one (as eager autocast's ops follow)."""
+    x = torch.randn(4, 8)
+    ops = {"softmax": "fp32", "add": "follow"}
+    policy = PrecisionPolicy.custom(ops=ops, cast_back=cast_back)
+    ep = fx16.cast_fp32_to_fp16(export(PolicyFp32ThenAdd(), x), policy=policy)
+    rows = {row.node: row for row in report_of(ep).rows}
+    assert (rows["softmax"].dtype, rows["softmax"].chosen_by) == ("float32", "policy_fp32")
+    assert rows["add"].dtype == ("float16" if cast_back else "float32")
+    assert rows["add"].chosen_by == "policy_follow"
+    (got,) = run(ep, x)
+    assert torch.allclose(got.float(), x.half().float().softmax(-1) + 1, rtol=1e-3)
