@@ -166,7 +166,9 @@ class Planner:
             return follow(self, node, choice, promote=action == Action.PROMOTE)
         if action == Action.WIDEN:
             return follow(self, node, choice, promote=False, widest=FP32)
-        return self.in_low(node, choice, view)
+        if action == Action.LOW:
+            return self.in_low(node, choice, view)
+        raise _unplanned(choice, node)
 
     def cast_to_fp32(self, node: Node) -> Step:
         choice = choose(CAST_TO_FP32_RULES, self.view(node))
@@ -181,7 +183,9 @@ class Planner:
                 if user.name not in members and not _fed_as_exported(user):
                     self.plan.redirects[(user, node)] = source
             return Step(choice, island_decision(node, FP32), val, region=members)
-        return Step(choice, decision(FP32, choice.reason, choice.detail), val)
+        if choice.action in (Action.KEEP, Action.FP32):
+            return Step(choice, decision(FP32, choice.reason, choice.detail), val)
+        raise _unplanned(choice, node)
 
     def creation(self, node: Node) -> Step | None:
         if node_dtype(node) != FP32:
@@ -194,6 +198,8 @@ class Planner:
             return follow(self, node, choice, promote=False)
         if choice.action == Action.FP32:
             return Step(choice, decision(FP32, choice.reason, choice.detail), node_val(node))
+        if choice.action != Action.LOW:
+            raise _unplanned(choice, node)
         rounded = tuple(
             (location, round_scalar_to_fp16(value, self.low))
             for location, value in view.scalars
@@ -292,3 +298,9 @@ _STEPS = {
     "opaque": plan_opaque,
     "op": Planner.op,
 }
+
+
+def _unplanned(choice, node: Node) -> AssertionError:
+    """A precedence rule chose an action its node's kind has no step for (a bug in a
+    rule list, never a property of the program)."""
+    return AssertionError(f"rule {choice.rule!r} chose {choice.action} for {node.name}")
