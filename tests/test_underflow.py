@@ -4,6 +4,7 @@ Unseen inputs differ from the calibration inputs: sharper logits, rows of zeros.
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -312,6 +313,56 @@ SMALL_ENDS = {
     ),
     "1 / exp(x)": (lambda x: torch.reciprocal(torch.exp(x)), "reciprocal", "exponential", 0.0),
     "log(softmax(x) * 2)": (lambda x: torch.log(torch.softmax(x, -1) * 2), "log", "other", 0.0),
+    "x / sum(x ** 2)": (lambda x: x / (x**2).sum(-1, keepdim=True), "div", "statistic", 0.0),
+    "x / sum(x ** 3)": (lambda x: x / (x**3).sum(-1, keepdim=True), "div", "other", 0.0),
+    "x / sum(x * flip(x))": (
+        lambda x: x / (x * x.flip(-1)).sum(-1, keepdim=True),
+        "div",
+        "other",
+        0.0,
+    ),
+    "x / (sum(x*x) + 1)": (
+        lambda x: x / ((x * x).sum(-1, keepdim=True) + 1),
+        "div",
+        "statistic",
+        1.0,
+    ),
+    "x / add(sum(x*x), 1e-3, alpha=2)": (
+        lambda x: x / torch.add((x * x).sum(-1, keepdim=True), 1e-3, alpha=2),
+        "div",
+        "other",
+        0.0,
+    ),
+    "x / (sum(x*x) + -1e-3)": (
+        lambda x: x / ((x * x).sum(-1, keepdim=True) + -1e-3),
+        "div",
+        "other",
+        0.0,
+    ),
+    "x / clamp(sum(x*x), 1e-3, 10)": (
+        lambda x: x / (x * x).sum(-1, keepdim=True).clamp(1e-3, 10),
+        "div",
+        "statistic",
+        1e-3,
+    ),
+    "x / clamp(sum(x*x), min=1e-3)": (
+        lambda x: x / torch.clamp((x * x).sum(-1, keepdim=True), min=1e-3),
+        "div",
+        "statistic",
+        1e-3,
+    ),
+    "x / clamp(sum(x*x), max=10)": (
+        lambda x: x / torch.clamp((x * x).sum(-1, keepdim=True), max=10),
+        "div",
+        "other",
+        0.0,
+    ),
+    "x / clamp_min(clamp_min(sum(x*x), 1e-3), 1e-5)": (
+        lambda x: x / (x * x).sum(-1, keepdim=True).clamp_min(1e-3).clamp_min(1e-5),
+        "div",
+        "statistic",
+        1e-3,
+    ),
 }
 
 
@@ -322,6 +373,18 @@ def test_the_small_end_is_found_where_the_value_comes_from(case):
     node = next(n for n in ep.graph.nodes if n.name == singular)
     end = small_end(node.args[1 if singular == "div" else 0])
     assert (end.kind, end.guard) == (kind, guard)
+
+
+def test_an_exponential_tail_is_judged_at_its_own_power_not_as_a_probability():
+    """``log(exp(x))`` with ``exp(x)`` seen in [5e-3, 0.1]: at twice its input the tail is
+    about (5e-3) ** 2 = 2.5e-5, below fp16's smallest normal (6.1e-5), so the log is
+    kept. Read as a softmax, relative to its largest value 0.1, it would be 2.5e-4 and
+    left 16-bit; read as growing by the margin instead of its power, 1e-2."""
+    function = lambda x: torch.log(torch.exp(x))  # noqa: E731
+    x = torch.linspace(math.log(5e-3), math.log(0.1), 32).reshape(4, 8)
+    marks = _analyse(export(Lambda(function), x))
+    assert marks["log"] is not None and "at 2x its input" in marks["log"]
+    assert "2.5e-05 at 2x" in marks["log"]
 
 
 def test_a_guard_at_16_bit_normal_range_bounds_a_statistic():
