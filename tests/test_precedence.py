@@ -237,14 +237,20 @@ class Creations(torch.nn.Module):
 @pytest.mark.parametrize(
     ("ops", "expected"),
     [
-        ({}, {"ones": ("float16", "fits"), "zeros_like": ("float16", "fits")}),
+        ({}, {"ones": ("float16", "fits", ""), "zeros_like": ("float16", "fits", "")}),
         (
             {"ones": "follow", "zeros_like": "follow"},
-            {"ones": ("float32", "policy_follow"), "zeros_like": ("float16", "policy_follow")},
+            {
+                "ones": ("float32", "policy_follow", "ops['ones'] = follow"),
+                "zeros_like": ("float16", "policy_follow", "ops['zeros_like'] = follow"),
+            },
         ),
         (
             {"ones": "fp32", "zeros_like": "fp32"},
-            {"ones": ("float32", "policy_fp32"), "zeros_like": ("float32", "policy_fp32")},
+            {
+                "ones": ("float32", "policy_fp32", "ops['ones'] = fp32"),
+                "zeros_like": ("float32", "policy_fp32", "ops['zeros_like'] = fp32"),
+            },
         ),
     ],
     ids=["sixteen_bit", "follow", "fp32"],
@@ -257,7 +263,8 @@ def test_creation_ops_are_made_16_bit_follow_their_input_or_stay_fp32_as_the_pol
     x = torch.randn(4, 8)
     ep = fx16.cast_fp32_to_fp16(export(Creations(), x), policy=PrecisionPolicy.custom(ops=ops))
     rows = {row.node: row for row in report_of(ep).rows}
-    assert {name: (rows[name].dtype, rows[name].chosen_by) for name in expected} == expected
+    got = {name: (rows[name].dtype, rows[name].chosen_by, rows[name].detail) for name in expected}
+    assert got == expected
     (got,) = run(ep, x)
     assert torch.equal(got.float(), x.half().float())  # x * 1 + 0 in either dtype
 

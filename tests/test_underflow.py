@@ -126,6 +126,32 @@ def test_a_proven_range_counts_without_calibration():
     assert "(proven)" in marks["div"]
 
 
+class RangedDivisor(nn.Module):
+    """``x / (arange(low, high) * 1e-6)``, its zero replaced by ``fill``: a divisor whose
+    proven interval holds zero (the replacement widens it to ``fill``'s side)."""
+
+    def __init__(self, low: int, high: int, sign: float, fill: float):
+        super().__init__()
+        self.low, self.high, self.sign, self.fill = low, high, sign, fill
+
+    def forward(self, x):
+        divisor = torch.arange(self.low, self.high).float() * (self.sign * 1e-6)
+        return x / (divisor + self.fill * (divisor == 0).float())
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "sign", "fill"),
+    [(0, 8, 1.0, 1.0), (0, 8, -1.0, -1.0), (-4, 4, 1.0, -1.0)],
+    ids=["from_zero_up", "from_zero_down", "around_zero"],
+)
+def test_an_interval_that_holds_zero_proves_nothing_and_calibration_judges(low, high, sign, fill):
+    """Proven intervals that end at zero ([0, 1], [-1, 0]) or hold it with a small end
+    ([-1, 3e-6]) bound nothing away from zero: the smallest magnitude calibration saw
+    (1e-6) keeps the division."""
+    marks = _analyse(export(RangedDivisor(low, high, sign, fill), torch.randn(4, 8)))
+    assert "(observed)" in marks["div"] and "reaches 1e-06" in marks["div"]
+
+
 # model -> (inputs, the remedy: fp32 by the underflow rule, or the stable rewrite where
 # the softmax has no other reader)
 CASES = {
