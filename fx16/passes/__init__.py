@@ -12,6 +12,7 @@ from fx16.passes.insert_int16_casts import InsertInt16CastsPass
 from fx16.passes.preserve_copies import PreserveCopiesPass
 from fx16.passes.recast_after_writes import RecastAfterWritesPass
 from fx16.passes.record_stats import RecordStatsPass
+from fx16.passes.remove_identity_arithmetic import RemoveIdentityArithmeticPass
 from fx16.passes.remove_noop_casts import RemoveNoopCastsPass
 from fx16.passes.remove_unused_casts import RemoveUnusedCastsPass
 from fx16.passes.stabilize import StabilizePass
@@ -29,6 +30,7 @@ __all__ = [
     "PreserveCopiesPass",
     "RecastAfterWritesPass",
     "RecordStatsPass",
+    "RemoveIdentityArithmeticPass",
     "RemoveNoopCastsPass",
     "RemoveUnusedCastsPass",
     "StabilizePass",

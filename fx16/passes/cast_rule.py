@@ -63,11 +63,41 @@ class CastRule(PassBase):
         return PassResult(graph_module, modified)
 
 
+class ReplaceBySource(CastRule):
+    """A rule whose matches compute their first argument's value (a cast to the dtype it
+    has, ``x * 1``): each is replaced by that argument unless ``replacement_refusal``
+    says why not."""
+
+    def refusal(self, node: Node) -> str | None:
+        return replacement_refusal(node)
+
+    def rewrite(self, node: Node) -> None:
+        node.replace_all_uses_with(node.args[0])
+        node.graph.erase_node(node)
+
+
 def copy_refusal(cast: Node) -> str | None:
-    """Why ``cast``'s copy must stay apart from its source, or None when reading the
-    source instead changes nothing: a write in place reaches one side (``fx16.program.aliases``)."""
+    """Why ``cast``'s copy (or another op's that copies its first argument) must stay
+    apart from its source, or None when reading the source instead changes nothing: a
+    write in place reaches one side (``fx16.program.aliases``)."""
     if written_in_place(cast, cast.args[0]):
-        return "a write in place reaches the cast's result or its source; the copy keeps them apart"
+        what = "cast" if is_cast(cast) else "op"
+        return (
+            f"a write in place reaches the {what}'s result or its source; the copy keeps them apart"
+        )
+    return None
+
+
+def replacement_refusal(node: Node) -> str | None:
+    """Why ``node`` may not be replaced by its first argument, whose value it copies, or
+    None: a write in place reaches either (``copy_refusal``), or the argument is a
+    placeholder the program would then return (an output aliasing an input)."""
+    written = copy_refusal(node)
+    if written is not None:
+        return written
+    source = node.args[0]
+    if source.op == "placeholder" and any(user.op == "output" for user in node.users):
+        return "removing it would return a program input as an output"
     return None
 
 

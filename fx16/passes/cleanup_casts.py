@@ -9,12 +9,14 @@ from fx16.passes.bypass_branching_casts import BypassBranchingCastsPass
 from fx16.passes.cast_rule import CastRule
 from fx16.passes.deduplicate_casts import DeduplicateCastsPass
 from fx16.passes.fuse_cast_chains import FuseCastChainsPass
+from fx16.passes.remove_identity_arithmetic import RemoveIdentityArithmeticPass
 from fx16.passes.remove_noop_casts import RemoveNoopCastsPass
 from fx16.passes.remove_unused_casts import RemoveUnusedCastsPass
 from fx16.program import Program
 
 # Each round is one linear walk per rule; every rewrite removes a cast or moves a
-# cast's input to an earlier node, so rounds are few. The cap only guards against a bug.
+# cast's input to an earlier node (or removes an op), so rounds are few. The cap only
+# guards against a bug.
 _MAX_ROUNDS = 64
 
 
@@ -24,6 +26,7 @@ STANDARD_RULES = (
     FuseCastChainsPass,
     BypassBranchingCastsPass,
     RemoveNoopCastsPass,
+    RemoveIdentityArithmeticPass,
     RemoveUnusedCastsPass,
 )
 
@@ -32,7 +35,8 @@ class CleanupCastsPass(PassBase):
     """Drive the cleanup rules to a fixed point.
 
     Default order: dedupe first (fewer nodes for the others), then fuse chains,
-    bypass shared casts, and drop the no-ops and unused casts those rewrites leave.
+    bypass shared casts, drop the no-op casts, the identity arithmetic a runtime would
+    pay for (``x * 1``, ``x + 0``) and the unused casts those rewrites leave.
     Runs on the program's graph and on the body of every higher-order op (each rule
     keeps the dtype of every value, so what a body returns keeps its dtype).
     Reads and writes what its rules do (casts, ``meta["fx16.kept_cast"]``, output specs).
