@@ -1,8 +1,17 @@
-"""What the cast program costs at run time: latency under ``torch.compile`` on a GPU.
+"""What the cast program costs at run time: on a GPU under ``torch.compile``, and lowered
+to ExecuTorch.
 
-    python -m benchmarks.runtime cuda [--output benchmarks/RUNTIME.md] [--small]
+    python -m benchmarks.runtime cuda [--output FILE] [--small]
+    python -m benchmarks.runtime executorch [--output FILE]
 
-For GPT-2, Llama and a Qwen2-MoE mixture of experts, built from configs with seeded
+``executorch``: the small GPT-2 and Llama and a MobileNet-like CNN (``SmallCnn``),
+as fp32, ``.half()``, fx16 and coreai-opt programs, lowered with
+``to_edge_transform_and_lower`` and the XNNPACK partitioner; counted: the delegate
+calls, the ops left outside the delegate, the casts among them and those that cast a
+constant (a weight, or a Python scalar ``to_edge`` made an fp32 tensor) on every call.
+
+``cuda``:
+for GPT-2, Llama and a Qwen2-MoE mixture of experts, built from configs with seeded
 random weights (nothing is downloaded) and exported on the GPU, four programs:
 
 - ``fp32``: the exported program as it is;
@@ -128,6 +137,28 @@ def qwen2_moe(small: bool) -> torch.nn.Module:
     return Logits(Qwen2MoeForCausalLM(config))
 
 
+class SmallCnn(torch.nn.Module):
+    """A MobileNet-like stack: depthwise and pointwise convolutions, batch norms, ReLU6."""
+
+    def __init__(self, width: int = 32, classes: int = 10):
+        super().__init__()
+        layers, channels = [], 3
+        for out in (width, width * 2, width * 4):
+            layers += [
+                torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels),
+                torch.nn.Conv2d(channels, out, 1),
+                torch.nn.BatchNorm2d(out),
+                torch.nn.ReLU6(),
+                torch.nn.MaxPool2d(2),
+            ]
+            channels = out
+        self.features = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Linear(channels, classes)
+
+    def forward(self, images):
+        return self.head(self.features(images).mean((2, 3)))
+
+
 MODELS = {"GPT-2": gpt2, "Llama": llama, "Qwen2-MoE": qwen2_moe}
 
 
@@ -248,9 +279,78 @@ def run_cuda(args) -> list[str]:
     return lines
 
 
+def lowered_counts(ep) -> dict:
+    """Lower ``ep`` to ExecuTorch with the XNNPACK delegate and count what runs: delegate
+    calls, ops left outside the delegate, and casts of a constant (a weight or a
+    scalar made a tensor) that run on every call."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    config = EdgeCompileConfig(_check_ir_validity=False)  # torch 2.13 leaves exp2 and log2
+    edge = to_edge_transform_and_lower(
+        ep, partitioner=[XnnpackPartitioner()], compile_config=config
+    )
+    graph = edge.exported_program().graph
+    calls = [node for node in graph.nodes if node.op == "call_function"]
+    delegated = [node for node in calls if "executorch_call_delegate" in str(node.target)]
+    outside = [
+        node for node in calls if node not in delegated and "getitem" not in str(node.target)
+    ]
+    casts = [node for node in outside if "to_dim_order_copy" in str(node.target)]
+    constant_casts = [node for node in casts if node.args[0].op == "placeholder"]
+    return dict(
+        delegated=len(delegated),
+        outside=len(outside),
+        casts=len(casts),
+        constants=len(constant_casts),
+    )
+
+
+def run_executorch() -> list[str]:
+    header = ["model", "program", "delegate calls", "ops outside", "casts outside"]
+    header.append("casts of a constant")
+    lines = [table_row(header), table_row(["---"] * len(header))]
+    models = {
+        "GPT-2": (lambda: gpt2(True), lambda: torch.randint(0, 512, (1, 16))),
+        "Llama": (lambda: llama(True), lambda: torch.randint(0, 512, (1, 16))),
+        "CNN": (SmallCnn, lambda: torch.randn(1, 3, 32, 32)),
+    }
+    for name, (build, example) in models.items():
+        torch.manual_seed(0)
+        model, inputs = build().eval(), (example(),)
+        for tool in ("fp32", ".half()", "fx16", "coreai-opt 0.3.0"):
+            try:
+                if tool == ".half()":
+                    half = copy.deepcopy(model).half()
+                    inputs16 = tuple(x.half() if x.is_floating_point() else x for x in inputs)
+                    ep = torch.export.export(half, inputs16)
+                else:
+                    ep = torch.export.export(model, inputs)
+                    if tool == "fx16":
+                        from fx16 import cast_to_16_bit_precision
+
+                        cast_to_16_bit_precision(ep)
+                    elif tool != "fp32":
+                        from coreai_opt.casting import cast_to_16_bit_precision
+
+                        cast_to_16_bit_precision(ep)
+                counts = lowered_counts(ep)
+                cells = [str(counts[key]) for key in ("delegated", "outside", "casts", "constants")]
+            except Exception as failure:
+                cells = [
+                    f"{type(failure).__name__}: {str(failure).splitlines()[0][:80]}",
+                    "",
+                    "",
+                    "",
+                ]
+            print(name, tool, cells, flush=True)
+            lines.append(table_row([name, tool, *cells]))
+    return lines
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("target", choices=["cuda"])
+    parser.add_argument("target", choices=["cuda", "executorch"])
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--small", action="store_true", help="tiny models on the CPU")
     parser.add_argument("--batch", type=int, default=8)
@@ -259,15 +359,25 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=20, help="timed calls per round")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
-    lines = run_cuda(args)
-    where = "CPU (--small)" if args.small else torch.cuda.get_device_name()
-    intro = (
-        f"Measured {date.today().isoformat()} on {where}, torch {torch.__version__}, "
-        f"Python {platform.python_version()}: `python -m benchmarks.runtime cuda` "
-        f"(batch {args.batch} x {args.tokens} tokens; latency: the median over {args.rounds} "
-        f"rounds of each round's median of {args.calls} calls, the programs taking turns)."
-    )
-    text = "\n".join(["## torch.compile on CUDA", "", intro, "", *lines, ""])
+    if args.target == "executorch":
+        title, lines = "ExecuTorch with the XNNPACK delegate", run_executorch()
+        intro = (
+            f"Measured {date.today().isoformat()}, torch {torch.__version__}, ExecuTorch 1.5.1 "
+            "(`pip install --no-deps executorch==1.5.1 ruamel.yaml flatbuffers tabulate` in "
+            "a virtual environment beside torch): `python -m benchmarks.runtime executorch`, "
+            "the small shapes, batch 1, the XNNPACK partitioner."
+        )
+    else:
+        title, lines = "torch.compile on CUDA", run_cuda(args)
+        where = "CPU (--small)" if args.small else torch.cuda.get_device_name()
+        intro = (
+            f"Measured {date.today().isoformat()} on {where}, torch {torch.__version__}, "
+            f"Python {platform.python_version()}: `python -m benchmarks.runtime cuda` "
+            f"(batch {args.batch} x {args.tokens} tokens; latency: the median over "
+            f"{args.rounds} rounds of each round's median of {args.calls} calls, the programs "
+            "taking turns)."
+        )
+    text = "\n".join([f"## {title}", "", intro, "", *lines, ""])
     print(text)
     if args.output is not None:
         args.output.write_text(text)
