@@ -86,6 +86,16 @@ EQUIVALENT: dict[str, str] = {
     "fx16.ops.numerics.x__lift_flushed_blocks__mutmut_2": (
         "no early return when nothing flushed: the search that follows finds nothing"
     ),
+    "fx16.analysis.fp32_rules.xǁFp32RulesAnalysisǁneeding_nothing__mutmut_3": (
+        "no overflow limit: ObservedOverflowRule needs calibration, so needing_nothing drops it"
+    ),
+    "fx16.analysis.fp32_rules.xǁFp32RulesAnalysisǁneeding_nothing__mutmut_12": (
+        "`getattr(rule, 'needs', None)`: a rule without needs is kept either way"
+    ),
+    "fx16.analysis.underflow.xǁUnderflowAnalysisǁwidened__mutmut_12": (
+        "`or 2.0`: the largest magnitude is falsy only where calibration saw no nonzero "
+        "value, and then there is no smallest one to widen (the verdict returned before)"
+    ),
 }
 
 
