@@ -290,3 +290,69 @@ def test_an_op_the_policy_keeps_fp32_hands_its_consumers_a_16_bit_copy_only_with
     assert rows["add"].chosen_by == "policy_follow"
     (got,) = run(ep, x)
     assert torch.allclose(got.float(), x.half().float().softmax(-1) + 1, rtol=1e-3)
+
+
+class RegionAndBack(torch.nn.Module):
+    """The model's fp32 region (``x.half().float()``, an exp in it) and its cast to fp32
+    of the region's result, which is the way back to the rest of the program."""
+
+    def forward(self, x):
+        return x.half().float().exp().float() + 1
+
+
+REGION = ("float32", "opens_model_fp32_region", "the policy's explicit_fp32='keep'")
+IN_REGION = ("float32", "inside_model_fp32_region", "the policy's explicit_fp32='keep'")
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected", "out_dtype"),
+    [
+        (
+            PrecisionPolicy.custom(explicit_fp32="keep"),
+            {
+                "to_1": REGION,
+                "exp": IN_REGION,
+                "to_2": ("float16", "way_back_from_model_fp32_region", ""),
+                "add": ("float16", "fits", ""),
+            },
+            torch.float16,
+        ),
+        (
+            PrecisionPolicy.custom(explicit_fp32="keep", cast_back=False),
+            {
+                "to_1": REGION,
+                "exp": IN_REGION,
+                "add": ("float32", "inside_model_fp32_region", "from exp: explicit_fp32"),
+            },
+            torch.float32,
+        ),
+        (
+            PrecisionPolicy.custom(PrecisionPolicy.auto_mixed_bf16(), explicit_fp32="keep"),
+            {
+                "to_1": REGION,
+                "exp": IN_REGION,
+                "to_2": ("bfloat16", "way_back_from_model_fp32_region", ""),
+                "add": ("bfloat16", "fits", ""),
+            },
+            torch.bfloat16,
+        ),
+    ],
+    ids=["keep", "keep_without_cast_back", "bf16_keep"],
+)
+def test_the_way_back_from_a_kept_region_is_16_bit_only_where_the_policy_casts_back(
+    policy, expected, out_dtype
+):
+    """With cast-back, the model's cast to fp32 after its region is retargeted at the
+    16-bit dtype and the rest computes 16-bit; without, that cast reads an fp32 value
+    and is kept (then dropped as a no-op), and the add stays in the region's fp32."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(RegionAndBack(), x), policy=policy)
+    rows = {row.node: row for row in report_of(ep).rows if row.op not in ("input", "output")}
+    got = {name: (row.dtype, row.chosen_by, row.detail) for name, row in rows.items()}
+    assert {name: got.get(name) for name in expected} == expected
+    assert "to_2" in expected or "to_2" not in got
+    (out,) = run(ep, x)
+    assert out.dtype == out_dtype
+    want = x.half().double().exp() + 1
+    assert float((out.double() - want).abs().max() / want.abs().max()) < 4e-3
