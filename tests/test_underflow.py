@@ -420,3 +420,43 @@ def test_a_guard_at_16_bit_normal_range_bounds_a_statistic():
     function = lambda x: x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-4)  # noqa: E731
     marks = _analyse(export(Lambda(function), torch.randn(4, 8)))
     assert not any(marks.values())
+
+
+class ScaledNorm(nn.Module):
+    """``h / sqrt(mean(h * h) + 1e-12)`` of ``h = 3 * x``: the squares read h."""
+
+    def forward(self, x):
+        h = x * 3
+        return h / torch.sqrt((h * h).mean(-1, keepdim=True) + 1e-12)
+
+
+def test_a_statistic_keeps_its_chain_down_to_the_squares_not_what_they_read():
+    """The divisor's chain to the squares is marked; h, which the squares read and the
+    division's numerator is, is not (its fp16 values square exactly well in fp32)."""
+    marks = _analyse(export(ScaledNorm(), torch.randn(4, 8)))
+    assert "a mean or sum of squares (mean)" in marks["div"]
+    assert all(marks[name] == "feeds div, kept in fp32" for name in ("sqrt", "add", "mean"))
+    assert marks["mul_1"] == "feeds div, kept in fp32"  # the squares
+    assert marks["mul"] is None and marks["x"] is None
+
+
+class ShiftedDivisor(nn.Module):
+    def forward(self, x, y):
+        return x / (y.abs() * 1e-7 + 1e-4)
+
+
+def test_the_margin_doubles_the_smallest_normal_a_value_must_stay_above():
+    """A divisor in [1e-4, 1.01e-4] is above fp16's smallest normal (6.1e-5) but not
+    twice it (1.22e-4, the margin): at twice the input scale it would be subnormal."""
+    marks = _analyse(export(ShiftedDivisor(), torch.randn(4, 8), torch.randn(4, 8)))
+    assert "with the margin (0.000122)" in marks["div"]
+
+
+def test_a_second_run_clears_the_marks_of_the_first():
+    """Calibrated on a tiny divisor the division is marked; calibrated again on a wide
+    one, no mark of the first run is left behind."""
+    x, tiny = torch.randn(4, 8), torch.randn(4, 8)
+    ep = export(ShiftedDivisor(), x, tiny)
+    assert _analyse(ep)["div"] is not None
+    marks = _analyse(ep, calibration=[((x, tiny * 1e6), {})])
+    assert not any(marks.values())
