@@ -356,3 +356,31 @@ def test_the_way_back_from_a_kept_region_is_16_bit_only_where_the_policy_casts_b
     assert out.dtype == out_dtype
     want = x.half().double().exp() + 1
     assert float((out.double() - want).abs().max() / want.abs().max()) < 4e-3
+
+
+class AutocastThenFloat(torch.nn.Module):
+    """The model's cast to fp32 of what its own bf16 autocast region computed."""
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = torch.mm(x, x.t())
+        return h.float() + 1
+
+
+@pytest.mark.parametrize(
+    ("ops", "expected"),
+    [
+        ({}, (Action.RETARGET, "policy_16bit", "")),
+        ({"to": "fp32"}, (Action.FP32, "policy_fp32", "ops['to'] = fp32")),
+    ],
+    ids=["sixteen_bit", "fp32"],
+)
+def test_the_models_cast_to_fp32_of_a_16_bit_value_is_retargeted_or_kept_as_the_policy_says(
+    ops, expected
+):
+    ep = export(AutocastThenFloat(), torch.randn(4, 8))
+    policy = PrecisionPolicy.custom(ops=ops)
+    _ready(ep, policy)
+    (cast,) = (node for node in ep.graph.nodes if node.name == "to")
+    choice = choose(CAST_TO_FP32_RULES, View(cast, policy, LIMIT))
+    assert (choice.action, choice.rule, choice.detail) == expected
