@@ -29,6 +29,10 @@ TITLE = "Mutation score of the safety-critical modules"
 
 # mutant name (mutmut's "module.x_function__mutmut_N") -> why no test can kill it.
 _SAME_VALUES_OTHER_BUFFER = "the same values through a temporary instead of the reused scratch"
+_DECISION_FROM_ISLAND = (
+    "no reason in the choice: the planner makes a {} cast's decision from the region's "
+    "verdict and never reads the choice's reason"
+)
 EQUIVALENT: dict[str, str] = {
     "fx16.ops.numerics.x_round_scalar_to_fp16__mutmut_19": (
         "`<= tiny`: at exactly the smallest subnormal, lifting to it and rounding give it"
@@ -91,6 +95,37 @@ EQUIVALENT: dict[str, str] = {
     ),
     "fx16.analysis.fp32_rules.xǁFp32RulesAnalysisǁneeding_nothing__mutmut_12": (
         "`getattr(rule, 'needs', None)`: a rule without needs is kept either way"
+    ),
+    "fx16.analysis.fp32_rules.xǁObservedOverflowRuleǁwritten_over__mutmut_4": (
+        "every node asked: a placeholder's, output's or get_attr's target (a name) writes nothing"
+    ),
+    "fx16.analysis.underflow.xǁUnderflowAnalysisǁcall__mutmut_22": (
+        "a scalar argument among `reads`: elementwise_past skips what has no tensor value"
+    ),
+    "fx16.analysis.underflow.xǁUnderflowAnalysisǁcall__mutmut_31": (
+        "elementwise_past(None, ...): the seed is only marked seen, and it is downstream of "
+        "every value it reads"
+    ),
+    "fx16.analysis.underflow.xǁUnderflowAnalysisǁcall__mutmut_43": (
+        "PassResult without its graph module: every caller reads only `modified`"
+    ),
+    "fx16.analysis.underflow.x_small_end__mutmut_13": (
+        "a bounded end without its source: the verdict returns on the kind alone"
+    ),
+    "fx16.analysis.underflow.x_small_end__mutmut_45": (
+        "a softmax end without its guard: only a statistic's guard is read"
+    ),
+    "fx16.analysis.underflow.x_small_end__mutmut_80": (
+        "an `other` end without its source: no verdict or chain reads it"
+    ),
+    "fx16.plan.precedence.x__policy_16bit__mutmut_4": _DECISION_FROM_ISLAND.format("retargeted"),
+    "fx16.plan.precedence.x__policy_16bit__mutmut_6": _DECISION_FROM_ISLAND.format("retargeted"),
+    "fx16.plan.precedence.x__way_back__mutmut_9": _DECISION_FROM_ISLAND.format("retargeted"),
+    "fx16.plan.precedence.x__cast_opens_region__mutmut_8": _DECISION_FROM_ISLAND.format(
+        "region-opening"
+    ),
+    "fx16.plan.precedence.x__cast_opens_region__mutmut_10": _DECISION_FROM_ISLAND.format(
+        "region-opening"
     ),
     "fx16.analysis.underflow.xǁUnderflowAnalysisǁwidened__mutmut_12": (
         "`or 2.0`: the largest magnitude is falsy only where calibration saw no nonzero "
