@@ -109,6 +109,17 @@ EQUIVALENT: dict[str, str] = {
     "fx16.analysis.underflow.xǁUnderflowAnalysisǁcall__mutmut_43": (
         "PassResult without its graph module: every caller reads only `modified`"
     ),
+    "fx16.analysis.underflow.xǁUnderflowAnalysisǁcall__mutmut_44": (
+        "`modified=None`: every caller reads it as false"
+    ),
+    "fx16.analysis.underflow.xǁUnderflowAnalysisǁverdict__mutmut_44": (
+        "`smallest <= 1` for an exponential tail: at 1 its widened value is 1, above the "
+        "smallest normal, and the general path finds 1 above it too: no verdict either way"
+    ),
+    "fx16.analysis.underflow.xǁUnderflowAnalysisǁverdict__mutmut_45": (
+        "`smallest < 2`: from 1 on, both an exponential's widened value and the general "
+        "path stay above the smallest normal: no verdict either way"
+    ),
     "fx16.analysis.underflow.x_small_end__mutmut_13": (
         "a bounded end without its source: the verdict returns on the kind alone"
     ),

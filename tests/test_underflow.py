@@ -460,3 +460,42 @@ def test_a_second_run_clears_the_marks_of_the_first():
     assert _analyse(ep)["div"] is not None
     marks = _analyse(ep, calibration=[((x, tiny * 1e6), {})])
     assert not any(marks.values())
+
+
+class NormWithEps(nn.Module):
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + self.eps)
+
+
+def test_a_guard_at_exactly_the_smallest_normal_bounds_a_statistic_and_one_below_does_not():
+    """fp16's smallest normal is 2**-14: a guard of exactly that keeps a silent row's
+    statistic normal; half of it does not, and the rule says why, in full."""
+    example = torch.randn(4, 8)
+    assert _analyse(export(NormWithEps(2.0**-14), example))["rsqrt"] is None
+    said = _analyse(export(NormWithEps(2.0**-15), example))["rsqrt"]
+    assert said.startswith("rsqrt is singular at zero, and add is a mean or sum of squares (mean)")
+    assert said.endswith(
+        "guarded only by 3.05e-05, below 16-bit's smallest normal value (6.1e-05): in "
+        "16-bit a quiet input's squares flush to zero"
+    )
+
+
+class Ratio(nn.Module):
+    def forward(self, x, y):
+        return x / y
+
+
+class ByZero(nn.Module):
+    def forward(self, x):
+        return x / 0.0
+
+
+def test_nothing_is_said_of_a_divisor_nothing_observed_or_of_a_scalar_zero():
+    """Without calibration a divisor has no smallest magnitude to judge (and no proven
+    interval): no verdict. A division by the scalar 0 is inf in any precision: none."""
+    assert not any(_analyse(export(Ratio(), torch.randn(4, 8), torch.randn(4, 8)), []).values())
+    assert not any(_analyse(export(ByZero(), torch.randn(4, 8))).values())
