@@ -499,3 +499,16 @@ def test_nothing_is_said_of_a_divisor_nothing_observed_or_of_a_scalar_zero():
     interval): no verdict. A division by the scalar 0 is inf in any precision: none."""
     assert not any(_analyse(export(Ratio(), torch.randn(4, 8), torch.randn(4, 8)), []).values())
     assert not any(_analyse(export(ByZero(), torch.randn(4, 8))).values())
+
+
+class NormDivide(nn.Module):
+    def forward(self, x):
+        h = x * 3
+        return h / h.norm(dim=-1, keepdim=True)
+
+
+def test_a_norm_keeps_itself_for_the_division_not_what_it_reads():
+    marks = _analyse(export(NormDivide(), torch.randn(4, 8)))
+    assert "a mean or sum of squares" in marks["div"]
+    assert marks["linalg_vector_norm"] == "feeds div, kept in fp32"
+    assert marks["mul"] is None and marks["x"] is None
