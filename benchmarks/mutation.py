@@ -29,6 +29,9 @@ TITLE = "Mutation score of the safety-critical modules"
 
 # mutant name (mutmut's "module.x_function__mutmut_N") -> why no test can kill it.
 _SAME_VALUES_OTHER_BUFFER = "the same values through a temporary instead of the reused scratch"
+_MIN_POSITIONAL = (
+    "torch.export writes clamp's and clamp_min's min positionally: args[1] is always there"
+)
 _DECISION_FROM_ISLAND = (
     "no reason in the choice: the planner makes a {} cast's decision from the region's "
     "verdict and never reads the choice's reason"
@@ -119,6 +122,30 @@ EQUIVALENT: dict[str, str] = {
     "fx16.analysis.underflow.xǁUnderflowAnalysisǁverdict__mutmut_45": (
         "`smallest < 2`: from 1 on, both an exponential's widened value and the general "
         "path stay above the smallest normal: no verdict either way"
+    ),
+    "fx16.analysis.underflow.x__guard__mutmut_17": _MIN_POSITIONAL,
+    "fx16.analysis.underflow.x__guard__mutmut_19": _MIN_POSITIONAL,
+    "fx16.analysis.underflow.x__guard__mutmut_21": _MIN_POSITIONAL,
+    "fx16.analysis.underflow.x__guard__mutmut_22": _MIN_POSITIONAL,
+    "fx16.analysis.underflow.x__guard__mutmut_23": _MIN_POSITIONAL,
+    "fx16.analysis.underflow.x_small_end__mutmut_10": (
+        "an end without its source: only an exponential's, softmax's and statistic's is read"
+    ),
+    "fx16.analysis.underflow.x_small_end__mutmut_83": (
+        "an end without its source: only an exponential's, softmax's and statistic's is read"
+    ),
+    "fx16.analysis.underflow.x_small_end__mutmut_87": (
+        "an end without its source: only an exponential's, softmax's and statistic's is read"
+    ),
+    "fx16.analysis.underflow.x_small_end__mutmut_48": (
+        "a softmax end without its guard: only a statistic's guard is read"
+    ),
+    "fx16.analysis.underflow.x__squares__mutmut_2": (
+        "`isinstance(node, Node) or ...`: every caller passes a node, and a placeholder's or "
+        "get_attr's target (a name) is neither a power nor a multiply"
+    ),
+    "fx16.analysis.underflow.x__smallest_magnitude__mutmut_8": (
+        "the label of a missing magnitude: the verdict returns before reading it"
     ),
     "fx16.analysis.underflow.x_small_end__mutmut_13": (
         "a bounded end without its source: the verdict returns on the kind alone"

@@ -340,6 +340,13 @@ SMALL_ENDS = {
     "1 / exp(x)": (lambda x: torch.reciprocal(torch.exp(x)), "reciprocal", "exponential", 0.0),
     "log(softmax(x) * 2)": (lambda x: torch.log(torch.softmax(x, -1) * 2), "log", "other", 0.0),
     "x / sum(x ** 2)": (lambda x: x / (x**2).sum(-1, keepdim=True), "div", "statistic", 0.0),
+    "x / sum(x)": (lambda x: x / x.sum(-1, keepdim=True), "div", "other", 0.0),
+    "x / (sum(x*x) + 0)": (
+        lambda x: x / ((x * x).sum(-1, keepdim=True) + 0),
+        "div",
+        "statistic",
+        0.0,
+    ),
     "x / sum(x ** 3)": (lambda x: x / (x**3).sum(-1, keepdim=True), "div", "other", 0.0),
     "x / sum(x * flip(x))": (
         lambda x: x / (x * x.flip(-1)).sum(-1, keepdim=True),

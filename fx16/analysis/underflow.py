@@ -223,14 +223,15 @@ def small_end(argument) -> SmallEnd:
 
 
 def _guard(node: Node) -> float | None:
-    """The positive scalar ``node`` adds (``x + eps``) or raises its input to
-    (``clamp_min(x, eps)``, ``clamp(x, eps, ...)``), or None."""
+    """The scalar ``node`` adds (``x + eps``) or raises its input to
+    (``clamp_min(x, eps)``, ``clamp(x, eps, ...)``), or None; 0 where it adds nothing
+    (``x + 0`` leaves the small end where it was), None for a negative one."""
     if node.target in ADDS:
         scalar = node.args[1] if node.kwargs.get("alpha", 1) == 1 else None
     else:  # clamp_min(x, min), clamp(x, min, max)
         scalar = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
     is_scalar = isinstance(scalar, (int, float)) and not isinstance(scalar, bool)
-    return float(scalar) if is_scalar and scalar > 0 else None
+    return float(scalar) if is_scalar and scalar >= 0 else None
 
 
 def _squares(node) -> bool:
