@@ -115,6 +115,10 @@ EQUIVALENT: dict[str, str] = {
     "fx16.analysis.underflow.xǁUnderflowAnalysisǁcall__mutmut_44": (
         "`modified=None`: every caller reads it as false"
     ),
+    "fx16.analysis.underflow.xǁUnderflowAnalysisǁverdict__mutmut_8": (
+        "integer results judged too: an integer's smallest nonzero magnitude is 1, above "
+        "every 16-bit smallest normal, so no verdict follows"
+    ),
     "fx16.analysis.underflow.xǁUnderflowAnalysisǁverdict__mutmut_44": (
         "`smallest <= 1` for an exponential tail: at 1 its widened value is 1, above the "
         "smallest normal, and the general path finds 1 above it too: no verdict either way"
