@@ -151,6 +151,12 @@ EQUIVALENT: dict[str, str] = {
     "fx16.analysis.underflow.x__smallest_magnitude__mutmut_8": (
         "the label of a missing magnitude: the verdict returns before reading it"
     ),
+    "fx16.analysis.underflow.x_singular_argument__mutmut_3": (
+        "every node asked: a placeholder's or output's target (a name) is in no op table"
+    ),
+    "fx16.analysis.underflow.x_singular_argument__mutmut_10": (
+        "`position > len(args)`: torch.export writes a singular op's operands positionally"
+    ),
     "fx16.analysis.underflow.x_small_end__mutmut_13": (
         "a bounded end without its source: the verdict returns on the kind alone"
     ),

@@ -96,13 +96,27 @@ def test_a_divisor_in_the_subnormal_range_keeps_the_division():
 
 class Powers(nn.Module):
     def forward(self, x):
-        return (x * 1e-5).pow(-0.5) + (x * 1e-5).pow(2.0)
+        tiny = x * 1e-5
+        return tiny.pow(-0.5) + tiny.pow(2.0) + tiny.pow(0.5) + tiny.pow(0)
 
 
 def test_a_negative_power_is_singular_a_positive_one_is_not():
+    """x ** -0.5 of a tiny x is singular; x ** 2, x ** 0.5 and x ** 0 are not (a
+    fractional power is finite at zero, the zeroth is 1)."""
     marks = _analyse(export(Powers(), torch.rand(4, 8) + 0.5))
     assert "singular at zero" in marks["pow_1"]
-    assert marks["pow_2"] is None
+    assert marks["pow_2"] is None and marks["pow_3"] is None and marks["pow_4"] is None
+
+
+class ExactlyAtTheMargin(nn.Module):
+    def forward(self, x, y):
+        return x / (y * 0 + 2.0**-13)
+
+
+def test_a_divisor_at_exactly_twice_the_smallest_normal_is_left_16_bit():
+    """2**-13 is fp16's smallest normal times the margin: the least a value may be."""
+    marks = _analyse(export(ExactlyAtTheMargin(), torch.randn(4, 8), torch.randn(4, 8)))
+    assert marks["div"] is None
 
 
 class ScalarDivisor(nn.Module):
