@@ -61,6 +61,7 @@ def test_each_rule_alone():
     assert overflow["linear"] is None
     index = _rules(ep, [UnsafeIndexRule()])
     assert index["tanh"].reason == Reason.UNSAFE_INDEX and index["mul"] is None
+    assert index["tanh"].detail == ""  # the reason says it all: no detail to add
     budget = _rules(ep, [AccuracyBudgetRule(frozenset({"relu"}))])
     assert [name for name, rule in budget.items() if rule] == ["relu"]
     with pytest.raises(PreconditionError, match="reads what ConditioningAnalysis finds"):
