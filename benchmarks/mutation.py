@@ -33,8 +33,8 @@ _MIN_POSITIONAL = (
     "torch.export writes clamp's and clamp_min's min positionally: args[1] is always there"
 )
 _DECISION_FROM_ISLAND = (
-    "no reason in the choice: the planner makes a {} cast's decision from the region's "
-    "verdict and never reads the choice's reason"
+    "no reason or detail in the choice: the planner makes a {} cast's decision from the "
+    "region's verdict and never reads the choice's reason or detail"
 )
 EQUIVALENT: dict[str, str] = {
     "fx16.ops.numerics.x_round_scalar_to_fp16__mutmut_19": (
@@ -157,6 +157,17 @@ EQUIVALENT: dict[str, str] = {
     "fx16.analysis.underflow.x_singular_argument__mutmut_10": (
         "`position > len(args)`: torch.export writes a singular op's operands positionally"
     ),
+    "fx16.plan.precedence.x__way_back__mutmut_10": _DECISION_FROM_ISLAND.format("retargeted"),
+    "fx16.plan.precedence.x__way_back__mutmut_12": _DECISION_FROM_ISLAND.format("retargeted"),
+    "fx16.plan.precedence.x__way_back__mutmut_13": _DECISION_FROM_ISLAND.format("retargeted"),
+    "fx16.plan.precedence.x__way_back__mutmut_14": _DECISION_FROM_ISLAND.format("retargeted"),
+    "fx16.plan.precedence.x__way_back__mutmut_15": _DECISION_FROM_ISLAND.format("retargeted"),
+    "fx16.plan.precedence.x__creation_fits__mutmut_2": (
+        "no reason in the choice: a creation op made 16-bit is decided `fits` by the planner"
+    ),
+    "fx16.plan.precedence.x__creation_fits__mutmut_4": (
+        "no reason in the choice: a creation op made 16-bit is decided `fits` by the planner"
+    ),
     "fx16.analysis.underflow.x_small_end__mutmut_13": (
         "a bounded end without its source: the verdict returns on the kind alone"
     ),
@@ -166,8 +177,6 @@ EQUIVALENT: dict[str, str] = {
     "fx16.analysis.underflow.x_small_end__mutmut_80": (
         "an `other` end without its source: no verdict or chain reads it"
     ),
-    "fx16.plan.precedence.x__policy_16bit__mutmut_4": _DECISION_FROM_ISLAND.format("retargeted"),
-    "fx16.plan.precedence.x__policy_16bit__mutmut_6": _DECISION_FROM_ISLAND.format("retargeted"),
     "fx16.plan.precedence.x__way_back__mutmut_9": _DECISION_FROM_ISLAND.format("retargeted"),
     "fx16.plan.precedence.x__cast_opens_region__mutmut_8": _DECISION_FROM_ISLAND.format(
         "region-opening"

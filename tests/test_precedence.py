@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fx16
+from fx16.decisions import Reason
 from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.plan.precedence import (
@@ -370,8 +371,8 @@ class AutocastThenFloat(torch.nn.Module):
 @pytest.mark.parametrize(
     ("ops", "expected"),
     [
-        ({}, (Action.RETARGET, "policy_16bit", "")),
-        ({"to": "fp32"}, (Action.FP32, "policy_fp32", "ops['to'] = fp32")),
+        ({}, (Action.RETARGET, Reason.FITS, "policy_16bit", "")),
+        ({"to": "fp32"}, (Action.FP32, Reason.POLICY, "policy_fp32", "ops['to'] = fp32")),
     ],
     ids=["sixteen_bit", "fp32"],
 )
@@ -383,4 +384,4 @@ def test_the_models_cast_to_fp32_of_a_16_bit_value_is_retargeted_or_kept_as_the_
     _ready(ep, policy)
     (cast,) = (node for node in ep.graph.nodes if node.name == "to")
     choice = choose(CAST_TO_FP32_RULES, View(cast, policy, LIMIT))
-    assert (choice.action, choice.rule, choice.detail) == expected
+    assert (choice.action, choice.reason, choice.rule, choice.detail) == expected
