@@ -168,6 +168,18 @@ EQUIVALENT: dict[str, str] = {
     "fx16.plan.precedence.x__creation_fits__mutmut_4": (
         "no reason in the choice: a creation op made 16-bit is decided `fits` by the planner"
     ),
+    "fx16.analysis.underflow.x_small_end__mutmut_11": (
+        "a bounded or `other` end without its guard: only a statistic's guard is read"
+    ),
+    "fx16.analysis.underflow.x_small_end__mutmut_14": (
+        "a bounded or `other` end without its guard: only a statistic's guard is read"
+    ),
+    "fx16.analysis.underflow.x_small_end__mutmut_84": (
+        "a bounded or `other` end without its guard: only a statistic's guard is read"
+    ),
+    "fx16.analysis.underflow.x_small_end__mutmut_88": (
+        "an `other` end whose source may be a number: no verdict or chain reads it"
+    ),
     "fx16.analysis.underflow.x_small_end__mutmut_13": (
         "a bounded end without its source: the verdict returns on the kind alone"
     ),

@@ -533,3 +533,14 @@ def test_a_norm_keeps_itself_for_the_division_not_what_it_reads():
     assert "a mean or sum of squares" in marks["div"]
     assert marks["linalg_vector_norm"] == "feeds div, kept in fp32"
     assert marks["mul"] is None and marks["x"] is None
+
+
+def test_a_statistic_the_rewrite_bounds_is_not_kept_on_a_silent_row():
+    """With the stable rewrite the RMSNorm's statistic is bounded below (scaled into
+    range), so a row of zeros in calibration costs no fp32 for the underflow rule."""
+    torch.manual_seed(0)
+    example = torch.randn(4, 32)
+    example[0] = 0
+    ep = fx16.cast_fp32_to_fp16(export(RMSNormEps(eps=1e-6).eval(), example))
+    kept = [node.name for node in ep.graph.nodes if node.meta.get(UnderflowAnalysis.META_KEY)]
+    assert kept == []
