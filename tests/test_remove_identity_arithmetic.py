@@ -24,16 +24,25 @@ def arithmetic(ep) -> list[str]:
     return [node.name for node in ep.graph.nodes if node.target in IDENTITY_OPS]
 
 
+def identities(ep) -> list[str]:
+    """The add, sub, mul and div nodes left with a scalar 0 or 1."""
+    return [
+        name
+        for name, node in ((n.name, n) for n in ep.graph.nodes if n.target in IDENTITY_OPS)
+        if not isinstance(node.args[1], (bool, torch.fx.Node)) and node.args[1] in (0, 1)
+    ]
+
+
 class Identities(torch.nn.Module):
     def forward(self, x):
         h = x.relu()
-        return ((h * 1.0) / 1 + 0) - 0.0, h * 1
+        return (((h * 1.0) / 1 + 0) - 0.0) * 2, h * 1
 
 
 class IntegerIdentities(torch.nn.Module):
     def forward(self, ids):
         h = ids.abs()
-        return (h * 1 + 0) - 0, torch.mul(h, 1)
+        return ((h * 1 + 0) - 0) * 3, torch.mul(h, 1)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +58,7 @@ def test_each_identity_is_removed_and_the_values_stay(model, dtype):
     x = (torch.randn(3, 4) * 10).to(dtype)
     ep = export(model, x)
     assert apply_rule(RemoveIdentityArithmeticPass, ep).modified
-    assert arithmetic(ep) == []
+    assert identities(ep) == []
     for got, want in zip(run(ep, x), leaves(eager(model, x))):  # division by 0 gives nan
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
@@ -207,3 +216,33 @@ def test_property_every_identity_goes_unless_refused_and_the_values_are_eagers(
             assert KEPT_CAST in node.meta
     for got, want in zip(run(ep, x), leaves(eager(model, x))):  # division by 0 gives nan
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+class BranchReturns(torch.nn.Module):
+    """A cond branch whose results would alias its input (a view of it) or each other
+    once ``* 1`` goes; a higher-order op's body may return neither."""
+
+    def forward(self, x):
+        def true_branch(x):
+            h = x.relu()
+            return x.view(-1) * 1, h, h * 1
+
+        def false_branch(x):
+            return x.view(-1) + 1, x + 2, x + 3
+
+        return torch.cond(x.sum() > 0, true_branch, false_branch, (x,))
+
+
+def test_a_body_never_returns_its_input_or_one_tensor_twice():
+    x = torch.randn(3, 4).abs()
+    ep = fx16.cast_fp32_to_fp16(export(BranchReturns(), x))
+    body = ep.graph_module.true_graph_0
+    reasons = sorted(
+        node.meta[KEPT_CAST] for node in body.graph.nodes if node.target == aten.mul.Tensor
+    )
+    assert reasons == [
+        "removing it would return a program input as an output",
+        "removing it would return one tensor as two outputs",
+    ]
+    for got, want in zip(run(ep, x), leaves(eager(BranchReturns(), x))):
+        torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)

@@ -1,13 +1,14 @@
 """CastRule: the shape every cast-cleanup rule shares (match, refusal, rewrite)."""
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.analysis.facts import Facts
 from fx16.ops.tables import ASSERT_METADATA_OPS
 from fx16.program import Program
-from fx16.program.aliases import written_in_place
+from fx16.program.aliases import alias_group, written_in_place
 from fx16.program.casts import (
     cast_dtype,
     cast_op_nodes,
@@ -69,7 +70,7 @@ class ReplaceBySource(CastRule):
     says why not."""
 
     def refusal(self, node: Node) -> str | None:
-        return replacement_refusal(node)
+        return replacement_refusal(node, in_body=node.graph is not self.program.graph_module.graph)
 
     def rewrite(self, node: Node) -> None:
         node.replace_all_uses_with(node.args[0])
@@ -88,16 +89,26 @@ def copy_refusal(cast: Node) -> str | None:
     return None
 
 
-def replacement_refusal(node: Node) -> str | None:
+def replacement_refusal(node: Node, in_body: bool) -> str | None:
     """Why ``node`` may not be replaced by its first argument, whose value it copies, or
-    None: a write in place reaches either (``copy_refusal``), or the argument is a
-    placeholder the program would then return (an output aliasing an input)."""
+    None: a write in place reaches either (``copy_refusal``); the program would return
+    an input as an output; or, where torch forbids it, a tensor would alias another: a
+    higher-order op handed one tensor as two operands, a body (``in_body``) returning
+    a view of its input or one tensor as two outputs."""
     written = copy_refusal(node)
     if written is not None:
         return written
     source = node.args[0]
-    if source.op == "placeholder" and any(user.op == "output" for user in node.users):
-        return "removing it would return a program input as an output"
+    group = alias_group([source]) - {node}  # a cast to its own dtype may alias
+    for user in node.users:
+        if user.op == "output":
+            inputs = group if in_body else {source}
+            if any(member.op == "placeholder" for member in inputs):
+                return "removing it would return a program input as an output"
+            if in_body and any(reader.op == "output" for m in group for reader in m.users):
+                return "removing it would return one tensor as two outputs"
+        elif isinstance(user.target, HigherOrderOperator) and group & set(user.all_input_nodes):
+            return "removing it would hand a higher-order op one tensor as two operands"
     return None
 
 
