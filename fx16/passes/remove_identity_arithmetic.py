@@ -37,7 +37,9 @@ class RemoveIdentityArithmeticPass(ReplaceBySource):
     division by zero and ``copysign`` tell them apart.
 
     Refuses like RemoveNoopCastsPass: when a write in place reaches the result or x
-    (the op's copy keeps them apart), or when x is a placeholder the program returns.
+    (the op's copy keeps them apart), or when reading x would alias tensors where torch
+    forbids it (an input returned, a higher-order op given one tensor twice, a body
+    returning a view of its input or one tensor twice).
 
     Costs: nothing; it removes ops.
     """

@@ -12,8 +12,9 @@ class RemoveNoopCastsPass(ReplaceBySource):
     Output graph: x:f16 -> y
 
     Refuses when a write in place reaches the result or x, through any view of either
-    (the copy keeps them apart), or
-    when x is a placeholder returned by the program (an output would alias an input).
+    (the copy keeps them apart), or when reading x would alias tensors where torch
+    forbids it: the program returning its input x, a higher-order op given x twice, a
+    body returning a view of its input or one tensor twice (``replacement_refusal``).
 
     Costs: nothing; it removes casts.
     """
