@@ -49,19 +49,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.markdown import table_row
+from benchmarks.zoo import Logits
 
-ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ("fp32", ".half()", "fx16", "coreai-opt 0.3.0")
 ROUTED = 'fx16, routing="16-bit"'  # the MoE's router computed 16-bit too
-
-
-class Logits(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids):
-        return self.model(input_ids=input_ids).logits
 
 
 # (small, measured) shapes of each model
@@ -87,25 +78,16 @@ LLAMA_SHAPES = (
         num_key_value_heads=4,
     ),
 )
-MOE_SHAPES = (
+MOE_SHAPES = (  # a Llama's attention, with experts for its MLP
     dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        vocab_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        LLAMA_SHAPES[0],
         moe_intermediate_size=32,
         shared_expert_intermediate_size=64,
         num_experts=8,
     ),
     dict(
-        hidden_size=1024,
-        intermediate_size=2816,
+        LLAMA_SHAPES[1],
         num_hidden_layers=4,
-        vocab_size=32000,
-        num_attention_heads=16,
-        num_key_value_heads=4,
         moe_intermediate_size=512,
         shared_expert_intermediate_size=1408,
         num_experts=16,
