@@ -5,7 +5,8 @@ to ExecuTorch.
     python -m benchmarks.runtime executorch [--output FILE]
 
 ``executorch``: the small GPT-2 and Llama and a MobileNet-like CNN (``SmallCnn``),
-as fp32, ``.half()``, fx16 and coreai-opt programs, lowered with
+as fp32, ``.half()``, fx16 (its default ``scalars="exact"``, and ``scalars="rounded"``,
+the same values ExecuTorch computes) and coreai-opt programs, lowered with
 ``to_edge_transform_and_lower`` and the XNNPACK partitioner; counted: the delegate
 calls, the ops left outside the delegate, the casts among them and those that cast a
 constant (a weight, or a Python scalar ``to_edge`` made an fp32 tensor) on every call.
@@ -39,6 +40,7 @@ install them with ``pip install --no-index --no-deps``.
 import argparse
 import copy
 import gc
+import os
 import platform
 import statistics
 import time
@@ -261,36 +263,69 @@ def run_cuda(args) -> list[str]:
     return lines
 
 
-def lowered_counts(ep) -> dict:
-    """Lower ``ep`` to ExecuTorch with the XNNPACK delegate and count what runs: delegate
-    calls, ops left outside the delegate, and casts of a constant (a weight or a
-    scalar made a tensor) that run on every call."""
+def lowered(ep, inputs: tuple, calls: int) -> dict:
+    """Lower ``ep`` to ExecuTorch with the XNNPACK delegate, count what runs (delegate
+    calls, ops left outside the delegate, casts of a constant, a weight or a scalar
+    made a tensor, that run on every call), then run it in ExecuTorch's runtime: the
+    median of ``calls`` timed calls after 3 untimed ones, and its first output."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
 
     config = EdgeCompileConfig(_check_ir_validity=False)  # torch 2.13 leaves exp2 and log2
     edge = to_edge_transform_and_lower(
         ep, partitioner=[XnnpackPartitioner()], compile_config=config
     )
     graph = edge.exported_program().graph
-    calls = [node for node in graph.nodes if node.op == "call_function"]
-    delegated = [node for node in calls if "executorch_call_delegate" in str(node.target)]
+    nodes = [node for node in graph.nodes if node.op == "call_function"]
+    delegated = [node for node in nodes if "executorch_call_delegate" in str(node.target)]
     outside = [
-        node for node in calls if node not in delegated and "getitem" not in str(node.target)
+        node for node in nodes if node not in delegated and "getitem" not in str(node.target)
     ]
     casts = [node for node in outside if "to_dim_order_copy" in str(node.target)]
     constant_casts = [node for node in casts if node.args[0].op == "placeholder"]
+    runtime = _load_for_executorch_from_buffer(edge.to_executorch().buffer)
+    for _ in range(3):
+        output = runtime.forward(inputs)[0]
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        runtime.forward(inputs)
+        times.append((time.perf_counter() - start) * 1e3)
     return dict(
         delegated=len(delegated),
         outside=len(outside),
         casts=len(casts),
         constants=len(constant_casts),
+        ms=statistics.median(times),
+        output=output,
     )
 
 
-def run_executorch() -> list[str]:
+ROUNDED = 'fx16, scalars="rounded"'
+EXECUTORCH_PROGRAMS = ("fp32", ".half()", "fx16", ROUNDED, "coreai-opt 0.3.0")
+
+
+def executorch_program(tool: str, model, inputs: tuple) -> tuple:
+    """``tool``'s exported program and the inputs it takes."""
+    if tool == ".half()":
+        inputs = tuple(x.half() if x.is_floating_point() else x for x in inputs)
+        return torch.export.export(copy.deepcopy(model).half(), inputs), inputs
+    ep = torch.export.export(model, inputs)
+    if tool.startswith("fx16"):
+        from fx16 import cast_to_16_bit_precision
+
+        cast_to_16_bit_precision(ep, scalars="rounded" if tool == ROUNDED else "exact")
+    elif tool != "fp32":
+        from coreai_opt.casting import cast_to_16_bit_precision
+
+        cast_to_16_bit_precision(ep)
+    return ep, inputs
+
+
+def run_executorch(calls: int) -> list[str]:
     header = ["model", "program", "delegate calls", "ops outside", "casts outside"]
-    header.append("casts of a constant")
+    header += ["casts of a constant", "latency", "vs fp32", "error vs fp32"]
     lines = [table_row(header), table_row(["---"] * len(header))]
     models = {
         "GPT-2": (lambda: gpt2(True), lambda: torch.randint(0, 512, (1, 16))),
@@ -300,31 +335,21 @@ def run_executorch() -> list[str]:
     for name, (build, example) in models.items():
         torch.manual_seed(0)
         model, inputs = build().eval(), (example(),)
-        for tool in ("fp32", ".half()", "fx16", "coreai-opt 0.3.0"):
+        with torch.no_grad():
+            reference = model(*inputs)
+        reference = getattr(reference, "logits", reference).float()
+        fp32_ms = None
+        for tool in EXECUTORCH_PROGRAMS:
             try:
-                if tool == ".half()":
-                    half = copy.deepcopy(model).half()
-                    inputs16 = tuple(x.half() if x.is_floating_point() else x for x in inputs)
-                    ep = torch.export.export(half, inputs16)
-                else:
-                    ep = torch.export.export(model, inputs)
-                    if tool == "fx16":
-                        from fx16 import cast_to_16_bit_precision
-
-                        cast_to_16_bit_precision(ep)
-                    elif tool != "fp32":
-                        from coreai_opt.casting import cast_to_16_bit_precision
-
-                        cast_to_16_bit_precision(ep)
-                counts = lowered_counts(ep)
-                cells = [str(counts[key]) for key in ("delegated", "outside", "casts", "constants")]
+                row = lowered(*executorch_program(tool, model, inputs), calls)
+                fp32_ms = row["ms"] if tool == "fp32" else fp32_ms
+                error = (row["output"].float() - reference).abs().max() / reference.abs().max()
+                cells = [str(row[key]) for key in ("delegated", "outside", "casts", "constants")]
+                cells += [f"{row['ms']:.2f} ms", f"{row['ms'] / fp32_ms:.2f}x" if fp32_ms else ""]
+                cells.append(f"{float(error):.1e}" if tool != "fp32" else "-")
             except Exception as failure:
-                cells = [
-                    f"{type(failure).__name__}: {str(failure).splitlines()[0][:80]}",
-                    "",
-                    "",
-                    "",
-                ]
+                reason = f"{type(failure).__name__}: {str(failure).splitlines()[0][:80]}"
+                cells = [reason] + [""] * (len(header) - 3)
             print(name, tool, cells, flush=True)
             lines.append(table_row([name, tool, *cells]))
     return lines
@@ -342,12 +367,14 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     if args.target == "executorch":
-        title, lines = "ExecuTorch with the XNNPACK delegate", run_executorch()
+        title, lines = "ExecuTorch with the XNNPACK delegate", run_executorch(args.calls * 5)
         intro = (
             f"Measured {date.today().isoformat()}, torch {torch.__version__}, ExecuTorch 1.5.1 "
             "(`pip install --no-deps executorch==1.5.1 ruamel.yaml flatbuffers tabulate` in "
             "a virtual environment beside torch): `python -m benchmarks.runtime executorch`, "
-            "the small shapes, batch 1, the XNNPACK partitioner."
+            f"the small shapes, batch 1, the XNNPACK partitioner; latency: the median of "
+            f"{args.calls * 5} calls in ExecuTorch's runtime (its Python bindings) on "
+            f"{os.cpu_count()} CPU cores."
         )
     else:
         title, lines = "torch.compile on CUDA", run_cuda(args)

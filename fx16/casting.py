@@ -93,6 +93,12 @@ def cast_fp32_to_fp16(
         choices fit the calibration inputs).
     force_fp32: names of nodes (as in ``ep.graph``) that must stay fp32, whatever the
         policy says; "output" returns outputs computed in fp32 as fp32.
+    scalars: which Python numbers of 16-bit ops become 0-d 16-bit constants, so that
+        ExecuTorch's ``to_edge`` casts no constant on every call: "exact" (the
+        default: those the 16-bit type holds, every result bit for bit eager's),
+        "rounded" (also those it rounds to a normal number, as ``to_edge``'s own
+        cast would at run time), "keep" (none; see
+        ``fx16.passes.ScalarsAsConstantsPass``).
     progress: show progress bars on stderr for the accuracy search and the weight
         conversion (None: only when stderr is a terminal).
 

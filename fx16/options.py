@@ -27,6 +27,7 @@ class Fp16Options:
     overflow_margin: float = 2.0
     input_ranges: dict | None = None
     force_fp32: Collection[str] | str = frozenset()
+    scalars: str = "exact"  # which Python numbers become 16-bit constants
 
     @classmethod
     def names(cls) -> frozenset[str]:

@@ -8,6 +8,7 @@ handed to ``torch.fx.passes.infra.pass_manager.PassManager`` as it is, or edited
 import inspect
 from dataclasses import replace
 
+import torch
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase
 
@@ -42,9 +43,11 @@ from fx16.passes import (
     PreserveCopiesPass,
     RecastAfterWritesPass,
     RecordStatsPass,
+    ScalarsAsConstantsPass,
     StabilizePass,
 )
 from fx16.passes.policy_pass import overflow_limit
+from fx16.passes.scalars_as_constants import FLOATS
 from fx16.plan.narrowing import check_mode
 from fx16.policy import PrecisionPolicy, as_names
 from fx16.program import Program
@@ -113,6 +116,7 @@ def _rewrites(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
         InsertFP16CastsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
         RecastAfterWritesPass(),
         CleanupCastsPass(program),
+        ScalarsAsConstantsPass(program, options.scalars, FLOATS),
     ]
 
 
@@ -176,7 +180,8 @@ def int16_passes(
     (reachability and unsafe indices feed the castable set; ranges are independent of
     both; with ``int16="observed"``, calibration before the ranges); the inserter
     next, then the input converter, which narrows only inputs that int16 ops read;
-    cleanup last. ``int16="off"``
+    cleanup next; last, the Python ints of int16 ops that int16 holds as int16
+    constants. ``int16="off"``
     gives an empty list. Options: see ``fx16.cast_int32_to_int16``.
     """
     reject_unknown(int16_passes, unknown)
@@ -198,6 +203,7 @@ def int16_passes(
         ConvertIntInputsPass(program, mode=int16),
         RecastAfterWritesPass(),
         CleanupCastsPass(program),
+        ScalarsAsConstantsPass(program, dtypes=(torch.int16,)),
     ]
 
 

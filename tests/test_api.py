@@ -31,6 +31,7 @@ from fx16.passes import (
     RecastAfterWritesPass,
     RecordStatsPass,
     RemoveNoopCastsPass,
+    ScalarsAsConstantsPass,
     StabilizePass,
 )
 from fx16.pipelines import run_passes
@@ -88,6 +89,7 @@ def test_pass_lists_are_fresh_instances():
         InsertFP16CastsPass,
         RecastAfterWritesPass,
         CleanupCastsPass,
+        ScalarsAsConstantsPass,
     ]
 
 

@@ -239,7 +239,7 @@ OPTION_ERRORS = [
         dict(input_range={"x": (0, 1)}),
         "unknown option(s) ['input_range']; accepted: ['calibration', 'eps_clamp', "
         "'explicit_fp32', 'force_fp32', 'input_ranges', 'int16', 'keep_io_types', "
-        "'overflow_margin', 'policy', 'routing', 'stabilize']",
+        "'overflow_margin', 'policy', 'routing', 'scalars', 'stabilize']",
     ),
     (
         fx16.cast_fp32_to_fp16,
@@ -292,7 +292,7 @@ OPTION_ERRORS = [
         "cast_fp32_to_fp16: unknown option(s) ['keep_io']; accepted: ['calibration', "
         "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', "
         "'max_rel_error', 'metric', 'overflow_margin', 'policy', 'progress', 'routing', "
-        "'stabilize', 'target_share', 'validation']",
+        "'scalars', 'stabilize', 'target_share', 'validation']",
     ),
     (
         fx16.cast_int32_to_int16,
@@ -305,7 +305,7 @@ OPTION_ERRORS = [
         dict(margin=2),
         "fp16_passes: unknown option(s) ['margin']; accepted: ['calibration', "
         "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', "
-        "'overflow_margin', 'policy', 'routing', 'stabilize']",
+        "'overflow_margin', 'policy', 'routing', 'scalars', 'stabilize']",
     ),
     (
         fx16.int16_passes,

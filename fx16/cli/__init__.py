@@ -23,6 +23,7 @@ from fx16.choices import (
     POLICY_PRESETS,
     PRECISION_NAMES,
     ROUTING_CHOICES,
+    SCALARS_CHOICES,
 )
 from fx16.cli.exits import BAD_INPUT, BUDGET_NOT_MET
 from fx16.version import installed_version
@@ -156,6 +157,14 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
         choices=ROUTING_CHOICES,
         default=None,
         help="where routers (an MoE's top-k gate) compute: fp32 (the policy's default) or 16-bit",
+    )
+    parser.add_argument(
+        "--scalars",
+        choices=SCALARS_CHOICES,
+        default="exact",
+        help="which Python numbers of 16-bit ops become 0-d 16-bit constants, so that "
+        "ExecuTorch's to_edge casts none on every call: exact (those 16-bit holds; the "
+        "default), rounded (also those it rounds to a normal number) or keep (none)",
     )
     parser.add_argument(
         "--stabilize",

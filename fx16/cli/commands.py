@@ -281,6 +281,7 @@ def _cast(source: Path, args, timings: Timings):
         target_share=args.target_share,
         metric=args.metric,
         validation=_validation_calls(ep, args),
+        scalars=args.scalars,
         progress=False if args.quiet else None,
     )
     timings.lap("cast")

@@ -15,6 +15,7 @@ from fx16.passes.record_stats import RecordStatsPass
 from fx16.passes.remove_identity_arithmetic import RemoveIdentityArithmeticPass
 from fx16.passes.remove_noop_casts import RemoveNoopCastsPass
 from fx16.passes.remove_unused_casts import RemoveUnusedCastsPass
+from fx16.passes.scalars_as_constants import ScalarsAsConstantsPass
 from fx16.passes.stabilize import StabilizePass
 
 __all__ = [
@@ -33,5 +34,6 @@ __all__ = [
     "RemoveIdentityArithmeticPass",
     "RemoveNoopCastsPass",
     "RemoveUnusedCastsPass",
+    "ScalarsAsConstantsPass",
     "StabilizePass",
 ]

@@ -12,8 +12,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    OutputKind,
+    TensorArgument,
+)
 from torch.fx import GraphModule, Node
 
 from fx16.errors import Fx16Error, InvalidProgramError, PassFailedError
@@ -118,6 +126,35 @@ class Program:
             tensor = torch.nn.Parameter(tensor, requires_grad=old.requires_grad)
         store[target] = tensor
         return tensor
+
+    def add_constant(self, stem: str, tensor: torch.Tensor) -> Node:
+        """A new tensor constant of the program, stored under an unused name that starts
+        with ``stem``, and the placeholder that feeds it to the graph: placed after the
+        program's other state and before the user inputs, as ``torch.export`` orders
+        them, with a ``val`` of the program's fake mode."""
+        ep, graph = self.ep, self.graph_module.graph
+        taken = set(ep.state_dict) | set(ep.constants)
+        target = next(f"{stem}{n}" for n in range(len(taken) + 1) if f"{stem}{n}" not in taken)
+        specs = list(ep.graph_signature.input_specs)
+        first_user = next(
+            (index for index, spec in enumerate(specs) if spec.kind not in _STATE_KINDS),
+            len(specs),
+        )
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        before = placeholders[first_user] if first_user < len(placeholders) else None
+        if before is None:
+            before = next((node for node in graph.nodes if node.op != "placeholder"), None)
+        with graph.inserting_before(before):
+            placeholder = graph.placeholder(f"c_{target}")
+        fake_mode = detect_fake_mode([node.meta.get("val") for node in placeholders])
+        placeholder.meta["val"] = (fake_mode or FakeTensorMode()).from_tensor(tensor)
+        specs.insert(
+            first_user,
+            InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(placeholder.name), target),
+        )
+        ep.constants[target] = tensor
+        ep._graph_signature = ExportGraphSignature(specs, ep.graph_signature.output_specs)
+        return placeholder
 
     def narrow_state(self, target: str, dtype: torch.dtype, may_flush: bool = True) -> None:
         """Decide that the plain fp32 tensor under ``target`` is stored in ``dtype``.
