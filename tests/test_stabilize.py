@@ -3,6 +3,7 @@ pattern's hard inputs, and leaves a program without the pattern as it was."""
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -319,3 +320,41 @@ def test_the_default_cast_holds_inputs_the_calibration_never_showed(case):
     rows = report_of(stable).rows
     assert not [row for row in rows if row.kind == "float" and row.dtype == "float32"]
     assert report_of(stable).totals.flop_share_16bit == 1.0
+
+
+PORTABLE_OPS = {
+    line.strip()
+    for line in (Path(__file__).parent / "data" / "executorch_portable_ops.txt")
+    .read_text()
+    .splitlines()
+    if line.strip() and not line.startswith("#")
+}
+
+
+def _out_variant(op: torch._ops.OpOverload) -> str | None:
+    """``op``'s out variant as ExecuTorch names its kernels ("mul.out", "pow.Scalar_out"):
+    the overload that takes the same arguments plus an ``out``."""
+    name = op._schema.name.split("::")[1]
+    packet = getattr(torch.ops.aten, name)
+    arguments = [(a.name, str(a.type)) for a in op._schema.arguments]
+    for overload in packet.overloads():
+        schema = getattr(packet, overload)._schema
+        if any(a.is_out for a in schema.arguments) and arguments == [
+            (a.name, str(a.type)) for a in schema.arguments if not a.is_out
+        ]:
+            return f"{name}.{overload}"
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_rewrite_adds_only_ops_executorch_runs(name):
+    """A program that lowers must also run: ExecuTorch's portable kernels lack some
+    core ATen ops (exp2), and a rewrite that used one failed there at its first call."""
+    model = CASES[name][0]()
+    before, after = _stabilized(model, torch.randn(3, 8))
+    added = {n.target for n in after.graph.nodes if n.op == "call_function"} - {
+        n.target for n in before.graph.nodes if n.op == "call_function"
+    }
+    assert added
+    missing = sorted(str(op) for op in added if _out_variant(op) not in PORTABLE_OPS)
+    assert not missing, f"{name} adds ops ExecuTorch has no kernel for: {missing}"

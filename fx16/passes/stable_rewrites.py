@@ -166,10 +166,12 @@ def _reduction(node) -> tuple[Node, list, bool, object] | None:
 def _power_of_two_near(make: _Builder, largest: Node, factor: float, parts, why: str) -> Node:
     """``2**floor(log2(max(largest * factor, 2**-14)))``: a power of two (dividing by it is
     exact in 16-bit), at least 16-bit's smallest normal. Its nodes and ``parts`` (what
-    ``largest`` is computed from) say ``why`` their rounding cancels."""
+    ``largest`` is computed from) say ``why`` their rounding cancels. The power is
+    ``pow(2.0, k)``, exact for an integer k, not ``exp2(k)``: ExecuTorch's kernels
+    have no exp2, and a program with one lowers but fails to run there."""
     clamped = make(aten.clamp.default, make(aten.mul.Tensor, largest, factor), 2.0**-14)
     exponent = make(aten.floor.default, make(aten.log2.default, clamped))
-    scale = make(aten.exp2.default, exponent)
+    scale = make(aten.pow.Scalar, 2.0, exponent)
     for part in (*parts, clamped, clamped.args[0], exponent, exponent.args[0], scale):
         part.meta[ROUNDING_CANCELS] = why
     for bounded in (clamped, scale):
