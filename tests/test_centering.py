@@ -6,6 +6,8 @@ mean| per group or slice) on calibration, or a batch norm's from its running sta
 Unseen inputs lie further from zero than the calibration inputs.
 """
 
+import math
+
 import pytest
 import torch
 from fuzz_profile import examples
@@ -29,6 +31,7 @@ from fx16.analysis.centering import (
     buffer_ratio,
     cancellation_ratio,
     centered_input,
+    running_statistics,
 )
 from fx16.decisions import PRECISION, Reason
 from fx16.program import Program
@@ -250,3 +253,176 @@ def test_a_narrow_column_is_judged_per_slice_inside_a_body_too():
         if node.target == torch.ops.aten.sub.Tensor
     ]
     assert marks and all(mark and "a - b per slice" in mark for mark in marks)
+
+
+# ---- each layout, pinned: what every op centres, from its real arguments -------------
+
+aten = torch.ops.aten
+X3 = torch.arange(2 * 8 * 5, dtype=torch.float32).reshape(2, 8, 5)
+X4 = torch.arange(2 * 8 * 3 * 5, dtype=torch.float32).reshape(2, 8, 3, 5)
+MEAN8, VAR8 = torch.arange(8.0), torch.full((8,), 4.0)
+
+
+@pytest.mark.parametrize(
+    ("target", "args", "values_shape", "dims", "center"),
+    [
+        (aten.layer_norm.default, (X3, [5]), (2, 8, 5), (2,), None),
+        (aten.layer_norm.default, (X3, [8, 5]), (2, 8, 5), (1, 2), None),
+        (
+            aten.native_layer_norm.default,
+            (X4, [3, 5], None, None, 1e-5),
+            (2, 8, 3, 5),
+            (2, 3),
+            None,
+        ),
+        (aten.group_norm.default, (X4, 2), (2, 2, 60), (2,), None),
+        (
+            aten.native_group_norm.default,
+            (X4, None, None, 2, 8, 15, 4, 1e-5),
+            (2, 4, 30),
+            (2,),
+            None,
+        ),
+        (
+            aten.batch_norm.default,
+            (X4, None, None, MEAN8, VAR8, False),
+            (2, 8, 3, 5),
+            (0, 2, 3),
+            "mean",
+        ),
+        (aten.batch_norm.default, (X3, None, None, MEAN8, VAR8, True), (2, 8, 5), (0, 2), None),
+        (aten.batch_norm.default, (X3, None, None, None, None, False), (2, 8, 5), (0, 2), None),
+        (aten.batch_norm.default, (X3, None, None, MEAN8, VAR8), (2, 8, 5), (0, 2), "mean"),
+        (
+            aten._native_batch_norm_legit.default,
+            (X3, None, None, MEAN8, VAR8, False, 0.1, 1e-5),
+            (2, 8, 5),
+            (0, 2),
+            "mean",
+        ),
+        (
+            aten._native_batch_norm_legit_no_training.default,
+            (X4, None, None, MEAN8, VAR8, 0.1, 1e-5),
+            (2, 8, 3, 5),
+            (0, 2, 3),
+            "mean",
+        ),
+        (
+            aten._native_batch_norm_legit.no_stats,
+            (X3, None, None, True, 0.1, 1e-5),
+            (2, 8, 5),
+            (0, 2),
+            None,
+        ),
+        (
+            aten.instance_norm.default,
+            (X4, None, None, None, None, True, 0.1, 1e-5, False),
+            (2, 8, 3, 5),
+            (2, 3),
+            None,
+        ),
+        (aten.var.correction, (X3, [1]), (2, 8, 5), (1,), None),
+        (aten.var.correction, (X3, [-1, 0]), (2, 8, 5), (2, 0), None),
+        (aten.var.correction, (X3, None), (2, 8, 5), (0, 1, 2), None),
+        (aten.var.correction, (X3,), (2, 8, 5), (0, 1, 2), None),
+        (aten.var.dim, (X3, -2), (2, 8, 5), (1,), None),
+        (aten.var_mean.correction, (X3, [2]), (2, 8, 5), (2,), None),
+        (aten.std.correction, (torch.tensor(3.0), None), (), (), None),
+        (aten.sub.Tensor, (X3, X3.mean(0, keepdim=True)), (2, 8, 5), (0,), "b"),
+        (aten.sub.Tensor, (X3, X3.amax(-1, keepdim=True)), (2, 8, 5), (2,), "b"),
+        (
+            aten.sub.Tensor,
+            (X3, X3[0, :, 0]),
+            (2, 8, 5),
+            None,
+            None,
+        ),  # (8,) against (2, 8, 5): not broadcastable
+        (aten.sub.Tensor, (X3.reshape(2, 40), X3.reshape(2, 40)[:1]), (2, 40), (0,), "b"),
+        (aten.sub.Tensor, (X3, X3.mean((0, 1), keepdim=True)), (2, 8, 5), (0, 1), "b"),
+    ],
+    ids=lambda value: str(value) if isinstance(value, torch._ops.OpOverload) else None,
+)
+def test_each_layout_names_its_groups_and_center(target, args, values_shape, dims, center):
+    if dims is None:
+        with pytest.raises(RuntimeError):
+            centered_input(target, args)
+        return
+    centered = centered_input(target, args)
+    assert tuple(centered.values.shape) == values_shape
+    assert centered.dims == dims
+    if center is None:
+        assert centered.center is None
+    elif center == "mean":
+        shape = [1, 8] + [1] * (args[0].dim() - 2)
+        assert centered.center.shape == tuple(shape) and torch.equal(
+            centered.center.flatten(), MEAN8
+        )
+    else:
+        assert torch.equal(
+            torch.broadcast_to(centered.center, values_shape),
+            torch.broadcast_to(args[1], values_shape),
+        )
+    source = args[0]
+    same_elements = source.numel() == math.prod(values_shape)
+    expected = source.reshape(values_shape) if same_elements else source.expand(values_shape)
+    assert torch.equal(centered.values, expected)
+
+
+@pytest.mark.parametrize(
+    ("target", "args"),
+    [
+        (aten.sub.Tensor, (X3, X3)),  # the same shape: no statistic
+        (aten.sub.Tensor, (X3, 2.0)),  # a scalar
+        (aten.sub.Tensor, (X3, torch.tensor(2.0))),  # one slice: the whole tensor
+        (aten.sub.Tensor, (X3[:1, :1], X3[:1, :1, :1])),  # (1, 1, 5) - (1, 1, 1): one slice
+        (aten.relu.default, (X3,)),
+        (aten.layer_norm.default, (torch.arange(6).reshape(2, 3), [3])),  # integers
+        (aten.layer_norm.default, (None, [3])),
+    ],
+)
+def test_an_op_without_a_centred_float_input_has_no_layout(target, args):
+    assert centered_input(target, args) is None
+
+
+def test_running_statistics_are_read_only_in_inference():
+    stats = (MEAN8, VAR8)
+    inference = aten._native_batch_norm_legit_no_training.default
+    got = running_statistics(inference, (X3, None, None, *stats, 0.1, 1e-5))
+    assert got[0] is MEAN8 and got[1] is VAR8
+    for target in (
+        aten.batch_norm.default,
+        aten.native_batch_norm.default,
+        aten._native_batch_norm_legit.default,
+    ):
+        got = running_statistics(target, (X3, None, None, *stats, False, 0.1, 1e-5))
+        assert got[0] is MEAN8 and got[1] is VAR8
+        assert running_statistics(target, (X3, None, None, *stats, True, 0.1, 1e-5)) is None
+        assert running_statistics(target, (X3, None, None, *stats)) is None
+    assert running_statistics(aten.layer_norm.default, (X3, [5], None, None, 1e-5, False)) is None
+
+
+def test_the_cancellation_ratio_pins_its_threshold_and_edge_cases():
+    assert cancellation_ratio(Centered(torch.tensor([[1000.0, 1001.0]]), (1,))) == pytest.approx(
+        2002
+    )
+    # the center given instead of the mean: max |x| / max |x - center|
+    given = Centered(torch.tensor([[10.0, 12.0]]), (1,), torch.tensor([[8.0]]))
+    assert cancellation_ratio(given) == pytest.approx(12 / 4)
+    # a deviation within 16 of fp32's roundings of the largest magnitude is constant
+    within = torch.tensor([[1.0, 1.0 + 2.0**-19]])
+    beyond = torch.tensor([[1.0, 1.0 + 2.0**-16]])
+    assert cancellation_ratio(Centered(within, (1,))) == 1.0
+    assert cancellation_ratio(Centered(beyond, (1,))) == pytest.approx(2.0**17, rel=1e-3)
+    # the worst group counts, not the first or an average of them
+    groups = torch.tensor([[0.0, 2.0], [100.0, 102.0], [5.0, 7.0]])
+    assert cancellation_ratio(Centered(groups, (1,))) == pytest.approx(102)
+    assert cancellation_ratio(Centered(torch.empty(0, 3), (1,))) == 1.0
+    assert cancellation_ratio(Centered(groups, ())) == 1.0
+    assert cancellation_ratio(Centered(torch.tensor([[float("inf"), 1.0]]), (1,))) == 1.0
+    assert cancellation_ratio(Centered(groups.half(), (1,))) == pytest.approx(102)
+
+
+def test_the_buffer_ratio_is_the_largest_mean_over_its_deviation():
+    assert buffer_ratio(torch.tensor([3.0]), torch.tensor([0.0])) == pytest.approx(3 / 1e-5**0.5)
+    assert buffer_ratio(torch.tensor([3.0, -8.0]), torch.tensor([9.0, 16.0]), eps=0.0) == 2.0
+    assert buffer_ratio(torch.empty(0), torch.empty(0)) == 1.0

@@ -7,7 +7,9 @@ cancelling subtractions. Each is checked on its decision alone, then against fp6
 
 import copy
 import math
+from types import SimpleNamespace
 
+import pytest
 import torch
 from fuzz_profile import examples
 from hypothesis import given, settings
@@ -16,8 +18,18 @@ from torch import nn
 
 import fx16
 from benchmarks.precision_zoo import RotaryAttention, SinusoidalPositions, TimestepEmbedding
+from fx16 import meta
 from fx16.analysis import CalibrationAnalysis, ConditioningAnalysis, ValueRangeAnalysis
+from fx16.analysis.conditioning import (
+    _cancellation,
+    _centering,
+    _exponential,
+    _logarithm,
+    _Ranges,
+    _with_interval,
+)
 from fx16.decisions import PRECISION, Reason
+from fx16.ops.numerics import INF_LIKE
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.program.stats import relative_error
@@ -205,3 +217,152 @@ def test_property_sinusoids_of_positions_stay_accurate(length, scale):
     ep = fx16.cast_fp32_to_fp16(export(model, torch.zeros(1, length)))
     x = torch.zeros(1, length)
     assert _fp64_error(model, ep, x) <= 3e-3
+
+
+# ---- the condition numbers themselves, against oracles that share no code --------------
+
+aten = torch.ops.aten
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(
+    scale=st.sampled_from([1.0, math.log(2.0), 0.1, 3.0]),
+    low=st.floats(-40, 40),
+    width=st.floats(0.01, 40),
+)
+def test_property_the_exponentials_kappa_is_its_largest_value_on_the_interval(scale, low, width):
+    """Oracle: max |x f'(x)| / max |f| of f = e^(scale x), on a dense grid of [low, high]."""
+    high = low + width
+    grid = torch.linspace(low, high, 200_001, dtype=torch.float64)
+    value = grid.mul(scale).exp()
+    oracle = float((grid.abs() * scale * value).max() / value.max())
+    assert _exponential(scale)(low, high) == pytest.approx(oracle, rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("low", "high", "kappa"),
+    [
+        (math.e, math.e**2, 0.5),
+        (0.5, 2.0, 1 / math.log(2.0)),
+        (1.0, math.e, 1.0),
+        (math.exp(-3), 1.0, 1 / 3),
+        (1.0, 1.0, math.inf),  # log of exactly 1: any rounding is all of the result
+        (0.0, 5.0, 0.0),  # outside log's domain: not a rounding question
+        (-2.0, 5.0, 0.0),
+    ],
+)
+def test_the_logarithms_kappa(low, high, kappa):
+    assert _logarithm(low, high) == pytest.approx(kappa)
+
+
+def test_an_interval_that_is_missing_or_unbounded_gives_no_condition_number():
+    def twice_high(low, high):
+        return 2 * high
+
+    assert _with_interval(None, "exp", twice_high) is None
+    assert _with_interval((-math.inf, 1.0), "exp", twice_high) is None
+    assert _with_interval((0.0, math.nan), "exp", twice_high) is None
+    assert _with_interval((-1.0, 3.0), "exp", twice_high) == (6.0, "exp of values in [-1, 3]")
+
+
+class _Proven:
+    """A FloatRanges stand-in: the proven interval of each value by name, and state."""
+
+    def __init__(self, intervals: dict, state: dict | None = None) -> None:
+        self.intervals, self.state = intervals, state or {}
+
+    def of(self, arg):
+        found = self.intervals.get(getattr(arg, "name", arg))
+        return None if found is None else SimpleNamespace(low=found[0], high=found[1])
+
+    def state_tensor(self, arg):
+        return self.state.get(getattr(arg, "name", arg))
+
+
+def _graph_node(target, *names, val=None) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    graph = torch.fx.Graph()
+    inputs = [graph.placeholder(name) for name in names]
+    node = graph.call_function(target, tuple(inputs))
+    node.meta["val"] = torch.empty(3) if val is None else val
+    return node, inputs
+
+
+def test_the_interval_read_is_the_proven_one_else_the_observed_one():
+    node, (x, y, z) = _graph_node(aten.add.Tensor, "x", "y", "z")
+    y.meta[meta.OBSERVED_INTERVAL], y.meta[meta.OBSERVED_MAX_ABS] = (-3.0, 2.0), 3.0
+    z.meta[meta.OBSERVED_MAX_ABS] = 7.0
+    ranges = _Ranges(_Proven({"x": (-5.0, 4.0), "y": (1.0, 2.0), "s": (-INF_LIKE, -INF_LIKE)}))
+    assert ranges.interval(x) == (-5.0, 4.0) and ranges.magnitude(x) == 5.0
+    assert ranges.interval(y) == (1.0, 2.0) and ranges.magnitude(y) == 2.0  # proven first
+    assert ranges.interval(z) is None and ranges.magnitude(z) == 7.0  # observed
+    assert ranges.interval("s") is None  # a sentinel and nothing else
+    assert _Ranges(_Proven({"i": (INF_LIKE, INF_LIKE)})).interval("i") is None
+    assert ranges.interval(2.0) is None and ranges.magnitude(2.0) is None
+
+
+class _Magnitudes:
+    def __init__(self, **values) -> None:
+        self.values = values
+
+    def magnitude(self, arg):
+        return self.values.get(arg.name)
+
+
+@pytest.mark.parametrize(
+    ("target", "a", "b", "result", "sliced", "want"),
+    [
+        (
+            aten.sub.Tensor,
+            1000.0,
+            10.0,
+            1.0,
+            None,
+            (1010.0, "a - b with |a| ~ 1e+03, |b| ~ 10, result 1"),
+        ),
+        (
+            aten.add.Tensor,
+            4.0,
+            4.0,
+            1.0,
+            None,
+            (8.0, "a + b with |a| ~ 4, |b| ~ 4, result 1"),
+        ),  # 8: cancels
+        (aten.add.Tensor, 4.0, 3.99, 1.0, None, None),  # just under 8
+        (aten.sub.Tensor, 4.0, 4.0, 0.0, None, None),  # a zero result: no ratio
+        (aten.sub.Tensor, INF_LIKE, 1.0, 1.0, None, None),  # an additive mask's sentinel
+        (aten.sub.Tensor, 1.0, INF_LIKE, 1.0, None, None),
+        (aten.sub.Tensor, None, 1.0, 1.0, None, None),
+        (aten.sub.Tensor, 1.0, None, 1.0, None, None),
+        (aten.sub.Tensor, 2.0, 2.0, 2.0, 50.0, (50.0, "per slice")),  # the worst slice
+        (aten.sub.Tensor, 100.0, 100.0, 2.0, 50.0, (100.0, "a - b with")),  # the whole is worse
+        (aten.sub.Tensor, 2.0, 2.0, 2.0, 8.0, (8.0, "per slice")),
+    ],
+)
+def test_the_cancellation_ratio_of_a_sum(target, a, b, result, sliced, want):
+    node, (left, right) = _graph_node(target, "a", "b")
+    if sliced is not None:
+        node.meta[CalibrationAnalysis.CENTERING_KEY] = sliced
+    got = _cancellation(node, _Magnitudes(a=a, b=b, **{node.name: result}))
+    if want is None:
+        assert got is None
+    else:
+        assert got[0] == pytest.approx(want[0]) and want[1] in got[1]
+
+
+def test_the_cancellation_inside_a_norm_is_observed_else_read_from_running_statistics():
+    norm = aten._native_batch_norm_legit_no_training.default
+    node, _ = _graph_node(norm, "x", "w", "b", "mean", "var")
+    node.args = (*node.args, 0.1, 1e-5)
+    node.meta[CalibrationAnalysis.CENTERING_KEY] = 10.0
+    assert _centering(node, _Proven({}))[0] == 10.0
+    assert "(observed)" in _centering(node, _Proven({}))[1]
+    node.meta[CalibrationAnalysis.CENTERING_KEY] = 7.99
+    assert _centering(node, _Proven({})) is None
+    del node.meta[CalibrationAnalysis.CENTERING_KEY]
+    mean, var = torch.tensor([40.0, 1.0]), torch.tensor([4.0, 1.0])
+    got = _centering(node, _Proven({}, {"mean": mean, "var": var}))
+    assert got[0] == pytest.approx(40 / math.sqrt(4 + 1e-5)) and "running statistics" in got[1]
+    assert _centering(node, _Proven({}, {"mean": mean})) is None  # one statistic unknown
+    assert _centering(node, _Proven({}, {"mean": mean * 0.1, "var": var})) is None  # 2: no
+    layer, _ = _graph_node(aten.layer_norm.default, "x", "shape")
+    assert _centering(layer, _Proven({}, {"mean": mean, "var": var})) is None
