@@ -14,7 +14,15 @@ import fx16
 from fx16.passes import ScalarsAsConstantsPass
 from fx16.passes.scalars_as_constants import folded_value
 from fx16.program import Program
-from helpers import assert_same_state, check_program, eager, export, run, state_snapshot
+from helpers import (
+    assert_same_state,
+    check_program,
+    eager,
+    export,
+    run,
+    run_fx16,
+    state_snapshot,
+)
 
 OPS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "div": operator.truediv}
 
@@ -275,3 +283,15 @@ def test_a_folded_scalar_gives_eager_or_its_own_rounding(op, scalar, dtype, mode
     assert torch.equal(got.view(torch.int16), want.view(torch.int16)) or (
         got.isnan().equal(want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
     )
+
+
+def test_the_command_line_takes_the_setting(tmp_path):
+    source = tmp_path / "scaled.pt2"
+    torch.export.save(export(Scaled(), torch.randn(4, 16)), source)
+    found = {}
+    for setting in ("exact", "keep"):
+        target = tmp_path / f"{setting}.pt2"
+        result = run_fx16(["cast", source, "-o", target, "--scalars", setting])
+        assert result.returncode == 0, result.stderr
+        found[setting] = len(constant_specs(torch.export.load(target)))
+    assert found == {"exact": 3, "keep": 0}
