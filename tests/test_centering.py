@@ -328,6 +328,7 @@ MEAN8, VAR8 = torch.arange(8.0), torch.full((8,), 4.0)
         (aten.var.dim, (X3, -2), (2, 8, 5), (1,), None),
         (aten.var_mean.correction, (X3, [2]), (2, 8, 5), (2,), None),
         (aten.std.correction, (torch.tensor(3.0), None), (), (), None),
+        (aten.var.correction, (torch.tensor(3.0), [0]), (), (), None),  # a 0-d input's dim 0
         (aten.sub.Tensor, (X3, X3.mean(0, keepdim=True)), (2, 8, 5), (0,), "b"),
         (aten.sub.Tensor, (X3, X3.amax(-1, keepdim=True)), (2, 8, 5), (2,), "b"),
         (
@@ -398,6 +399,8 @@ def test_running_statistics_are_read_only_in_inference():
         assert got[0] is MEAN8 and got[1] is VAR8
         assert running_statistics(target, (X3, None, None, *stats, True, 0.1, 1e-5)) is None
         assert running_statistics(target, (X3, None, None, *stats)) is None
+        got = running_statistics(target, (X3, None, None, *stats, False))  # training last
+        assert got[0] is MEAN8 and got[1] is VAR8
     assert running_statistics(aten.layer_norm.default, (X3, [5], None, None, 1e-5, False)) is None
 
 

@@ -336,6 +336,8 @@ class _Magnitudes:
         (aten.sub.Tensor, 2.0, 2.0, 2.0, 50.0, (50.0, "per slice")),  # the worst slice
         (aten.sub.Tensor, 100.0, 100.0, 2.0, 50.0, (100.0, "a - b with")),  # the whole is worse
         (aten.sub.Tensor, 2.0, 2.0, 2.0, 8.0, (8.0, "per slice")),
+        (aten.sub.Tensor, 8.0, 8.0, 2.0, 8.0, (8.0, "a - b with")),  # a tie: the whole
+        (aten.sub.Tensor, 4.0, 4.0, 0.0, 50.0, (50.0, "(observed; over the whole tensor 0x)")),
     ],
 )
 def test_the_cancellation_ratio_of_a_sum(target, a, b, result, sliced, want):
@@ -356,12 +358,15 @@ def test_the_cancellation_inside_a_norm_is_observed_else_read_from_running_stati
     node.meta[CalibrationAnalysis.CENTERING_KEY] = 10.0
     assert _centering(node, _Proven({}))[0] == 10.0
     assert "(observed)" in _centering(node, _Proven({}))[1]
+    node.meta[CalibrationAnalysis.CENTERING_KEY] = 8.0  # three bits lost: cancels
+    assert _centering(node, _Proven({}))[0] == 8.0
     node.meta[CalibrationAnalysis.CENTERING_KEY] = 7.99
     assert _centering(node, _Proven({})) is None
     del node.meta[CalibrationAnalysis.CENTERING_KEY]
     mean, var = torch.tensor([40.0, 1.0]), torch.tensor([4.0, 1.0])
     got = _centering(node, _Proven({}, {"mean": mean, "var": var}))
-    assert got[0] == pytest.approx(40 / math.sqrt(4 + 1e-5)) and "running statistics" in got[1]
+    assert got[0] == pytest.approx(40 / math.sqrt(4 + 1e-5))
+    assert got[1].endswith("largest deviation from the mean (from its running statistics)")
     assert _centering(node, _Proven({}, {"mean": mean})) is None  # one statistic unknown
     assert _centering(node, _Proven({}, {"mean": mean * 0.1, "var": var})) is None  # 2: no
     layer, _ = _graph_node(aten.layer_norm.default, "x", "shape")
