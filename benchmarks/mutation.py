@@ -36,6 +36,17 @@ _DECISION_FROM_ISLAND = (
     "no reason or detail in the choice: the planner makes a {} cast's decision from the "
     "region's verdict and never reads the choice's reason or detail"
 )
+_NO_EMPTY_RATIOS = (
+    "no ratios while the values have elements: a group is what the reduced dims leave, "
+    "and an input without elements returned 1.0 before"
+)
+_FINITE_RATIO = (
+    "a ratio is counted only where the deviation exceeds 16 fp32 roundings of the "
+    "largest magnitude, so it is below 1 / (16 eps), never infinite or NaN"
+)
+_CANDIDATE_AT_END = (
+    "`<=` at the interval's end: the stationary point is then the end itself, already a candidate"
+)
 EQUIVALENT: dict[str, str] = {
     "fx16.ops.numerics.x_round_scalar_to_fp16__mutmut_19": (
         "`<= tiny`: at exactly the smallest subnormal, lifting to it and rounding give it"
@@ -199,6 +210,24 @@ EQUIVALENT: dict[str, str] = {
     "fx16.analysis.underflow.xǁUnderflowAnalysisǁwidened__mutmut_12": (
         "`or 2.0`: the largest magnitude is falsy only where calibration saw no nonzero "
         "value, and then there is no smallest one to widen (the verdict returned before)"
+    ),
+    # run 6: the cancellation analyses
+    "fx16.analysis.centering.x__batch_norm__mutmut_17": (
+        "`args[4] is None` for `args[3]`: torch takes a batch norm's running mean and "
+        "variance together or not at all"
+    ),
+    "fx16.analysis.centering.x_cancellation_ratio__mutmut_33": _NO_EMPTY_RATIOS,
+    "fx16.analysis.centering.x_cancellation_ratio__mutmut_35": _NO_EMPTY_RATIOS,
+    "fx16.analysis.centering.x_cancellation_ratio__mutmut_37": _FINITE_RATIO,
+    "fx16.analysis.centering.x_cancellation_ratio__mutmut_39": _FINITE_RATIO,
+    "fx16.analysis.conditioning.x__exponential__mutmut_8": _CANDIDATE_AT_END,
+    "fx16.analysis.conditioning.x__exponential__mutmut_12": _CANDIDATE_AT_END,
+    "fx16.analysis.conditioning.x__cancellation__mutmut_19": (
+        "`else 1.0` for a zero result's whole-tensor ratio: below 8 either way, and the "
+        "text that shows it is read only where the slice's ratio wins"
+    ),
+    "fx16.analysis.conditioning.x__cancellation__mutmut_25": (
+        "a missing slice ratio read as 1.0, not 0.0: below 8, and below a whole ratio that passed 8"
     ),
 }
 

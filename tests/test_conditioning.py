@@ -371,3 +371,23 @@ def test_the_cancellation_inside_a_norm_is_observed_else_read_from_running_stati
     assert _centering(node, _Proven({}, {"mean": mean * 0.1, "var": var})) is None  # 2: no
     layer, _ = _graph_node(aten.layer_norm.default, "x", "shape")
     assert _centering(layer, _Proven({}, {"mean": mean, "var": var})) is None
+
+
+def test_the_mark_states_the_condition_number_and_the_error_it_gives():
+    """sin of angles up to 8 (kappa 8): fp16's unit roundoff is 2**-11, so its input's
+    rounding moves it by 8 * 2**-11 = 0.0039, above the default 2**-10."""
+    mark = _analyse(export(Angles(8.0 / 2047), torch.randn(1, 2048)))["sin"]
+    assert mark == (
+        "sin of values up to 8: condition number 8, so 16-bit rounding of its input moves "
+        "it by 0.0039 (tolerance 0.00098)"
+    )
+
+
+def test_a_second_run_clears_the_first_runs_marks_and_findings():
+    ep = export(Angles(1.0), torch.randn(4, 2048))
+    assert _analyse(ep)["sin"] is not None
+    sin = next(node for node in ep.graph.nodes if node.name == "sin")
+    assert isinstance(sin.meta[ConditioningAnalysis.FINDING_KEY].kappa, float)
+    policy = PrecisionPolicy.custom(precision_tolerance=math.inf)
+    assert all(mark is None for mark in _analyse(ep, policy).values())
+    assert not any(ConditioningAnalysis.FINDING_KEY in node.meta for node in ep.graph.nodes)
