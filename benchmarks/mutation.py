@@ -44,6 +44,7 @@ _FINITE_RATIO = (
     "a ratio is counted only where the deviation exceeds 16 fp32 roundings of the "
     "largest magnitude, so it is below 1 / (16 eps), never infinite or NaN"
 )
+_OPNAME_DEFAULT = "the `_opname` default: every conditioned op is an OpOverload, which has one"
 _CANDIDATE_AT_END = (
     "`<=` at the interval's end: the stationary point is then the end itself, already a candidate"
 )
@@ -225,6 +226,13 @@ EQUIVALENT: dict[str, str] = {
     "fx16.analysis.conditioning.x__cancellation__mutmut_19": (
         "`else 1.0` for a zero result's whole-tensor ratio: below 8 either way, and the "
         "text that shows it is read only where the slice's ratio wins"
+    ),
+    "fx16.analysis.conditioning.x__condition__mutmut_6": _OPNAME_DEFAULT,
+    "fx16.analysis.conditioning.x__condition__mutmut_9": _OPNAME_DEFAULT,
+    "fx16.analysis.conditioning.x__condition__mutmut_12": _OPNAME_DEFAULT,
+    "fx16.analysis.conditioning.x__condition__mutmut_54": (
+        "`or` for `and`: of the conditioned ops only pow(b, x) takes a number first, and a "
+        "sum that reaches this line reads two nodes"
     ),
     "fx16.analysis.conditioning.x__cancellation__mutmut_25": (
         "a missing slice ratio read as 1.0, not 0.0: below 8, and below a whole ratio that passed 8"

@@ -43,7 +43,7 @@ def _analyse(ep, policy=None, calibration=None):
     CalibrationAnalysis(program, calibration)(ep.graph_module)
     ValueRangeAnalysis(program)(ep.graph_module)
     result = ConditioningAnalysis(program, policy)(ep.graph_module)
-    assert not result.modified
+    assert result.modified is False and result.graph_module is ep.graph_module
     return {node.name: node.meta.get(KEY) for node in ep.graph_module.graph.nodes}
 
 
@@ -391,3 +391,24 @@ def test_a_second_run_clears_the_first_runs_marks_and_findings():
     policy = PrecisionPolicy.custom(precision_tolerance=math.inf)
     assert all(mark is None for mark in _analyse(ep, policy).values())
     assert not any(ConditioningAnalysis.FINDING_KEY in node.meta for node in ep.graph.nodes)
+
+
+class PowerOfTen(nn.Module):
+    def forward(self, x):
+        return torch.pow(10.0, x)
+
+
+def test_a_power_of_a_number_is_conditioned_by_its_exponents_range():
+    """pow(b, x): kappa = max |x ln b|; over [-2, 3] with b = 10, 3 ln 10 = 6.9."""
+    x = torch.tensor([-2.0, 0.5, 3.0])
+    mark = _analyse(export(PowerOfTen(), x))["pow_1"]
+    assert mark.startswith("10 ** x of values in [-2, 3]: condition number 6.91,")
+    assert _analyse(export(PowerOfTen(), x * 0.1))["pow_1"] is None  # kappa 0.69
+
+
+def test_a_periodic_op_of_small_angles_counts_a_condition_number_of_one():
+    """Below 1 rad the relative error of sin stays that of its input: kappa 1, which a
+    tolerance between 1 and 2 units of roundoff (6e-4) lets pass."""
+    policy = PrecisionPolicy.custom(precision_tolerance=6e-4)
+    assert _analyse(export(Angles(0.5 / 2047), torch.randn(1, 2048)), policy)["sin"] is None
+    assert _analyse(export(Angles(1.5 / 2047), torch.randn(1, 2048)), policy)["sin"]
