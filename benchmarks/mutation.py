@@ -223,9 +223,8 @@ EQUIVALENT: dict[str, str] = {
     "fx16.analysis.centering.x_cancellation_ratio__mutmut_39": _FINITE_RATIO,
     "fx16.analysis.conditioning.x__exponential__mutmut_8": _CANDIDATE_AT_END,
     "fx16.analysis.conditioning.x__exponential__mutmut_12": _CANDIDATE_AT_END,
-    "fx16.analysis.conditioning.x__cancellation__mutmut_19": (
-        "`else 1.0` for a zero result's whole-tensor ratio: below 8 either way, and the "
-        "text that shows it is read only where the slice's ratio wins"
+    "fx16.analysis.conditioning.x__condition__mutmut_88": (
+        "`args[:3]`: torch.export writes a sum's alpha as a keyword, so its args are (a, b)"
     ),
     "fx16.analysis.conditioning.x__condition__mutmut_6": _OPNAME_DEFAULT,
     "fx16.analysis.conditioning.x__condition__mutmut_9": _OPNAME_DEFAULT,

@@ -412,3 +412,19 @@ def test_a_periodic_op_of_small_angles_counts_a_condition_number_of_one():
     policy = PrecisionPolicy.custom(precision_tolerance=6e-4)
     assert _analyse(export(Angles(0.5 / 2047), torch.randn(1, 2048)), policy)["sin"] is None
     assert _analyse(export(Angles(1.5 / 2047), torch.randn(1, 2048)), policy)["sin"]
+
+
+class Powers(nn.Module):
+    def forward(self, x):
+        return torch.pow(0.0, x), torch.pow(0.5, x), x**12, x - 10.0
+
+
+def test_each_power_rule_reads_its_own_operand():
+    """pow(0, x) is no rounding question; pow(0.5, x) over [-20, 10]: kappa 20 ln 2 = 13.9;
+    x ** 12: kappa 12; x - 10 (a number, not two tensors): no cancellation rule."""
+    marks = _analyse(export(Powers(), torch.tensor([-20.0, 1.0, 10.0])))
+    pows = [name for name in marks if name.startswith("pow")]
+    assert marks[pows[0]] is None
+    assert marks[pows[1]].startswith("0.5 ** x of values in [-20, 10]: condition number 13.9,")
+    assert marks[pows[2]].startswith("x ** 12: condition number 12,")
+    assert marks["sub"] is None
