@@ -153,3 +153,32 @@ def test_a_pass_that_keeps_dtypes_is_held_to_fp32_tolerance():
     original = case.export()
     ep = check_pass(case, ReluAsClamp())
     assert check_outputs(original, ep, case.args) == 2
+
+
+class OwnBf16Copy(torch.nn.Module):
+    def forward(self, x):
+        return (x * 3).to(torch.bfloat16).float() - x, x * 3
+
+
+def test_a_models_own_coarser_rounding_widens_the_bound_by_one_of_its_ulps():
+    """Cast to fp16, a value the model rounds to bf16 itself can fall the other way when
+    the cast computes it an fp16 ulp apart (found by the long fuzz: a bf16 copy of a
+    stabilized norm): the bound holds one bf16 ulp (2**-7) more; a program without a
+    coarser value of its own does not get it."""
+    from fx16.testing.oracle import float_bounds
+
+    x = torch.randn(8, 16)
+    original = torch.export.export(OwnBf16Copy(), (x,))
+    cast = fx16.cast_fp32_to_fp16(torch.export.export(OwnBf16Copy(), (x,)))
+    expected = [out.detach() for out in original.module()(x)]
+    with_bf16 = float_bounds(original, cast, (x,), expected)
+    assert all(bound >= 2.0**-7 for bound in with_bf16)
+    plain_original = torch.export.export(_Triple(), (x,))
+    plain_cast = fx16.cast_fp32_to_fp16(torch.export.export(_Triple(), (x,)))
+    plain = float_bounds(plain_original, plain_cast, (x,), [plain_original.module()(x)])
+    assert plain[0] < 2.0**-7
+
+
+class _Triple(torch.nn.Module):
+    def forward(self, x):
+        return x * 3

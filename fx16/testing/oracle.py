@@ -111,13 +111,25 @@ def float_bounds(
     if low is None:
         return [FP32_TOLERANCE if _is_float(want) else float("inf") for want in expected]
     emulated = emulated_outputs(original, cast, args, low)
-    floor = OUTPUT_ROUNDINGS * torch.finfo(low).eps / 2
+    floor = OUTPUT_ROUNDINGS * torch.finfo(low).eps / 2 + _coarser_flip(original, low)
     return [
         EMULATED_FACTOR * output_error(want, emulation.to(want.dtype)) + floor
         if _is_float(want)
         else float("inf")
         for want, emulation in zip(expected, emulated)
     ]
+
+
+def _coarser_flip(original: ExportedProgram, low: torch.dtype) -> float:
+    """One ulp (relative) of the coarsest 16-bit dtype the original program rounds values
+    to itself, where it is coarser than ``low`` (a model's own bf16 copy in a program cast
+    to fp16), else 0: a value the cast computes an ulp of ``low`` away from the
+    emulation's may round to that coarser type the other way, a whole ulp of it that
+    no emulation can foresee."""
+    eps = torch.finfo(low).eps
+    held = [dtype for dtype, count in _sixteen_bit_counts(original).items() if count]
+    coarser = [torch.finfo(dtype).eps for dtype in held if torch.finfo(dtype).eps > eps]
+    return max(coarser, default=0.0)
 
 
 def _is_float(value) -> bool:
