@@ -47,11 +47,11 @@ from fx16.passes import (
     StabilizePass,
 )
 from fx16.passes.policy_pass import overflow_limit
-from fx16.passes.scalars_as_constants import FLOATS
 from fx16.plan.narrowing import check_mode
 from fx16.policy import PrecisionPolicy, as_names
 from fx16.program import Program
 from fx16.program.names import check_names
+from fx16.program.nodes import SIXTEEN_BIT_DTYPES
 
 
 def fp16_passes(ep, options: Fp16Options | None = None, **keywords) -> list[PassBase]:
@@ -116,7 +116,7 @@ def _rewrites(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
         InsertFP16CastsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
         RecastAfterWritesPass(),
         CleanupCastsPass(program),
-        ScalarsAsConstantsPass(program, options.scalars, FLOATS),
+        ScalarsAsConstantsPass(program, options.scalars, SIXTEEN_BIT_DTYPES),
     ]
 
 

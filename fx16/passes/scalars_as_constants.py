@@ -8,10 +8,9 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from fx16.choices import SCALARS_CHOICES as MODES
 from fx16.errors import InvalidOptionError
 from fx16.program import Program
-from fx16.program.nodes import node_val
+from fx16.program.nodes import SIXTEEN_BIT_DTYPES, node_val
 
-FLOATS = (torch.float16, torch.bfloat16)
-SIXTEEN_BIT = (*FLOATS, torch.int16)
+SIXTEEN_BIT = (*SIXTEEN_BIT_DTYPES, torch.int16)
 STEM = "fx16_scalar_"
 
 
