@@ -182,3 +182,31 @@ def test_a_models_own_coarser_rounding_widens_the_bound_by_one_of_its_ulps():
 class _Triple(torch.nn.Module):
     def forward(self, x):
         return x * 3
+
+
+class _TinyGuard(torch.nn.Module):
+    def forward(self, x):
+        return (x - x) + 1e-9, x * 3
+
+
+def test_an_output_near_the_subnormals_may_be_off_by_a_subnormal_and_no_more():
+    """The bound holds a few roundings of each output, and an output of 1e-9 rounds in
+    steps of fp16's subnormal 2**-24, not of its own magnitude: fx16 keeps the guard
+    ``0 + 1e-9`` at 2**-24 (60 times 1e-9), which the bound allows (found by the long
+    fuzz); an output of ordinary size keeps its relative bound, and an output of 1e-9
+    off by 10 subnormals is beyond it."""
+    from fx16.testing.checks import check_outputs
+    from fx16.testing.oracle import OUTPUT_ROUNDINGS, check_floats, float_bounds
+
+    x = torch.randn(4, 8)
+    original = torch.export.export(_TinyGuard(), (x,))
+    cast = fx16.cast_fp32_to_fp16(torch.export.export(_TinyGuard(), (x,)))
+    assert check_outputs(original, cast, (x,)) == 2
+    tiny, ordinary = [out.detach() for out in original.module()(x)]
+    bounds = float_bounds(original, cast, (x,), [tiny, ordinary])
+    half_subnormal = 2.0**-25
+    assert bounds[0] >= OUTPUT_ROUNDINGS * half_subnormal / 1e-9
+    assert bounds[1] < 1e-2
+    off = tiny + 10 * 2.0**-24
+    with pytest.raises(AssertionError, match="float output 0"):
+        check_floats(original, cast, (x,), [tiny, ordinary], [off, ordinary])

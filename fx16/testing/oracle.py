@@ -111,13 +111,29 @@ def float_bounds(
     if low is None:
         return [FP32_TOLERANCE if _is_float(want) else float("inf") for want in expected]
     emulated = emulated_outputs(original, cast, args, low)
-    floor = OUTPUT_ROUNDINGS * torch.finfo(low).eps / 2 + _coarser_flip(original, low)
+    flip = _coarser_flip(original, low)
     return [
-        EMULATED_FACTOR * output_error(want, emulation.to(want.dtype)) + floor
+        EMULATED_FACTOR * output_error(want, emulation.to(want.dtype))
+        + OUTPUT_ROUNDINGS * _rounding(want, low)
+        + flip
         if _is_float(want)
         else float("inf")
         for want, emulation in zip(expected, emulated)
     ]
+
+
+def _rounding(want: torch.Tensor, low: torch.dtype) -> float:
+    """The most one rounding of ``want`` to ``low`` moves it, relative to its largest
+    ordinary magnitude (``output_error``'s scale): half an eps of each value, or half
+    the smallest subnormal where that is more. Values near or below the subnormal
+    range round in steps of the subnormal: there a 16-bit program is off by a
+    subnormal however it computes (a guard ``0 + 1e-9`` kept at the subnormal rather
+    than flushed), and that is nothing relative to an output of ordinary size."""
+    info = torch.finfo(low)
+    ordinary = torch.isfinite(want) & (want.abs() < INF_LIKE)
+    scale = want[ordinary].abs().max().item() if bool(ordinary.any()) else 0.0
+    half_subnormal = info.tiny * info.eps / 2
+    return max(info.eps / 2, half_subnormal / scale) if scale else info.eps / 2
 
 
 def _coarser_flip(original: ExportedProgram, low: torch.dtype) -> float:
