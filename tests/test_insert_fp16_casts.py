@@ -147,6 +147,62 @@ def test_creation_op_with_out_of_range_fill_stays_fp32():
     assert _only(ep, aten.arange.default).kwargs["dtype"] == torch.float16
 
 
+class TinyFills(torch.nn.Module):
+    """Two tensors filled below fp16's smallest subnormal (6e-8): one returned as it is,
+    one added to the divisor of ``x / |x|`` as a guard."""
+
+    def forward(self, x):
+        value = torch.full((2, 5), 1e-9)
+        guard = torch.full((2, 5), 1e-12)
+        return value, x / (x.abs() + guard)
+
+
+class ScaledByFill(torch.nn.Module):
+    def __init__(self, fill):
+        super().__init__()
+        self.fill = fill
+
+    def forward(self, x):
+        return x * torch.full((5,), self.fill)
+
+
+def test_a_fill_below_the_subnormals_rounds_to_nearest_unless_it_is_added_as_a_guard():
+    """A filled tensor is made the way eager makes it in fp16: the fill rounds to the
+    nearest fp16 value, 0 for 1e-9 (clamped to 2**-24 it would be 60 times the fp32
+    value; the long fuzz found that on an output), and the decision says it flushed. A
+    fill an add reads is a guard, clamped to the smallest subnormal like a scalar
+    ``+ 1e-12``, so a zero divisor stays nonzero."""
+    x = torch.tensor([[0.0, 1.0, -2.0, 3.0, 0.5]] * 2)
+    ep = export(TinyFills(), x)
+    _insert(ep)
+    check_program(ep)
+    value, guarded = run(ep, x)
+    assert value.dtype == torch.float16 and torch.equal(value, torch.zeros(2, 5).half())
+    assert torch.equal(guarded.float(), torch.tensor([[0.0, 1.0, -1.0, 1.0, 1.0]] * 2))
+    filled, guard = (
+        node for node in ep.graph_module.graph.nodes if node.target == aten.full.default
+    )
+    assert filled.args[1] == 1e-9  # kept as written; the fp16 kernel rounds it
+    assert filled.meta[PRECISION].reason == Reason.FITS
+    assert filled.meta[PRECISION].detail == "flushed to zero: 1e-09 -> 0"
+    assert guard.args[1] == 2.0**-24
+    assert guard.meta[PRECISION].reason == Reason.SCALAR_CLAMPED
+    assert guard.meta[PRECISION].detail == "1e-12 -> 5.96e-08"
+
+
+def test_a_fill_at_half_the_smallest_subnormal_flushes_and_just_above_it_does_not():
+    """Round half to even: 2**-25 is halfway between 0 and 2**-24 and rounds to 0."""
+    for fill, expected in ((2.0**-25, 0.0), (2.0**-25 * 1.0001, 2.0**-24), (1e-7, 2.0**-23)):
+        ep = export(ScaledByFill(fill), torch.randn(2, 5))
+        _insert(ep)
+        full = _only(ep, aten.full.default)
+        assert full.meta["val"].dtype == torch.float16
+        flushed = full.meta[PRECISION].detail.startswith("flushed to zero")
+        assert flushed == (expected == 0.0), fill
+        made = torch.full((1,), full.args[1], dtype=torch.float16)
+        assert made.item() == expected, fill
+
+
 class ExplicitDtype(torch.nn.Module):
     def forward(self, x):
         return x.softmax(-1, dtype=torch.float32) + x.sum(-1, keepdim=True, dtype=torch.float32)

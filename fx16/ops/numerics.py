@@ -76,6 +76,12 @@ def scalar_for_16_bit_op(
     return value
 
 
+def flushes_to_zero(value: float, dtype: torch.dtype = torch.float16) -> bool:
+    """A nonzero ``value`` that rounds to zero in ``dtype``: at most half the smallest
+    subnormal (the halfway case rounds to the even zero)."""
+    return 0 < abs(value) <= smallest_subnormal(dtype) / 2
+
+
 def scalar_overflows(value: float, dtype: torch.dtype = torch.float16) -> bool:
     """``round_scalar_to_fp16(value, dtype)`` is None: a finite magnitude beyond the
     dtype's maximum that is not an infinity-like sentinel."""

@@ -21,7 +21,7 @@ from torch.fx import GraphModule, Node
 from fx16 import meta
 from fx16.analysis.islands import island_decision
 from fx16.decisions import Reason, decision, decision_of
-from fx16.ops.numerics import round_scalar_to_fp16, scalar_for_16_bit_op, smallest_subnormal
+from fx16.ops.numerics import flushes_to_zero
 from fx16.ops.tables import (
     ASSERT_METADATA_OPS,
     CAST_OPS,
@@ -41,7 +41,7 @@ from fx16.plan.precedence import (
 )
 from fx16.plan.steps import Plan, Read, Step
 from fx16.plan.structural import plan_assertion, plan_getitem, plan_in_place
-from fx16.plan.values import follow, narrowed_arguments
+from fx16.plan.values import follow, narrowed_arguments, scalar_arguments
 from fx16.plan.view import View
 from fx16.policy import PrecisionPolicy
 from fx16.program.aliases import written_in_place
@@ -188,6 +188,11 @@ class Planner:
         raise _unplanned(choice, node)
 
     def creation(self, node: Node) -> Step | None:
+        """A tensor made from scalars (``full``, ``arange``) in fp32: made in 16-bit unless
+        a rule keeps it. Its numbers stay as written and the 16-bit kernel rounds what it
+        makes to nearest, as eager does (a fill below half the smallest subnormal is
+        zero, which the decision's detail says; clamped to the subnormal, it would be
+        further from the fp32 value); an infinity-like sentinel is saturated."""
         if node_dtype(node) != FP32:
             return None
         view = self.view(node)
@@ -200,29 +205,26 @@ class Planner:
             return Step(choice, decision(FP32, choice.reason, choice.detail), node_val(node))
         if choice.action != Action.LOW:
             raise _unplanned(choice, node)
-        rounded = tuple(
-            (location, round_scalar_to_fp16(value, self.low))
-            for location, value in view.scalars
-            if isinstance(value, float)
-        )
+        guard = any(user.target in GUARDING_OPS for user in node.users)
+        arguments, clamped = scalar_arguments(view, self.low, guard)
+        flushed = [
+            (value, 0.0)
+            for _, value in view.scalars
+            if isinstance(value, float) and not guard and flushes_to_zero(value, self.low)
+        ]
+        if clamped:
+            found = decision(self.low, Reason.SCALAR_CLAMPED, _changes(clamped))
+        else:
+            found = decision(self.low, Reason.FITS, _changes(flushed, "flushed to zero: "))
         val = retype_val(node_val(node), self.low)
-        return Step(choice, decision(self.low, Reason.FITS), val, arguments=rounded)
+        return Step(choice, found, val, arguments=tuple(arguments))
 
     def in_low(self, node: Node, choice: Choice, view: View) -> Step:
         """Computed in 16-bit: its fp32 inputs that may be narrowed are, its float
         scalars kept as eager applies them (a sentinel saturated, a nonzero one below
         the subnormals that the op adds clamped to them: ``scalar_for_16_bit_op``), its
         fp32 dtype arguments made 16-bit."""
-        arguments, clamped = [], []
-        for location, value in view.scalars:
-            guard = node.target in GUARDING_OPS
-            rounded = (
-                scalar_for_16_bit_op(value, self.low, guard) if isinstance(value, float) else value
-            )
-            if rounded != value:
-                arguments.append((location, rounded))
-                if value and abs(value) < smallest_subnormal(self.low):
-                    clamped.append((value, rounded))
+        arguments, clamped = scalar_arguments(view, self.low, node.target in GUARDING_OPS)
         arguments += [(at, self.low) for at, dtype in dtype_arguments(node) if dtype == FP32]
         narrowed = (
             tuple(a for a in view.fp32_inputs if view.downcastable(a)) if view.fp32_inputs else ()
@@ -243,8 +245,7 @@ class Planner:
         if meta.refuted(node):
             step.decision = decision(self.low, Reason.NOT_WORTH_FP32, meta.refuted(node))
         elif clamped:
-            said = ", ".join(f"{value:g} -> {new:.3g}" for value, new in clamped)
-            step.decision = decision(self.low, Reason.SCALAR_CLAMPED, said)
+            step.decision = decision(self.low, Reason.SCALAR_CLAMPED, _changes(clamped))
         elif choice.detail:
             step.decision = decision(self.low, Reason.FITS, choice.detail)
         return step
@@ -281,6 +282,12 @@ def _fed_as_exported(node: Node) -> bool:
     check them."""
     kind = role(node.target) if node.op == "call_function" else None
     return kind == "opaque" or (kind == "autocast" and not node.args[2])
+
+
+def _changes(changed: list, prefix: str = "") -> str:
+    """``[(1e-12, 5.96e-08)]`` as "1e-12 -> 5.96e-08" for a decision's detail ("": none)."""
+    said = ", ".join(f"{value:g} -> {new:.3g}" for value, new in changed)
+    return prefix + said if said else ""
 
 
 def _fp32_tensor(val) -> bool:

@@ -13,7 +13,12 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from fx16.decisions import Reason, decision
-from fx16.ops.numerics import largest, round_scalar_to_fp16
+from fx16.ops.numerics import (
+    largest,
+    round_scalar_to_fp16,
+    scalar_for_16_bit_op,
+    smallest_subnormal,
+)
 from fx16.plan.precedence import Action, Choice
 from fx16.plan.steps import Read, Step
 from fx16.program.casts import retype_val
@@ -86,6 +91,23 @@ def follow(
             step.arguments = saturated_sentinels(node, planner.low)
     step.widest = widest
     return step
+
+
+def scalar_arguments(view, low: torch.dtype, guard: bool) -> tuple[list, list]:
+    """The float scalars of ``view``'s node as an op computing in ``low`` takes them
+    (``scalar_for_16_bit_op``: kept as eager applies them, a sentinel saturated, one
+    below the smallest subnormal clamped to it where the op adds it as a ``guard``), as
+    ``(location, new)`` for those that change; and ``(old, new)`` for the clamped ones."""
+    arguments, clamped = [], []
+    for location, value in view.scalars:
+        if not isinstance(value, float):
+            continue
+        new = scalar_for_16_bit_op(value, low, guard)
+        if new != value:
+            arguments.append((location, new))
+            if value and abs(value) < smallest_subnormal(low):
+                clamped.append((value, new))
+    return arguments, clamped
 
 
 def saturated_sentinels(node: Node, low: torch.dtype) -> tuple:
