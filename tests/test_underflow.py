@@ -544,3 +544,39 @@ def test_a_statistic_the_rewrite_bounds_is_not_kept_on_a_silent_row():
     ep = fx16.cast_fp32_to_fp16(export(RMSNormEps(eps=1e-6).eval(), example))
     kept = [node.name for node in ep.graph.nodes if node.meta.get(UnderflowAnalysis.META_KEY)]
     assert kept == []
+
+
+def test_an_exponential_tail_whose_square_is_exactly_the_smallest_normal_is_left_16_bit():
+    """``exp`` of -4.852030277252197 is 2**-7 exactly in fp32; at twice its input the
+    tail is (2**-7)**2 = 2**-14, fp16's smallest normal itself, which is not below it:
+    the log is left 16-bit. One fp32 step further down, it is kept."""
+    function = lambda x: torch.log(torch.exp(x))  # noqa: E731
+    edge = torch.tensor(-4.852030277252197)
+    assert torch.exp(edge).item() == 2.0**-7
+    x = torch.linspace(-1.0, -0.1, 32).reshape(4, 8)
+    x[0, 0] = edge
+    assert _analyse(export(Lambda(function), x))["log"] is None
+    x[0, 0] = torch.nextafter(edge, torch.tensor(-10.0))
+    assert "at 2x its input" in _analyse(export(Lambda(function), x))["log"]
+
+
+class GuardedSoftmaxLog(nn.Module):
+    def __init__(self, guard: float) -> None:
+        super().__init__()
+        self.guard = guard
+
+    def forward(self, x):
+        return torch.log(x.softmax(-1) + self.guard)
+
+
+def test_a_softmax_tail_is_widened_relative_to_a_largest_value_of_at_most_one():
+    """``log(softmax(x) + g)``: the tail at twice the logits is (s / l) ** 2 * l, l the
+    largest value seen, but never more than 1 (a probability's). With a guard the
+    largest seen passes 1 (here 1 + 7.8e-3); counted as it is, the tail would shrink
+    by that 0.8% below fp16's smallest normal. With s**2 0.2% above it, the log is
+    left 16-bit; 0.5% below it, kept."""
+    logits = torch.zeros(4, 8)
+    logits[:, 0] = 40.0  # one probability of about 1, seven of about 4e-18
+    for smallest, kept in ((2.0**-7 * 1.001, False), (2.0**-7 * 0.9975, True)):
+        marks = _analyse(export(GuardedSoftmaxLog(smallest), logits))
+        assert (marks["log"] is not None) == kept, smallest
