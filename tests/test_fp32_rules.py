@@ -161,3 +161,28 @@ def test_a_write_that_overflows_keeps_the_op_that_made_its_storage_fp32(scale, k
         assert rules["linear"].reason == Reason.ACTIVATION_OVERFLOW
         assert rules["linear"].detail.startswith(f"a write in place ({written.name}) of ")
         assert rules["view"] is None  # a view follows its base's dtype
+
+
+class CustomOps(nn.Module):
+    def forward(self, x):
+        from fx16.testing import custom_ops
+
+        return custom_ops.scaled_to(x, 2.0, torch.float32), custom_ops.fp32_only(x)
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_the_rules_that_read_no_analysis_judge_custom_ops_in_the_dtype_asked_for(low):
+    """``needing_nothing`` (a pipeline that runs no analysis) keeps the budget's and the
+    fake-kernel rules, the latter judging in ``low``: an op whose fake kernel takes
+    ``low`` is left alone, one that refuses it is kept as exported; the rules that read
+    an analysis are left out."""
+    ep = export(CustomOps(), torch.randn(2, 8))
+    analysis = Fp32RulesAnalysis.needing_nothing(low, 65504 / 2, frozenset({"x"}))
+    assert [type(rule).__name__ for rule in analysis.rules] == [
+        "AccuracyBudgetRule",
+        "FakeKernelRule",
+    ]
+    rules = _rules(ep, analysis.rules)
+    assert rules["scaled_to"] is None
+    assert rules["fp32_only"].reason == Reason.NO_FAKE_KERNEL
+    assert rules["x"].reason == Reason.ACCURACY_FALLBACK

@@ -110,6 +110,25 @@ def test_an_fp32_input_is_named_and_a_skipped_cast_back_says_why():
     assert torch.allclose(got.float(), expected, rtol=1e-3, atol=1e-7)  # exp computed in fp32
 
 
+class CopyToFp32(torch.nn.Module):
+    def forward(self, x):
+        return x.to(torch.float32, copy=True) * 2
+
+
+def test_a_cast_of_an_fp32_value_no_pass_decided_on_is_kept_as_an_fp32_input():
+    """A pipeline without the user-input converter leaves ``x`` fp32 with no decision
+    of its own: the model's copying cast of it is kept, said to read an fp32 input by
+    name, with no reason to quote."""
+    ep = export(CopyToFp32(), torch.randn(4, 8))
+    analyses, rewrites = fp16_stages(ep, Fp16Options())
+    rules, _, parameters, *_ = rewrites
+    run_passes([*analyses, rules, parameters], ep.graph_module)
+    cast = next(n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.to.dtype)
+    choice = choose(CAST_TO_FP32_RULES, View(cast, PrecisionPolicy.default(), LIMIT))
+    assert (choice.action, choice.rule) == (Action.KEEP, "fp32_source")
+    assert (choice.reason, choice.detail) == (Reason.FP32_INPUT, "from x")
+
+
 class Bf16IndexInAutocast(torch.nn.Module):
     """An autocast region computes a relu in bf16 that, once back in fp32, decides an
     embedding's index: the unsafe-index rule marks the relu."""

@@ -215,7 +215,7 @@ class Planner:
         if clamped:
             found = decision(self.low, Reason.SCALAR_CLAMPED, _changes(clamped))
         else:
-            found = decision(self.low, Reason.FITS, _changes(flushed, "flushed to zero: "))
+            found = decision(self.low, choice.reason, _changes(flushed, "flushed to zero: "))
         val = retype_val(node_val(node), self.low)
         return Step(choice, found, val, arguments=tuple(arguments))
 
