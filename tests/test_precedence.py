@@ -390,7 +390,7 @@ class AutocastThenFloat(torch.nn.Module):
 @pytest.mark.parametrize(
     ("ops", "expected"),
     [
-        ({}, (Action.RETARGET, Reason.FITS, "policy_16bit", "")),
+        ({}, (Action.RETARGET, None, "policy_16bit", "")),  # the decision is the region's
         ({"to": "fp32"}, (Action.FP32, Reason.POLICY, "policy_fp32", "ops['to'] = fp32")),
     ],
     ids=["sixteen_bit", "fp32"],

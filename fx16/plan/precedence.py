@@ -133,7 +133,7 @@ def _opens_region(view: View) -> Choice | None:
     """The op opens an fp32 region the model asks for (its dtype argument) and the
     region is kept: fp32 as the model computes it."""
     if meta.keeps_island(view.node) and FP32 in requested_dtypes(view.node):
-        return Choice(Action.OPEN_REGION, Reason.EXPLICIT_FP32)
+        return Choice(Action.OPEN_REGION)
     return None
 
 
@@ -215,10 +215,10 @@ COMPUTE_RULES = (
 
 def _way_back(view: View) -> Choice | None:
     """The model's cast back to fp32 after its own fp32 region is retargeted at
-    16-bit with the region."""
+    16-bit with the region (its decision is the region's: ``island_decision``)."""
     source = view.node.args[0]
     if view.read(source).dtype == FP32 and view.island(source) and view.policy.cast_back:
-        return Choice(Action.RETARGET, Reason.FITS, "the way back from the model's fp32 region")
+        return Choice(Action.RETARGET)
     return None
 
 
@@ -234,16 +234,17 @@ def _fp32_source(view: View) -> Choice | None:
 
 def _cast_opens_region(view: View) -> Choice | None:
     """The model's cast to fp32 of a 16-bit value opens a region that is kept: fp32
-    as the model asks."""
+    as the model asks (the decision is the region's verdict: ``island_decision``)."""
     source_dtype = view.read(view.node.args[0]).dtype
     if source_dtype in SIXTEEN_BIT_DTYPES and meta.keeps_island(view.node):
-        return Choice(Action.OPEN_REGION, Reason.EXPLICIT_FP32)
+        return Choice(Action.OPEN_REGION)
     return None
 
 
 def _policy_16bit(view: View) -> Choice | None:
-    """The policy puts the cast in 16-bit: it is retargeted at the 16-bit dtype."""
-    return Choice(Action.RETARGET, Reason.FITS) if view.precision == Precision.LOW else None
+    """The policy puts the cast in 16-bit: it is retargeted at the 16-bit dtype (its
+    decision is its region's, as for ``_way_back``)."""
+    return Choice(Action.RETARGET) if view.precision == Precision.LOW else None
 
 
 def _policy_keeps_cast(view: View) -> Choice:
