@@ -32,10 +32,6 @@ _SAME_VALUES_OTHER_BUFFER = "the same values through a temporary instead of the 
 _MIN_POSITIONAL = (
     "torch.export writes clamp's and clamp_min's min positionally: args[1] is always there"
 )
-_DECISION_FROM_ISLAND = (
-    "no reason or detail in the choice: the planner makes a {} cast's decision from the "
-    "region's verdict and never reads the choice's reason or detail"
-)
 _NO_EMPTY_RATIOS = (
     "no ratios while the values have elements: a group is what the reduced dims leave, "
     "and an input without elements returned 1.0 before"
@@ -169,17 +165,6 @@ EQUIVALENT: dict[str, str] = {
     "fx16.analysis.underflow.x_singular_argument__mutmut_10": (
         "`position > len(args)`: torch.export writes a singular op's operands positionally"
     ),
-    "fx16.plan.precedence.x__way_back__mutmut_10": _DECISION_FROM_ISLAND.format("retargeted"),
-    "fx16.plan.precedence.x__way_back__mutmut_12": _DECISION_FROM_ISLAND.format("retargeted"),
-    "fx16.plan.precedence.x__way_back__mutmut_13": _DECISION_FROM_ISLAND.format("retargeted"),
-    "fx16.plan.precedence.x__way_back__mutmut_14": _DECISION_FROM_ISLAND.format("retargeted"),
-    "fx16.plan.precedence.x__way_back__mutmut_15": _DECISION_FROM_ISLAND.format("retargeted"),
-    "fx16.plan.precedence.x__creation_fits__mutmut_2": (
-        "no reason in the choice: a creation op made 16-bit is decided `fits` by the planner"
-    ),
-    "fx16.plan.precedence.x__creation_fits__mutmut_4": (
-        "no reason in the choice: a creation op made 16-bit is decided `fits` by the planner"
-    ),
     "fx16.analysis.underflow.x_small_end__mutmut_11": (
         "a bounded or `other` end without its guard: only a statistic's guard is read"
     ),
@@ -200,13 +185,6 @@ EQUIVALENT: dict[str, str] = {
     ),
     "fx16.analysis.underflow.x_small_end__mutmut_80": (
         "an `other` end without its source: no verdict or chain reads it"
-    ),
-    "fx16.plan.precedence.x__way_back__mutmut_9": _DECISION_FROM_ISLAND.format("retargeted"),
-    "fx16.plan.precedence.x__cast_opens_region__mutmut_8": _DECISION_FROM_ISLAND.format(
-        "region-opening"
-    ),
-    "fx16.plan.precedence.x__cast_opens_region__mutmut_10": _DECISION_FROM_ISLAND.format(
-        "region-opening"
     ),
     "fx16.analysis.underflow.xǁUnderflowAnalysisǁwidened__mutmut_12": (
         "`or 2.0`: the largest magnitude is falsy only where calibration saw no nonzero "
