@@ -129,6 +129,23 @@ def test_a_cast_of_an_fp32_value_no_pass_decided_on_is_kept_as_an_fp32_input():
     assert (choice.reason, choice.detail) == (Reason.FP32_INPUT, "from x")
 
 
+class Bf16TimesInput(torch.nn.Module):
+    def forward(self, x, y):
+        return x.to(torch.bfloat16) * y
+
+
+def test_an_op_mixing_the_models_bf16_with_a_narrowed_input_stays_fp32_naming_the_other_dtype():
+    """bf16 times fp16 promotes to fp32 in eager: the multiply is computed in fp32, as
+    the model's math has it, and the decision names the bf16 input and its dtype."""
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(Bf16TimesInput(), x, y))
+    rows = {row.node: row for row in report_of(ep).rows}
+    assert (rows["mul"].dtype, rows["mul"].rule) == ("float32", "mixed_float_dtypes")
+    assert rows["mul"].detail == "to is bfloat16"
+    expected = x.half().to(torch.bfloat16).float() * y.half().float()
+    assert torch.equal(run(ep, x.half(), y.half())[0].float(), expected.half().float())
+
+
 class Bf16IndexInAutocast(torch.nn.Module):
     """An autocast region computes a relu in bf16 that, once back in fp32, decides an
     embedding's index: the unsafe-index rule marks the relu."""
