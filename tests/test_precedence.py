@@ -146,6 +146,24 @@ def test_an_op_mixing_the_models_bf16_with_a_narrowed_input_stays_fp32_naming_th
     assert torch.equal(run(ep, x.half(), y.half())[0].float(), expected.half().float())
 
 
+class ScaledByCustomOp(torch.nn.Module):
+    def forward(self, x):
+        from fx16.testing import custom_ops
+
+        return custom_ops.scaled_to(x, 2.0, torch.float32), torch.diff(x)
+
+
+def test_a_custom_op_computed_16_bit_is_known_and_an_unlisted_aten_op_is_said_to_be_unknown():
+    """A user's custom op whose fake kernel takes 16-bit is run in 16-bit and reported
+    as fitting, like any op fx16 knows; an ATen op outside fx16's tables is computed as
+    its inputs are, and the report says fx16 does not list it."""
+    ep = fx16.cast_fp32_to_fp16(export(ScaledByCustomOp(), torch.randn(4, 8)))
+    rows = {row.node: row for row in report_of(ep).rows}
+    assert (rows["scaled_to"].dtype, rows["scaled_to"].rule) == ("float16", "fits")
+    assert rows["scaled_to"].detail == ""
+    assert rows["diff"].detail == "an op fx16's tables do not list: computed as its inputs are"
+
+
 class Bf16IndexInAutocast(torch.nn.Module):
     """An autocast region computes a relu in bf16 that, once back in fp32, decides an
     embedding's index: the unsafe-index rule marks the relu."""
