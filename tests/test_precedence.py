@@ -198,6 +198,45 @@ def test_an_op_the_model_computes_in_16_bit_is_left_as_it_computes_it(policy):
     assert (run(ep, x)[0].float() - reference).abs().max() < 1e-2
 
 
+class Bf16ReluInAutocast(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = self.linear(x).relu()
+        return h.float() * 2
+
+
+def test_an_op_the_model_computes_in_16_bit_stays_so_when_only_the_policy_asks_for_fp32():
+    """No safety rule and no scalar, only the policy's ``addmm = fp32``: cast to bf16,
+    the product the model computes in bf16 (a decomposed autocast region) reads the
+    weights fx16 narrowed, and is left as the model computes it, in bf16; the program
+    runs."""
+    x = torch.randn(3, 4)
+    ep = export(Bf16ReluInAutocast().eval(), x, decompose=True)
+    bf16 = PrecisionPolicy.named("auto_mixed_bf16")
+    fx16.cast_to_16_bit_precision(ep, policy=PrecisionPolicy.custom(bf16, ops={"addmm": "fp32"}))
+    check_program(ep)
+    rows = {row.node: row for row in report_of(ep).rows}
+    assert (rows["addmm"].dtype, rows["addmm"].rule) == ("bfloat16", "left_as_is")
+    addmm = next(n for n in ep.graph_module.graph.nodes if n.name == "addmm")
+    assert all(node_dtype(arg) == torch.bfloat16 for arg in addmm.all_input_nodes)
+    with torch.no_grad():
+        reference = Bf16ReluInAutocast().eval()(x)
+    assert (run(ep, x)[0].float() - reference).abs().max() < 1e-2
+
+
+def test_an_op_the_policy_lets_follow_says_which_entry():
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    ep = export(Bf16TimesInput(), x, y)
+    fx16.cast_fp32_to_fp16(ep, policy=PrecisionPolicy.custom(ops={"mul": "follow"}))
+    rows = {row.node: row for row in report_of(ep).rows}
+    assert (rows["mul"].rule, rows["mul"].detail) == ("policy_follow", "ops['mul'] = follow")
+
+
 class Bf16IndexInBranch(torch.nn.Module):
     """The model's own bf16 product and relu inside a cond branch, deciding an index."""
 

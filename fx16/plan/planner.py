@@ -247,7 +247,7 @@ class Planner:
         elif clamped:
             step.decision = decision(self.low, Reason.SCALAR_CLAMPED, _changes(clamped))
         elif choice.detail:
-            step.decision = decision(self.low, Reason.FITS, choice.detail)
+            step.decision = decision(self.low, choice.reason, choice.detail)
         return step
 
     def in_fp32(self, node: Node, choice: Choice, produces_fp32: bool) -> Step:
