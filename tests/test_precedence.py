@@ -312,6 +312,8 @@ def test_the_autocast_policy_widens_the_programs_own_16_bit_inputs_of_fp32_ops()
     for loss in losses:
         assert loss.meta["val"].dtype == torch.float32
         assert loss.meta["fx16.precision"].reason.name == "POLICY"
+        op = loss.target._opname
+        assert loss.meta["fx16.precision"].detail == f"op_table['{op}'] = fp32", op
     got = run(ep, x, target)
     assert [value.dtype for value in got] == [torch.float32, torch.float32]
     for ours, theirs in zip(got, eager, strict=True):
