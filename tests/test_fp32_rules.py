@@ -158,6 +158,7 @@ def test_a_write_that_overflows_keeps_the_op_that_made_its_storage_fp32(scale, k
     written = next(n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.add_.Tensor)
     assert (rules["linear"] is not None) == kept
     if kept:
+        assert rules["linear"].dtype == torch.float32
         assert rules["linear"].reason == Reason.ACTIVATION_OVERFLOW
         assert rules["linear"].detail.startswith(f"a write in place ({written.name}) of ")
         assert rules["view"] is None  # a view follows its base's dtype
@@ -183,6 +184,25 @@ def test_the_rules_that_read_no_analysis_judge_custom_ops_in_the_dtype_asked_for
         "FakeKernelRule",
     ]
     rules = _rules(ep, analysis.rules)
+    assert ep.graph_module.meta["fx16.fp32_rules"] == ["AccuracyBudgetRule", "FakeKernelRule"]
     assert rules["scaled_to"] is None
+    assert rules["fp32_only"].dtype == rules["x"].dtype == torch.float32
     assert (rules["fp32_only"].reason, rules["fp32_only"].detail) == (Reason.NO_FAKE_KERNEL, "")
     assert (rules["x"].reason, rules["x"].detail) == (Reason.ACCURACY_FALLBACK, "")
+
+
+class AfterACond(nn.Module):
+    def forward(self, x):
+        y = torch.cond(x.sum() > 0, lambda a: a * 2, lambda a: a * 3, (x,))
+        return y * 1e5
+
+
+def test_the_rules_judge_the_nodes_after_a_higher_order_ops_bodies():
+    """A cond's branches are read through get_attr nodes in the root graph: the rules
+    judge every call after them (the multiply past 16-bit's range), and each body's
+    own nodes."""
+    ep = export(AfterACond(), torch.randn(2, 8))
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    rules = _rules(ep, [ObservedOverflowRule(65504 / 2)])
+    assert any(n.op == "get_attr" for n in ep.graph_module.graph.nodes)
+    assert rules["mul"].reason == Reason.ACTIVATION_OVERFLOW

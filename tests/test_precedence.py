@@ -164,6 +164,23 @@ def test_a_custom_op_computed_16_bit_is_known_and_an_unlisted_aten_op_is_said_to
     assert rows["diff"].detail == "an op fx16's tables do not list: computed as its inputs are"
 
 
+class IntegerRatio(torch.nn.Module):
+    def forward(self, x, ids):
+        return x * 2, ids / 4
+
+
+def test_a_float_computed_from_integers_alone_stays_fp32_and_says_so():
+    """``ids / 4`` makes fp32 from no float input: nothing was narrowed, so it is left
+    as it is, decided fp32 with its reason; the float op beside it fits 16-bit."""
+    x, ids = torch.randn(4, 8), torch.randint(0, 9, (4, 8))
+    ep = fx16.cast_fp32_to_fp16(export(IntegerRatio(), x, ids))
+    rows = {row.node: row for row in report_of(ep).rows}
+    assert (rows["div"].dtype, rows["div"].rule) == ("float32", "no_float_input")
+    assert rows["div"].chosen_by == "no_narrowed_input"
+    assert (rows["mul"].dtype, rows["mul"].rule) == ("float16", "fits")
+    assert torch.equal(run(ep, x, ids)[1], ids / 4)
+
+
 class Bf16IndexInAutocast(torch.nn.Module):
     """An autocast region computes a relu in bf16 that, once back in fp32, decides an
     embedding's index: the unsafe-index rule marks the relu."""
