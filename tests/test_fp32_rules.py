@@ -206,3 +206,14 @@ def test_the_rules_judge_the_nodes_after_a_higher_order_ops_bodies():
     rules = _rules(ep, [ObservedOverflowRule(65504 / 2)])
     assert any(n.op == "get_attr" for n in ep.graph_module.graph.nodes)
     assert rules["mul"].reason == Reason.ACTIVATION_OVERFLOW
+
+
+def test_the_analysis_hands_back_the_module_it_was_given_unchanged():
+    """The PassBase contract torch's PassManager reads: the same graph module, and
+    ``modified`` False (an analysis writes meta only)."""
+    ep = export(Model(), torch.randn(2, 8))
+    code = ep.graph_module.code
+    result = Fp32RulesAnalysis([AccuracyBudgetRule(frozenset({"relu"}))])(ep.graph_module)
+    assert result.graph_module is ep.graph_module
+    assert result.modified is False
+    assert ep.graph_module.code == code
