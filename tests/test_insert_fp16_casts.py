@@ -556,3 +556,28 @@ def test_sentinels_saturate_inside_a_cond_body_too():
         assert node.meta["val"].dtype == torch.bfloat16
         assert -top in node.args[1:]
     run(ep, x.to(ep.example_inputs[0][0].dtype))
+
+
+class TinyFillsInBranches(torch.nn.Module):
+    def forward(self, x):
+        return torch.cond(
+            x.sum() > 0,
+            lambda a: a * torch.full((5,), 1e-9),
+            lambda a: a + torch.full((5,), 1e-12),
+            (x,),
+        )
+
+
+def test_a_tiny_fill_inside_a_cond_branch_flushes_or_guards_as_in_the_root_graph():
+    ep = fx16.cast_fp32_to_fp16(export(TinyFillsInBranches(), torch.ones(2, 5)))
+    fills = {
+        name: node
+        for name, module in ep.graph_module.named_modules()
+        for node in getattr(module, "graph", torch.fx.Graph()).nodes
+        if node.target == aten.full.default
+    }
+    assert fills["true_graph_0"].args[1] == 1e-9
+    assert fills["true_graph_0"].meta[PRECISION].detail == "flushed to zero: 1e-09 -> 0"
+    assert fills["false_graph_0"].args[1] == 2.0**-24
+    assert fills["false_graph_0"].meta[PRECISION].reason == Reason.SCALAR_CLAMPED
+    assert torch.equal(run(ep, torch.ones(2, 5))[0], torch.zeros(2, 5).half())
