@@ -186,6 +186,29 @@ def test_a_program_without_a_pattern_is_left_byte_identical():
     assert stable.graph_module.code == plain.graph_module.code
 
 
+class _Offered:
+    """A rule that rewrites nothing and records the ops offered to it."""
+
+    name = "offered"
+
+    def __init__(self, roots=None):
+        if roots is not None:
+            self.roots = roots
+        self.seen = []
+
+    def match(self, node):
+        self.seen.append(node.target)
+
+
+def test_a_rule_with_roots_is_offered_only_the_ops_it_starts_from():
+    ep = export(RmsNorm(), torch.randn(2, 8))
+    every, rooted = _Offered(), _Offered(roots=(torch.ops.aten.rsqrt.default,))
+    assert not StabilizePass(rules=[every, rooted])(ep.graph_module).modified
+    calls = [n.target for n in ep.graph_module.graph.nodes if n.op == "call_function"]
+    assert every.seen == calls  # a rule without roots: every op, in graph order
+    assert rooted.seen == [torch.ops.aten.rsqrt.default]
+
+
 def test_the_exact_rewrites_are_the_default_and_the_eps_clamp_is_asked_for():
     """The default cast runs every exact rule and not the one that changes results;
     ``eps_clamp=True`` adds it, ``stabilize=False`` leaves only it; the autocast preset

@@ -20,7 +20,7 @@ pattern is left byte-identical.
 """
 
 import torch
-from torch.fx import Graph, GraphModule
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.analysis.facts import Facts
@@ -57,7 +57,12 @@ def standard_rules(low: torch.dtype, exact: bool = True, eps_clamp: bool = False
 class StabilizePass(PassBase):
     """Apply ``rules`` (default: ``standard_rules(low, exact, eps_clamp)``) in order, each
     in one sweep over the graph (a rule's pattern may hold a later rule's: RMSNorm's holds
-    ``rsqrt(v + eps)``); see the module docstring for what it reads and writes."""
+    ``rsqrt(v + eps)``); see the module docstring for what it reads and writes.
+
+    A rule has a ``name``, ``match(node)`` (a ``Rewrite`` or None) and ``build(graph,
+    rewrite)`` (the node giving the pattern's result); with ``roots``, the ops its
+    matches start from, only the nodes calling one are offered to it (found by target,
+    not by a walk over every node)."""
 
     def __init__(
         self,
@@ -85,7 +90,7 @@ class StabilizePass(PassBase):
         """Apply every rule to one graph; whether any pattern was rewritten."""
         modified = False
         for rule in self.rules:
-            for node in [n for n in graph.nodes if n.op == "call_function"]:
+            for node in _offered(graph, getattr(rule, "roots", None)):
                 if node.graph is not graph:  # removed by an earlier rewrite
                     continue
                 rewrite = rule.match(node)
@@ -99,3 +104,13 @@ class StabilizePass(PassBase):
                         graph.erase_node(replaced)
                 modified = True
         return modified
+
+
+def _offered(graph: Graph, targets) -> list[Node]:
+    """The nodes that call one of ``targets`` (None: any op), in graph order."""
+    if targets is None:
+        return [node for node in graph.nodes if node.op == "call_function"]
+    found = []
+    for target in targets:
+        found.extend(graph.find_nodes(op="call_function", target=target, sort=False))
+    return sorted(found)

@@ -91,6 +91,7 @@ class RmsNormScaling:
     Costs: one largest-magnitude reduction and one division per row, in 16-bit; no fp32."""
 
     name = "rms_norm_scaling"
+    roots = (aten.mul.Tensor, aten.div.Tensor)  # the ops a match starts from
 
     def match(self, node: Node) -> Rewrite | None:
         if _is(node, aten.mul.Tensor):
@@ -194,6 +195,7 @@ class MagnitudeScaling:
     fp32."""
 
     name = "magnitude_scaling"
+    roots = (aten.sqrt.default,)  # the ops a match starts from
 
     def match(self, node: Node) -> Rewrite | None:
         if not _is(node, aten.sqrt.default):
@@ -266,6 +268,7 @@ class LogSoftmax:
     Costs: nothing; one fused op replaces two."""
 
     name = "log_softmax"
+    roots = (aten.log.default,)  # the ops a match starts from
 
     def match(self, node: Node) -> Rewrite | None:
         inner = node.args[0] if _is(node, aten.log.default) else None
@@ -287,6 +290,7 @@ class LogSigmoid:
     Costs: a few more elementwise ops (min, abs, exp, log1p), in 16-bit; no fp32."""
 
     name = "log_sigmoid"
+    roots = (aten.log.default,)  # the ops a match starts from
 
     def match(self, node: Node) -> Rewrite | None:
         inner = node.args[0] if _is(node, aten.log.default) else None
@@ -312,6 +316,7 @@ class Log1p:
     Costs: nothing; one op replaces two."""
 
     name = "log1p"
+    roots = (aten.log.default,)  # the ops a match starts from
 
     def match(self, node: Node) -> Rewrite | None:
         inner = node.args[0] if _is(node, aten.log.default) else None
@@ -334,6 +339,7 @@ class Expm1:
     Costs: nothing; one op replaces two."""
 
     name = "expm1"
+    roots = (aten.sub.Tensor,)  # the ops a match starts from
 
     def match(self, node: Node) -> Rewrite | None:
         if not (_is(node, aten.sub.Tensor) and _scalar(node.args[1], 1)):
@@ -358,6 +364,7 @@ class TwoPassVariance:
     16-bit."""
 
     name = "two_pass_variance"
+    roots = (aten.sub.Tensor,)  # the ops a match starts from
 
     def match(self, node: Node) -> Rewrite | None:
         if not _is(node, aten.sub.Tensor) or node.kwargs.get("alpha", 1) != 1:
@@ -394,6 +401,7 @@ class EpsClamp:
     hence opt-in."""
 
     name = "eps_clamp"
+    roots = (aten.rsqrt.default, aten.div.Tensor)  # the ops a match starts from
 
     def __init__(self, low: torch.dtype) -> None:
         self.smallest = smallest_normal(low)

@@ -33,14 +33,15 @@ def keep_decisions(root: GraphModule, explained, provenance: dict, margin: float
     placeholders, regions = {}, {}
     for prefix, module in graph_modules(root):
         for node in module.graph.nodes:
-            if node.op == "placeholder" and _as_data(node):
-                placeholders[prefix + node.name] = _as_data(node)
+            if node.op == "placeholder":
+                if data := _as_data(node):
+                    placeholders[prefix + node.name] = data
             elif node.op == "call_function":
                 kept = {**node.meta.get(CUSTOM, {})}  # a new dict: a snapshot shares the old
-                if explained(node):
-                    kept[DECISION] = explained(node)
-                if _as_data(node):
-                    kept[SAVED] = _as_data(node)
+                if text := explained(node):
+                    kept[DECISION] = text
+                if data := _as_data(node):
+                    kept[SAVED] = data
                 if kept:
                     node.meta[CUSTOM] = kept
         verdicts = module.meta.get(ExplicitFp32Analysis.META_KEY, [])
