@@ -7,6 +7,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.choices import SCALARS_CHOICES as MODES
 from fx16.errors import InvalidOptionError
+from fx16.ops.tables import per_op
 from fx16.program import Program
 from fx16.program.nodes import SIXTEEN_BIT_DTYPES, node_val
 
@@ -39,17 +40,25 @@ def folded_value(scalar, dtype: torch.dtype, mode: str) -> torch.Tensor | None:
     return folded if mode == "rounded" and rounds_to_normal else None
 
 
+@per_op
+def _tensor_arguments(target) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument of ``target``'s schema that takes a Tensor."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple(
+        (index, argument.name)
+        for index, argument in enumerate(schema.arguments)
+        if isinstance(argument.type, torch.TensorType)
+    )
+
+
 def _scalar_operands(node: Node) -> list[tuple[int | str, object]]:
     """(position or keyword, value) of each Python number ``node`` passes where its
     schema takes a Tensor (what ``to_edge`` turns into an fp32 constant)."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
     found = []
-    for index, argument in enumerate(schema.arguments):
-        if not isinstance(argument.type, torch.TensorType):
-            continue
-        key = index if index < len(node.args) else argument.name
+    for index, name in _tensor_arguments(node.target):
+        key = index if index < len(node.args) else name
         value = node.args[key] if isinstance(key, int) else node.kwargs.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             found.append((key, value))
@@ -92,6 +101,8 @@ class ScalarsAsConstantsPass(PassBase):
     Reads: ``meta["val"]`` of each op and its operands, op schemas. Writes: new
     constants (``ep.constants``, the graph signature, placeholders after the state).
     Costs: nothing at run time; one 2-byte constant per distinct value.
+    The graph's code is left to whoever runs the pipeline to recompile, once at the end
+    (``fx16.pipelines.run_passes``; torch's ``PassManager`` recompiles after each pass).
     """
 
     def __init__(self, program: Program, mode: str = "exact", dtypes=SIXTEEN_BIT) -> None:
@@ -102,6 +113,7 @@ class ScalarsAsConstantsPass(PassBase):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         constants: dict[tuple, Node] = {}
+        folded: dict[tuple, torch.Tensor | None] = {}
         modified = False
         for node in list(graph_module.graph.nodes):
             if node.op != "call_function":
@@ -111,8 +123,13 @@ class ScalarsAsConstantsPass(PassBase):
             if dtype is None:
                 continue
             device = node_val(node).device
+            mode = self.mode
             for key, scalar in operands:
-                value = folded_value(scalar, dtype, self.mode)
+                # 1 and 1.0, 0.0 and -0.0 compare equal: the key keeps them apart
+                asked = (dtype, mode, scalar if isinstance(scalar, int) else scalar.hex())
+                if asked not in folded:
+                    folded[asked] = folded_value(scalar, dtype, mode)
+                value = folded[asked]
                 if value is None:
                     continue
                 identity = (value.view(torch.int16).item(), value.dtype, str(device))  # -0.0 apart
@@ -123,6 +140,4 @@ class ScalarsAsConstantsPass(PassBase):
                 else:
                     node.update_kwarg(key, constants[identity])
                 modified = True
-        if modified:
-            graph_module.recompile()
         return PassResult(graph_module, modified)
