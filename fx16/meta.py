@@ -33,6 +33,7 @@ NEGLIGIBLE = "fx16.negligible"  # StabilizePass: why flushing this value to 0 lo
 ROUNDING_CANCELS = "fx16.rounding_cancels"  # StabilizePass: why this value's error is harmless
 BOUNDED_BELOW = "fx16.bounded_below"  # StabilizePass: why this value cannot flush to zero
 SCALED = "fx16.scaled"  # StabilizePass: why this value stays in range for any input
+SCALAR_ROUNDS_EXACTLY = "fx16.scalar_rounds_exactly"  # StabilizePass: why its scalar may round
 
 # ---- graph_module.meta ---------------------------------------------------------------
 CALIBRATION_OUTPUTS = "fx16.calibration_outputs"  # CalibrationAnalysis: fp32 reference
@@ -164,6 +165,13 @@ def negligible(node: Any) -> str | None:
     """Why flushing this value to zero in 16-bit changes nothing that matters (a value
     StabilizePass made, added to a far larger one); None for any other value."""
     return _meta(node).get(NEGLIGIBLE)
+
+
+def scalar_rounds_exactly(node: Any) -> str | None:
+    """Why this op gives eager's result, bit for bit, with its Python number rounded to
+    the 16-bit type (a product of a power of two whose subnormal values square to
+    zero), so ``ScalarsAsConstantsPass`` may store it so; None for any other op."""
+    return _meta(node).get(SCALAR_ROUNDS_EXACTLY)
 
 
 def rounding_cancels(node: Any) -> str | None:

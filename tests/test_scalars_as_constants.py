@@ -295,3 +295,45 @@ def test_the_command_line_takes_the_setting(tmp_path):
         assert result.returncode == 0, result.stderr
         found[setting] = len(constant_specs(torch.export.load(target)))
     assert found == {"exact": 3, "keep": 0}
+
+
+class RmsNormEps(torch.nn.Module):
+    """A Llama-style RMSNorm, which the stable rewrite scales: its eps term multiplies
+    1/s, a power of two, by sqrt(eps)."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(
+    eps=st.sampled_from([1e-5, 1e-6, 1.01e-6, 3e-7, 1e-8]),
+    exponent=st.integers(-30, 14),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+)
+def test_the_stable_norm_stores_sqrt_eps_rounded_and_gives_eager_bit_for_bit(
+    eps, exponent, dtype
+):
+    """sqrt(eps), which 16-bit does not hold, is a 16-bit constant by default (no cast
+    at run time) and every result is the one the Python number gives, on rows from
+    silent (the eps term's product subnormal) to loud; a tiny eps (sqrt 1e-4) stays."""
+    torch.manual_seed(exponent)
+    x = torch.randn(3, 64) * 2.0**exponent
+    x[1] *= 2.0**-12  # a quiet row beside the loud one
+    x[2] = 0
+    policy = "default" if dtype == torch.float16 else "auto_mixed_bf16"
+    folded, kept = export(RmsNormEps(eps), x), export(RmsNormEps(eps), x)
+    fx16.cast_fp32_to_fp16(folded, policy=policy, calibration=[])
+    fx16.cast_fp32_to_fp16(kept, policy=policy, calibration=[], scalars="keep")
+    sqrt_eps = torch.tensor(eps**0.5, dtype=torch.float32).to(dtype)
+    stored = [v for v in constant_specs(folded).values() if v.dtype == dtype]
+    normal = float(sqrt_eps.abs()) >= torch.finfo(dtype).tiny
+    assert any(float(v) == float(sqrt_eps) for v in stored) == normal
+    inputs = fx16.inputs_for(folded, x)[0]
+    got, want = run(folded, *inputs)[0], run(kept, *inputs)[0]
+    assert got.dtype == want.dtype
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

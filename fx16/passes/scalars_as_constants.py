@@ -7,6 +7,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.choices import SCALARS_CHOICES as MODES
 from fx16.errors import InvalidOptionError
+from fx16.meta import scalar_rounds_exactly
 from fx16.ops.tables import per_op
 from fx16.program import Program
 from fx16.program.nodes import SIXTEEN_BIT_DTYPES, node_val
@@ -90,7 +91,9 @@ class ScalarsAsConstantsPass(PassBase):
     ExecuTorch's ``to_edge`` turns such a scalar into an fp32 constant and inserts a
     cast to fp16 that runs on every call, outside the delegate. A constant already in
     the op's dtype needs no cast. Which scalars (``mode``): ``"exact"`` (the default:
-    those the 16-bit type holds, so every result is eager's bit for bit),
+    those the 16-bit type holds, so every result is eager's bit for bit, and those of
+    an op whose result is eager's with the scalar rounded: ``meta["fx16.scalar_rounds_exactly"]``,
+    set by the stable RMSNorm's ``sqrt(eps)`` term),
     ``"rounded"`` (also the floats it rounds to a normal number, as ``to_edge``'s cast
     does), ``"keep"`` (none). ``dtypes``: the op dtypes it looks at (the fp16
     pipeline's are fp16 and bf16, the int16 pipeline's int16). Only the program's
@@ -98,7 +101,8 @@ class ScalarsAsConstantsPass(PassBase):
     higher-order op's body would need the constant threaded in as an operand, and
     stays.
 
-    Reads: ``meta["val"]`` of each op and its operands, op schemas. Writes: new
+    Reads: ``meta["val"]`` of each op and its operands, op schemas,
+    ``meta["fx16.scalar_rounds_exactly"]``. Writes: new
     constants (``ep.constants``, the graph signature, placeholders after the state).
     Costs: nothing at run time; one 2-byte constant per distinct value.
     The graph's code is left to whoever runs the pipeline to recompile, once at the end
@@ -123,7 +127,7 @@ class ScalarsAsConstantsPass(PassBase):
             if dtype is None:
                 continue
             device = node_val(node).device
-            mode = self.mode
+            mode = "rounded" if self.mode == "exact" and scalar_rounds_exactly(node) else self.mode
             for key, scalar in operands:
                 # 1 and 1.0, 0.0 and -0.0 compare equal: the key keeps them apart
                 asked = (dtype, mode, scalar if isinstance(scalar, int) else scalar.hex())

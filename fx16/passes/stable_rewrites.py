@@ -7,7 +7,13 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from fx16.meta import BOUNDED_BELOW, NEGLIGIBLE, ROUNDING_CANCELS, SCALED
+from fx16.meta import (
+    BOUNDED_BELOW,
+    NEGLIGIBLE,
+    ROUNDING_CANCELS,
+    SCALAR_ROUNDS_EXACTLY,
+    SCALED,
+)
 from fx16.ops.numerics import smallest_normal
 from fx16.program.casts import copy_provenance
 from fx16.program.propagation import propagate_fake
@@ -142,11 +148,20 @@ class RmsNormScaling:
             eps_term = make(aten.mul.Tensor, shrunk, shrunk)
             for small in (shrunk, eps_term):
                 small.meta[NEGLIGIBLE] = _EPS_TERM
+            shrunk.meta[SCALAR_ROUNDS_EXACTLY] = _SQRT_EPS_ROUNDS
             power = make(aten.add.Tensor, power, eps_term)
             power.meta[SCALED] = why  # eps_term below 2**28 eps
         power.meta[BOUNDED_BELOW] = _SCALED_POWER
         return make(aten.mul.Tensor, y, make(aten.rsqrt.default, power))
 
+
+# Why sqrt(eps) may be stored rounded to the 16-bit type: 1/s is a power of two, and
+# rounding is the same at every power of two while the product is normal; a subnormal
+# product's square is below half the smallest subnormal, zero whichever way it rounded.
+_SQRT_EPS_ROUNDS = (
+    "sqrt(eps) times a power of two, then squared: the same 16-bit result with sqrt(eps) "
+    "rounded to 16-bit"
+)
 
 # Why a scaled norm's values stay in range for any input.
 _SCALED_MEAN = "a scaled RMSNorm's: |y| < 128 and y**2 < 16384 for any input"
