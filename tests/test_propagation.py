@@ -3,7 +3,7 @@
 import torch
 
 from fx16.program.casts import retype_val
-from fx16.program.propagation import propagate_fake, retyped_result
+from fx16.program.propagation import fresh_result, propagate_fake, retyped_result
 from helpers import export
 
 
@@ -33,3 +33,29 @@ def test_remembered_dtypes_equal_a_fake_run_for_every_node():
         assert [t.dtype for t in got] == [t.dtype for t in expected]
         assert [t.shape for t in got] == [t.shape for t in expected]
         assert got[0].dtype == torch.float16
+
+
+class AbsTwice(torch.nn.Module):
+    """abs of a contiguous tensor twice, and of a transposed view of it."""
+
+    def forward(self, x):
+        return x.abs() + 1, (x * 2).abs(), x.t().abs()
+
+
+def test_fresh_results_are_shared_only_between_equal_layouts():
+    """Two abs of contiguous 4x6 inputs share one fake result, equal to a fake run's;
+    the abs of a transposed view gets its own, with the strides the view gives."""
+    ep = export(AbsTwice(), torch.randn(4, 6))
+    first, second, transposed = [
+        n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.abs.default
+    ]
+    made = [fresh_result(node) for node in (first, second, transposed)]
+    assert made[0] is made[1]
+    for node, value in zip((first, second, transposed), made):
+        expected = propagate_fake(node)
+        assert (value.shape, value.stride(), value.dtype) == (
+            expected.shape,
+            expected.stride(),
+            expected.dtype,
+        )
+    assert made[2] is not made[0] and made[2].stride() != made[0].stride()

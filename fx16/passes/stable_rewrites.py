@@ -16,7 +16,7 @@ from fx16.meta import (
 )
 from fx16.ops.numerics import smallest_normal
 from fx16.program.casts import copy_provenance
-from fx16.program.propagation import propagate_fake
+from fx16.program.propagation import fresh_result
 
 aten = torch.ops.aten
 
@@ -60,7 +60,7 @@ class _Builder:
     def __call__(self, target, *args, **kwargs) -> Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, args, kwargs)
-        node.meta["val"] = propagate_fake(node)
+        node.meta["val"] = fresh_result(node)  # every op it makes computes a new tensor
         copy_provenance(self.anchor, node)
         return node
 
