@@ -315,9 +315,7 @@ class RmsNormEps(torch.nn.Module):
     exponent=st.integers(-30, 14),
     dtype=st.sampled_from([torch.float16, torch.bfloat16]),
 )
-def test_the_stable_norm_stores_sqrt_eps_rounded_and_gives_eager_bit_for_bit(
-    eps, exponent, dtype
-):
+def test_the_stable_norm_stores_sqrt_eps_rounded_and_gives_eager_bit_for_bit(eps, exponent, dtype):
     """sqrt(eps), which 16-bit does not hold, is a 16-bit constant by default (no cast
     at run time) and every result is the one the Python number gives, on rows from
     silent (the eps term's product subnormal) to loud; a tiny eps (sqrt 1e-4) stays."""
