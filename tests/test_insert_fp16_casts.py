@@ -16,6 +16,7 @@ from fx16.pipelines import run_passes
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.program.casts import INSERTED
+from fx16.testing.checks import check_outputs
 from helpers import check_program, export, fp64_reference, inserted_casts, max_error, run, targets
 from models import MLP, CreationOps, OverflowWeight
 
@@ -581,3 +582,64 @@ def test_a_tiny_fill_inside_a_cond_branch_flushes_or_guards_as_in_the_root_graph
     assert fills["false_graph_0"].args[1] == 2.0**-24
     assert fills["false_graph_0"].meta[PRECISION].reason == Reason.SCALAR_CLAMPED
     assert torch.equal(run(ep, torch.ones(2, 5))[0], torch.zeros(2, 5).half())
+
+
+class TinyScalar(torch.nn.Module):
+    def __init__(self, apply) -> None:
+        super().__init__()
+        self.apply_scalar = apply
+
+    def forward(self, x):
+        return self.apply_scalar(x)
+
+
+TINY = 1e-9  # below fp16's smallest subnormal, 2**-24
+
+
+@pytest.mark.parametrize(
+    "apply, guarded",
+    [
+        (lambda x: torch.clamp(x, min=TINY), True),  # a positive minimum keeps x above zero
+        (lambda x: torch.clamp_min(x, TINY), True),
+        (lambda x: x + TINY, True),  # an eps added
+        (lambda x: x - (-TINY), True),
+        (lambda x: torch.clamp(x, max=TINY), False),  # a maximum guards nothing
+        (lambda x: torch.clamp(x, min=-TINY), False),  # nor a negative minimum
+        (lambda x: x - TINY, False),
+        (lambda x: x + (-TINY), False),
+    ],
+)
+def test_only_a_scalar_that_keeps_a_result_above_zero_is_clamped_to_the_subnormals(apply, guarded):
+    """A tiny scalar that guards (an eps added, a clamp's positive minimum) becomes
+    2**-24 rather than flushing; any other one is kept as eager applies it, and the 16-bit
+    kernel rounds the result (a clamp to [-1e-9, 1e-9] gives zeros, not +-6e-8)."""
+    x = torch.tensor([[0.5, -0.25, 0.0, 3.0]])
+    ep = export(TinyScalar(apply), x)
+    fx16.cast_fp32_to_fp16(ep, policy="always_fp16", scalars="keep")  # numbers stay args
+    (op,) = [
+        n
+        for n in ep.graph_module.graph.nodes
+        if n.meta.get(PRECISION) is not None and n.op == "call_function"
+    ]
+    scalars = [a for a in (*op.args[1:], *op.kwargs.values()) if isinstance(a, float)]
+    assert (op.meta[PRECISION].reason == Reason.SCALAR_CLAMPED) == guarded
+    assert any(abs(s) == 2.0**-24 for s in scalars) == guarded
+    assert not guarded or "1e-09 -> " in op.meta[PRECISION].detail  # said, with its sign
+
+
+def test_a_clamp_to_a_band_below_the_subnormals_gives_what_16_bit_rounds_it_to():
+    """The long fuzz's example: clamp to [-1e-9, 1e-9], then a layer norm (which divides
+    by sqrt(var + eps), so a 60x larger clamp came out 60x larger): zeros, as the 16-bit
+    rounding of fp32's result, within the float oracle's bound."""
+
+    class BandThenNorm(torch.nn.Module):
+        def forward(self, x):
+            band = torch.clamp(x, -TINY, TINY)
+            return band, torch.nn.functional.layer_norm(band, (2,))
+
+    x = torch.tensor([[0.6577, 0.9387], [1.1317, -0.6455], [-1.7703, 0.2143]])
+    original, ep = export(BandThenNorm(), x), export(BandThenNorm(), x)
+    fx16.cast_fp32_to_fp16(ep, policy="always_fp16")
+    check_outputs(original, ep, (x,))
+    band, normed = run(ep, x.half())
+    assert not band.any() and not normed.any()

@@ -64,8 +64,9 @@ def scalar_for_16_bit_op(
     ``value``: ``value`` itself, since eager PyTorch applies a scalar in the op's fp32
     math (``z / 0.18215`` divides by fp32's 0.18215, not fp16's 0.18212890625); except
     an infinity-like sentinel, saturated to +-maximum (a 16-bit kernel refuses it), a
-    nonzero magnitude below the smallest subnormal that the op adds (``guard``:
-    ``var + 1e-12``, whose sum with a zero would round to a flush), clamped to it, and
+    nonzero magnitude below the smallest subnormal that keeps the op's result above zero
+    (``guard``: ``var + 1e-12``, whose sum with a zero would round to a flush, a clamp's
+    positive minimum; ``fx16.plan.values.guards``), clamped to it, and
     None where it overflows (the op stays fp32). A tiny scalar the op multiplies by
     stays as it is: clamped, ``x * 1e-9`` would come out 60 times too large."""
     rounded = round_scalar_to_fp16(value, dtype)

@@ -256,6 +256,24 @@ GUARD_OPS = overloads("add.Tensor", "clamp_min.default", "clamp.default")
 # subnormals is clamped to them there, where elsewhere (a multiplier) it is left as it is.
 GUARDING_OPS = GUARD_OPS | overloads("add.Scalar", "sub.Tensor", "sub.Scalar")
 
+
+def _guard_arguments() -> dict:
+    found = {}
+    for names, where in (
+        (("add.Tensor", "add.Scalar"), (1, "other", 1.0)),
+        (("sub.Tensor", "sub.Scalar"), (1, "other", -1.0)),
+        (("clamp.default", "clamp_min.default"), (1, "min", 1.0)),
+    ):
+        for op in overloads(*names):
+            found[op] = where
+    return found
+
+
+# Where a guarding op's scalar keeps its result away from zero: (position, name, the sign
+# that makes it a guard). The addend of an add (a sub subtracts it: a negative one guards)
+# and the minimum of a clamp; a clamp's maximum, an alpha or a negative minimum guard nothing.
+GUARD_ARGUMENTS = _guard_arguments()
+
 # ---- conditioning (fx16.analysis.conditioning) -------------------------------------------
 
 # Ops whose condition number the conditioning rule knows: periodic ones, exp (op ->

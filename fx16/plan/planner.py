@@ -41,7 +41,7 @@ from fx16.plan.precedence import (
 )
 from fx16.plan.steps import Plan, Read, Step
 from fx16.plan.structural import plan_assertion, plan_getitem, plan_in_place
-from fx16.plan.values import follow, narrowed_arguments, scalar_arguments
+from fx16.plan.values import follow, guards, narrowed_arguments, scalar_arguments
 from fx16.plan.view import View
 from fx16.policy import PrecisionPolicy
 from fx16.program.aliases import written_in_place
@@ -206,7 +206,7 @@ class Planner:
         if choice.action != Action.LOW:
             raise _unplanned(choice, node)
         guard = any(user.target in GUARDING_OPS for user in node.users)
-        arguments, clamped = scalar_arguments(view, self.low, guard)
+        arguments, clamped = scalar_arguments(view, self.low, lambda _, __: guard)
         flushed = [
             (value, 0.0)
             for _, value in view.scalars
@@ -224,7 +224,10 @@ class Planner:
         scalars kept as eager applies them (a sentinel saturated, a nonzero one below
         the subnormals that the op adds clamped to them: ``scalar_for_16_bit_op``), its
         fp32 dtype arguments made 16-bit."""
-        arguments, clamped = scalar_arguments(view, self.low, node.target in GUARDING_OPS)
+        target = node.target
+        arguments, clamped = scalar_arguments(
+            view, self.low, lambda at, value: guards(target, at, value)
+        )
         arguments += [(at, self.low) for at, dtype in dtype_arguments(node) if dtype == FP32]
         narrowed = (
             tuple(a for a in view.fp32_inputs if view.downcastable(a)) if view.fp32_inputs else ()

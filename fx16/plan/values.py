@@ -19,6 +19,7 @@ from fx16.ops.numerics import (
     scalar_for_16_bit_op,
     smallest_subnormal,
 )
+from fx16.ops.tables import GUARD_ARGUMENTS
 from fx16.plan.precedence import Action, Choice
 from fx16.plan.steps import Read, Step
 from fx16.program.casts import retype_val
@@ -93,16 +94,17 @@ def follow(
     return step
 
 
-def scalar_arguments(view, low: torch.dtype, guard: bool) -> tuple[list, list]:
+def scalar_arguments(view, low: torch.dtype, guard) -> tuple[list, list]:
     """The float scalars of ``view``'s node as an op computing in ``low`` takes them
     (``scalar_for_16_bit_op``: kept as eager applies them, a sentinel saturated, one
-    below the smallest subnormal clamped to it where the op adds it as a ``guard``), as
-    ``(location, new)`` for those that change; and ``(old, new)`` for the clamped ones."""
+    below the smallest subnormal clamped to it where the op adds it as a guard:
+    ``guard(location, value)``), as ``(location, new)`` for those that change; and
+    ``(old, new)`` for the clamped ones."""
     arguments, clamped = [], []
     for location, value in view.scalars:
         if not isinstance(value, float):
             continue
-        new = scalar_for_16_bit_op(value, low, guard)
+        new = scalar_for_16_bit_op(value, low, guard(location, value))
         if new != value:
             arguments.append((location, new))
             if value and abs(value) < smallest_subnormal(low):
@@ -121,3 +123,14 @@ def saturated_sentinels(node: Node, low: torch.dtype) -> tuple:
         for location, value in value_scalars(node)
         if isinstance(value, float) and top < abs(value) < math.inf
     )
+
+
+def guards(target, location, value: float) -> bool:
+    """Whether the scalar ``value`` at ``location`` (``("args", i)`` or ``("kwargs",
+    name)``) of an op calling ``target`` keeps its result away from zero
+    (``GUARD_ARGUMENTS``: an eps added, a clamp's positive minimum)."""
+    where = GUARD_ARGUMENTS.get(target)
+    if where is None:
+        return False
+    position, name, sign = where
+    return location in (("args", position), ("kwargs", name)) and value * sign > 0
