@@ -206,6 +206,15 @@ def test_found_an_autocast_weight_cast_left_for_cleanup_cast_twice():
     test_6_casting_twice_equals_casting_once.hypothesis.inner_test(case, "auto_mixed_bf16")
 
 
+def test_found_a_clamp_to_a_band_below_the_subnormals_before_a_norm():
+    """``clamp(x, -1e-9, 1e-9)`` then a layer norm: both bounds were clamped to +-2**-24,
+    and the norm carried the 60x; only a clamp's positive minimum guards now."""
+    steps = [("clamp", 0, 0, 1e-09), ("layer_norm", 1, 0, 1e-09)]
+    test_4_outputs_agree_with_fp32_within_the_float_oracle.hypothesis.inner_test(
+        _shrunk(steps), "always_fp16"
+    )
+
+
 def test_generator_keeps_cond_operands_apart_and_batches_above_two():
     """Invalid programs the fuzzer drew at first (fixed in the generator): cond operands
     aliasing each other, and a dynamic batch of 2 that export specializes around cond."""
