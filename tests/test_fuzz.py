@@ -6,6 +6,7 @@ import copy
 import itertools
 from unittest import mock
 
+import pytest
 import torch
 import torch.utils._pytree as pytree
 from fuzz_profile import examples
@@ -210,6 +211,21 @@ def test_found_a_clamp_to_a_band_below_the_subnormals_before_a_norm():
     """``clamp(x, -1e-9, 1e-9)`` then a layer norm: both bounds were clamped to +-2**-24,
     and the norm carried the 60x; only a clamp's positive minimum guards now."""
     steps = [("clamp", 0, 0, 1e-09), ("layer_norm", 1, 0, 1e-09)]
+    test_4_outputs_agree_with_fp32_within_the_float_oracle.hypothesis.inner_test(
+        _shrunk(steps), "always_fp16"
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: a sentinel added (x + 1e38) saturates to 65504 in 16-bit, where x is "
+    "rounded away; the model's fp32 norm after it then sees rows that differ (found by the "
+    "long fuzz, 300 examples a property; also on the code before this test)",
+)
+def test_found_a_sentinel_added_before_an_explicit_fp32_norm():
+    """fp32: x + 1e38 is 1e38 in every element, and the norm of a constant row is 0; the
+    cast program's norm gives 1."""
+    steps = [("scalar_add", 0, 0, 1e38), ("explicit_fp32_norm", 1, 0, 1e-09)]
     test_4_outputs_agree_with_fp32_within_the_float_oracle.hypothesis.inner_test(
         _shrunk(steps), "always_fp16"
     )
