@@ -643,3 +643,31 @@ def test_a_clamp_to_a_band_below_the_subnormals_gives_what_16_bit_rounds_it_to()
     check_outputs(original, ep, (x,))
     band, normed = run(ep, x.half())
     assert not band.any() and not normed.any()
+
+
+class TinyClampsInBranches(torch.nn.Module):
+    def forward(self, x):
+        return torch.cond(
+            x.sum() > 0,
+            lambda a: torch.clamp(a, -TINY, TINY),
+            lambda a: torch.clamp(a, min=TINY),
+            (x,),
+        )
+
+
+def test_a_clamp_inside_a_cond_branch_is_guarded_only_by_its_positive_minimum():
+    """In a body as in the root graph: the band's bounds are kept (the kernel rounds
+    its result to zeros), the positive minimum is clamped to 2**-24."""
+    ep = fx16.cast_fp32_to_fp16(
+        export(TinyClampsInBranches(), torch.ones(2, 5)), policy="always_fp16", scalars="keep"
+    )
+    clamps = {
+        name: node
+        for name, module in ep.graph_module.named_modules()
+        for node in getattr(module, "graph", torch.fx.Graph()).nodes
+        if node.target == aten.clamp.default
+    }
+    assert clamps["true_graph_0"].args[1:] == (-TINY, TINY)
+    assert clamps["false_graph_0"].args[1] == 2.0**-24
+    assert clamps["false_graph_0"].meta[PRECISION].reason == Reason.SCALAR_CLAMPED
+    assert not run(ep, torch.ones(2, 5).half())[0].any()  # the band: 1e-9 rounds to 0
