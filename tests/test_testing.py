@@ -210,3 +210,33 @@ def test_an_output_near_the_subnormals_may_be_off_by_a_subnormal_and_no_more():
     off = tiny + 10 * 2.0**-24
     with pytest.raises(AssertionError, match="float output 0"):
         check_floats(original, cast, (x,), [tiny, ordinary], [off, ordinary])
+
+
+class _SquaredPastFp32(torch.nn.Module):
+    """An RMS norm that squares its input: fp32 overflows inside for |x| >= 2**64."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+
+
+def test_where_fp32_overflows_inside_the_exact_result_passes_and_a_wrong_one_does_not():
+    """fp32 squares a row of 1e38 to inf and its norm gives 0; fp64 gives 1, the norm
+    of a constant row. A cast giving 1 there passes (fx16's stable norm does); 0.5 does
+    not, and on a row fp32 computes exactly the fp64 result is no excuse for being off."""
+    from fx16.testing.oracle import check_floats, exact_outputs
+
+    loud = torch.full((2, 4), 1e38)
+    original = torch.export.export(_SquaredPastFp32(), (loud,))
+    fp32 = original.module()(loud)
+    assert torch.equal(fp32, torch.zeros(2, 4))
+    (exact,) = exact_outputs(original, (loud,))
+    assert torch.equal(exact, torch.ones(2, 4)) and exact.dtype == torch.float32
+    cast = fx16.cast_fp32_to_fp16(torch.export.export(_SquaredPastFp32(), (loud,)))
+    assert torch.equal(cast.module()(loud).float(), exact)
+    assert check_floats(original, cast, (loud,), [fp32], [exact]) == 1
+    with pytest.raises(AssertionError, match="float output 0"):
+        check_floats(original, cast, (loud,), [fp32], [exact / 2])
+    quiet = torch.randn(2, 4)
+    want = original.module()(quiet)
+    with pytest.raises(AssertionError, match="float output 0"):
+        check_floats(original, cast, (quiet,), [want], [want * (1 + 2.0**-6)])
