@@ -17,7 +17,11 @@ fresh process, which builds the model, exports it, then measures only the cast:
 - ``fx16, only reference``: the same after ``del model``, so the program holds the
   only reference to its fp32 weights (what the CLI has after loading a ``.pt2``);
 - ``fx16 cast (CLI)``: the ``fx16 cast IN.pt2 -o OUT.pt2`` command on the saved
-  program, load and save included; its memory is counted on top of the loaded program.
+  program, load and save included; its memory is counted on top of the loaded program;
+- ``one fp32 forward``: the exported program run once on the 8-token example input,
+  the least a cast that calibrates by running the program pays beyond converting the
+  weights (it streams every fp32 weight once): ``.half()`` plus it bounds an owned
+  cast from below, ``.half(), fp32 kept`` plus it a cast whose caller holds the weights.
 
 Peak memory is the process's peak resident set (``VmHWM``, reset just before the
 cast) minus what it held before, as a multiple of the fp32 weights' bytes. GB/s is
@@ -66,6 +70,7 @@ TOOLS = (
     "fx16, only reference",
     "coreai-opt 0.3.0",
     "fx16 cast (CLI)",
+    "one fp32 forward",
 )
 
 
@@ -136,6 +141,11 @@ def worker(tool: str, size: str, pt2: str) -> dict:
     if tool == ".half()":
         del ep
         return {**_measure(model.half), "weights": weights}
+    if tool == "one fp32 forward":
+        module, example = ep.module(), torch.randint(0, 1000, (1, 8))
+        with torch.no_grad():
+            figures = _measure(lambda: module(example))
+        return {**figures, "weights": weights}
     if tool == ".half(), fp32 kept":
         copies = []
         figures = _measure(lambda: copies.extend(p.half() for p in model.parameters()))

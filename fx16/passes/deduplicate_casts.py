@@ -24,12 +24,10 @@ class DeduplicateCastsPass(CastRule):
         return sorted({cast.args[0] for cast in casts if isinstance(cast.args[0], Node)})
 
     def match(self, node: Node) -> bool:
-        return any(len(group) > 1 for group in dtype_groups(self._casts_of(node)).values())
+        return bool(self._duplicated(node))
 
     def rewrite(self, node: Node) -> None:
-        for group in dtype_groups(self._casts_of(node)).values():
-            if len(group) < 2:
-                continue
+        for group in self._duplicated(node):
             group.sort()  # fx nodes order by their position in the graph
             keeper, duplicates = group[0], group[1:]
             if not all(is_inserted(cast) for cast in group):
@@ -39,9 +37,15 @@ class DeduplicateCastsPass(CastRule):
                 duplicate.graph.erase_node(duplicate)
 
     @staticmethod
-    def _casts_of(node: Node) -> list[Node]:
-        return [
-            user
-            for user in node.users
-            if is_cast(user) and user.args[0] is node and copy_refusal(user) is None
-        ]
+    def _duplicated(node: Node) -> list[list[Node]]:
+        """The groups of two or more casts of ``node`` to one dtype that may merge. A
+        cast a write in place reaches is left out (``copy_refusal``), asked only of the
+        casts that share a dtype with another: the question walks alias groups."""
+        casts = [user for user in node.users if is_cast(user) and user.args[0] is node]
+        groups = []
+        for group in dtype_groups(casts).values():
+            if len(group) > 1:
+                group = [cast for cast in group if copy_refusal(cast) is None]
+                if len(group) > 1:
+                    groups.append(group)
+        return groups
