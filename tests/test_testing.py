@@ -240,3 +240,28 @@ def test_where_fp32_overflows_inside_the_exact_result_passes_and_a_wrong_one_doe
     want = original.module()(quiet)
     with pytest.raises(AssertionError, match="float output 0"):
         check_floats(original, cast, (quiet,), [want], [want * (1 + 2.0**-6)])
+
+
+class _PackedInt8(torch.nn.Module):
+    """An int8 weight's packed matmul: its CPU kernel takes no fp64 input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.randint(-128, 127, (8, 4), dtype=torch.int8))
+        self.register_buffer("scales", torch.rand(8))
+
+    def forward(self, x):
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+
+
+def test_a_program_that_cannot_run_in_fp64_is_held_to_fp32_alone():
+    """Where the fp64 run raises, a wrong output still fails the check (the assertion,
+    not the kernel's error)."""
+    from fx16.testing.oracle import check_floats
+
+    x = torch.randn(2, 4)
+    original = torch.export.export(_PackedInt8(), (x,))
+    cast = fx16.cast_fp32_to_fp16(torch.export.export(_PackedInt8(), (x,)))
+    want = original.module()(x)
+    with pytest.raises(AssertionError, match="float output 0"):
+        check_floats(original, cast, (x,), [want], [want * 2])
