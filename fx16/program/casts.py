@@ -146,10 +146,13 @@ def retype_val(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if seen is not None and seen[0] is val:
         return seen[1]
     shape, strides, offset = val.shape, val.stride(), val.storage_offset()
-    if not all(type(size) is int for size in (*shape, *strides, offset)):  # symbolic: by text
-        shape, strides, offset = tuple(map(str, shape)), tuple(map(str, strides)), str(offset)
     key = (shape, strides, offset, val.device, dtype)
-    found = cache.get(key)
+    try:
+        found = cache.get(key)
+    except TypeError:  # a symbolic size (a SymInt is not hashable): by its text
+        shape, strides, offset = tuple(map(str, shape)), tuple(map(str, strides)), str(offset)
+        key = (shape, strides, offset, val.device, dtype)
+        found = cache.get(key)
     if found is None:
         meta = torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
         found = cache[key] = FakeTensor(val.fake_mode, meta, val.device)
