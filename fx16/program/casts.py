@@ -28,6 +28,7 @@ WHY_OUTPUT_DTYPE = "output dtype"  # a mutation written back in its target's dty
 _PROVENANCE_KEYS = ("nn_module_stack", "stack_trace", "source_fn_stack", "torch_fn")
 
 _PRESERVE = (None, torch.preserve_format)
+_TO_DTYPE = aten.to.dtype  # looked up once: each ``aten.x.y`` is two attribute look-ups
 
 
 def copy_provenance(source: Node, made: Node) -> None:
@@ -71,13 +72,14 @@ def is_cast(node: Node) -> bool:
     if not isinstance(source_val, torch.Tensor):
         return False
     kwargs = node.kwargs
-    if kwargs.get("device") not in (None, source_val.device):
+    device = kwargs.get("device")
+    if device is not None and device != source_val.device:
         return False
     if kwargs.get("layout") not in (None, torch.strided):
         return False
     if kwargs.get("memory_format") not in _PRESERVE:
         return False
-    if node.target == aten.to.dtype:
+    if node.target is _TO_DTYPE:
         copy = node.args[3] if len(node.args) > 3 else kwargs.get("copy", False)
         memory_format = node.args[4] if len(node.args) > 4 else None
         return not copy and memory_format in _PRESERVE
@@ -109,14 +111,14 @@ def cast_back_source(node: Node, dtype: torch.dtype) -> Node | None:
 
 def cast_dtype(node: Node) -> torch.dtype | None:
     """The dtype a cast node converts to (None when it keeps the input dtype)."""
-    if node.target == aten.to.dtype and len(node.args) > 1:
+    if node.target is _TO_DTYPE and len(node.args) > 1:
         return node.args[1]
     return node.kwargs.get("dtype")
 
 
 def set_cast_dtype(node: Node, dtype: torch.dtype) -> None:
     """Point a cast node at another dtype and update its recorded value to match."""
-    if node.target == aten.to.dtype and len(node.args) > 1:
+    if node.target is _TO_DTYPE and len(node.args) > 1:
         node.args = (node.args[0], dtype, *node.args[2:])
     else:
         node.kwargs = {**node.kwargs, "dtype": dtype}
