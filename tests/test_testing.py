@@ -265,3 +265,30 @@ def test_a_program_that_cannot_run_in_fp64_is_held_to_fp32_alone():
     want = original.module()(x)
     with pytest.raises(AssertionError, match="float output 0"):
         check_floats(original, cast, (x,), [want], [want * 2])
+
+
+def _explicit_fp32_norm(a):
+    h = a.to(torch.float32)  # a model's own fp32 region: fp64 only if the body is widened
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True))
+
+
+class _SquaredInABranch(torch.nn.Module):
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, _explicit_fp32_norm, lambda a: a * 2, (x,))
+
+
+def test_the_fp64_run_widens_inside_a_cond_branch_too():
+    """The branch taken runs in fp64 as the root graph does: the loud row's norm is 1
+    there (fp32 gives 0), the exact result passes and a wrong one does not."""
+    from fx16.testing.oracle import check_floats, exact_outputs
+
+    loud = torch.full((2, 4), 1e38)
+    original = torch.export.export(_SquaredInABranch(), (loud,))
+    fp32 = original.module()(loud)
+    assert torch.equal(fp32, torch.zeros(2, 4))
+    (exact,) = exact_outputs(original, (loud,))
+    assert torch.equal(exact, torch.ones(2, 4))
+    cast = fx16.cast_fp32_to_fp16(torch.export.export(_SquaredInABranch(), (loud,)))
+    assert check_floats(original, cast, (loud,), [fp32], [exact]) == 1
+    with pytest.raises(AssertionError, match="float output 0"):
+        check_floats(original, cast, (loud,), [fp32], [exact * 3])

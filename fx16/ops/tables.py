@@ -252,9 +252,6 @@ SMALL_END_PRESERVING_OPS = overloads(
 )
 # Ops that raise a value to at least a scalar (an eps guard): add, clamp_min, clamp.
 GUARD_OPS = overloads("add.Tensor", "clamp_min.default", "clamp.default")
-# Ops whose scalar is added or clamped to (a guard, when tiny): a scalar below the 16-bit
-# subnormals is clamped to them there, where elsewhere (a multiplier) it is left as it is.
-GUARDING_OPS = GUARD_OPS | overloads("add.Scalar", "sub.Tensor", "sub.Scalar")
 
 
 def _guard_arguments() -> dict:
@@ -273,6 +270,9 @@ def _guard_arguments() -> dict:
 # that makes it a guard). The addend of an add (a sub subtracts it: a negative one guards)
 # and the minimum of a clamp; a clamp's maximum, an alpha or a negative minimum guard nothing.
 GUARD_ARGUMENTS = _guard_arguments()
+# Ops whose scalar is added or clamped to (a guard, when tiny): a scalar below the 16-bit
+# subnormals is clamped to them there, where elsewhere (a multiplier) it is left as it is.
+GUARDING_OPS = frozenset(GUARD_ARGUMENTS)
 
 # ---- conditioning (fx16.analysis.conditioning) -------------------------------------------
 
