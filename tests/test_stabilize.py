@@ -73,6 +73,22 @@ class NaiveVariance(torch.nn.Module):
         return x.pow(2).mean(-1, keepdim=True) - x.mean(-1, keepdim=True).pow(2)
 
 
+class TanhGelu(torch.nn.Module):
+    """GELU's tanh approximation written out, as GPT-2's ``gelu_new`` writes it."""
+
+    def forward(self, x):
+        inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))
+        return 0.5 * x * (1.0 + torch.tanh(inner))
+
+
+class TanhGeluReordered(torch.nn.Module):
+    """The same formula in another order of ops: ``x * k * (1 + c * x * x)`` inside."""
+
+    def forward(self, x):
+        inner = math.sqrt(2.0 / math.pi) * x * (1 + 0.044715 * x * x)
+        return x * (torch.tanh(inner) + 1) * 0.5
+
+
 class TinyEps(torch.nn.Module):
     def forward(self, x):
         return torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-12)
@@ -90,6 +106,8 @@ CASES = {
     "log1p": (Log1p, (1e-12, 0.9), 8),
     "expm1": (Expm1, (1e-12, 10.0), 8),
     "two_pass_variance": (NaiveVariance, (1e-3, 1e3), 64),
+    "tanh_gelu": (TanhGelu, (1e-3, 30.0), 64),
+    "tanh_gelu/reordered": (TanhGeluReordered, (1e-3, 30.0), 64),
 }
 
 
@@ -146,6 +164,9 @@ HARD_INPUTS = {
     "log1p": torch.tensor([[1e-4, -3e-4, 2e-5, 5e-4]]),
     "expm1": torch.tensor([[1e-4, -3e-4, 2e-5, 5e-4]]),
     "two_pass_variance": torch.tensor([[100.0, 100.5, 99.5, 100.25]]),
+    # 1 + tanh(...) cancels: at x = -3 the sum is 0.004, from a tanh rounded to 5e-4
+    "tanh_gelu": torch.tensor([[-3.0, -2.5, -3.5, -4.0]]),
+    "tanh_gelu/reordered": torch.tensor([[-3.0, -2.5, -3.5, -4.0]]),
 }
 
 
@@ -184,6 +205,55 @@ def test_a_program_without_a_pattern_is_left_byte_identical():
     plain = fx16.cast_fp32_to_fp16(export(MLP(), x), stabilize=False)
     stable = fx16.cast_fp32_to_fp16(export(MLP(), x))
     assert stable.graph_module.code == plain.graph_module.code
+
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+class NearGelu(torch.nn.Module):
+    """A written-out tanh GELU with one thing changed, or a part read elsewhere too."""
+
+    def __init__(self, beta=SQRT_2_OVER_PI, kappa=0.044715, half=0.5, leak=False):
+        super().__init__()
+        self.beta, self.kappa, self.half, self.leak = beta, kappa, half, leak
+
+    def forward(self, x):
+        t = torch.tanh(self.beta * (x + self.kappa * torch.pow(x, 3.0)))
+        y = self.half * x * (1.0 + t)
+        return (y, t) if self.leak else y
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        dict(beta=0.7978845608),  # FastGELU's truncated sqrt(2/pi): 4e-12 off
+        dict(kappa=0.0447),
+        dict(half=0.25),
+        dict(leak=True),  # the tanh is an output too: removing it is not the rule's to do
+    ],
+)
+def test_a_gelu_that_is_not_atens_exactly_is_left_as_written(changed):
+    ep = export(NearGelu(**changed), torch.randn(3, 8))
+    code = ep.graph_module.code
+    assert not StabilizePass()(ep.graph_module).modified
+    assert ep.graph_module.code == code
+
+
+def test_the_gelu_rewrite_reads_one_input_and_keeps_every_other_use_of_it():
+    """x feeds the GELU and a residual add: the rewrite replaces the GELU's eight ops
+    by one ``gelu(x, approximate="tanh")`` and leaves x and the add as they were."""
+
+    class Residual(torch.nn.Module):
+        def forward(self, x):
+            return TanhGelu()(x) + x
+
+    x = torch.randn(3, 8)
+    before, after = _stabilized(Residual(), x)
+    ops = [n.target for n in after.graph.nodes if n.op == "call_function"]
+    assert ops == [torch.ops.aten.gelu.default, torch.ops.aten.add.Tensor]
+    (gelu,) = [n for n in after.graph.nodes if n.target == torch.ops.aten.gelu.default]
+    assert gelu.kwargs == {"approximate": "tanh"} and gelu.meta["val"].shape == x.shape
+    assert torch.equal(after(x)[0], torch.nn.functional.gelu(x, approximate="tanh") + x)
 
 
 class _Offered:

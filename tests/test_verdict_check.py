@@ -44,10 +44,11 @@ def _gelu_tanh_mlp():
 
 
 def test_gelus_cube_is_measured_once_for_every_layer_and_dropped():
-    """Input: two blocks, each linear -> gelu(tanh) -> linear. Output: one check for both
-    cubes, not held; every op 16-bit; the error as with the rule off."""
+    """Input: two blocks, each linear -> gelu(tanh) -> linear, the GELU left written out
+    (``stabilize=False``; by default ``tanh_gelu`` makes it one op with no cube). Output:
+    one check for both cubes, not held; every op 16-bit; the error as with the rule off."""
     model, x = _gelu_tanh_mlp(), torch.randn(8, 64)
-    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    ep = fx16.cast_fp32_to_fp16(export(model, x), stabilize=False)
     check_program(ep)
     (check,) = _checks(ep)
     assert check.label.startswith("ill_conditioned pow.Tensor_Scalar") and not check.held
@@ -57,7 +58,8 @@ def test_gelus_cube_is_measured_once_for_every_layer_and_dropped():
     dropped = [row for row in rows if row.rule == "not_worth_fp32"]
     assert dropped and all("does not measurably lower" in row.detail for row in dropped)
     rule_off = export(model, x)
-    run_passes(without_rules(fx16.fp16_passes(rule_off), ConditioningRule), rule_off.graph_module)
+    passes = fx16.fp16_passes(rule_off, stabilize=False)
+    run_passes(without_rules(passes, ConditioningRule), rule_off.graph_module)
     reference = [model(x)]
     assert max_error(reference, run(ep, x)) <= 1.1 * max_error(reference, run(rule_off, x))
 
@@ -120,18 +122,22 @@ def test_large_condition_numbers_are_not_asked_and_nothing_is_asked_without_inpu
     model = TimestepEmbedding().eval()
     ep = fx16.cast_fp32_to_fp16(export(model, torch.tensor([10, 500])))
     assert _checks(ep) == []  # sin of t up to 999: condition number ~1000
-    gelu = fx16.cast_fp32_to_fp16(export(_gelu_tanh_mlp(), torch.randn(8, 64)), calibration=[])
+    written_out = export(_gelu_tanh_mlp(), torch.randn(8, 64))
+    gelu = fx16.cast_fp32_to_fp16(written_out, calibration=[], stabilize=False)
     assert _checks(gelu) == []
     rows = report_of(gelu).rows
     assert any(row.rule == "ill_conditioned" for row in rows)  # without inputs, it holds
 
 
 def test_gpt2_keeps_every_product_and_every_op_in_16_bit():
-    """GELU-tanh models: GPT-2's cube costs nothing any more."""
+    """GELU-tanh models: GPT-2's written-out GELU becomes ``gelu(x, approximate="tanh")``
+    (``tanh_gelu``), so there is no cube to ask about and no emulated run."""
     torch.manual_seed(0)
     model, ids = zoo.gpt2(layers=4, width=256), torch.randint(0, 1024, (1, 32))
     ep = fx16.cast_fp32_to_fp16(export(model, ids))
+    assert _checks(ep) == []
     report = report_of(ep)
+    assert "stabilized (rewritten for 16-bit): tanh_gelu x4" in report.summary()
     assert report.totals.flop_share_16bit == 1.0
     assert report.totals.casts_inserted == 0
     half = copy.deepcopy(model).half()

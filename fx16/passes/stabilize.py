@@ -33,6 +33,7 @@ from fx16.passes.stable_rewrites import (
     LogSoftmax,
     MagnitudeScaling,
     RmsNormScaling,
+    TanhGelu,
     TwoPassVariance,
 )
 from fx16.program.node_ids import assign_ids
@@ -50,6 +51,7 @@ def standard_rules(low: torch.dtype, exact: bool = True, eps_clamp: bool = False
         Log1p(),
         Expm1(),
         TwoPassVariance(),
+        TanhGelu(),
     ]
     return (exact_rules if exact else []) + ([EpsClamp(low)] if eps_clamp else [])
 
@@ -59,10 +61,11 @@ class StabilizePass(PassBase):
     in one sweep over the graph (a rule's pattern may hold a later rule's: RMSNorm's holds
     ``rsqrt(v + eps)``); see the module docstring for what it reads and writes.
 
-    A rule has a ``name``, ``match(node)`` (a ``Rewrite`` or None) and ``build(graph,
-    rewrite)`` (the node giving the pattern's result); with ``roots``, the ops its
-    matches start from, only the nodes calling one are offered to it (found by target,
-    not by a walk over every node)."""
+    A rule has a ``name``, ``match(node)`` (a ``Rewrite`` or None: its ``result``, the
+    node whose readers the replacement takes over, is ``node`` or one after it) and
+    ``build(graph, rewrite)`` (the node giving the pattern's result); with ``roots``,
+    the ops its matches start from, only the nodes calling one are offered to it (found
+    by target, not by a walk over every node)."""
 
     def __init__(
         self,
@@ -98,7 +101,7 @@ class StabilizePass(PassBase):
                     continue
                 made = rule.build(graph, rewrite)
                 made.meta[STABILIZED] = (rule.name, rewrite.detail)
-                node.replace_all_uses_with(made)
+                rewrite.result.replace_all_uses_with(made)
                 for replaced in rewrite.replaced:
                     if not replaced.users:
                         graph.erase_node(replaced)

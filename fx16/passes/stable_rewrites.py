@@ -15,6 +15,7 @@ from fx16.meta import (
     SCALED,
 )
 from fx16.ops.numerics import smallest_normal
+from fx16.passes.polynomials import read_polynomial
 from fx16.program.casts import copy_provenance
 from fx16.program.propagation import fresh_result
 
@@ -368,6 +369,88 @@ class Expm1:
     def build(self, graph: Graph, rewrite: Rewrite) -> Node:
         x = rewrite.result.args[0].args[0]
         return _Builder(graph, rewrite.result)(aten.expm1.default, x)
+
+
+class TanhGelu:
+    """Before: GELU's tanh approximation written out, ``0.5 * x * (1 + tanh(sqrt(2/pi) *
+    (x + 0.044715 * x**3)))`` (GPT-2's ``gelu_new``, in any order of its ops) - in
+    16-bit each of its eight ops rounds, ``1 + tanh(...)`` cancels for negative x (at x =
+    -3 the sum is 0.004, from a tanh rounded to 5e-4), the cube overflows past |x| = 40,
+    and its two constants, which fp16 does not hold, stay Python numbers that a runtime
+    converts on every call. After: ``gelu(x, approximate="tanh")``, the same formula with
+    the same constants, computed whole in the kernel's fp32 arithmetic and rounded once.
+
+    Only the exact constants match (``FastGELU``'s truncated 0.7978845608 differs from
+    sqrt(2/pi) by 4e-12, so the result would not be the pattern's in exact arithmetic).
+    Costs: nothing; one op replaces eight."""
+
+    name = "tanh_gelu"
+    roots = (aten.tanh.default,)  # the ops a match starts from
+
+    def match(self, node: Node) -> Rewrite | None:
+        """From the tanh, the formula's result is at most three ops on (``+ 1``, ``* x *
+        0.5``), each the only reader of the one before."""
+        step = node
+        for _ in range(3):
+            if len(step.users) != 1:
+                return None
+            (step,) = step.users
+            if not _is(step, *_ARITHMETIC):
+                return None
+            if _is(step, aten.mul.Tensor):
+                found = self._match_at(node, step)
+                if found is not None:
+                    return found
+        return None
+
+    def _match_at(self, tanh: Node, node: Node) -> Rewrite | None:
+        outer = read_polynomial(node) if _float_tensor(node) else None
+        if outer is None or len(outer.leaves) != 2 or tanh not in outer.leaves:
+            return None
+        x = next(leaf for leaf in outer.leaves if leaf is not tanh)
+        if not _same_tensor_type(x, node):
+            return None
+        halves = outer.coefficient((x, 1)) == outer.coefficient((x, 1), (tanh, 1)) == 0.5
+        inner = read_polynomial(tanh.args[0])
+        if not halves or len(outer.terms) != 2 or inner is None or inner.leaves != [x]:
+            return None
+        if not (
+            _equal(inner.coefficient((x, 1)), _GELU_BETA)
+            and _equal(inner.coefficient((x, 3)), _GELU_BETA * _GELU_KAPPA)
+            and len(inner.terms) == 2
+        ):
+            return None
+        replaced = (*reversed(outer.interior), tanh, *reversed(inner.interior))
+        return Rewrite(node, replaced, parts=(x,))
+
+    def build(self, graph: Graph, rewrite: Rewrite) -> Node:
+        (x,) = rewrite.parts
+        return _Builder(graph, rewrite.result)(aten.gelu.default, x, approximate="tanh")
+
+
+_ARITHMETIC = (aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor)
+
+# ATen's tanh GELU: sqrt(2/pi) * (x + 0.044715 * x**3) inside the tanh
+_GELU_BETA = math.sqrt(2 / math.pi)
+_GELU_KAPPA = 0.044715
+
+
+def _equal(found: float, expected: float) -> bool:
+    """Equal but for the last bits of the fp64 products that made ``found``."""
+    return abs(found - expected) <= 4 * 2**-52 * abs(expected)
+
+
+def _float_tensor(node: Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _same_tensor_type(a, b: Node) -> bool:
+    """``a`` is a float tensor of ``b``'s dtype and shape."""
+    if not isinstance(a, Node) or not _float_tensor(a):
+        return False
+    first, second = a.meta["val"], b.meta["val"]
+    return first.dtype == second.dtype and first.shape == second.shape
 
 
 class TwoPassVariance:
