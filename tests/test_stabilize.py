@@ -451,3 +451,58 @@ def test_each_rewrite_adds_only_ops_executorch_runs(name):
     assert added
     missing = sorted(str(op) for op in added if _out_variant(op) not in PORTABLE_OPS)
     assert not missing, f"{name} adds ops ExecuTorch has no kernel for: {missing}"
+
+
+class BranchGelu(torch.nn.Module):
+    """A written-out tanh GELU inside both branches of a cond."""
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda a: TanhGelu()(a), lambda a: TanhGelu()(a * 2), (x,))
+
+
+def test_a_gelu_inside_a_cond_branch_becomes_one_op_too():
+    x = torch.randn(3, 8)
+    ep = export(BranchGelu(), x)
+    assert StabilizePass()(ep.graph_module).modified
+    ep.graph_module.recompile()
+    bodies = [m for name, m in ep.graph_module.named_modules() if name.endswith("_graph_0")]
+    ops = [n.target for body in bodies for n in body.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.aten.gelu.default) == 2 and torch.ops.aten.tanh.default not in ops
+    for sign in (1, -1):
+        got = ep.module()(sign * x.abs())
+        want = BranchGelu()(sign * x.abs())
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def _relative_errors(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Elementwise |got - want| / |want|, where the result is not below 1e-4 of the largest."""
+    seen = want.abs() >= 1e-4 * want.abs().max()
+    return ((got.double() - want) / want)[seen].abs()
+
+
+@pytest.mark.parametrize(
+    "shift",
+    ["3x wider", "near-silent rows", "a narrow column beside a wide one"],
+)
+def test_the_cast_gelu_holds_inputs_unlike_its_calibration(shift):
+    """Calibrated on N(0, 1); run on inputs it never saw. Every element of the default
+    cast's GELU lies within 16-bit rounding (2**-9 relative, the output's and the input's
+    roundings amplified by the tail's slope) of fp64's GELU of the same 16-bit input; the
+    written-out form (``stabilize=False``) loses far more where ``1 + tanh`` cancels."""
+    generator = torch.Generator().manual_seed(3)
+    calibration = torch.randn(16, 32, generator=generator)
+    x = torch.randn(16, 32, generator=generator)
+    if shift == "3x wider":
+        x = 3 * x
+    elif shift == "near-silent rows":
+        x[::2] *= 1e-3
+    else:
+        x[:, 0] *= 60.0  # its cube, 2e5, is past fp16's range
+    x = x.half()
+    want = torch.nn.functional.gelu(x.double(), approximate="tanh")
+    stable = fx16.cast_fp32_to_fp16(export(TanhGelu(), calibration))
+    written = fx16.cast_fp32_to_fp16(export(TanhGelu(), calibration), stabilize=False)
+    fused_errors = _relative_errors(stable.module()(x), want)
+    assert fused_errors.max() < 2**-9, float(fused_errors.max())
+    if shift == "3x wider":  # the tail reaches x = -9, where 1 + tanh cancels
+        assert _relative_errors(written.module()(x), want).max() > 30 * fused_errors.max()

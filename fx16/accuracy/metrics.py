@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from fx16.errors import InvalidOptionError
+from fx16.program.nodes import is_float_tensor
 from fx16.program.stats import outputs_error
 
 Metric = Callable[[list, list], float]
@@ -33,7 +34,7 @@ def cosine(reference: list, outputs: list) -> float:
     worst = 1.0
     for ref_call, got_call in zip(reference, outputs):
         for ref, got in zip(ref_call, got_call):
-            if _is_float(ref) and ref.numel():
+            if is_float_tensor(ref) and ref.numel():
                 a, b = ref.double().flatten(), got.double().flatten()
                 if not bool(torch.isfinite(b).all()):
                     return 1.0 if bool(torch.isfinite(a).all()) else worst
@@ -45,7 +46,7 @@ def cosine(reference: list, outputs: list) -> float:
 def top1(reference: list, outputs: list) -> float:
     rows = differ = 0
     for ref_call, got_call in zip(reference, outputs):
-        pair = next(((r, g) for r, g in zip(ref_call, got_call) if _is_float(r)), None)
+        pair = next(((r, g) for r, g in zip(ref_call, got_call) if is_float_tensor(r)), None)
         if pair is None or pair[0].numel() == 0:
             continue
         ref, got = pair
@@ -74,7 +75,3 @@ def resolve(metric: "str | Metric | None") -> tuple[str, Metric]:
             f"metric must be a preset name or a callable, not {type(metric).__name__}"
         )
     return getattr(metric, "__name__", "custom"), metric
-
-
-def _is_float(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point()

@@ -22,7 +22,7 @@ from fx16.passes.insert_fp16_casts import OUTPUTS
 from fx16.program.casts import before_inserted_casts, is_cast, is_inserted
 from fx16.program.cost import flops, is_product
 from fx16.program.interpreter import LeanInterpreter
-from fx16.program.nodes import SIXTEEN_BIT_DTYPES, node_dtype
+from fx16.program.nodes import SIXTEEN_BIT_DTYPES, is_float_tensor, node_dtype
 
 # What an fp32 elementwise op or reduction costs per FLOP, next to an fp32 product's.
 ELEMENTWISE_WEIGHT = 1 / 16
@@ -48,7 +48,7 @@ class _Recorder(LeanInterpreter):
 
     def run_node(self, node: Node):
         result = super().run_node(node)
-        if _is_float(result):
+        if is_float_tensor(result):
             self.values[node.name] = result.detach()
         return result
 
@@ -57,7 +57,7 @@ class _Recorder(LeanInterpreter):
         views = {}
         for source in node.all_input_nodes:
             value = self.env.get(source)
-            if _is_float(value) and value.requires_grad:
+            if is_float_tensor(value) and value.requires_grad:
                 views[source] = self.edges[(source.name, node.name)] = value.view_as(value)
         if views:
             args = map_arg(node.args, lambda source: views.get(source, self.env[source]))
@@ -108,7 +108,7 @@ class Reference:
             pairs = [
                 (out, error)
                 for out, error in zip(outputs, output_errors)
-                if error is not None and _is_float(out) and out.requires_grad
+                if error is not None and is_float_tensor(out) and out.requires_grad
             ]
             impacts: dict[tuple[str, str], float] = {}
             try:
@@ -138,7 +138,7 @@ class Reference:
         with torch.enable_grad():
             leaves = [
                 x.detach().requires_grad_()
-                if _is_float(x) and placeholder.name not in self.buffers
+                if is_float_tensor(x) and placeholder.name not in self.buffers
                 else x
                 for x, placeholder in zip(inputs, placeholders)
             ]
@@ -170,10 +170,6 @@ def _rounding(value: torch.Tensor) -> torch.Tensor:
     return value - value.to(torch.float16).to(value.dtype)
 
 
-def _is_float(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point()
-
-
 def remedies(graph_module, reference: Reference, observed: list[list], forced: set[str]):
     """What could return to fp32 next, with its score, highest first: a list of
     (score, names), none of them in ``forced``, with a positive score.
@@ -196,7 +192,9 @@ def remedies(graph_module, reference: Reference, observed: list[list], forced: s
     """
     errors = [
         [
-            (ref - obs.to(ref.dtype)).detach() if _is_float(ref) and _is_float(obs) else None
+            (ref - obs.to(ref.dtype)).detach()
+            if is_float_tensor(ref) and is_float_tensor(obs)
+            else None
             for ref, obs in zip(reference_outputs, outputs)
         ]
         for reference_outputs, outputs in zip(reference.outputs, observed)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
+from fx16.program.nodes import is_number
+
 aten = torch.ops.aten
 
 Monomial = tuple[tuple[int, int], ...]  # (leaf position, power), by position
@@ -53,10 +55,6 @@ def read_polynomial(node: Node) -> Polynomial | None:
     return found
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 class _Reader:
     def __init__(self, found: Polynomial) -> None:
         self.found = found
@@ -64,7 +62,7 @@ class _Reader:
         self.ops_read = 0
 
     def read(self, value, root: bool = False) -> dict[Monomial, float] | None:
-        if _is_number(value):
+        if is_number(value):
             return {(): float(value)}
         if not isinstance(value, Node):
             return None
@@ -92,7 +90,7 @@ class _Reader:
     def _add(self, node: Node, sign: float) -> dict | None:
         a, b = self.read(node.args[0]), self.read(node.args[1])
         alpha = node.kwargs.get("alpha", 1)
-        if a is None or b is None or not _is_number(alpha):
+        if a is None or b is None or not is_number(alpha):
             return None
         return _sum(a, _scaled(b, sign * alpha))
 
@@ -102,7 +100,7 @@ class _Reader:
 
     def _div(self, node: Node) -> dict | None:
         a, divisor = self.read(node.args[0]), node.args[1]
-        if a is None or not _is_number(divisor) or divisor == 0 or node.kwargs:
+        if a is None or not is_number(divisor) or divisor == 0 or node.kwargs:
             return None
         return _scaled(a, 1.0 / divisor)
 
@@ -112,7 +110,7 @@ class _Reader:
 
     def _pow(self, node: Node) -> dict | None:
         a, power = self.read(node.args[0]), node.args[1]
-        whole = _is_number(power) and float(power).is_integer() and 1 <= power <= _LARGEST_POWER
+        whole = is_number(power) and float(power).is_integer() and 1 <= power <= _LARGEST_POWER
         if a is None or not whole:
             return None
         result = a

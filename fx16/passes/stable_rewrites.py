@@ -17,6 +17,7 @@ from fx16.meta import (
 from fx16.ops.numerics import smallest_normal
 from fx16.passes.polynomials import read_polynomial
 from fx16.program.casts import copy_provenance
+from fx16.program.nodes import is_float_tensor, is_number, node_val
 from fx16.program.propagation import fresh_result
 
 aten = torch.ops.aten
@@ -31,7 +32,7 @@ def _only_user(node: Node, user: Node) -> bool:
 
 
 def _scalar(value, expected: float) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == expected
+    return is_number(value) and value == expected
 
 
 def _squared(node) -> Node | None:
@@ -404,7 +405,7 @@ class TanhGelu:
         return None
 
     def _match_at(self, tanh: Node, node: Node) -> Rewrite | None:
-        outer = read_polynomial(node) if _float_tensor(node) else None
+        outer = read_polynomial(node) if is_float_tensor(node_val(node)) else None
         if outer is None or len(outer.leaves) != 2 or tanh not in outer.leaves:
             return None
         x = next(leaf for leaf in outer.leaves if leaf is not tanh)
@@ -440,16 +441,11 @@ def _equal(found: float, expected: float) -> bool:
     return abs(found - expected) <= 4 * 2**-52 * abs(expected)
 
 
-def _float_tensor(node: Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
-
-
 def _same_tensor_type(a, b: Node) -> bool:
     """``a`` is a float tensor of ``b``'s dtype and shape."""
-    if not isinstance(a, Node) or not _float_tensor(a):
+    if not isinstance(a, Node) or not is_float_tensor(node_val(a)):
         return False
-    first, second = a.meta["val"], b.meta["val"]
+    first, second = node_val(a), node_val(b)
     return first.dtype == second.dtype and first.shape == second.shape
 
 

@@ -128,16 +128,22 @@ def value_scalars(node: Node) -> list[tuple[Location, int | float]]:
     found = []
     args = node.args
     for index in positions:
-        if index < len(args) and _is_number(args[index]):
+        if index < len(args) and is_number(args[index]):
             found.append((("args", index), args[index]))
     for name, value in node.kwargs.items():
-        if name in names and _is_number(value):
+        if name in names and is_number(value):
             found.append((("kwargs", name), value))
     return found
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """A Python int or float (not a bool): a number an op argument may carry."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_float_tensor(value: Any) -> bool:
+    """A tensor of a floating dtype (a node's fake value, an output, an argument)."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 @per_op

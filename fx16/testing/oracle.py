@@ -33,7 +33,7 @@ from fx16.analysis.emulation import Emulation
 from fx16.ops.numerics import INF_LIKE
 from fx16.program import Program
 from fx16.program.interpreter import BodyInterpreter
-from fx16.program.nodes import SIXTEEN_BIT_DTYPES, node_val, tensor_leaves
+from fx16.program.nodes import SIXTEEN_BIT_DTYPES, is_float_tensor, node_val, tensor_leaves
 
 # a dtype-preserving pass: max |error| / max |output| over the output's ordinary values
 FP32_TOLERANCE = 1e-4
@@ -155,14 +155,14 @@ def float_bounds(
     nothing bounds it: an integer output, or an emulation that overflows)."""
     low = narrowed_dtype(original, cast)
     if low is None:
-        return [FP32_TOLERANCE if _is_float(want) else float("inf") for want in expected]
+        return [FP32_TOLERANCE if is_float_tensor(want) else float("inf") for want in expected]
     emulated = emulated_outputs(original, cast, args, low)
     flip = _coarser_flip(original, low)
     return [
         EMULATED_FACTOR * output_error(want, emulation.to(want.dtype))
         + OUTPUT_ROUNDINGS * _rounding(want, low)
         + flip
-        if _is_float(want)
+        if is_float_tensor(want)
         else float("inf")
         for want, emulation in zip(expected, emulated)
     ]
@@ -192,10 +192,6 @@ def _coarser_flip(original: ExportedProgram, low: torch.dtype) -> float:
     held = [dtype for dtype, count in _sixteen_bit_counts(original).items() if count]
     coarser = [torch.finfo(dtype).eps for dtype in held if torch.finfo(dtype).eps > eps]
     return max(coarser, default=0.0)
-
-
-def _is_float(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.is_floating_point()
 
 
 def check_floats(
