@@ -115,6 +115,7 @@ def _stabilized(model, x, **rules):
     ep = export(model, x)
     rewritten = copy.deepcopy(ep)
     assert StabilizePass(**rules)(rewritten.graph_module).modified
+    rewritten.graph_module.graph.lint()  # the pass leaves linting to its callers
     rewritten.graph_module.recompile()
     return ep.graph_module, rewritten.graph_module
 

@@ -80,7 +80,6 @@ class StabilizePass(PassBase):
         modified = False
         for module in Facts.of(graph_module).graph_modules:  # the bodies of cond, loops, too
             if self.rewrite(module.graph):
-                module.graph.lint()
                 if module is not graph_module:
                     module.recompile()  # the root is recompiled by whoever runs the pipeline
                 modified = True
