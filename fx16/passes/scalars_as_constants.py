@@ -10,7 +10,7 @@ from fx16.errors import InvalidOptionError
 from fx16.meta import scalar_rounds_exactly
 from fx16.ops.tables import per_op
 from fx16.program import Program
-from fx16.program.nodes import SIXTEEN_BIT_DTYPES, node_val
+from fx16.program.nodes import SIXTEEN_BIT_DTYPES, is_number, node_val
 
 SIXTEEN_BIT = (*SIXTEEN_BIT_DTYPES, torch.int16)
 STEM = "fx16_scalar_"
@@ -61,7 +61,7 @@ def _scalar_operands(node: Node) -> list[tuple[int | str, object]]:
     for index, name in _tensor_arguments(node.target):
         key = index if index < len(node.args) else name
         value = node.args[key] if isinstance(key, int) else node.kwargs.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if is_number(value):
             found.append((key, value))
     return found
 
