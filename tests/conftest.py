@@ -2,12 +2,15 @@
 register the hypothesis profiles: "ci" (the default; every property, bounded, derandomized)
 and "long"
 (``FX16_FUZZ=long``: 10,000 examples per property, or ``FX16_FUZZ_EXAMPLES``; see
-fuzz_profile.examples)."""
+fuzz_profile.examples), and let ``run_decompositions()`` skip torch's repeated
+materialization of composite ops (``tests/cia_materialization.py``)."""
 
 import os
 import sys
 from pathlib import Path
 
+import torch
+from cia_materialization import materialize_only_on_change
 from hypothesis import HealthCheck, Phase, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,6 +32,6 @@ settings.load_profile("long" if os.environ.get("FX16_FUZZ") == "long" else "ci")
 # Under pytest-xdist each worker gets one core: torch's intra-op threads would otherwise
 # oversubscribe the machine (two workers x two threads on two cores).
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    import torch
-
     torch.set_num_threads(1)
+
+materialize_only_on_change()
