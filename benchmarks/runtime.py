@@ -7,7 +7,7 @@ to ExecuTorch.
 ``executorch``: the small GPT-2 and Llama and a MobileNet-like CNN (``SmallCnn``),
 as fp32, ``.half()``, fx16 (its default ``scalars="exact"``; ``scalars="rounded"``,
 the values ExecuTorch computes anyway; and that without the stable rewrites, whose
-power-of-two scale XNNPACK does not take) and coreai-opt programs, lowered with
+power-of-two scales run outside XNNPACK) and coreai-opt programs, lowered with
 ``to_edge_transform_and_lower`` and the XNNPACK partitioner; counted: the delegate
 calls, the ops left outside the delegate, the casts among them and those that cast a
 constant (a weight, or a Python scalar ``to_edge`` made an fp32 tensor) on every call.

@@ -316,9 +316,9 @@ class RmsNormEps(torch.nn.Module):
     dtype=st.sampled_from([torch.float16, torch.bfloat16]),
 )
 def test_the_stable_norm_stores_sqrt_eps_rounded_and_gives_eager_bit_for_bit(eps, exponent, dtype):
-    """sqrt(eps), which 16-bit does not hold, is a 16-bit constant by default (no cast
-    at run time) and every result is the one the Python number gives, on rows from
-    silent (the eps term's product subnormal) to loud; a tiny eps (sqrt 1e-4) stays."""
+    """sqrt(eps) (times 64, the scale's 1/f), which 16-bit does not hold, is a 16-bit
+    constant by default (no cast at run time) and every result is the one the Python
+    number gives, on rows from silent (the eps term's product subnormal) to loud."""
     torch.manual_seed(exponent)
     x = torch.randn(3, 64) * 2.0**exponent
     x[1] *= 2.0**-12  # a quiet row beside the loud one
@@ -327,7 +327,7 @@ def test_the_stable_norm_stores_sqrt_eps_rounded_and_gives_eager_bit_for_bit(eps
     folded, kept = export(RmsNormEps(eps), x), export(RmsNormEps(eps), x)
     fx16.cast_fp32_to_fp16(folded, policy=policy, calibration=[])
     fx16.cast_fp32_to_fp16(kept, policy=policy, calibration=[], scalars="keep")
-    sqrt_eps = torch.tensor(eps**0.5, dtype=torch.float32).to(dtype)
+    sqrt_eps = torch.tensor(eps**0.5 * 64, dtype=torch.float32).to(dtype)
     stored = [v for v in constant_specs(folded).values() if v.dtype == dtype]
     normal = float(sqrt_eps.abs()) >= torch.finfo(dtype).tiny
     assert any(float(v) == float(sqrt_eps) for v in stored) == normal

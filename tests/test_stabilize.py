@@ -416,13 +416,14 @@ def test_the_default_cast_holds_inputs_the_calibration_never_showed(case):
     assert report_of(stable).totals.flop_share_16bit == 1.0
 
 
-PORTABLE_OPS = {
-    line.strip()
-    for line in (Path(__file__).parent / "data" / "executorch_portable_ops.txt")
-    .read_text()
-    .splitlines()
-    if line.strip() and not line.startswith("#")
-}
+def _op_list(name: str) -> set[str]:
+    """The op names (``mul.Tensor``, ``pow.Scalar_out``) listed in ``tests/data/<name>``."""
+    lines = (Path(__file__).parent / "data" / name).read_text().splitlines()
+    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+
+
+PORTABLE_OPS = _op_list("executorch_portable_ops.txt")
+XNNPACK_OPS = _op_list("executorch_xnnpack_ops.txt")
 
 
 def _out_variant(op: torch._ops.OpOverload) -> str | None:
@@ -452,6 +453,39 @@ def test_each_rewrite_adds_only_ops_executorch_runs(name):
     assert added
     missing = sorted(str(op) for op in added if _out_variant(op) not in PORTABLE_OPS)
     assert not missing, f"{name} adds ops ExecuTorch has no kernel for: {missing}"
+
+
+def _xnnpack_takes(node: torch.fx.Node) -> bool:
+    name = node.target._schema.name.split("::")[1]
+    return f"{name}.{node.target._overloadname}" in XNNPACK_OPS
+
+
+@pytest.mark.parametrize("name", [case for case in sorted(CASES) if "scaling" in case])
+def test_a_scale_runs_outside_the_xnnpack_delegate_in_one_piece(name):
+    """Between the first op of a scale's chain that ExecuTorch's XNNPACK delegate leaves
+    out (``amax``, ``log2``) and the power of two it ends in, no op is one XNNPACK takes:
+    such an op would run as a delegate call of its own between two portable kernels
+    (the ``mul``, ``clamp`` and ``floor`` once there gave ``benchmarks.runtime``'s Llama
+    36 delegate calls against ``.half()``'s 30; 26 without them)."""
+    before, after = _stabilized(CASES[name][0](), torch.randn(3, 8))
+    kept = {node.name for node in before.graph.nodes}
+    calls = [n for n in after.graph.nodes if n.op == "call_function" and n.name not in kept]
+    powers = [n for n in calls if n.target is torch.ops.aten.pow.Scalar]
+    assert powers
+    ancestors: dict[torch.fx.Node, set] = {}  # among the nodes the rewrite made
+    for node in calls:  # in topological order
+        ancestors[node] = set().union(
+            *({arg} | ancestors[arg] for arg in node.all_input_nodes if arg in ancestors)
+        )
+    feeding = set().union(*(ancestors[power] for power in powers))
+    islands = [
+        node.name
+        for node in calls
+        if node in feeding
+        and _xnnpack_takes(node)
+        and any(not _xnnpack_takes(ancestor) for ancestor in ancestors[node])
+    ]
+    assert not islands, f"{name}: {islands} would each be a delegate call of their own"
 
 
 class BranchGelu(torch.nn.Module):

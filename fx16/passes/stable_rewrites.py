@@ -86,8 +86,8 @@ class RmsNormScaling:
     ``x / sqrt(sum(x**2))``), with or without eps - with activations of a few hundred,
     x**2 passes 65504 (why models compute it in an fp32 region); on a quiet input (a
     near-silent audio frame) it flushes to zero.
-    After: ``s = 2**floor(log2(max(amax(|x|, dims) * f, 2**-14))); y = x / s;
-    y * rsqrt(mean(y**2, dims) + (sqrt(eps) / s)**2)``: the same value in exact
+    After: ``k = floor(log2(amax(max(|x|, 2**-14 / f), dims))); s = 2**k * f; y = x / s;
+    y * rsqrt(mean(y**2, dims) + (2**-k * sqrt(eps) / f)**2)``: the same value in exact
     arithmetic for any s > 0, and s a power of two makes ``x / s`` exact in 16-bit too.
     For a mean, f = 1/64: the row's largest |y| lies in [64, 128), so every y**2 is below
     16384, and elements 1/2000 of the largest still square to a normal 16-bit number
@@ -96,7 +96,8 @@ class RmsNormScaling:
     below 65504. The scale's own rounding cannot matter (any s would do), which its nodes
     say in ``meta["fx16.rounding_cancels"]`` for the conditioning analysis.
 
-    Costs: one largest-magnitude reduction and one division per row, in 16-bit; no fp32."""
+    Costs: a clamp and a division per element, one largest-magnitude reduction per row,
+    in 16-bit; no fp32."""
 
     name = "rms_norm_scaling"
     roots = (aten.mul.Tensor, aten.div.Tensor)  # the ops a match starts from
@@ -134,27 +135,40 @@ class RmsNormScaling:
         x, reduced, eps = rewrite.parts
         _, dims, _, reduction = _reduction(reduced)
         summed = reduction is aten.sum.dim_IntList
+        factor = 1.0 if summed else 2.0**-6
         make = _Builder(graph, rewrite.result)
         magnitudes = make(aten.abs.default, x)
-        largest = make(aten.amax.default, magnitudes, dims, True)
-        factor = 1.0 if summed else 2.0**-6
-        scale = _power_of_two_near(make, largest, factor, (magnitudes, largest), _ANY_SCALE)
+        # max(amax(|x|), 2**-14 / f) as amax(max(|x|, 2**-14 / f)): the clamp runs beside
+        # the abs, and every op from the row's largest magnitude to 2**k is one that
+        # ExecuTorch's XNNPACK delegate leaves out, so the norm splits no delegate more
+        lifted = make(aten.clamp.default, magnitudes, 2.0**-14 / factor)
+        lifted.meta[BOUNDED_BELOW] = _AT_LEAST_NORMAL
+        largest = make(aten.amax.default, lifted, dims, True)
+        exponent, power = _power_of_two_below(
+            make, largest, (magnitudes, lifted, largest), _ANY_SCALE
+        )
+        scale = power if summed else make(aten.mul.Tensor, power, factor)
+        scale.meta[ROUNDING_CANCELS] = _ANY_SCALE
+        scale.meta[BOUNDED_BELOW] = _AT_LEAST_NORMAL
         y = make(aten.div.Tensor, x, scale)
         squares = make(aten.pow.Tensor_Scalar, y, 2)
-        power = make(reduction, squares, dims, True)
+        power_sum = make(reduction, squares, dims, True)
         why = _SCALED_SUM if summed else _SCALED_MEAN
-        for part in (y, squares, power):
+        for part in (y, squares, power_sum):
             part.meta[SCALED] = why
         if eps is not None:
-            shrunk = make(aten.mul.Tensor, make(aten.reciprocal.default, scale), math.sqrt(eps))
+            # sqrt(eps) / s = 2**-k * (sqrt(eps) / f), 2**-k read from k as 2**k is
+            inverse = make(aten.pow.Scalar, 0.5, exponent)
+            inverse.meta[ROUNDING_CANCELS] = _ANY_SCALE  # 1/s, from the same k as s
+            shrunk = make(aten.mul.Tensor, inverse, math.sqrt(eps) / factor)
             eps_term = make(aten.mul.Tensor, shrunk, shrunk)
             for small in (shrunk, eps_term):
                 small.meta[NEGLIGIBLE] = _EPS_TERM
             shrunk.meta[SCALAR_ROUNDS_EXACTLY] = _SQRT_EPS_ROUNDS
-            power = make(aten.add.Tensor, power, eps_term)
-            power.meta[SCALED] = why  # eps_term below 2**28 eps
-        power.meta[BOUNDED_BELOW] = _SCALED_POWER
-        return make(aten.mul.Tensor, y, make(aten.rsqrt.default, power))
+            power_sum = make(aten.add.Tensor, power_sum, eps_term)
+            power_sum.meta[SCALED] = why  # eps_term below 2**28 eps
+        power_sum.meta[BOUNDED_BELOW] = _SCALED_POWER
+        return make(aten.mul.Tensor, y, make(aten.rsqrt.default, power_sum))
 
 
 # Why sqrt(eps) may be stored rounded to the 16-bit type: 1/s is a power of two, and
@@ -181,20 +195,29 @@ def _reduction(node) -> tuple[Node, list, bool, object] | None:
     return None if found is None else (*found, node.target)
 
 
-def _power_of_two_near(make: _Builder, largest: Node, factor: float, parts, why: str) -> Node:
-    """``2**floor(log2(max(largest * factor, 2**-14)))``: a power of two (dividing by it is
-    exact in 16-bit), at least 16-bit's smallest normal. Its nodes and ``parts`` (what
-    ``largest`` is computed from) say ``why`` their rounding cancels. The power is
-    ``pow(2.0, k)``, exact for an integer k, not ``exp2(k)``: ExecuTorch's kernels
-    have no exp2, and a program with one lowers but fails to run there."""
-    clamped = make(aten.clamp.default, make(aten.mul.Tensor, largest, factor), 2.0**-14)
-    exponent = make(aten.floor.default, make(aten.log2.default, clamped))
-    scale = make(aten.pow.Scalar, 2.0, exponent)
-    for part in (*parts, clamped, clamped.args[0], exponent, exponent.args[0], scale):
+def _power_of_two_below(make: _Builder, largest: Node, parts, why: str) -> tuple[Node, Node]:
+    """(k, 2**k) for ``k = floor(log2(largest))``: a power of two (dividing by it is exact
+    in 16-bit) within 2x below ``largest``, which the caller keeps at least 16-bit's
+    smallest normal (so k is finite where ``largest`` is). Its nodes and ``parts`` (what
+    ``largest`` is computed from) say ``why`` their rounding cancels.
+
+    The floor is ``div(log2(largest), 1, rounding_mode="floor")`` and the power
+    ``pow(2.0, k)``, exact for an integer k: ops that ExecuTorch's XNNPACK delegate
+    leaves out, like ``amax`` and ``log2``, so the whole chain runs outside it in one
+    piece (an ``aten.floor``, which XNNPACK takes, made it a one-op delegate call of its
+    own), and that ExecuTorch's kernels have (not ``exp2``: a program with one lowers but
+    fails to run there)."""
+    logarithm = make(aten.log2.default, largest)
+    exponent = make(aten.div.Tensor_mode, logarithm, 1.0, rounding_mode="floor")
+    power = make(aten.pow.Scalar, 2.0, exponent)
+    for part in (*parts, logarithm, exponent, power):
         part.meta[ROUNDING_CANCELS] = why
-    for bounded in (clamped, scale):
-        bounded.meta[BOUNDED_BELOW] = "at least 2**-14, 16-bit's smallest normal"
-    return scale
+    for bounded in (largest, power):
+        bounded.meta[BOUNDED_BELOW] = _AT_LEAST_NORMAL
+    return exponent, power
+
+
+_AT_LEAST_NORMAL = "at least 2**-14, 16-bit's smallest normal"
 
 
 class MagnitudeScaling:
@@ -234,8 +257,9 @@ class MagnitudeScaling:
         a, b = rewrite.parts
         make = _Builder(graph, rewrite.result)
         magnitudes = (make(aten.abs.default, a), make(aten.abs.default, b))
-        largest = make(aten.maximum.default, *magnitudes)
-        scale = _power_of_two_near(make, largest, 1.0, (*magnitudes, largest), _ANY_PART_SCALE)
+        lifted = make(aten.clamp.default, make(aten.maximum.default, *magnitudes), 2.0**-14)
+        parts = (*magnitudes, lifted.args[0], lifted)
+        _, scale = _power_of_two_below(make, lifted, parts, _ANY_PART_SCALE)
         scaled = [make(aten.div.Tensor, part, scale) for part in (a, b)]
         squares = [make(aten.mul.Tensor, part, part) for part in scaled]
         total = make(aten.add.Tensor, *squares)
