@@ -171,12 +171,12 @@ class RmsNormScaling:
         return make(aten.mul.Tensor, y, make(aten.rsqrt.default, power_sum))
 
 
-# Why sqrt(eps) may be stored rounded to the 16-bit type: 1/s is a power of two, and
+# Why sqrt(eps) / f may be stored rounded to the 16-bit type: 2**-k is a power of two, and
 # rounding is the same at every power of two while the product is normal; a subnormal
 # product's square is below half the smallest subnormal, zero whichever way it rounded.
 _SQRT_EPS_ROUNDS = (
-    "sqrt(eps) times a power of two, then squared: the same 16-bit result with sqrt(eps) "
-    "rounded to 16-bit"
+    "sqrt(eps) / f times a power of two, then squared: the same 16-bit result with "
+    "sqrt(eps) / f rounded to 16-bit"
 )
 
 # Why a scaled norm's values stay in range for any input.
