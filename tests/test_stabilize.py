@@ -17,7 +17,7 @@ from fx16.meta import stabilized
 from fx16.passes import StabilizePass
 from fx16.program import Program
 from fx16.report import report_of
-from helpers import command, export
+from helpers import command, export, run
 from models import MLP
 
 
@@ -366,6 +366,40 @@ def test_patterns_inside_higher_order_op_bodies_are_rewritten_too():
     assert torch.isfinite(got).all()  # log(softmax) in fp16 gives -inf for the -40 logit
     reference = BranchLogSoftmax().double()(x.double())[0]
     assert float((got.double() - reference).abs().max()) < 0.2
+
+
+class BranchRmsNorm(torch.nn.Module):
+    """An RMSNorm inside both branches of a cond (the second on twice the input)."""
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda a: RmsNorm()(a), lambda a: RmsNorm()(a * 2), (x,))
+
+
+@pytest.mark.parametrize("unseen", ["30x louder", "near-silent", "a quiet row beside a loud one"])
+def test_a_norm_inside_a_cond_branch_holds_on_inputs_unlike_the_calibration(unseen):
+    """The scaled norm in each branch, calibrated on moderate rows, stays 16-bit and
+    within a few 16-bit ulps of fp64 on rows calibration never showed: activations of
+    thousands (whose squares pass 65504), near-silent ones (whose squares flush), and
+    both in one input. Its scale's chain (floor division, 2**k and 2**-k) is in the bodies."""
+    torch.manual_seed(0)
+    calibration = torch.randn(4, 32) * 10
+    x = {
+        "30x louder": calibration * 30,
+        "near-silent": calibration * 1e-5,
+        "a quiet row beside a loud one": calibration * torch.tensor([[300.0], [1e-5], [1], [1]]),
+    }[unseen]
+    ep = fx16.cast_fp32_to_fp16(export(BranchRmsNorm(), calibration))
+    bodies = [m for name, m in ep.graph_module.named_modules() if name.endswith("_graph_0")]
+    ops = [n.target for body in bodies for n in body.graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.aten.div.Tensor_mode) == 2
+    assert ops.count(torch.ops.aten.pow.Scalar) == 4
+    assert not [r for r in report_of(ep).rows if r.kind == "float" and r.dtype == "float32"]
+    for sign in (1.0, -1.0):  # each branch
+        got = run(ep, sign * x.abs())[0]
+        want = BranchRmsNorm().double()(sign * x.abs().double())
+        assert got.dtype == torch.float16 and torch.isfinite(got).all()
+        # each row's largest |result| is at least 1: a few fp16 ulps of it
+        assert float((got.double() - want).abs().max()) < 4e-3
 
 
 # trap model -> (calibration input, the unseen input it meets later, what plain 16-bit gives)
