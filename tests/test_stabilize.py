@@ -16,6 +16,7 @@ from benchmarks.shift_traps import LogLikelihood, StftMagnitude, audio_frames
 from fx16.meta import stabilized
 from fx16.passes import StabilizePass
 from fx16.program import Program
+from fx16.program.nodes import op_label
 from fx16.report import report_of
 from helpers import command, export, run
 from models import MLP
@@ -490,8 +491,7 @@ def test_each_rewrite_adds_only_ops_executorch_runs(name):
 
 
 def _xnnpack_takes(node: torch.fx.Node) -> bool:
-    name = node.target._schema.name.split("::")[1]
-    return f"{name}.{node.target._overloadname}" in XNNPACK_OPS
+    return op_label(node) in XNNPACK_OPS
 
 
 @pytest.mark.parametrize("name", [case for case in sorted(CASES) if "scaling" in case])
