@@ -29,8 +29,10 @@ Each program's ``ep.module()`` goes through ``torch.compile`` (default mode); th
 call's time is the compile time. After ``--warmup`` calls of each, the programs take
 turns in ``--rounds`` rounds of ``--calls`` calls, each timed with CUDA events; the
 latency is the median of the rounds' medians (their range beside it), so a drift of
-the clocks between programs cannot pass for a difference. The error is max |out - fp32| /
-max |fp32| over the logits. ``--small`` builds tiny models on the CPU without
+the clocks between programs cannot pass for a difference. Then the profiler reads what
+5 calls of each ask of the GPU: the kernels (and copies) a call launches and the sum of
+their run times ("GPU busy"), a figure free of the host's launch gaps. The error is
+max |out - fp32| / max |fp32| over the logits. ``--small`` builds tiny models on the CPU without
 ``torch.compile``: a check that the script runs, not a measurement.
 
 On a machine without the packages: coreai-opt needs ``torchao`` and ``pydantic``;
@@ -227,20 +229,44 @@ def interleaved_latency(functions: dict, ids, device, args) -> dict[str, list[fl
     return medians
 
 
-def cells(name: str, tool: str, row: dict, half_ms: float | None) -> list[str]:
+def gpu_work(function, ids, calls: int = 5) -> dict:
+    """What one call asks of the GPU, read with the profiler over ``calls`` calls: the
+    kernels (and copies) it launches and the sum of their run times in milliseconds.
+    Unlike the latency, this leaves out the host's launch gaps and the clocks' drift."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(calls):
+            function(ids)
+        torch.cuda.synchronize()
+    work = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
+    if not work:  # a profiler that sees no kernels (no CUPTI) gives no figure
+        return {}
+    busy_us = sum(event.time_range.elapsed_us() for event in work)
+    return dict(kernels=len(work) / calls, busy_ms=busy_us / calls / 1e3)
+
+
+def cells(name: str, tool: str, row: dict, half: dict) -> list[str]:
     if "failed" in row:
-        return [name, tool, "", "", row["failed"], "", ""]
+        return [name, tool, "", "", row["failed"], "", "", "", ""]
     cast = f"{row['cast']:.2f} s" if row["cast"] is not None else "-"
-    ratio = f"{row['ms'] / half_ms:.3f}x" if half_ms else ""
+    ratio = f"{row['ms'] / half['ms']:.3f}x" if "ms" in half else ""
     error = f"{row['error']:.1e}" if tool != "fp32" else "-"
     latency = f"{row['ms']:.2f} ms ({row['low']:.2f}-{row['high']:.2f})"
-    return [name, tool, cast, f"{row['compile']:.0f} s", latency, ratio, error]
+    kernels, busy = "-", "-"
+    if "busy_ms" in row:
+        kernels = f"{row['kernels']:.0f}"
+        busy = f"{row['busy_ms']:.2f} ms"
+        if "busy_ms" in half:
+            busy += f" ({row['busy_ms'] / half['busy_ms']:.3f}x)"
+    return [name, tool, cast, f"{row['compile']:.0f} s", latency, ratio, kernels, busy, error]
 
 
 def run_cuda(args) -> list[str]:
     device = torch.device("cpu" if args.small else "cuda")
     header = ["model", "program", "cast", "compile", "latency (rounds' range)", "vs .half()"]
-    header.append("error vs fp32")
+    header += ["kernels per call", "GPU busy (vs .half())", "error vs fp32"]
     lines = [table_row(header), table_row(["---"] * len(header))]
     for name, build in MODELS.items():
         torch.manual_seed(0)
@@ -257,10 +283,15 @@ def run_cuda(args) -> list[str]:
                 functions[tool] = function
         for tool, medians in interleaved_latency(functions, ids, device, args).items():
             rows[tool].update(ms=statistics.median(medians), low=min(medians), high=max(medians))
+            if device.type == "cuda":
+                try:
+                    rows[tool].update(gpu_work(functions[tool], ids))
+                except RuntimeError:  # the latency stands without it
+                    traceback.print_exc()
         for tool, row in rows.items():
             print(name, tool, row, flush=True)
-        half_ms = rows[".half()"].get("ms")
-        lines += [table_row(cells(name, tool, row, half_ms)) for tool, row in rows.items()]
+        half = rows[".half()"]
+        lines += [table_row(cells(name, tool, row, half)) for tool, row in rows.items()]
         del model, rows, functions
         gc.collect()
         if device.type == "cuda":
