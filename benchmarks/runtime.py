@@ -465,7 +465,8 @@ def main(argv=None) -> None:
         where = "CPU (--small)" if args.small else torch.cuda.get_device_name()
         intro = (
             f"Measured {date.today().isoformat()} on {where}, torch {torch.__version__}, "
-            f"Python {platform.python_version()}: `python -m benchmarks.runtime cuda` "
+            f"Python {platform.python_version()}: `python -m benchmarks.runtime cuda "
+            f"--calls {args.calls} --rounds {args.rounds}` "
             f"(batch {args.batch} x {args.tokens} tokens; latency: the median over "
             f"{args.rounds} rounds of each round's median of {args.calls} calls, the programs "
             "taking turns)."
