@@ -246,3 +246,24 @@ def test_a_snapshot_restores_the_pending_conversions_it_saw():
     assert program.state_dtype("hidden.bias") == torch.float32
     assert program.state_tensor("hidden.weight").dtype == torch.float32
     assert program.state_dtype("hidden.weight") == torch.float16
+
+
+def test_an_added_constant_has_static_shapes_in_a_dynamic_program():
+    """``add_constant`` gives the new placeholder a fake value of the program's mode
+    with the constant's own sizes: no symbol of the batch dimension, nor a new one, so
+    the program's range constraints stay those export wrote."""
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    batch = torch.export.Dim("batch")
+    ep = torch.export.export(Scale(), (torch.randn(4, 3),), dynamic_shapes=({0: batch},))
+    constraints = dict(ep.range_constraints)
+    placeholder = Program(ep).add_constant("c", torch.ones(5, 3))
+    val = placeholder.meta["val"]
+    assert val.shape == (5, 3) and all(isinstance(size, int) for size in val.shape)
+    user = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "x")
+    assert val.fake_mode is user.meta["val"].fake_mode
+    assert dict(ep.range_constraints) == constraints
+    assert ep.constants["c0"].shape == (5, 3)

@@ -147,7 +147,9 @@ class Program:
         with graph.inserting_before(before):
             placeholder = graph.placeholder(f"c_{target}")
         fake_mode = detect_fake_mode([node.meta.get("val") for node in placeholders])
-        placeholder.meta["val"] = (fake_mode or FakeTensorMode()).from_tensor(tensor)
+        # a constant's shape is static, as export records it (no symbols of its own)
+        fake = (fake_mode or FakeTensorMode()).from_tensor(tensor, static_shapes=True)
+        placeholder.meta["val"] = fake
         specs.insert(
             first_user,
             InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(placeholder.name), target),
