@@ -71,10 +71,11 @@ def _body_placeholders(user: Node, value: Node) -> list[Node]:
     return found
 
 
-def alias_group(nodes: list[Node]) -> set[Node]:
+def alias_group(nodes: list[Node], upward: bool = True) -> set[Node]:
     """``nodes`` and every node that may share storage with one of them: the views of
     them (and views of those), what they are views of, and the placeholders they
-    become inside bodies."""
+    become inside bodies. ``upward=False`` leaves out what they are views of (and
+    its other views): only what derives from ``nodes``' own results."""
     group, pending = set(), list(nodes)
     while pending:
         node = pending.pop()
@@ -85,7 +86,7 @@ def alias_group(nodes: list[Node]) -> set[Node]:
             if _shares_storage_with(user, node):
                 pending.append(user)
             pending.extend(_body_placeholders(user, node))
-        if node.op == "call_function":
+        if upward and node.op == "call_function":
             pending.extend(arg for arg in node.all_input_nodes if _shares_storage_with(node, arg))
     return group
 
