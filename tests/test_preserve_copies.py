@@ -6,6 +6,7 @@ import torch
 import torch.utils._pytree as pytree
 from fuzz_profile import examples
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fx16
 from fx16.decisions import PRECISION, Reason
@@ -230,3 +231,83 @@ def test_a_write_that_overflows_16_bit_keeps_its_value():
         decision.detail
     )
     assert not any(is_inserted(user) for user in mul.users)  # no cast-back
+
+
+class ConversionsIntoOneCond(torch.nn.Module):
+    """cond(x.half(), x.half()): two copies of x, until the cast makes x fp16 and each
+    ``to.dtype`` returns x itself (torch refuses a cond's operands aliasing each other)."""
+
+    def forward(self, x):
+        return torch.cond(
+            x.sum() > 0,
+            lambda a, b: a.float() * 2.0 + b.float(),
+            lambda a, b: a.float() - b.float(),
+            (x.half(), x.half()),
+        )
+
+
+class BodyReturningAConversion(torch.nn.Module):
+    """A body returning ``a.half()`` of its operand: a copy, until the operand is fp16
+    (torch refuses a body returning its input)."""
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda a: a.half(), lambda a: (a * 2.0).half(), (x * 3.0,))
+
+
+def test_a_conversion_a_higher_order_op_reads_is_pinned():
+    ep = export(ConversionsIntoOneCond(), ONES)
+    assert PreserveCopiesPass()(ep.graph_module).modified
+    ep.graph_module.recompile()
+    check_program(ep)
+    assert targets(ep)[aten._to_copy.default] == 2 and targets(ep)[aten.to.dtype] == 0
+
+
+def test_a_conversion_a_body_returns_is_pinned():
+    ep = export(BodyReturningAConversion(), ONES)
+    assert PreserveCopiesPass()(ep.graph_module).modified
+    body = ep.graph_module.true_graph_0
+    body_targets = [n.target for n in body.graph.nodes]
+    assert aten._to_copy.default in body_targets and aten.to.dtype not in body_targets
+
+
+OPERAND_CONVERSIONS = {
+    "half": lambda x: x.half(),
+    "half, then float": lambda x: x.half().float(),
+    "bfloat16": lambda x: x.bfloat16(),
+    "double": lambda x: x.double(),
+    "times one": lambda x: x * 1.0,
+}
+POLICIES = st.sampled_from([None, "always_fp16", "auto_mixed_bf16", "auto_mixed_conservative"])
+
+
+class ConvertedOperands(torch.nn.Module):
+    def __init__(self, first, second, returned):
+        super().__init__()
+        self.first, self.second, self.returned = first, second, returned
+
+    def forward(self, x):
+        def body(a, b):
+            return OPERAND_CONVERSIONS[self.returned](a.float() * 2.0 + b.float())
+
+        operands = (OPERAND_CONVERSIONS[self.first](x), OPERAND_CONVERSIONS[self.second](x))
+        return torch.cond(x.sum() > 0, body, body, operands)
+
+
+@settings(max_examples=examples(8))
+@given(
+    st.sampled_from(sorted(OPERAND_CONVERSIONS)),
+    st.sampled_from(sorted(OPERAND_CONVERSIONS)),
+    st.sampled_from(sorted(OPERAND_CONVERSIONS)),
+    POLICIES,
+)
+def test_property_conversions_across_a_body_boundary_stay_valid(first, second, returned, policy):
+    """A cond's operands and its body's result made by any of the model's conversions
+    of x: under any policy the cast program lints, saves, decomposes (torch refuses
+    aliased operands or outputs there) and returns eager's value within 16-bit error."""
+    model = ConvertedOperands(first, second, returned)
+    x = torch.tensor([[0.5, -1.25, 2.0], [3.0, 0.75, -0.5]])
+    ep = export(model, x)
+    fx16.cast_to_16_bit_precision(ep, **({} if policy is None else {"policy": policy}))
+    check_program(ep)
+    (got,) = run(ep, x)
+    torch.testing.assert_close(got.double(), eager(model, x).double(), rtol=2e-2, atol=2e-2)

@@ -2,11 +2,12 @@
 the cast changes the dtypes around them."""
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.passes.each_graph import rewrite_each_graph
-from fx16.program.aliases import written_in_place
+from fx16.program.aliases import alias_group, written_in_place
 from fx16.program.casts import is_cast
 from fx16.program.nodes import node_dtype
 
@@ -17,7 +18,8 @@ _MAY_ALIAS = (aten.to.dtype, aten.to.dtype_layout, aten.type_as.default)
 
 
 class PreserveCopiesPass(PassBase):
-    """Pin whether each dtype conversion written through in place copies or aliases.
+    """Pin whether a dtype conversion copies or aliases where the difference shows: a
+    write in place reaches it, or (a copy) it crosses into or out of a body.
 
     ``x.to(torch.float16)`` on an fp32 ``x`` copies; once the cast makes ``x`` fp16,
     the same ``aten.to.dtype`` returns ``x`` itself, and a later ``y.add_(1)`` writes
@@ -31,23 +33,47 @@ class PreserveCopiesPass(PassBase):
     Input graph:  x:f32 -> to.dtype(f32) -> add_        (x itself, written through)
     Output graph: x:f32 -> alias -> add_                (x itself whatever x becomes)
 
-    ``type_as`` is handled like ``to``. A conversion nothing writes through is left as
-    it is: there copy and alias compute the same values. Runs on every body too.
+    A conversion that copies is pinned as well where a higher-order op reads its result
+    (or a view of it) or a body returns it: torch refuses operands that alias each other
+    and a body output that aliases its input or another output, so
+    ``cond(x.half(), x.half())`` must stay two copies once x is fp16.
+
+    ``type_as`` is handled like ``to``. A conversion nothing writes through, and no
+    higher-order op or body output reads, is left as it is: there copy and alias
+    compute the same values. Runs on every body too.
     Reads: the graph and op schemas. Writes: the replaced nodes (their ``meta`` kept).
     """
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        return rewrite_each_graph(graph_module, _pin_written_conversions)
+        return rewrite_each_graph(
+            graph_module,
+            lambda module: _pin_conversions(module, in_body=module is not graph_module),
+        )
 
 
-def _pin_written_conversions(module: GraphModule) -> bool:
+def _pin_conversions(module: GraphModule, in_body: bool) -> bool:
     changed = False
     for target in _MAY_ALIAS:
         for node in module.graph.find_nodes(op="call_function", target=target):
-            if _converts_dtype_only(node) and written_in_place(node, node.args[0]):
+            if _converts_dtype_only(node) and (
+                written_in_place(node, node.args[0]) or _copy_across_a_boundary(node, in_body)
+            ):
                 _pin(node)
                 changed = True
     return changed
+
+
+def _copy_across_a_boundary(node: Node, in_body: bool) -> bool:
+    """``node`` copies (it changes the dtype), and a higher-order op reads its result
+    (or a view of it) or the body ``node`` lies in (``in_body``) returns it. (A
+    conversion that aliases may become a copy: that never aliases anything.)"""
+    if node_dtype(node) == node_dtype(node.args[0]):
+        return False
+    return any(
+        isinstance(user.target, HigherOrderOperator) or (user.op == "output" and in_body)
+        for member in alias_group([node], upward=False)
+        for user in member.users
+    )
 
 
 def _converts_dtype_only(node: Node) -> bool:
