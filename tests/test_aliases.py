@@ -2,7 +2,7 @@
 
 import torch
 
-from fx16.program.aliases import alias_group, storage_owners, written_in_place
+from fx16.program.aliases import alias_group, boundary_readers, storage_owners, written_in_place
 from helpers import export
 
 
@@ -47,3 +47,19 @@ def test_upward_false_keeps_only_what_derives_from_the_nodes():
     for body in (ep.graph_module.true_graph_0, ep.graph_module.false_graph_0):
         (placeholder,) = body.graph.find_nodes(op="placeholder")
         assert placeholder in derived
+
+
+def test_boundary_readers_are_the_ops_and_body_outputs_a_result_crosses_into():
+    """The cast reaches the cond through a view; x's other view reaches none; inside a
+    body, the value the body returns is read by its output (the program's own output
+    does not count)."""
+    ep, nodes = _program()
+    top = ep.graph
+    cast = next(n for n in top.nodes if n.name.startswith("to"))
+    (cond,) = top.find_nodes(op="call_function", target=torch.ops.higher_order.cond)
+    assert boundary_readers(cast, top) == {cond}
+    assert boundary_readers(nodes["select"], top) == set()
+    assert boundary_readers(nodes["mul"], top) == set()  # returned by the program itself
+    body = ep.graph_module.true_graph_0.graph
+    (returned,) = body.output_node().args[0]
+    assert boundary_readers(returned, top) == {body.output_node()}

@@ -1,10 +1,9 @@
 """DeduplicateCastsPass: one cast per (value, dtype)."""
 
-from torch._ops import HigherOrderOperator
 from torch.fx import Graph, Node
 
 from fx16.passes.cast_rule import CastRule, copy_refusal, dtype_groups
-from fx16.program.aliases import alias_group
+from fx16.program.aliases import boundary_readers
 from fx16.program.casts import INSERTED, is_cast, is_inserted
 
 
@@ -58,7 +57,7 @@ class DeduplicateCastsPass(CastRule):
         for casts in _same_dtype_casts(node):
             groups: list[tuple[list[Node], set[Node]]] = []
             for cast in sorted(casts):  # fx nodes order by their position in the graph
-                readers = _alias_readers(cast, top)
+                readers = boundary_readers(cast, top)
                 group = next((g for g in groups if not g[1] & readers), None)
                 if group is None:
                     groups.append(([cast], readers))
@@ -81,17 +80,3 @@ def _same_dtype_casts(node: Node) -> list[list[Node]]:
             if len(group) > 1:
                 groups.append(group)
     return groups
-
-
-def _alias_readers(cast: Node, top: Graph) -> set[Node]:
-    """The nodes that must not read ``cast`` and another merged into it: the
-    higher-order ops reading it (or a view of it), and the output of a body (not the
-    program's, ``top``) returning it. (What the cast's source aliases, its casts to
-    the source's own dtype included, is shared before any merge.)"""
-    return {
-        user
-        for member in alias_group([cast], upward=False)
-        for user in member.users
-        if isinstance(user.target, HigherOrderOperator)
-        or (user.op == "output" and user.graph is not top)
-    }

@@ -2,12 +2,11 @@
 the cast changes the dtypes around them."""
 
 import torch
-from torch._ops import HigherOrderOperator
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.passes.each_graph import rewrite_each_graph
-from fx16.program.aliases import alias_group, written_in_place
+from fx16.program.aliases import boundary_readers, written_in_place
 from fx16.program.casts import is_cast
 from fx16.program.nodes import node_dtype
 
@@ -47,33 +46,27 @@ class PreserveCopiesPass(PassBase):
     def call(self, graph_module: GraphModule) -> PassResult:
         return rewrite_each_graph(
             graph_module,
-            lambda module: _pin_conversions(module, in_body=module is not graph_module),
+            lambda module: _pin_conversions(module, graph_module.graph),
         )
 
 
-def _pin_conversions(module: GraphModule, in_body: bool) -> bool:
+def _pin_conversions(module: GraphModule, top: Graph) -> bool:
     changed = False
     for target in _MAY_ALIAS:
         for node in module.graph.find_nodes(op="call_function", target=target):
             if _converts_dtype_only(node) and (
-                written_in_place(node, node.args[0]) or _copy_across_a_boundary(node, in_body)
+                written_in_place(node, node.args[0]) or _copy_across_a_boundary(node, top)
             ):
                 _pin(node)
                 changed = True
     return changed
 
 
-def _copy_across_a_boundary(node: Node, in_body: bool) -> bool:
-    """``node`` copies (it changes the dtype), and a higher-order op reads its result
-    (or a view of it) or the body ``node`` lies in (``in_body``) returns it. (A
-    conversion that aliases may become a copy: that never aliases anything.)"""
-    if node_dtype(node) == node_dtype(node.args[0]):
-        return False
-    return any(
-        isinstance(user.target, HigherOrderOperator) or (user.op == "output" and in_body)
-        for member in alias_group([node], upward=False)
-        for user in member.users
-    )
+def _copy_across_a_boundary(node: Node, top: Graph) -> bool:
+    """``node`` copies (it changes the dtype), and a higher-order op reads its result or
+    a body returns it (``boundary_readers``; ``top``: the program's graph). A
+    conversion that aliases may become a copy: that never aliases anything."""
+    return node_dtype(node) != node_dtype(node.args[0]) and bool(boundary_readers(node, top))
 
 
 def _converts_dtype_only(node: Node) -> bool:

@@ -16,7 +16,8 @@ conservatively (an ``operator.getitem`` shares storage with what it reads).
 import operator
 from typing import Any
 
-from torch.fx import Node
+from torch._ops import HigherOrderOperator
+from torch.fx import Graph, Node
 
 from fx16.ops.tables import per_op
 from fx16.program.nodes import mutated_argument
@@ -89,6 +90,21 @@ def alias_group(nodes: list[Node], upward: bool = True) -> set[Node]:
         if upward and node.op == "call_function":
             pending.extend(arg for arg in node.all_input_nodes if _shares_storage_with(node, arg))
     return group
+
+
+def boundary_readers(node: Node, top: Graph) -> set[Node]:
+    """What reads ``node``'s own result (or a view of it, in a body too) across a body's
+    boundary: the higher-order ops given it as an operand, and the output of a body (a
+    graph other than the program's, ``top``) returning it. torch refuses a higher-order
+    op operands that alias each other, and a body outputs that alias its inputs or
+    each other, so two values with a reader in common must not become one tensor."""
+    return {
+        user
+        for member in alias_group([node], upward=False)
+        for user in member.users
+        if isinstance(user.target, HigherOrderOperator)
+        or (user.op == "output" and user.graph is not top)
+    }
 
 
 def written_in_place(*nodes: Node) -> bool:
