@@ -50,6 +50,7 @@ from fx16.passes.policy_pass import overflow_limit
 from fx16.plan.narrowing import check_mode
 from fx16.policy import PrecisionPolicy, as_names
 from fx16.program import Program
+from fx16.program.lazy_code import compile_when_needed
 from fx16.program.names import check_names
 from fx16.program.nodes import SIXTEEN_BIT_DTYPES
 
@@ -239,13 +240,15 @@ def reject_unknown(function, unknown: dict) -> None:
 
 
 def run_passes(passes: list[PassBase], graph_module: GraphModule, recompile: bool = True) -> bool:
-    """Run ``passes`` in order on ``graph_module``, recompiling once at the end.
+    """Run ``passes`` in order on ``graph_module``, then mark its code stale once, to be
+    generated when it is first needed (``compile_when_needed``: ``ep.module()``,
+    ``torch.export.save`` and ``run_decompositions`` never need it).
 
     Same effect as ``PassManager(passes)(graph_module)``, which recompiles after
     every pass. A pass that raises anything but an ``Fx16Error`` raises a
     ``PassFailedError`` naming it, from the original exception.
-    ``recompile=False`` leaves the recompile to the caller, who runs more passes
-    first (none of fx16's runs the root's code: calibration interprets the graph).
+    ``recompile=False`` leaves that to the caller, who runs more passes first (none of
+    fx16's runs the root's code: calibration interprets the graph).
     Returns whether any pass modified the graph.
     """
     modified = False
@@ -258,5 +261,5 @@ def run_passes(passes: list[PassBase], graph_module: GraphModule, recompile: boo
             raise PassFailedError(type(pass_).__name__, error, restored=False) from error
         modified = modified or bool(result and result.modified)
     if recompile:
-        graph_module.recompile()
+        compile_when_needed(graph_module)
     return modified

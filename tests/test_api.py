@@ -35,6 +35,7 @@ from fx16.passes import (
     StabilizePass,
 )
 from fx16.pipelines import run_passes
+from fx16.program.lazy_code import compile_when_needed
 from helpers import assert_same_state, check_program, export, state_snapshot
 from models import MLP, OverflowWeight, PositionsAndMask, RMSNormMLP
 
@@ -189,19 +190,27 @@ def test_combined_cast_converts_both_and_is_idempotent():
 
 
 @pytest.mark.parametrize("int16", ["proven", "observed"])
-def test_combined_cast_recompiles_the_program_once_after_both_stages(int16, monkeypatch):
+def test_combined_cast_marks_the_code_stale_once_after_both_stages(int16, monkeypatch):
+    """The cast generates no code for the root: it marks it stale once, after both
+    stages, and reading it generates it once, from the final graph."""
     ep = _int_program()
-    compiled = []
+    marked, compiled = [], []
     recompile = torch.fx.GraphModule.recompile
 
     def counted(graph_module):
         compiled.append(graph_module)
         return recompile(graph_module)
 
+    def counted_marks(graph_module):
+        marked.append(graph_module)
+        compile_when_needed(graph_module)
+
     monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted)
+    monkeypatch.setattr(fx16.pipelines, "compile_when_needed", counted_marks)
     fx16.cast_to_16_bit_precision(ep, input_ranges=RANGES, int16=int16)
-    assert compiled == [ep.graph_module]
+    assert marked == [ep.graph_module] and compiled == []
     assert ep.graph_module.code == ep.graph_module.graph.python_code("self").src
+    assert compiled == [ep.graph_module]
     assert any(d.dtype == torch.int16 for d in int_decisions(ep).values())
     check_program(ep)
 

@@ -1,0 +1,109 @@
+"""fx16.program.lazy_code: a graph module's code generated when it is first needed."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch.fx import GraphModule
+
+from fx16.program import Program
+from fx16.program.lazy_code import compile_when_needed
+from helpers import export
+
+aten = torch.ops.aten
+
+
+class AddOne(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.full((3,), 2.0))
+
+    def forward(self, x):
+        return (x + 1) * self.scale
+
+
+def _add_becomes_sub(graph_module: GraphModule) -> None:
+    """Edit the graph: ``x + 1`` becomes ``x - 1``, so stale code gives another result."""
+    (add,) = [n for n in graph_module.graph.nodes if n.target == aten.add.Tensor]
+    add.target = aten.sub.Tensor
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The graph modules torch compiles code for, as they are compiled."""
+    seen = []
+    recompile = GraphModule.recompile
+
+    def counted(graph_module):
+        seen.append(graph_module)
+        return recompile(graph_module)
+
+    monkeypatch.setattr(GraphModule, "recompile", counted)
+    return seen
+
+
+def test_the_code_is_generated_when_the_module_is_first_run(compiled):
+    x = torch.randn(4, 3)
+    ep = export(AddOne(), x)
+    graph_module = ep.graph_module
+    _add_becomes_sub(graph_module)
+    compiled.clear()  # what export compiled
+    compile_when_needed(graph_module)
+    assert ep.graph_module is graph_module and isinstance(graph_module, GraphModule)
+    assert compiled == []  # nothing generated yet
+    inputs = Program(ep).graph_inputs((x,))
+    (got,) = graph_module(*inputs)
+    assert torch.equal(got, (x - 1) * 2.0)  # the edited graph's result, not the old code's
+    assert compiled == [graph_module]
+    graph_module(*inputs)
+    assert compiled == [graph_module]  # once
+
+
+def test_reading_the_code_generates_it_and_a_later_edit_marks_it_stale_again():
+    ep = export(AddOne(), torch.randn(4, 3))
+    graph_module = ep.graph_module
+    _add_becomes_sub(graph_module)
+    compile_when_needed(graph_module)
+    assert "torch.ops.aten.sub.Tensor" in graph_module.code
+    (sub,) = [n for n in graph_module.graph.nodes if n.target == aten.sub.Tensor]
+    sub.target = aten.mul.Tensor
+    compile_when_needed(graph_module)
+    assert "torch.ops.aten.mul.Tensor" in graph_module.code
+    assert graph_module.code == graph_module.graph.python_code("self").src
+
+
+def test_a_program_so_marked_copies_saves_unlifts_and_decomposes_without_its_code(compiled):
+    """``ep.module()``, ``torch.export.save`` and ``run_decompositions`` never run the
+    root's code: none of them generates it, and each gives the edited graph's result."""
+    x = torch.randn(4, 3)
+    ep = export(AddOne(), x)
+    _add_becomes_sub(ep.graph_module)
+    compiled.clear()  # what export compiled
+    compile_when_needed(ep.graph_module)
+    expected = (x - 1) * 2.0
+    assert torch.equal(ep.module()(x), expected)
+    buffer = io.BytesIO()
+    torch.export.save(ep, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.export.load(buffer).module()(x), expected)
+    decomposed = copy.deepcopy(ep).run_decompositions()
+    assert torch.equal(decomposed.module()(x), expected)
+    assert not any(module is ep.graph_module for module in compiled)
+    copied = copy.deepcopy(ep)
+    (got,) = copied.graph_module(*Program(copied).graph_inputs((x,)))
+    assert torch.equal(got, expected)
+
+
+def test_a_graph_module_class_someone_wrote_is_recompiled_at_once(compiled):
+    class Traced(GraphModule):
+        pass
+
+    graph_module = torch.fx.symbolic_trace(lambda x: x + 1)
+    own = Traced(graph_module, graph_module.graph)
+    (add,) = [n for n in own.graph.nodes if n.op == "call_function"]
+    add.target = torch.sub
+    compiled.clear()
+    compile_when_needed(own)
+    assert compiled == [own] and type(own).__mro__[1] is Traced
+    assert torch.equal(own(torch.ones(2)), torch.zeros(2))
