@@ -118,3 +118,40 @@ def test_property_with_everything_wide_any_program_is_emulated_exactly(case):
     emulation = Emulation(program, calls, torch.float16)
     error = emulation.error(_every_node(ep))
     assert error == 0.0 or math.isnan(error)  # nan: a program whose fp32 output holds nan
+
+
+class Quantizer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(0.05))
+
+    def forward(self, x):
+        codes = torch.ops.fx16_test.quantize(x, self.scale, torch.int8)
+        return torch.ops.fx16_test.dequantize(codes, self.scale, torch.float32)
+
+
+def test_an_op_run_in_low_computes_in_the_16_bit_dtype_whatever_it_returns():
+    """The custom quantizer returns int8 and keeps it even where ``wide`` names it:
+    ``run_in_low`` runs it on fp16 inputs (0.6748 / 0.04999 is 13.5 in fp16, code 14);
+    rounding after it, as the emulation does by default, gives the fp32 code 13."""
+    import fx16.testing.custom_ops  # noqa: F401 - registers fx16_test's ops
+
+    x = torch.tensor([[0.6746, 0.3]])
+    ep = export(Quantizer(), x)
+    program = Program(ep)
+    quantize, dequantize = [n for n in ep.graph.nodes if "quantize" in n.name]
+    calls = [((x,), {})]
+    default = Emulation(program, calls, torch.float16, round_weights=True)
+    in_low = Emulation(
+        program, calls, torch.float16, round_weights=True, run_in_low=frozenset({quantize})
+    )
+    (rounded_after,) = default.outputs(calls[0], set())
+    (run_in_fp16,) = in_low.outputs(calls[0], {quantize})
+    assert rounded_after.dtype == run_in_fp16.dtype == torch.float32
+    scale = torch.tensor(0.05).half().float()  # the weights enter rounded
+
+    def dequantized(codes):
+        return (torch.tensor([codes]) * scale).half().float()
+
+    assert torch.equal(rounded_after, dequantized([13.0, 6.0]))
+    assert torch.equal(run_in_fp16, dequantized([14.0, 6.0]))

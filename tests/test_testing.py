@@ -145,6 +145,44 @@ def test_a_cast_that_computes_wrong_floats_is_caught_though_rules_kept_fp32():
         check_cast(case, cast_then_break)
 
 
+class AddBecomesSubAfterDequantize(PassBase):
+    """Breaks a cast: the float add after the dequantize becomes a subtraction."""
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        for node in graph_module.graph.nodes:
+            if node.target == aten.add.Tensor and "dequantize" in str(node.args[0]):
+                node.target = aten.sub.Tensor
+                return PassResult(graph_module, True)
+        return PassResult(graph_module, False)
+
+
+def test_a_custom_quantizer_fed_16_bit_is_emulated_as_its_kernel_computes():
+    """A custom quantizer computes in its inputs' dtype: in fp16, 0.6748 / 0.04999 rounds
+    to 13.5 before it rounds to the code 14 (fp32: 13.4993 -> 13), a whole step of the
+    scale. The oracle runs the custom ops the cast feeds 16-bit in 16-bit (found by the
+    long fuzz: rounding only their results held the cast to the fp32 code, 0.0136 off
+    against a bound of 0.011); a cast broken after the quantizer is still caught."""
+    torch.manual_seed(0)
+    model = RandomProgram(5, [("quantize_dequantize", 0, 0, 0.0)], []).eval()
+    x = torch.tensor([[1.6108, 0.6746, -0.7696, -0.4025, 1.2595]])
+    case = ProgramCase(model, (x, torch.zeros(1, 5, dtype=torch.long)), False, False, 1.0)
+    fp16_quotient = (x.half() / model.act_scale.half())[0, 1]
+    assert fp16_quotient == 13.5 and (x / model.act_scale)[0, 1] < 13.5  # the boundary case
+    ep = check_cast(case, fx16.cast_fp32_to_fp16)
+    assert {n.meta["val"].dtype for n in ep.graph.nodes if "quantize" in n.name} == {
+        torch.int8,
+        torch.float16,
+    }
+
+    def cast_then_break(ep):
+        fx16.cast_fp32_to_fp16(ep)
+        AddBecomesSubAfterDequantize()(ep.graph_module)
+        ep.graph_module.recompile()
+
+    with pytest.raises(AssertionError, match="float output"):
+        check_cast(case, cast_then_break)
+
+
 def test_a_pass_that_keeps_dtypes_is_held_to_fp32_tolerance():
     """ReluAsClamp keeps values exactly: every float output checked, none off."""
     from fx16.testing.checks import check_outputs

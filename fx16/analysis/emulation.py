@@ -40,6 +40,8 @@ class _Emulator(BodyInterpreter):
         return _Emulator(body, self.emulation, self.wide)
 
     def run_node(self, node: Node):
+        if node in self.emulation.run_in_low:  # fed 16-bit, whatever dtype it returns
+            return self.emulation.run_in_low_dtype(node, *self.fetch_args_kwargs_from_env(node))
         result = super().run_node(node)
         if node not in self.emulation.rounding or node in self.wide:
             return result
@@ -100,11 +102,18 @@ class Emulation:
         low: torch.dtype,
         round_weights: bool = False,
         reference: list[list] | None = None,
+        run_in_low: frozenset[Node] = frozenset(),
     ):
         """``round_weights``: round the state tensors too, for the error of the whole
         16-bit program rather than a comparison of verdicts. ``reference``: the fp32
-        program's outputs on the calls, when known (calibration records them)."""
+        program's outputs on the calls, when known (calibration records them).
+        ``run_in_low``: ops run in the 16-bit dtype itself rather than rounded after,
+        for ops whose arithmetic no rounding of their result reproduces (a custom op
+        computes in its inputs' dtype: ``(x / scale).round()`` rounds the quotient
+        before it rounds to an integer), where the caller knows the cast feeds them
+        16-bit (whatever they return: ``wide`` does not keep them fp32)."""
         self.program, self.low, self.calls = program, low, calls
+        self.run_in_low = run_in_low
         rounded_inputs = set(program.user_input_placeholders())
         if round_weights:
             rounded_inputs |= {slot.placeholder for slot in program.state_slots()}
@@ -165,6 +174,26 @@ class Emulation:
         if graph_module not in self._last_uses:
             self._last_uses[graph_module] = last_uses(graph_module.graph)
         return self._last_uses[graph_module]
+
+    def run_in_low_dtype(self, node: Node, args: tuple, kwargs: dict):
+        """``node``'s op run as a 16-bit cast runs it: its fp32 tensors (rounded as the
+        emulation rounds them) and fp32 dtype arguments in the 16-bit dtype; its 16-bit
+        float results back in fp32."""
+
+        def narrowed(value):
+            if value is torch.float32:
+                return self.low
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                return self.rounded(node, value).to(self.low)
+            return value
+
+        def widened(value):
+            if isinstance(value, torch.Tensor) and value.dtype == self.low:
+                return value.float()
+            return value
+
+        args, kwargs = pytree.tree_map(narrowed, (args, kwargs))
+        return pytree.tree_map(widened, node.target(*args, **kwargs))
 
     def rounded(self, node: Node, value):
         """``value``, computed by ``node``, as the emulation rounds it to the 16-bit dtype."""

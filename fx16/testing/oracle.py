@@ -5,7 +5,8 @@ original program's. A cast (a pass after which more nodes compute in a 16-bit fl
 dtype) is held to an emulation of itself: the original program run in fp32, node by
 node, with every value rounded to the 16-bit dtype where the cast program computes the
 node of the same name in 16-bit, and every other value kept as computed (the weights
-and inputs likewise). Its error against the original is what 16-bit rounding alone
+and inputs likewise); a custom op the cast feeds 16-bit runs in 16-bit, since what it
+rounds inside no rounding of its result shows. Its error against the original is what 16-bit rounding alone
 costs where the cast put 16-bit; the cast may lose a small multiple of that, plus a
 few roundings of the output itself, and no more. A pass that computes wrong floats
 (a multiply made an add, a scalar dropped) lands far outside the bound whatever it
@@ -31,6 +32,7 @@ from torch.fx import GraphModule, Node
 
 from fx16.analysis.emulation import Emulation
 from fx16.ops.numerics import INF_LIKE
+from fx16.ops.tables import is_custom_op
 from fx16.program import Program
 from fx16.program.interpreter import BodyInterpreter
 from fx16.program.nodes import SIXTEEN_BIT_DTYPES, is_float_tensor, node_val, tensor_leaves
@@ -84,13 +86,33 @@ def kept_wide(original: ExportedProgram, cast: ExportedProgram) -> set[Node]:
     return wide
 
 
+def custom_ops_fed_16_bit(original: ExportedProgram, cast: ExportedProgram) -> frozenset[Node]:
+    """The custom ops (outside aten and prims) of ``original`` whose namesakes in
+    ``cast`` read a 16-bit float tensor: their kernels compute in it, and only running
+    them so emulates what they round inside (a quantizer's quotient rounded to 16-bit
+    before it rounds to an integer moves a code by one step)."""
+    cast_modules = _graph_modules(cast)
+    fed = set()
+    for name, module in _graph_modules(original).items():
+        namesakes = {node.name: node for node in cast_modules.get(name, module).graph.nodes}
+        for node in module.graph.nodes:
+            namesake = namesakes.get(node.name)
+            if namesake is None or not is_custom_op(node.target):
+                continue
+            inputs = [leaf for n in namesake.all_input_nodes for leaf in tensor_leaves(node_val(n))]
+            if any(leaf.dtype in SIXTEEN_BIT_DTYPES for leaf in inputs):
+                fed.add(node)
+    return frozenset(fed)
+
+
 def emulated_outputs(
     original: ExportedProgram, cast: ExportedProgram, args: tuple, low: torch.dtype
 ) -> list:
     """``original``'s user outputs on ``args``, run with 16-bit rounding where ``cast``
     computes in 16-bit (``kept_wide`` rounds nothing)."""
     program = Program.of(original)
-    emulation = Emulation(program, [(tuple(args), {})], low, round_weights=True)
+    in_low = custom_ops_fed_16_bit(original, cast)
+    emulation = Emulation(program, [(tuple(args), {})], low, round_weights=True, run_in_low=in_low)
     leaves = emulation.outputs(emulation.calls[0], kept_wide(original, cast))
     specs = original.graph_signature.output_specs
     return [leaf for leaf, spec in zip(leaves, specs) if spec.kind == OutputKind.USER_OUTPUT]
