@@ -183,6 +183,49 @@ def test_a_custom_quantizer_fed_16_bit_is_emulated_as_its_kernel_computes():
         check_cast(case, cast_then_break)
 
 
+class AbsBecomesNeg(PassBase):
+    """Breaks a cast: the first abs becomes a negation."""
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        for node in graph_module.graph.nodes:
+            if node.target == aten.abs.default:
+                node.target = aten.neg.default
+                return PassResult(graph_module, True)
+        return PassResult(graph_module, False)
+
+
+def test_a_value_kept_fp32_for_one_reader_is_rounded_into_the_reader_fed_a_16_bit_copy():
+    """``sin(x) + cos(mean(x xT))`` with x near 1000, ``always_fp16``: x stays fp32 for
+    the sin (ill-conditioned), while the product reads a 16-bit copy of x (the
+    conditioning marks stop before a product), and cos of its 1e6-sized mean is another
+    number (found by the long fuzz: 0.635 off against a bound of 0.011, the emulation
+    having fed the product x itself). The oracle rounds x into the product as the cast
+    does (which makes that output's bound as loose as 16-bit makes it); a cast broken
+    elsewhere is still caught."""
+    steps = [("matmul", 0, 0, 0.0)] + [("abs", 0, 0, 0.0)] * 6 + [("sin", 0, 1, 0.0)]
+    torch.manual_seed(0)
+    model = RandomProgram(2, steps, []).eval()
+    x = torch.tensor([[657.7076, 938.6567], [1131.7307, -645.4730], [-1770.2916, 214.2729]])
+    ids = torch.tensor([[9, 10], [10, 15], [8, 1]])
+    case = ProgramCase(model, (x, ids), False, False, 1000.0)
+
+    def cast(ep):
+        fx16.cast_to_16_bit_precision(ep, policy="always_fp16", input_ranges=case.input_ranges)
+
+    ep = check_cast(case, cast)
+    x_read = {n.name: n.args[0] for n in ep.graph.nodes if n.name in ("sin", "unsqueeze")}
+    assert x_read["sin"].meta["val"].dtype == torch.float32
+    assert x_read["unsqueeze"].meta["val"].dtype == torch.float16
+
+    def cast_then_break(ep):
+        cast(ep)
+        AbsBecomesNeg()(ep.graph_module)
+        ep.graph_module.recompile()
+
+    with pytest.raises(AssertionError, match="float output"):
+        check_cast(case, cast_then_break)
+
+
 def test_a_pass_that_keeps_dtypes_is_held_to_fp32_tolerance():
     """ReluAsClamp keeps values exactly: every float output checked, none off."""
     from fx16.testing.checks import check_outputs

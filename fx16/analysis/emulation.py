@@ -19,6 +19,7 @@ import operator
 import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
 
 from fx16 import meta
 from fx16.analysis.replay import replay_reconverges
@@ -38,6 +39,17 @@ class _Emulator(BodyInterpreter):
 
     def inside(self, body: GraphModule) -> "_Emulator":
         return _Emulator(body, self.emulation, self.wide)
+
+    def fetch_args_kwargs_from_env(self, node: Node) -> tuple[tuple, dict]:
+        narrowed = self.emulation.narrowed_reads.get(node)
+        if not narrowed:
+            return super().fetch_args_kwargs_from_env(node)
+        env, rounded = self.env, self.emulation.rounded
+
+        def value_of(value: Node):
+            return rounded(value, env[value]) if value in narrowed else env[value]
+
+        return map_arg(node.args, value_of), map_arg(node.kwargs, value_of)
 
     def run_node(self, node: Node):
         if node in self.emulation.run_in_low:  # fed 16-bit, whatever dtype it returns
@@ -103,6 +115,7 @@ class Emulation:
         round_weights: bool = False,
         reference: list[list] | None = None,
         run_in_low: frozenset[Node] = frozenset(),
+        narrowed_reads: dict[Node, frozenset[Node]] | None = None,
     ):
         """``round_weights``: round the state tensors too, for the error of the whole
         16-bit program rather than a comparison of verdicts. ``reference``: the fp32
@@ -111,9 +124,13 @@ class Emulation:
         for ops whose arithmetic no rounding of their result reproduces (a custom op
         computes in its inputs' dtype: ``(x / scale).round()`` rounds the quotient
         before it rounds to an integer), where the caller knows the cast feeds them
-        16-bit (whatever they return: ``wide`` does not keep them fp32)."""
+        16-bit (whatever they return: ``wide`` does not keep them fp32).
+        ``narrowed_reads``: for an op, the values it reads rounded though they are kept
+        wide (a cast program that keeps x fp32 for one reader and feeds another a 16-bit
+        copy: rounding only what ops produce would hand that one x itself)."""
         self.program, self.low, self.calls = program, low, calls
         self.run_in_low = run_in_low
+        self.narrowed_reads = narrowed_reads or {}
         rounded_inputs = set(program.user_input_placeholders())
         if round_weights:
             rounded_inputs |= {slot.placeholder for slot in program.state_slots()}

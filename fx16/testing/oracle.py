@@ -6,12 +6,13 @@ dtype) is held to an emulation of itself: the original program run in fp32, node
 node, with every value rounded to the 16-bit dtype where the cast program computes the
 node of the same name in 16-bit, and every other value kept as computed (the weights
 and inputs likewise); a custom op the cast feeds 16-bit runs in 16-bit, since what it
-rounds inside no rounding of its result shows. Its error against the original is what 16-bit rounding alone
-costs where the cast put 16-bit; the cast may lose a small multiple of that, plus a
-few roundings of the output itself, and no more. A pass that computes wrong floats
-(a multiply made an add, a scalar dropped) lands far outside the bound whatever it
-kept in fp32; an emulation that overflows where fp32 does not bounds nothing, and
-such an output is left to the inf/nan check.
+rounds inside no rounding of its result shows, and a value kept fp32 is rounded on the
+way into each op whose namesake reads a 16-bit copy of it. Its error against the
+original is what 16-bit rounding alone costs where the cast put 16-bit; the cast may
+lose a small multiple of that, plus a few roundings of the output itself, and no more.
+A pass that computes wrong floats (a multiply made an add, a scalar dropped) lands far
+outside the bound whatever it kept in fp32; an emulation that overflows where fp32
+does not bounds nothing, and such an output is left to the inf/nan check.
 
 fp32 is the reference because it is the exact result to within fp32's rounding, except
 where fp32 overflows inside and its output is an artifact (a row of 1e38 whose RMS norm
@@ -105,14 +106,52 @@ def custom_ops_fed_16_bit(original: ExportedProgram, cast: ExportedProgram) -> f
     return frozenset(fed)
 
 
+def narrowed_reads(original: ExportedProgram, cast: ExportedProgram) -> dict[Node, frozenset[Node]]:
+    """For each node of ``original``, the fp32 values it reads whose places in its
+    namesake's arguments in ``cast`` hold a 16-bit float: the cast rounds them on the
+    way in (an input kept fp32 for one reader, a 16-bit copy of it for another)."""
+    cast_modules = _graph_modules(cast)
+    reads = {}
+    for name, module in _graph_modules(original).items():
+        namesakes = {node.name: node for node in cast_modules.get(name, module).graph.nodes}
+        for node in module.graph.nodes:
+            namesake = namesakes.get(node.name)
+            if namesake is None or namesake.target != node.target:
+                continue
+            ours = pytree.tree_leaves((node.args, node.kwargs))
+            theirs = pytree.tree_leaves((namesake.args, namesake.kwargs))
+            narrowed = frozenset(
+                value
+                for value, read in zip(ours, theirs)
+                if isinstance(value, Node)
+                and isinstance(read, Node)
+                and _holds(value, (torch.float32,))
+                and _holds(read, SIXTEEN_BIT_DTYPES)
+            )
+            if narrowed and len(ours) == len(theirs):
+                reads[node] = narrowed
+    return reads
+
+
+def _holds(node: Node, dtypes) -> bool:
+    leaves = tensor_leaves(node_val(node))
+    return bool(leaves) and all(leaf.dtype in dtypes for leaf in leaves)
+
+
 def emulated_outputs(
     original: ExportedProgram, cast: ExportedProgram, args: tuple, low: torch.dtype
 ) -> list:
     """``original``'s user outputs on ``args``, run with 16-bit rounding where ``cast``
     computes in 16-bit (``kept_wide`` rounds nothing)."""
     program = Program.of(original)
-    in_low = custom_ops_fed_16_bit(original, cast)
-    emulation = Emulation(program, [(tuple(args), {})], low, round_weights=True, run_in_low=in_low)
+    emulation = Emulation(
+        program,
+        [(tuple(args), {})],
+        low,
+        round_weights=True,
+        run_in_low=custom_ops_fed_16_bit(original, cast),
+        narrowed_reads=narrowed_reads(original, cast),
+    )
     leaves = emulation.outputs(emulation.calls[0], kept_wide(original, cast))
     specs = original.graph_signature.output_specs
     return [leaf for leaf, spec in zip(leaves, specs) if spec.kind == OutputKind.USER_OUTPUT]
