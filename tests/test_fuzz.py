@@ -206,6 +206,18 @@ def test_found_an_autocast_weight_cast_left_for_cleanup_cast_twice():
     test_6_casting_twice_equals_casting_once.hypothesis.inner_test(case, "auto_mixed_bf16")
 
 
+def test_found_a_second_cast_redirecting_an_op_it_had_decided():
+    """x's 16-bit round trip becomes fp32 x, an explicit fp32 region (kept by
+    auto_mixed_conservative), and an add that overflows reads that fp32 x too; the
+    second cast opened the region again and sent the add, decided on the first run, the
+    16-bit x (the same numbers by type promotion, another graph; fixed in
+    fx16.plan.planner: an op decided on an earlier run keeps what it reads)."""
+    steps = [("to_fp16_and_back", 0, 0, 1e-09), ("amax", 1, 0, 1e-09), ("arange", 0, 0, 7e4)]
+    test_6_casting_twice_equals_casting_once.hypothesis.inner_test(
+        _shrunk(steps), "auto_mixed_conservative"
+    )
+
+
 def test_found_a_clamp_to_a_band_below_the_subnormals_before_a_norm():
     """``clamp(x, -1e-9, 1e-9)`` then a layer norm: both bounds were clamped to +-2**-24,
     and the norm carried the 60x; only a clamp's positive minimum guards now."""

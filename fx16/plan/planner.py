@@ -181,7 +181,8 @@ class Planner:
             source = self.plan.read(node.args[0], node)
             for user in node.users:  # they read the 16-bit x, as in the source
                 if user.name not in members and not _fed_as_exported(user):
-                    self.plan.redirects[(user, node)] = source
+                    if decision_of(user) is None:  # one decided on an earlier run keeps
+                        self.plan.redirects[(user, node)] = source  # what it reads
             return Step(choice, island_decision(node, FP32), val, region=members)
         if choice.action in (Action.KEEP, Action.FP32):
             return Step(choice, decision(FP32, choice.reason, choice.detail), val)
