@@ -135,10 +135,15 @@ def test_a_cast_that_computes_wrong_floats_is_caught_though_rules_kept_fp32():
     squares of 300 pass 65504)."""
     case = _case([("mul", 0, 0, 0.0), ("mul", 1, 0, 0.0)], scale=300.0)
     check_cast(case, fx16.cast_fp32_to_fp16)
+    _assert_caught_when_broken(case, fx16.cast_fp32_to_fp16, MulToAdd())
+
+
+def _assert_caught_when_broken(case, cast, breaking_pass) -> None:
+    """``cast``, then ``breaking_pass`` run on its program, fails the float oracle."""
 
     def cast_then_break(ep):
-        fx16.cast_fp32_to_fp16(ep)
-        MulToAdd()(ep.graph_module)
+        cast(ep)
+        breaking_pass(ep.graph_module)
         ep.graph_module.recompile()
 
     with pytest.raises(AssertionError, match="float output"):
@@ -173,14 +178,7 @@ def test_a_custom_quantizer_fed_16_bit_is_emulated_as_its_kernel_computes():
         torch.int8,
         torch.float16,
     }
-
-    def cast_then_break(ep):
-        fx16.cast_fp32_to_fp16(ep)
-        AddBecomesSubAfterDequantize()(ep.graph_module)
-        ep.graph_module.recompile()
-
-    with pytest.raises(AssertionError, match="float output"):
-        check_cast(case, cast_then_break)
+    _assert_caught_when_broken(case, fx16.cast_fp32_to_fp16, AddBecomesSubAfterDequantize())
 
 
 class AbsBecomesNeg(PassBase):
@@ -216,14 +214,7 @@ def test_a_value_kept_fp32_for_one_reader_is_rounded_into_the_reader_fed_a_16_bi
     x_read = {n.name: n.args[0] for n in ep.graph.nodes if n.name in ("sin", "unsqueeze")}
     assert x_read["sin"].meta["val"].dtype == torch.float32
     assert x_read["unsqueeze"].meta["val"].dtype == torch.float16
-
-    def cast_then_break(ep):
-        cast(ep)
-        AbsBecomesNeg()(ep.graph_module)
-        ep.graph_module.recompile()
-
-    with pytest.raises(AssertionError, match="float output"):
-        check_cast(case, cast_then_break)
+    _assert_caught_when_broken(case, cast, AbsBecomesNeg())
 
 
 def test_a_pass_that_keeps_dtypes_is_held_to_fp32_tolerance():

@@ -73,17 +73,23 @@ def _graph_modules(ep: ExportedProgram) -> dict[str, GraphModule]:
     }
 
 
-def kept_wide(original: ExportedProgram, cast: ExportedProgram) -> set[Node]:
-    """The nodes of ``original`` whose namesakes in ``cast`` compute no 16-bit float."""
+def _with_namesakes(original: ExportedProgram, cast: ExportedProgram):
+    """Each node of ``original`` (bodies included) with its namesake in ``cast``: the
+    node of the same name in the graph of the same name (None where there is none)."""
     cast_modules = _graph_modules(cast)
-    wide = set()
     for name, module in _graph_modules(original).items():
         namesakes = {node.name: node for node in cast_modules.get(name, module).graph.nodes}
         for node in module.graph.nodes:
-            namesake = namesakes.get(node.name)
-            leaves = tensor_leaves(node_val(namesake)) if namesake is not None else []
-            if leaves and not any(leaf.dtype in SIXTEEN_BIT_DTYPES for leaf in leaves):
-                wide.add(node)
+            yield node, namesakes.get(node.name)
+
+
+def kept_wide(original: ExportedProgram, cast: ExportedProgram) -> set[Node]:
+    """The nodes of ``original`` whose namesakes in ``cast`` compute no 16-bit float."""
+    wide = set()
+    for node, namesake in _with_namesakes(original, cast):
+        leaves = tensor_leaves(node_val(namesake)) if namesake is not None else []
+        if leaves and not any(leaf.dtype in SIXTEEN_BIT_DTYPES for leaf in leaves):
+            wide.add(node)
     return wide
 
 
@@ -92,17 +98,13 @@ def custom_ops_fed_16_bit(original: ExportedProgram, cast: ExportedProgram) -> f
     ``cast`` read a 16-bit float tensor: their kernels compute in it, and only running
     them so emulates what they round inside (a quantizer's quotient rounded to 16-bit
     before it rounds to an integer moves a code by one step)."""
-    cast_modules = _graph_modules(cast)
     fed = set()
-    for name, module in _graph_modules(original).items():
-        namesakes = {node.name: node for node in cast_modules.get(name, module).graph.nodes}
-        for node in module.graph.nodes:
-            namesake = namesakes.get(node.name)
-            if namesake is None or not is_custom_op(node.target):
-                continue
-            inputs = [leaf for n in namesake.all_input_nodes for leaf in tensor_leaves(node_val(n))]
-            if any(leaf.dtype in SIXTEEN_BIT_DTYPES for leaf in inputs):
-                fed.add(node)
+    for node, namesake in _with_namesakes(original, cast):
+        if namesake is None or not is_custom_op(node.target):
+            continue
+        inputs = [leaf for n in namesake.all_input_nodes for leaf in tensor_leaves(node_val(n))]
+        if any(leaf.dtype in SIXTEEN_BIT_DTYPES for leaf in inputs):
+            fed.add(node)
     return frozenset(fed)
 
 
@@ -110,26 +112,22 @@ def narrowed_reads(original: ExportedProgram, cast: ExportedProgram) -> dict[Nod
     """For each node of ``original``, the fp32 values it reads whose places in its
     namesake's arguments in ``cast`` hold a 16-bit float: the cast rounds them on the
     way in (an input kept fp32 for one reader, a 16-bit copy of it for another)."""
-    cast_modules = _graph_modules(cast)
     reads = {}
-    for name, module in _graph_modules(original).items():
-        namesakes = {node.name: node for node in cast_modules.get(name, module).graph.nodes}
-        for node in module.graph.nodes:
-            namesake = namesakes.get(node.name)
-            if namesake is None or namesake.target != node.target:
-                continue
-            ours = pytree.tree_leaves((node.args, node.kwargs))
-            theirs = pytree.tree_leaves((namesake.args, namesake.kwargs))
-            narrowed = frozenset(
-                value
-                for value, read in zip(ours, theirs)
-                if isinstance(value, Node)
-                and isinstance(read, Node)
-                and _holds(value, (torch.float32,))
-                and _holds(read, SIXTEEN_BIT_DTYPES)
-            )
-            if narrowed and len(ours) == len(theirs):
-                reads[node] = narrowed
+    for node, namesake in _with_namesakes(original, cast):
+        if namesake is None or namesake.target != node.target:
+            continue
+        ours = pytree.tree_leaves((node.args, node.kwargs))
+        theirs = pytree.tree_leaves((namesake.args, namesake.kwargs))
+        narrowed = frozenset(
+            value
+            for value, read in zip(ours, theirs)
+            if isinstance(value, Node)
+            and isinstance(read, Node)
+            and _holds(value, (torch.float32,))
+            and _holds(read, SIXTEEN_BIT_DTYPES)
+        )
+        if narrowed and len(ours) == len(theirs):
+            reads[node] = narrowed
     return reads
 
 
