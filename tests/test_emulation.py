@@ -155,3 +155,24 @@ def test_an_op_run_in_low_computes_in_the_16_bit_dtype_whatever_it_returns():
 
     assert torch.equal(rounded_after, dequantized([13.0, 6.0]))
     assert torch.equal(run_in_fp16, dequantized([14.0, 6.0]))
+
+
+class AddOne(nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+def test_a_narrowed_read_rounds_a_wide_value_into_that_reader_only():
+    """x and the add kept wide: the add computes from x itself, unless ``narrowed_reads``
+    says its read of x is a 16-bit copy (1.0001 rounds to 1 in fp16)."""
+    x = torch.tensor([1.0001, 3.0])
+    ep = export(AddOne(), x)
+    (placeholder,) = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    (add,) = [n for n in ep.graph.nodes if n.op == "call_function"]
+    program, calls, wide = Program(ep), [((x,), {})], {placeholder, add}
+    plain = Emulation(program, calls, torch.float16)
+    narrowed = Emulation(
+        program, calls, torch.float16, narrowed_reads={add: frozenset({placeholder})}
+    )
+    assert torch.equal(plain.outputs(calls[0], wide)[0], x + 1)
+    assert torch.equal(narrowed.outputs(calls[0], wide)[0], x.half().float() + 1)

@@ -5,10 +5,15 @@ import io
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from fuzz_profile import examples
+from hypothesis import given, settings
 from torch.fx import GraphModule
 
+import fx16
 from fx16.program import Program
 from fx16.program.lazy_code import compile_when_needed
+from fx16.testing import programs
 from helpers import export
 
 aten = torch.ops.aten
@@ -107,3 +112,37 @@ def test_a_graph_module_class_someone_wrote_is_recompiled_at_once(compiled):
     compile_when_needed(own)
     assert compiled == [own] and type(own).__mro__[1] is Traced
     assert torch.equal(own(torch.ones(2)), torch.zeros(2))
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(programs())
+def test_property_a_cast_program_compiles_its_root_only_when_run_and_runs_its_graph(case):
+    """Any fuzzer program (bodies included): the cast generates no code for the root;
+    run directly, the root generates it once, and its results are the graph's, node
+    by node (``torch.fx.Interpreter``), bit for bit."""
+    ep = case.export()
+    compiled = []
+    recompile = GraphModule.recompile
+
+    def counted(graph_module):
+        if graph_module is ep.graph_module:
+            compiled.append(graph_module)
+        return recompile(graph_module)
+
+    GraphModule.recompile = counted
+    try:
+        fx16.cast_fp32_to_fp16(ep)
+        assert compiled == []
+        args, kwargs = fx16.inputs_for(ep, *case.args)
+        inputs = Program.of(ep).graph_inputs(args, kwargs, copy_buffers=True)
+        with torch.no_grad():
+            ran = pytree.tree_leaves(ep.graph_module(*inputs))
+            inputs = Program.of(ep).graph_inputs(args, kwargs, copy_buffers=True)
+            interpreted = pytree.tree_leaves(torch.fx.Interpreter(ep.graph_module).run(*inputs))
+        assert len(compiled) == 1
+    finally:
+        GraphModule.recompile = recompile
+    assert len(ran) == len(interpreted)
+    for got, want in zip(ran, interpreted):
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

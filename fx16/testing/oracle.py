@@ -118,6 +118,8 @@ def narrowed_reads(original: ExportedProgram, cast: ExportedProgram) -> dict[Nod
             continue
         ours = pytree.tree_leaves((node.args, node.kwargs))
         theirs = pytree.tree_leaves((namesake.args, namesake.kwargs))
+        if len(ours) != len(theirs):  # arguments that do not line up: nothing to say
+            continue
         narrowed = frozenset(
             value
             for value, read in zip(ours, theirs)
@@ -126,7 +128,7 @@ def narrowed_reads(original: ExportedProgram, cast: ExportedProgram) -> dict[Nod
             and _holds(value, (torch.float32,))
             and _holds(read, SIXTEEN_BIT_DTYPES)
         )
-        if narrowed and len(ours) == len(theirs):
+        if narrowed:
             reads[node] = narrowed
     return reads
 
