@@ -219,3 +219,40 @@ def test_a_tied_weight_one_name_keeps_fp32_is_stored_once_in_fp32():
     assert float((run(ep, ids)[0].float() - expected).abs().max()) < 2e-3 * float(
         expected.abs().max()
     )
+
+
+class TinyProductAndDivisor(torch.nn.Module):
+    """Two weights with the same elements below half the smallest fp16 subnormal: one a
+    linear's weight, one a divisor."""
+
+    def __init__(self):
+        super().__init__()
+        values = torch.randn(4, 4) * 0.5
+        values[0, :2] = torch.tensor([2e-8, -1e-9])
+        self.weight = torch.nn.Parameter(values.clone())
+        self.divisor = torch.nn.Parameter(values.clone())
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight) / self.divisor
+
+
+def test_a_weight_only_products_read_is_rounded_to_nearest_without_the_search(monkeypatch):
+    """The linear's weight is converted as ``.half()`` does, its tiny elements to zero
+    (the nearest value, which moves a product least), and nothing searches it for them;
+    the divisor's are searched for and lifted to +-2**-24."""
+    import fx16.ops.numerics
+
+    searched = []
+    search = fx16.ops.numerics._lift_flushed
+    monkeypatch.setattr(
+        fx16.ops.numerics,
+        "_lift_flushed",
+        lambda source, *rest: searched.append(source.clone()) or search(source, *rest),
+    )
+    model = TinyProductAndDivisor()
+    ep = export(model, torch.randn(4, 4))
+    _convert(ep)
+    assert len(searched) == 1 and torch.equal(searched[0].view(4, 4), model.divisor.detach())
+    assert torch.equal(ep.state_dict["weight"], model.weight.detach().half())
+    assert ep.state_dict["weight"][0, :2].tolist() == [0.0, -0.0]
+    assert ep.state_dict["divisor"][0, :2].tolist() == [FP16_TINY, -FP16_TINY]

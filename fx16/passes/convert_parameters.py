@@ -5,6 +5,8 @@ from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
+from fx16.analysis.facts import Facts
+from fx16.analysis.product_operands import only_product_operands
 from fx16.decisions import PRECISION, Reason, decide
 from fx16.ops.numerics import finite_interval, interval_may_flush, interval_overflows
 from fx16.passes.policy_pass import PolicyPass
@@ -32,7 +34,10 @@ class ConvertParametersPass(PolicyPass):
     without reading the tensor again.
     A placeholder the policy keeps in fp32 (by kind "boundary", module path - the
     parameter's dotted name - or node name) stays fp32. Nonzero magnitudes
-    below the smallest fp16 subnormal become +-2**-24 instead of zero. Tensors of
+    below the smallest fp16 subnormal become +-2**-24 instead of zero, except in a
+    tensor only matrix products and convolutions read (``only_product_operands``: the
+    nearest 16-bit value moves a product least, so it is rounded as ``.half()`` does,
+    without the search for such elements). Tensors of
     other dtypes (int8 quantized weights, fp64, bf16, fp16) are left alone. A tensor
     stored under several names is converted once and shared again. Placeholders named
     in ``force_fp32``, or that a safety rule keeps in fp32 (``meta["fx16.fp32_rule"]``:
@@ -73,12 +78,19 @@ class ConvertParametersPass(PolicyPass):
                     narrowing.append((slot, tensor))
                     continue
             kept.setdefault(id(tensor), slot.target)
+        boundaries = Facts.of(graph_module).boundaries
+        product_operands = {}  # tensor id -> whether every name is read only by products
+        for slot, tensor in narrowing:
+            found = product_operands.get(id(tensor), True)
+            product_operands[id(tensor)] = found and only_product_operands(
+                slot.placeholder, boundaries
+            )
         for slot, tensor in narrowing:
             if id(tensor) in kept:  # stored once: a second, 16-bit copy would add bytes
                 detail = f"{kept[id(tensor)]} stays fp32"
                 decide(slot.placeholder, torch.float32, Reason.SHARED_FP32, detail=detail)
                 continue
-            may_flush = fits[id(tensor)][1]
+            may_flush = fits[id(tensor)][1] and not product_operands[id(tensor)]
             val = narrowed_val(slot.placeholder.meta["val"], low)
             if is_subclass(tensor):
                 stored = rebuilt.get(id(tensor))

@@ -1,0 +1,92 @@
+"""Which values only ever reach matrix products and convolutions as operands.
+
+A state tensor converted to 16-bit may hold nonzero elements below the smallest
+subnormal. Where a reader can tell zero from nonzero (a division, a log, a comparison, a
+mask) the conversion lifts them to +-the smallest subnormal instead of flushing them;
+finding them costs as much as the conversion itself. A factor or addend of a product
+(``fx16.ops.tables.MULTILINEAR_OPS``) cannot tell: the product moves by each element's
+change times what the element multiplies, so the nearest 16-bit value, which a flush is
+for an element below half the smallest subnormal, is also the one that moves it least
+(a lift would move it up to twice as far). That holds for every input, whatever the
+element's neighbours and whatever the product is given.
+
+Reads: the graph's users and, across higher-order ops' boundaries, the ``Boundaries``
+of the program (``Facts.of(root).boundaries``). Writes: nothing.
+"""
+
+import operator
+
+from torch.fx import Node
+
+from fx16.ops.tables import (
+    ASSERT_METADATA_OPS,
+    CAST_OPS,
+    MULTILINEAR_OPS,
+    VALUE_PRESERVING_OPS,
+    per_op,
+)
+from fx16.program.boundaries import Boundaries
+
+
+def only_product_operands(node: Node, boundaries: Boundaries) -> bool:
+    """Whether every reader of ``node``'s value is a matrix product or convolution
+    (``MULTILINEAR_OPS``) or a check of its metadata, directly or through ops that only
+    move values (views, slices, concatenation, ``getitem``, a cast to another float
+    dtype), into and out of the bodies of higher-order ops fx16 looks into. False when
+    the value (or a view of it) is read by any other op, written in place, or returned
+    by the program; True for a value nothing reads."""
+    top = boundaries.graph_modules[0].graph
+    seen, pending = set(), [node]
+    while pending:
+        value = pending.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        pending.extend(boundaries.crossing_sinks(value))  # the same value, in another graph
+        for reader in value.users:
+            if reader in boundaries.looked_into:
+                continue  # its bodies' placeholders and its results are the crossing sinks
+            if reader.op == "output":
+                if reader.graph is top:
+                    return False
+                continue  # a body's output: its readers are the op's results (crossing sinks)
+            if reader.op != "call_function":
+                return False
+            if _is_product(reader.target) or _reads_no_values(reader.target):
+                continue
+            if not _moves_values(reader):
+                return False
+            pending.append(reader)
+    return True
+
+
+@per_op
+def _is_product(target) -> bool:
+    return target in MULTILINEAR_OPS
+
+
+@per_op
+def _reads_no_values(target) -> bool:
+    """A check of dtype, device and shape (export's ``_assert_tensor_metadata``)."""
+    return target in ASSERT_METADATA_OPS
+
+
+def _moves_values(reader: Node) -> bool:
+    """``reader``'s result holds values of its operands and nothing computed from them:
+    data movement (not a write: ``copy_`` stores into its first argument), ``getitem``
+    of a split, or a cast whose result is a float."""
+    if reader.target is operator.getitem:
+        return True
+    if reader.target in CAST_OPS:
+        val = reader.meta.get("val")
+        return getattr(val, "dtype", None) is not None and val.dtype.is_floating_point
+    return reader.target in VALUE_PRESERVING_OPS and not _writes(reader.target)
+
+
+@per_op
+def _writes(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(
+        argument.alias_info is not None and argument.alias_info.is_write
+        for argument in schema.arguments
+    )
