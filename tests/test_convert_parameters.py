@@ -178,21 +178,29 @@ class ConstantParts(torch.nn.Module):
         return x * self.ones * self.positive + self.zero + self.mixed
 
 
+def _searches_recorded(monkeypatch, name: str) -> list:
+    """The sources ``fx16.ops.numerics.<name>`` (a step of the search for elements that
+    flush) is called on from now on, copied, in order."""
+    import fx16.ops.numerics
+
+    searched, search = [], getattr(fx16.ops.numerics, name)
+    monkeypatch.setattr(
+        fx16.ops.numerics,
+        name,
+        lambda source, *rest: searched.append(source.clone()) or search(source, *rest),
+    )
+    return searched
+
+
 def test_only_a_tensor_whose_interval_allows_a_flush_is_checked_for_one(monkeypatch):
     """The overflow check's interval (min, max) also shows which tensors cannot flush:
     those are copied plainly; the one with a tiny value is checked, and lifted."""
-    import fx16.ops.numerics
-
-    checked = []
-    lift = fx16.ops.numerics._lift_flushed_blocks
-    monkeypatch.setattr(
-        fx16.ops.numerics,
-        "_lift_flushed_blocks",
-        lambda source, *rest: checked.append(source.tolist()) or lift(source, *rest),
-    )
+    checked = _searches_recorded(monkeypatch, "_lift_flushed_blocks")
     ep = export(ConstantParts(), torch.randn(2, 4))
     _convert(ep)
-    assert checked == [torch.tensor([0.5, -1e-9, 0.0, 2.0]).tolist()]
+    assert [source.tolist() for source in checked] == [
+        torch.tensor([0.5, -1e-9, 0.0, 2.0]).tolist()
+    ]
     assert ep.state_dict["mixed"].tolist() == [0.5, -FP16_TINY, 0.0, 2.0]
     for name in ("zero", "ones", "positive"):
         stored = ep.state_dict[name]
@@ -240,15 +248,7 @@ def test_a_weight_only_products_read_is_rounded_to_nearest_without_the_search(mo
     """The linear's weight is converted as ``.half()`` does, its tiny elements to zero
     (the nearest value, which moves a product least), and nothing searches it for them;
     the divisor's are searched for and lifted to +-2**-24."""
-    import fx16.ops.numerics
-
-    searched = []
-    search = fx16.ops.numerics._lift_flushed
-    monkeypatch.setattr(
-        fx16.ops.numerics,
-        "_lift_flushed",
-        lambda source, *rest: searched.append(source.clone()) or search(source, *rest),
-    )
+    searched = _searches_recorded(monkeypatch, "_lift_flushed")
     model = TinyProductAndDivisor()
     ep = export(model, torch.randn(4, 4))
     _convert(ep)
