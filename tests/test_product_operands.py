@@ -100,6 +100,30 @@ def test_the_answer_follows_a_weight_into_and_out_of_bodies():
     assert _answers(ep) == {"product": True, "divisor": False, "passed": False}
 
 
+class InRegions(torch.nn.Module):
+    """A weight a matmul reads inside a disabled autocast region, and one divided by
+    inside a no-grad region."""
+
+    def __init__(self):
+        super().__init__()
+        self.product = torch.nn.Parameter(torch.randn(4, 4))
+        self.divisor = torch.nn.Parameter(torch.rand(4, 4) + 1)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            y = x @ self.product
+        with torch.no_grad():
+            z = x / self.divisor
+        return y + z
+
+
+def test_the_answer_follows_a_weight_into_autocast_and_grad_regions():
+    ep = torch.export.export(InRegions(), (torch.randn(4, 4),))
+    bodies = Facts.of(ep.graph_module).graph_modules[1:]
+    assert len(bodies) == 2
+    assert _answers(ep) == {"product": True, "divisor": False}
+
+
 def _graph_reading(build) -> tuple[GraphModule, torch.fx.Node]:
     """A hand-built graph: a placeholder ``w``, the readers ``build(graph, w)`` adds, and
     an output of the first input ``x``."""
@@ -185,8 +209,9 @@ def test_property_a_product_reader_changes_nothing_and_any_other_reader_ends_it(
 def test_a_product_operand_rounded_to_nearest_is_never_further_from_fp64_than_lifted():
     """The reason for the rule: with elements below half the smallest subnormal (which
     round to zero), a weight rounded to nearest changes no element more than lifting
-    them to +-2**-24 does, so every output's error bound is smaller, on every input; and
-    the error those elements add to the products is smaller too."""
+    them to +-2**-24 does, so every output's error bound is smaller, on every input (wide,
+    near-silent rows, a narrow column beside wide ones); and the error those elements add
+    to the products is smaller too."""
     torch.manual_seed(0)
     weight = torch.randn(64, 64).double() * 0.02
     tiny = torch.zeros_like(weight, dtype=torch.bool)
@@ -200,6 +225,8 @@ def test_a_product_operand_rounded_to_nearest_is_never_further_from_fp64_than_li
     for seed in range(20):
         generator = torch.Generator().manual_seed(seed)
         x = torch.randn(16, 64, generator=generator).double() * 10.0 ** (seed % 5)
+        x[::4] *= 1e-6  # near-silent rows
+        x[:, 7] *= 1e-4  # a narrow column beside the wide ones
         # each output's error bound: the sum over j of |change of w_j| * |x_j|
         assert torch.all(x.abs() @ change_nearest <= x.abs() @ change_lifted)
         added_nearest = (x @ ((nearest - weight) * tiny)).abs().sum()

@@ -1,14 +1,15 @@
-"""Which values only ever reach matrix products and convolutions as operands.
+"""Which values only ever reach matrix products, convolutions and attention as operands.
 
 A state tensor converted to 16-bit may hold nonzero elements below the smallest
 subnormal. Where a reader can tell zero from nonzero (a division, a log, a comparison, a
 mask) the conversion lifts them to +-the smallest subnormal instead of flushing them;
-finding them costs as much as the conversion itself. A factor or addend of a product
-(``fx16.ops.tables.MULTILINEAR_OPS``) cannot tell: the product moves by each element's
-change times what the element multiplies, so the nearest 16-bit value, which a flush is
-for an element below half the smallest subnormal, is also the one that moves it least
-(a lift would move it up to twice as far). That holds for every input, whatever the
-element's neighbours and whatever the product is given.
+finding them costs as much as the conversion itself. An operand of a product (the ops of
+kind ``OpKind.COMPUTE``: matrix products, convolutions, attention) cannot tell: each
+element is a factor or an addend of sums of products, whose result moves by at most the
+element's change times what it multiplies, so the nearest 16-bit value, which a flush is
+for an element below half the smallest subnormal, is also the one that bounds the change
+least (a lift would move the element up to twice as far). That holds for every input,
+whatever the element's neighbours and whatever the product is given.
 
 Reads: the graph's users and, across higher-order ops' boundaries, the ``Boundaries``
 of the program (``Facts.of(root).boundaries``). Writes: nothing.
@@ -18,19 +19,15 @@ import operator
 
 from torch.fx import Node
 
-from fx16.ops.tables import (
-    ASSERT_METADATA_OPS,
-    CAST_OPS,
-    MULTILINEAR_OPS,
-    VALUE_PRESERVING_OPS,
-    per_op,
-)
+from fx16.ops.kinds import OpKind, target_kind
+from fx16.ops.tables import ASSERT_METADATA_OPS, CAST_OPS, VALUE_PRESERVING_OPS, per_op
 from fx16.program.boundaries import Boundaries
+from fx16.program.nodes import mutated_argument
 
 
 def only_product_operands(node: Node, boundaries: Boundaries) -> bool:
-    """Whether every reader of ``node``'s value is a matrix product or convolution
-    (``MULTILINEAR_OPS``) or a check of its metadata, directly or through ops that only
+    """Whether every reader of ``node``'s value is a matrix product, convolution or
+    attention (``OpKind.COMPUTE``) or a check of its metadata, directly or through ops that only
     move values (views, slices, concatenation, ``getitem``, a cast to another float
     dtype), into and out of the bodies of higher-order ops fx16 looks into. False when
     the value (or a view of it) is read by any other op, written in place, or returned
@@ -62,7 +59,7 @@ def only_product_operands(node: Node, boundaries: Boundaries) -> bool:
 
 @per_op
 def _is_product(target) -> bool:
-    return target in MULTILINEAR_OPS
+    return target_kind(target) == OpKind.COMPUTE
 
 
 @per_op
@@ -80,13 +77,4 @@ def _moves_values(reader: Node) -> bool:
     if reader.target in CAST_OPS:
         val = reader.meta.get("val")
         return getattr(val, "dtype", None) is not None and val.dtype.is_floating_point
-    return reader.target in VALUE_PRESERVING_OPS and not _writes(reader.target)
-
-
-@per_op
-def _writes(target) -> bool:
-    schema = getattr(target, "_schema", None)
-    return schema is not None and any(
-        argument.alias_info is not None and argument.alias_info.is_write
-        for argument in schema.arguments
-    )
+    return reader.target in VALUE_PRESERVING_OPS and mutated_argument(reader) is None

@@ -287,27 +287,3 @@ LOGARITHM_OPS = overloads("log.default", "log2.default", "log10.default")
 POWER_OF_SCALAR_OPS = overloads("pow.Scalar")
 POWER_BY_SCALAR_OPS = overloads("pow.Tensor_Scalar")
 SUM_OPS = overloads("add.Tensor", "sub.Tensor")
-
-# ---- product operands (fx16.analysis.product_operands) -----------------------------------
-
-# Matrix products and convolutions: each tensor argument is a factor or an addend of every
-# element of the result, which moves by the change in an argument's element times what
-# that element multiplies (or once, as an addend), and by nothing else: no zero test, no
-# division, no power.
-MULTILINEAR_OPS = overloads(
-    "mm.default",
-    "bmm.default",
-    "addmm.default",
-    "addbmm.default",
-    "baddbmm.default",
-    "matmul.default",
-    "linear.default",
-    "mv.default",
-    "addmv.default",
-    "dot.default",
-    "conv1d.default",
-    "conv2d.default",
-    "conv3d.default",
-    "convolution.default",
-    "_convolution.default",
-)

@@ -35,7 +35,7 @@ class ConvertParametersPass(PolicyPass):
     A placeholder the policy keeps in fp32 (by kind "boundary", module path - the
     parameter's dotted name - or node name) stays fp32. Nonzero magnitudes
     below the smallest fp16 subnormal become +-2**-24 instead of zero, except in a
-    tensor only matrix products and convolutions read (``only_product_operands``: the
+    tensor only matrix products, convolutions and attention read (``only_product_operands``: the
     nearest 16-bit value moves a product least, so it is rounded as ``.half()`` does,
     without the search for such elements). Tensors of
     other dtypes (int8 quantized weights, fp64, bf16, fp16) are left alone. A tensor
