@@ -21,7 +21,15 @@ from fx16.pipelines import fp16_stages, run_passes, without_rules
 from fx16.report import report_of
 from fx16.testing import programs
 from fx16.testing.fuzz import with_steps
-from helpers import assert_same_state, check_program, export, max_error, run, state_snapshot
+from helpers import (
+    assert_same_state,
+    check_program,
+    export,
+    fp64_reference,
+    max_error,
+    run,
+    state_snapshot,
+)
 
 
 def _checks(ep):
@@ -131,19 +139,28 @@ def test_large_condition_numbers_are_not_asked_and_nothing_is_asked_without_inpu
 
 def test_gpt2_keeps_every_product_and_every_op_in_16_bit():
     """GELU-tanh models: GPT-2's written-out GELU becomes ``gelu(x, approximate="tanh")``
-    (``tanh_gelu``), so there is no cube to ask about and no emulated run."""
-    torch.manual_seed(0)
-    model, ids = zoo.gpt2(layers=4, width=256), torch.randint(0, 1024, (1, 32))
-    ep = fx16.cast_fp32_to_fp16(export(model, ids))
-    assert _checks(ep) == []
-    report = report_of(ep)
-    assert "stabilized (rewritten for 16-bit): tanh_gelu x4" in report.summary()
-    assert report.totals.flop_share_16bit == 1.0
-    assert report.totals.casts_inserted == 0
-    half = copy.deepcopy(model).half()
-    with torch.no_grad():
-        reference = [model(ids)]
-        assert max_error(reference, run(ep, ids)) <= 1.05 * max_error(reference, [half(ids)])
+    (``tanh_gelu``), so there is no cube to ask about and no emulated run. Its error
+    against fp64 is no worse than ``.half()``'s on average over six seeds: one seed's
+    two 16-bit errors differ by which elements happen to round which way, and trade
+    places between CPU kernel paths (AVX-512: 8.9e-4 against 7.9e-4 on seed 0, while
+    the ATen default kernels give 6.8e-4 against 7.6e-4)."""
+    ours, plain = [], []
+    for seed in range(6):
+        torch.manual_seed(seed)
+        model, ids = zoo.gpt2(layers=4, width=256), torch.randint(0, 1024, (1, 32))
+        ep = fx16.cast_fp32_to_fp16(export(model, ids))
+        if seed == 0:
+            assert _checks(ep) == []
+            report = report_of(ep)
+            assert "stabilized (rewritten for 16-bit): tanh_gelu x4" in report.summary()
+            assert report.totals.flop_share_16bit == 1.0
+            assert report.totals.casts_inserted == 0
+        half = copy.deepcopy(model).half()
+        reference = fp64_reference(model, ids)
+        with torch.no_grad():
+            ours.append(max_error(reference, run(ep, ids)))
+            plain.append(max_error(reference, [half(ids)]))
+    assert sum(ours) <= 1.05 * sum(plain), (ours, plain)
 
 
 @st.composite
