@@ -9,6 +9,7 @@ explicit fp32 region the model wrote, a float that decides an index, an integer
 range that does not fit - those stay wide whatever the policy says.
 """
 
+import difflib
 import enum
 import math
 from collections.abc import Callable, Mapping
@@ -52,6 +53,21 @@ def _precisions(mapping: Mapping | None) -> dict:
     return {
         getattr(key, "_opname", key): _as_precision(value) for key, value in (mapping or {}).items()
     }
+
+
+def _op_kind(key) -> OpKind:
+    """A ``kinds`` key as an OpKind: the member itself, its value ("reduction") or its
+    name ("REDUCTION"), in any case. Anything else is refused with the closest kind."""
+    if isinstance(key, OpKind):
+        return key
+    if isinstance(key, str):
+        for kind in OpKind:
+            if key.lower() in (kind.value, kind.name.lower()):
+                return kind
+    valid = [kind.value for kind in OpKind]
+    close = difflib.get_close_matches(str(key).lower(), valid, 2)
+    hint = f"closest: {', '.join(close)}" if close else f"kinds: {', '.join(valid)}"
+    raise InvalidOptionError(f"kinds names no op kind: {key!r}; {hint}")
 
 
 _ALL_LOW = {kind: Precision.LOW for kind in OpKind}
@@ -124,7 +140,8 @@ class PrecisionPolicy:
     def __post_init__(self) -> None:
         if self.low not in SIXTEEN_BIT_DTYPES:
             raise InvalidOptionError(f"low must be torch.float16 or torch.bfloat16, not {self.low}")
-        object.__setattr__(self, "kinds", {**_ALL_LOW, **_precisions(self.kinds)})
+        kinds = {_op_kind(key): value for key, value in _precisions(self.kinds).items()}
+        object.__setattr__(self, "kinds", {**_ALL_LOW, **kinds})
         object.__setattr__(self, "_by_op", {})  # precision_for's answers, by op
         for name in ("ops", "modules", "nodes", "op_table"):
             object.__setattr__(self, name, _precisions(getattr(self, name)))

@@ -183,6 +183,24 @@ def test_unknown_names_are_refused():
         PrecisionPolicy.custom(ops={"softmax": "fp8"})
 
 
+@pytest.mark.parametrize("key", [OpKind.REDUCTION, "reduction", "REDUCTION", "Reduction"])
+def test_a_kind_is_named_by_its_member_value_or_name_in_any_case(key):
+    """kinds={"REDUCTION": "fp32"} once passed and did nothing: every spelling of a kind
+    the enum has now reaches it."""
+    policy = PrecisionPolicy.custom(kinds={key: "fp32"})
+    assert policy.kinds[OpKind.REDUCTION] is Precision.FP32
+    assert policy.kinds[OpKind.COMPUTE] is Precision.LOW
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [("bogus", "kinds: compute, reduction"), (42, "42"), ("reductions", "closest: reduction")],
+)
+def test_a_kinds_key_that_names_no_kind_is_refused(key, message):
+    with pytest.raises(fx16.InvalidOptionError, match=f"kinds names no op kind.*{message}"):
+        PrecisionPolicy.custom(kinds={key: "fp32"})
+
+
 precisions = st.sampled_from(["16-bit", "fp32"])
 policies = st.builds(
     lambda kinds, low: PrecisionPolicy.custom(kinds=kinds, low=low),
