@@ -210,7 +210,7 @@ OPTION_ERRORS = [
     (
         fx16.cast_fp32_to_fp16,
         dict(calibration=[(torch.randn(3, 8), torch.randn(3, 8))]),
-        "calibration[0] supplies 2 input value(s); the program takes 1",
+        "calibration[0] passes 2 positional arguments; the program takes 1 (x)",
     ),
     (
         fx16.cast_int32_to_int16,
@@ -427,6 +427,28 @@ def test_inputs_for_refuses_what_is_not_a_tensor(mlp):
         mlp,
         np.zeros((3, 8), dtype=np.float32),
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        (
+            ([[1.0] * 8] * 3,),
+            {},
+            "passes a nested list for input 'x'; the program takes a torch.Tensor there "
+            "(convert it with torch.tensor)",
+        ),
+        (
+            (),
+            {"x": torch.randn(3, 8), "y": torch.randn(3, 8)},
+            "passes unknown keyword(s) 'y'; the program's inputs: x",
+        ),
+    ],
+)
+def test_inputs_for_names_the_input_and_the_problem(mlp, args, kwargs, message):
+    """A nested list where the program takes a tensor, or a keyword it has no input of,
+    was once told as "supplies 24 input value(s); the program takes 1"."""
+    _raises(fx16.InvalidOptionError, f"inputs_for[0] {message}", fx16.inputs_for, mlp, *args, **kwargs)
 
 
 def test_routing_is_a_keyword_option(mlp):

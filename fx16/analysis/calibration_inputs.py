@@ -37,15 +37,52 @@ def calibration_calls(
             entry = (entry,)
         call = entry if _is_args_kwargs(entry) else (tuple(entry), {})
         supplied = pytree.tree_leaves(call)
-        if len(supplied) != len(placeholders):
-            raise InvalidOptionError(
-                f"{label}[{index}] supplies {len(supplied)} input value(s); "
-                f"the program takes {len(placeholders)}"
+        problem = _structure_problem(call, program.ep.call_spec.in_spec, placeholders)
+        if problem is None and len(supplied) != len(placeholders):
+            problem = (
+                f"supplies {len(supplied)} input value(s); the program takes "
+                f"{len(placeholders)} ({', '.join(p.name for p in placeholders)})"
             )
+        if problem is not None:
+            raise InvalidOptionError(f"{label}[{index}] {problem}")
         for value, placeholder in zip(supplied, placeholders):
             _check_shape(f"{label}[{index}]", value, placeholder, ranges)
         calls.append(call)
     return calls
+
+
+def _structure_problem(call: tuple, in_spec, placeholders: list[Node]) -> str | None:
+    """What is wrong with how ``call`` lays out the program's inputs, named by input:
+    a keyword the program has no input of, a list or tuple where it takes one tensor,
+    or too many positional arguments. None where nothing of that kind is wrong (the
+    count of values is checked after)."""
+    if in_spec is None or in_spec.num_children != 2:
+        return None
+    args_spec, kwargs_spec = in_spec.children()
+    named, offset = {}, 0  # each positional input's name, and its spec
+    for spec in args_spec.children():
+        named[placeholders[offset].name if offset < len(placeholders) else ""] = spec
+        offset += spec.num_leaves
+    if kwargs_spec.type is dict:
+        for key, spec in zip(kwargs_spec.context, kwargs_spec.children()):
+            named[key] = spec
+    args, kwargs = call
+    names = ", ".join(filter(None, named))
+    unknown = [key for key in kwargs if key not in named]
+    if unknown:
+        return f"passes unknown keyword(s) {', '.join(map(repr, unknown))}; the program's inputs: {names}"
+    if len(args) > args_spec.num_children:
+        return (
+            f"passes {len(args)} positional arguments; the program takes "
+            f"{args_spec.num_children} ({names})"
+        )
+    for name, value in [*zip(named, args), *kwargs.items()]:
+        if named[name].is_leaf() and isinstance(value, (list, tuple)):
+            return (
+                f"passes a nested {type(value).__name__} for input {name!r}; the program "
+                "takes a torch.Tensor there (convert it with torch.tensor)"
+            )
+    return None
 
 
 def _check_shape(name: str, value, placeholder: Node, ranges: dict) -> None:
