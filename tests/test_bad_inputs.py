@@ -448,7 +448,9 @@ def test_inputs_for_refuses_what_is_not_a_tensor(mlp):
 def test_inputs_for_names_the_input_and_the_problem(mlp, args, kwargs, message):
     """A nested list where the program takes a tensor, or a keyword it has no input of,
     was once told as "supplies 24 input value(s); the program takes 1"."""
-    _raises(fx16.InvalidOptionError, f"inputs_for[0] {message}", fx16.inputs_for, mlp, *args, **kwargs)
+    _raises(
+        fx16.InvalidOptionError, f"inputs_for[0] {message}", fx16.inputs_for, mlp, *args, **kwargs
+    )
 
 
 def test_routing_is_a_keyword_option(mlp):

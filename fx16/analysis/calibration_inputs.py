@@ -70,7 +70,8 @@ def _structure_problem(call: tuple, in_spec, placeholders: list[Node]) -> str | 
     names = ", ".join(filter(None, named))
     unknown = [key for key in kwargs if key not in named]
     if unknown:
-        return f"passes unknown keyword(s) {', '.join(map(repr, unknown))}; the program's inputs: {names}"
+        listed = ", ".join(map(repr, unknown))
+        return f"passes unknown keyword(s) {listed}; the program's inputs: {names}"
     if len(args) > args_spec.num_children:
         return (
             f"passes {len(args)} positional arguments; the program takes "
