@@ -65,6 +65,7 @@ def require_number(name: str, value, minimum: float, *, strict=False, finite=Tru
     fits = is_number and (value > minimum if strict else value >= minimum)
     if not (fits and (math.isfinite(value) or not finite)):
         bound = ">" if strict else ">="
+        kind = "finite number" if fits else "number"
         raise InvalidOptionError(
-            f"{name} must be a number {bound} {minimum:g}{note}, got {value!r}"
+            f"{name} must be a {kind} {bound} {minimum:g}{note}, got {value!r}"
         )

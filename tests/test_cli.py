@@ -148,6 +148,48 @@ def test_compare_shows_both_dtypes(program, tmp_path):
     assert loose.returncode == 0, loose.stderr
 
 
+class LogRelu(torch.nn.Module):
+    """log(relu(x) + eps): -inf wherever x <= 0 for eps 0, finite for eps 1e-30."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return torch.log(torch.relu(x) + self.eps)
+
+
+def test_compare_flags_a_non_finite_value_the_other_program_does_not_reproduce(tmp_path):
+    """A holds -inf where B is finite: the row is flagged, a line says so, and with
+    --max-rel-error the exit code is 3 (once: exit 0, "max |A-B| inf" beside a small
+    relative error). The same program on both sides matches its own -inf."""
+    x = torch.tensor([[-1.0, 2.0, 3.0, 4.0]])
+    first, second = tmp_path / "a.pt2", tmp_path / "b.pt2"
+    torch.export.save(export(LogRelu(0.0), x), first)
+    torch.export.save(export(LogRelu(1e-30), x), second)  # the same, but finite at -1
+    result = fx16("compare", first, second, "--max-rel-error", "0.5")
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "(!) input 0 output 0: A holds 1 inf or NaN value(s) that B does not reproduce" in (
+        result.stdout
+    )
+    assert "hold inf or NaN that B does not reproduce" in result.stderr
+    same = fx16("compare", first, first, "--max-rel-error", "0.5")
+    assert same.returncode == 0 and "(!)" not in same.stdout
+
+
+def test_cast_takes_overflow_margin_and_q(program, tmp_path):
+    """--overflow-margin reaches the API (the report's options) and -q silences the
+    summary, as --quiet does."""
+    source, _ = program
+    report = tmp_path / "r.json"
+    result = fx16(
+        "cast", source, "-o", tmp_path / "x.pt2", "-q", "--overflow-margin", "8", "--report", report
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+    assert json.loads(report.read_text())["provenance"]["options"]["overflow_margin"] == 8.0
+
+
 def test_cast_and_inspect_print_the_same_summary(program, tmp_path):
     source, _ = program
     cast = fx16("cast", source, "-o", tmp_path / "x.pt2", "--dry-run")
@@ -189,7 +231,7 @@ def _bad_inputs(folder, source):
         ),
         "negative threshold": (
             ["compare", source, source, "--per-node", "--threshold", "-5"],
-            "--threshold must be a number >= 0",
+            "--threshold must be a finite number >= 0",
         ),
         "options before the program": (
             ["cast", folder / "corrupt.pt2", "-o", folder / "x.pt2", "--policy", "bogus"],
@@ -232,6 +274,79 @@ def _bad_inputs(folder, source):
             ["inspect", source, "--import", "no_such_module_here"],
             "cannot import no_such_module_here",
         ),
+        # every output path is checked before the program loads (a corrupt one here)
+        "html is a directory": (
+            ["inspect", folder / "corrupt.pt2", "--html", folder / "out_dir"],
+            "--html " + str(folder / "out_dir") + " is a directory",
+        ),
+        "html cannot be written": (
+            ["inspect", folder / "corrupt.pt2", "--html", "/proc/fx16.html"],
+            "--html /proc/fx16.html cannot be written",
+        ),
+        "report is a directory": (
+            [
+                "cast",
+                folder / "corrupt.pt2",
+                "-o",
+                folder / "x.pt2",
+                "--report",
+                folder / "out_dir",
+            ],
+            "is a directory",
+        ),
+        "report cannot be written": (
+            ["inspect", folder / "corrupt.pt2", "--report", "/proc/x.json"],
+            "--report /proc/x.json cannot be written",
+        ),
+        "json is a directory": (
+            ["compare", folder / "corrupt.pt2", source, "--per-node", "--json", folder / "out_dir"],
+            "--json " + str(folder / "out_dir") + " is a directory",
+        ),
+        # and every option before it too, in one line naming the flag
+        "infinite budget": (
+            ["cast", folder / "corrupt.pt2", "--dry-run", "--max-rel-error", "inf"],
+            "--max-rel-error must be a finite number >= 0, got inf",
+        ),
+        "target share above one": (
+            [
+                "cast",
+                folder / "corrupt.pt2",
+                "--dry-run",
+                "--max-rel-error",
+                "0.1",
+                "--target-share",
+                "2",
+            ],
+            "--target-share must be in (0, 1], got 2",
+        ),
+        "overflow margin below one": (
+            ["cast", folder / "corrupt.pt2", "--dry-run", "--overflow-margin", "0.5"],
+            "--overflow-margin must be at least 1, got 0.5",
+        ),
+        "unknown metric": (
+            [
+                "cast",
+                folder / "corrupt.pt2",
+                "--dry-run",
+                "--max-rel-error",
+                "0.1",
+                "--metric",
+                "l2",
+            ],
+            "argument --metric: invalid choice: 'l2'",
+        ),
+        "budget not a number": (
+            ["cast", folder / "corrupt.pt2", "--dry-run", "--max-rel-error", "abc"],
+            "argument --max-rel-error: invalid float value: 'abc'",
+        ),
+        "input range with a dash": (
+            ["cast", folder / "corrupt.pt2", "--dry-run", "--input-ranges", "input_ids=0-999"],
+            "argument --input-ranges: expected NAME=LO:HI (integers), got 'input_ids=0-999'",
+        ),
+        "unknown precision": (
+            ["inspect", folder / "corrupt.pt2", "--module", "x=fp8"],
+            "argument --module: expected NAME=PRECISION",
+        ),
     }
 
 
@@ -256,6 +371,18 @@ def _bad_inputs(folder, source):
         "options before the program",
         "empty calibration",
         "16-bit program",
+        "html is a directory",
+        "html cannot be written",
+        "report is a directory",
+        "report cannot be written",
+        "json is a directory",
+        "infinite budget",
+        "target share above one",
+        "overflow margin below one",
+        "unknown metric",
+        "budget not a number",
+        "input range with a dash",
+        "unknown precision",
     ],
 )
 def test_bad_input_is_one_line_and_changes_nothing(program, tmp_path, case):

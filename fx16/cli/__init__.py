@@ -12,6 +12,7 @@ runs.
 """
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -29,8 +30,16 @@ from fx16.cli.exits import BAD_INPUT, BUDGET_NOT_MET
 from fx16.version import installed_version
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a bad argument told in one line naming the flag (and exit code
+    2), not after the command's whole usage block."""
+
+    def error(self, message: str):
+        self.exit(BAD_INPUT, f"fx16: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="fx16",
         description="Cast torch.export programs to 16-bit.",
         epilog=f"exit codes: 0 done, {BAD_INPUT} bad input (one line on stderr), "
@@ -265,7 +274,15 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
         f"saved with torch.save); their error is printed, and the exit code is "
         f"{BUDGET_NOT_MET} when it exceeds X (the program is written all the same)",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bars, no summary")
+    parser.add_argument(
+        "--overflow-margin",
+        type=float,
+        default=2.0,
+        metavar="M",
+        help="a value counts as overflowing above 65504 / M, since calibration inputs rarely "
+        "show the largest values a model will see (default 2; at least 1)",
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars, no summary")
     _add_timings_option(parser)
 
 
@@ -296,10 +313,15 @@ def option_problem(args) -> str | None:
     policy = getattr(args, "policy", None)
     if policy is not None and policy not in POLICY_PRESETS:
         return f"unknown policy {policy!r}; presets: {', '.join(POLICY_PRESETS)}"
-    for option in ("max_rel_error", "threshold", "target_share"):
+    for option in ("max_rel_error", "threshold", "target_share", "overflow_margin"):
         value = getattr(args, option, None)
-        if value is not None and not value >= 0:  # NaN too
-            return f"--{option.replace('_', '-')} must be a number >= 0, got {value:g}"
+        flag = f"--{option.replace('_', '-')}"
+        if value is not None and not 0 <= value < math.inf:  # NaN too
+            return f"{flag} must be a finite number >= 0, got {value:g}"
+    if not 0 < (getattr(args, "target_share", None) or 1) <= 1:
+        return f"--target-share must be in (0, 1], got {args.target_share:g}"
+    if not 1 <= (getattr(args, "overflow_margin", None) or 1):
+        return f"--overflow-margin must be at least 1, got {args.overflow_margin:g}"
     if getattr(args, "max_rel_error", None) is None:
         for option in ("target_share", "metric", "validate"):
             if getattr(args, option, None) is not None and args.command != "compare":

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,7 +19,6 @@ from fx16.casting import cast_to_16_bit_precision
 from fx16.cli.exits import BAD_INPUT, BUDGET_NOT_MET
 from fx16.cli.files import (
     CommandError,
-    check_report_path,
     example_calls,
     existing_program_path,
     load_with_imports,
@@ -27,6 +26,7 @@ from fx16.cli.files import (
     refuse_sixteen_bit_program,
     run_or_name_input,
     save_program,
+    writable_path,
     writable_program_path,
 )
 from fx16.demo import run_demo
@@ -35,7 +35,7 @@ from fx16.pipelines import resolve_policy
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.program.nodes import dtype_name
-from fx16.program.stats import relative_error
+from fx16.program.stats import nonfinite_mismatches, relative_error
 from fx16.report import format_rows, report_of
 from fx16.report.html import report_html
 
@@ -45,6 +45,16 @@ LAYER_SUMMARY_ROWS = 60
 
 class ThresholdMissed(Exception):
     """compare --max-rel-error: an output differs by more than the threshold."""
+
+
+@dataclass(frozen=True)
+class AgainstFp32:
+    """The cast program's outputs against the fp32 program's on the first input: the
+    relative error over fp32's finite values, and how many of its inf and NaN values
+    the cast does not reproduce."""
+
+    error: float
+    nonfinite_missed: int
 
 
 class Timings:
@@ -94,7 +104,7 @@ def cast_command(args, timings: Timings) -> int:
         raise CommandError("the cast program needs somewhere to go: pass -o OUT.pt2 (or --dry-run)")
     if args.output is not None:
         target = writable_program_path(args.output, source, args.force)
-    check_report_path(args.report)
+    writable_path(args.report, "--report", "REPORT.json")
     ep, report, error = _cast(source, args, timings)
     if not args.quiet:
         _summarise(report, error, out=sys.stdout)
@@ -110,9 +120,8 @@ def cast_command(args, timings: Timings) -> int:
 
 
 def inspect_command(args, timings: Timings) -> int:
-    if args.html is not None and not args.html.expanduser().parent.is_dir():
-        raise CommandError(f"directory {args.html.expanduser().parent} does not exist")
-    check_report_path(args.report)
+    writable_path(args.html, "--html", "OUT.html")
+    writable_path(args.report, "--report", "REPORT.json")
     source = existing_program_path(args.input)
     cast, report, error = _cast(source, args, timings)
     if args.html is not None:
@@ -131,6 +140,7 @@ def inspect_command(args, timings: Timings) -> int:
 
 
 def compare_command(args, timings: Timings) -> int:
+    writable_path(args.json, "--json", "OUT.json")
     first = load_with_imports(existing_program_path(args.first), args)
     second = load_with_imports(existing_program_path(args.second), args)
     timings.lap("load")
@@ -144,7 +154,7 @@ def compare_command(args, timings: Timings) -> int:
         print()
     columns = ("input", "output", "shape", "A dtype", "B dtype", "max |A-B|", "rel. error")
     print("{:>5} {:>6} {:18} {:10} {:10} {:>12} {:>11}".format(*columns))
-    worst = 0.0
+    worst, unmatched = 0.0, []
     for call, (call_args, call_kwargs) in enumerate(calls):
         outputs = [
             run_or_name_input(program, (call_args, call_kwargs), f"{path}'s inputs[{call}]")
@@ -156,17 +166,35 @@ def compare_command(args, timings: Timings) -> int:
             difference = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
             error = relative_error(a, b)
             worst = max(worst, error)
+            missed = nonfinite_mismatches(a, b)
+            if missed:
+                unmatched.append(f"input {call} output {index}: {_nonfinite_note(missed)}")
             print(
                 f"{call:>5} {index:>6} {str(tuple(a.shape)):18} {dtype_name(a.dtype):10} "
                 f"{dtype_name(b.dtype):10} {difference:>12.4g} {error:>11.3g}"
+                + (" (!)" if missed else "")
             )
     timings.lap("run both")
+    for line in unmatched:
+        print(f"(!) {line}")
     if args.max_rel_error is not None and worst > args.max_rel_error:
         raise ThresholdMissed(
             f"outputs differ by {worst:.3g} (relative), more than --max-rel-error "
             f"{args.max_rel_error:g}"
         )
+    if args.max_rel_error is not None and unmatched:
+        raise ThresholdMissed(
+            f"{len(unmatched)} output(s) of A hold inf or NaN that B does not reproduce "
+            "(their relative error covers the finite values only)"
+        )
     return 0
+
+
+def _nonfinite_note(count: int, reference: str = "A", other: str = "B") -> str:
+    return (
+        f"{reference} holds {count} inf or NaN value(s) that {other} does not reproduce; "
+        f"the relative error covers {reference}'s finite values only"
+    )
 
 
 def _compare_per_node(reference, cast, calls, args, timings: Timings) -> None:
@@ -282,20 +310,23 @@ def _cast(source: Path, args, timings: Timings):
         metric=args.metric,
         validation=_validation_calls(ep, args),
         scalars=args.scalars,
+        overflow_margin=args.overflow_margin,
         progress=False if args.quiet else None,
     )
     timings.lap("cast")
     error = None
     if references:
         got = Program.of(ep).run(*calls[0])
-        error = max(
-            (
-                relative_error(r, g)
-                for r, g in zip(references[0], got)
-                if isinstance(r, torch.Tensor) and r.is_floating_point()
-            ),
-            default=None,
-        )
+        pairs = [
+            (r, g)
+            for r, g in zip(references[0], got)
+            if isinstance(r, torch.Tensor) and r.is_floating_point()
+        ]
+        if pairs:
+            error = AgainstFp32(
+                max(relative_error(r, g) for r, g in pairs),
+                sum(nonfinite_mismatches(r, g) for r, g in pairs),
+            )
     report = report_of(ep)
     report = replace(report, provenance={**report.provenance, "input": str(source)})
     timings.lap("error check and report")
@@ -308,4 +339,7 @@ def _summarise(report, error, out) -> None:
     for line in report.summary():
         print(line, file=out)
     if report.accuracy is None and error is not None:
-        print(f"max relative error vs fp32: {error:.3g} on the first input", file=out)
+        print(f"max relative error vs fp32: {error.error:.3g} on the first input", file=out)
+        if error.nonfinite_missed:
+            note = _nonfinite_note(error.nonfinite_missed, "fp32", "the cast")
+            print(f"(!) {note}", file=out)

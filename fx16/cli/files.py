@@ -27,23 +27,34 @@ def existing_program_path(path: Path) -> Path:
 
 
 def writable_program_path(path: Path, source: Path, force: bool) -> Path:
-    """``-o``'s path, checked before anything runs: a file in an existing directory
-    that can be written, not a directory or a device, not the input without --force."""
+    """``-o``'s path, checked before anything runs: a writable file (``writable_path``),
+    not the input without --force."""
     target = path.expanduser()
     if target.exists() and target.resolve() == source.resolve() and not force:
         raise CommandError(f"{target} is the input file; pass --force to overwrite it")
+    return writable_path(target, "-o", "OUT.pt2")
+
+
+def writable_path(path: Path | None, flag: str, example: str) -> Path | None:
+    """The path ``flag`` names, checked before anything loads: a file in an existing
+    directory that can be written, not a directory or a device. None stays None."""
+    if path is None:
+        return None
+    target = path.expanduser()
     if target.is_dir():
-        raise CommandError(f"{target} is a directory: name the file to write (-o DIR/OUT.pt2)")
+        raise CommandError(
+            f"{flag} {target} is a directory: name the file to write ({flag} DIR/{example})"
+        )
     if target.exists() and not target.is_file():
-        raise CommandError(f"{target} is not a regular file: name a .pt2 file to write")
+        raise CommandError(f"{flag} {target} is not a regular file: name a file to write")
     if not target.parent.is_dir():
-        raise CommandError(f"directory {target.parent} does not exist")
+        raise CommandError(f"{flag}: directory {target.parent} does not exist")
     existed = target.exists()
-    try:  # open it as the save will, before the cast runs (os.access trusts root)
+    try:  # open it as the writer will, before the cast runs (os.access trusts root)
         with open(target, "ab"):
             pass
     except OSError as error:
-        raise CommandError(f"{target} cannot be written: {one_line(error)}") from error
+        raise CommandError(f"{flag} {target} cannot be written: {one_line(error)}") from error
     finally:
         if not existed and target.exists():
             target.unlink()
@@ -73,11 +84,6 @@ def refuse_sixteen_bit_program(ep, source: Path) -> None:
             f"{source} computes in {', '.join(sixteen)} already and holds no float32 value: "
             "nothing to cast; cast the fp32 program it was made from"
         )
-
-
-def check_report_path(path: Path | None) -> None:
-    if path is not None and not path.expanduser().parent.is_dir():
-        raise CommandError(f"directory {path.expanduser().parent} does not exist")
 
 
 def load_with_imports(path: Path, args):

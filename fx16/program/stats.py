@@ -134,6 +134,21 @@ def relative_error(reference: torch.Tensor, value: torch.Tensor) -> float:
     return difference / scale if scale else difference
 
 
+def nonfinite_mismatches(reference: torch.Tensor, value: torch.Tensor) -> int:
+    """How many of the reference's inf and NaN elements ``value`` does not reproduce
+    (``relative_error`` measures the finite ones only): -inf against a finite number,
+    NaN against inf, ... An inf of the same sign, or NaN against NaN, matches."""
+    if reference.shape != value.shape or not reference.is_floating_point():
+        return 0
+    reference, value = reference.double(), value.double()
+    nonfinite = ~torch.isfinite(reference)
+    if not bool(nonfinite.any()):
+        return 0
+    reference, value = reference[nonfinite], value[nonfinite]
+    same = (reference == value) | (reference.isnan() & value.isnan())
+    return int((~same).sum().item())
+
+
 def outputs_error(reference: list, observed: list) -> float:
     """The largest ``relative_error`` over the float outputs of one call."""
     errors = [
