@@ -12,7 +12,14 @@ import fx16
 from fx16.report import REPORT_KEY, format_rows, report_of
 from fx16.report.rows import decision_rows
 from helpers import export
-from models import BucketHash, CumsumCounter, GrowingLoop, OverflowWeight, RMSNormMLP
+from models import (
+    BucketHash,
+    CumsumCounter,
+    GrowingLoop,
+    OverflowWeight,
+    RMSNormMLP,
+    ScaleShiftChain,
+)
 
 
 def test_rows_name_every_decision_with_its_reason():
@@ -223,6 +230,12 @@ def test_the_summary_opens_with_the_16_bit_flop_share_and_fp32_rows_state_their_
     assert report.summary()[0].startswith("matmul/conv/attention FLOPs in 16-bit: ")
     assert f"{totals.flop_share_16bit:.2%}" in report.summary()[0]
     assert "fp32-cost" in report.table(wide)
+
+
+def test_a_program_without_products_says_so_instead_of_a_share_of_zero():
+    """x * 2 + 1: no matmul, conv or attention; the headline once read "100.00% of 0"."""
+    ep = fx16.cast_fp32_to_fp16(export(ScaleShiftChain(2, 2.0, 1.0), torch.randn(4, 8)))
+    assert report_of(ep).summary()[0] == "matmul/conv/attention FLOPs: none in this program"
 
 
 class NoGradAngles(torch.nn.Module):

@@ -158,7 +158,9 @@ class CastReport:
         low = sorted({row.dtype for row in floats} & {"float16", "bfloat16"})
         lines = [
             f"matmul/conv/attention FLOPs in 16-bit: {t.flop_share_16bit:.2%} of "
-            f"{human(t.product_flops)} per call",
+            f"{human(t.product_flops)} per call"
+            if t.product_flops
+            else "matmul/conv/attention FLOPs: none in this program",
             f"weight bytes: {t.weight_bytes_before} -> {t.weight_bytes_after} ({ratio:.2f}x)",
             f"casts: {t.casts_before} -> {t.casts_after} ({t.casts_inserted} inserted by fx16"
             f"{removed}; {human(t.cast_bytes)}B moved per call)",
