@@ -112,6 +112,37 @@ class AddWithoutMeta(PassBase):
         return PassResult(graph_module, True)
 
 
+class HalfBeforeLinear(PassBase):
+    """Returns normally, but leaves a program that cannot run: a linear's input is cast
+    to fp16 while its weight stays fp32."""
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        graph = graph_module.graph
+        for node in list(graph.nodes):
+            if node.target == aten.linear.default:
+                with graph.inserting_before(node):
+                    half = graph.call_function(
+                        aten._to_copy.default, (node.args[0],), {"dtype": torch.float16}
+                    )
+                half.meta["val"] = node.args[0].meta["val"].half()
+                node.replace_input_with(node.args[0], half)
+                return PassResult(graph_module, True)
+        return PassResult(graph_module, False)
+
+
+def test_a_rewritten_program_that_fails_to_run_is_told_apart_from_a_pass_that_raises():
+    """Input graph: linear(x, w). Output graph: linear(x.half(), w): the pass returns,
+    the program it leaves raises when run. check_pass says so in an AssertionError (once
+    torch's RuntimeError leaked), and fuzz_pass does not blame the pass for raising."""
+    case = _case([("linear", 0, 0, 0.0)])
+    with pytest.raises(AssertionError, match="^the rewritten program fails when run: Runtime"):
+        check_pass(case, HalfBeforeLinear())
+    with pytest.raises(fx16.testing.PassBroke, match="the rewritten program fails when run"):
+        fx16.testing.fuzz_pass(
+            HalfBeforeLinear, max_examples=examples(5), strategy=programs(("linear",))
+        )
+
+
 def test_a_pass_that_computes_wrong_floats_is_caught():
     """fuzz_pass(MulToAdd) on a float-only menu: a PassBroke naming the float output
     that is off, with the values."""

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
+from fx16.errors import one_line
 from fx16.ops.numerics import INF_LIKE
 from fx16.program import Program
 from fx16.testing.oracle import check_floats
@@ -93,7 +94,12 @@ def check_outputs(original: ExportedProgram, cast: ExportedProgram, args: tuple)
     float outputs a finite bound checked."""
     with quiet():
         expected = Program.of(original).run(args)
-        got = Program.of(cast).run(args)
+        try:
+            got = Program.of(cast).run(args)
+        except Exception as error:  # the rewrite returned, and what it left does not run
+            raise AssertionError(
+                f"the rewritten program fails when run: {one_line(error)}"
+            ) from error
         assert len(expected) == len(got), f"{len(got)} outputs, the original gives {len(expected)}"
         for index, (want, have) in enumerate(zip(expected, got)):
             if isinstance(want, torch.Tensor):
