@@ -58,3 +58,19 @@ def test_the_cast_functions_document_every_option_and_error():
     doc = fx16.cast_fp32_to_fp16.__doc__
     for word in ("InvalidOptionError", "AccuracyBudgetError", "force_fp32:", "target_share:"):
         assert word in doc, word
+
+
+def test_the_docs_install_names_an_extra_the_package_has_and_pins_torch_first():
+    """``pip install -e ".[docs]"`` once warned "does not provide the extra 'docs'" and
+    pulled a CUDA torch: the extra exists, and the README pins torch before it."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert any(requirement.startswith("mkdocs") for requirement in extras["docs"])
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"`([^`]*\.\[docs\][^`]*)`", readme).group(1)
+    steps = [step.strip() for step in command.split("&&")]
+    assert re.fullmatch(r'pip install "torch==[\d.]+"', steps[0]), command
+    assert steps[-1] == 'pip install -e ".[docs]"'
