@@ -31,6 +31,10 @@ class Reason(str, enum.Enum):
     NO_FAKE_KERNEL = (
         "a custom op whose fake kernel does not take 16-bit inputs: they stay as exported"
     )
+    NO_LOW_KERNEL = (
+        "an op with no 16-bit kernel (an FFT, a factorization, a special function): fed "
+        "16-bit values, the program would fail where fp32 runs"
+    )
     FIXED_OUTPUT_DTYPE = "a custom op that returns fp32 whatever its inputs' dtype"
     SUBCLASS_KEPT = "a tensor subclass that cannot be rebuilt with 16-bit parts: left as it is"
     SHARED_FP32 = (

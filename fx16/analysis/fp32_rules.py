@@ -23,7 +23,7 @@ from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.contracts import Analysis
 from fx16.decisions import Decision, Reason
 from fx16.ops.int_ops import SELECTION_OPS
-from fx16.ops.tables import is_custom_op
+from fx16.ops.tables import NO_LOW_KERNEL_OPS, is_custom_op
 from fx16.program.aliases import storage_owners
 from fx16.program.nodes import mutated_argument
 from fx16.program.propagation import runs_narrowed
@@ -122,6 +122,22 @@ class FakeKernelRule:
 
 
 @dataclass(frozen=True)
+class NoLowKernelRule:
+    """An ATen op with no 16-bit kernel (``NO_LOW_KERNEL_OPS``: FFTs, factorizations,
+    special functions) computes in fp32, as eager autocast runs it.
+
+    Before: ``torch.fft.fftn(linear(x)).real`` cast to fp16 raises "Unsupported dtype
+    Half" on the CPU, where the fp32 program runs. After: the linear stays 16-bit, the
+    FFT reads its result cast up, and its readers take a 16-bit copy of what it gives.
+    Costs: the op's own FLOPs in fp32, and one cast on each side."""
+
+    reason = Reason.NO_LOW_KERNEL
+
+    def applies(self, node: Node) -> str | None:
+        return "" if node.op == "call_function" and node.target in NO_LOW_KERNEL_OPS else None
+
+
+@dataclass(frozen=True)
 class ConditioningRule:
     """An op the conditioning analysis found ill-conditioned, and the values it reads.
     Reads ``meta["fx16.ill_conditioned"]``.
@@ -207,14 +223,15 @@ class Fp32RulesAnalysis(Analysis):
         cls, low: torch.dtype, limit: float, force_fp32: frozenset[str] = frozenset()
     ) -> "Fp32RulesAnalysis":
         """fx16's rules, safety first: index, accuracy budget, observed overflow, custom
-        ops without a 16-bit fake kernel, underflow, conditioning; then the policy's
-        routers."""
+        ops without a 16-bit fake kernel, ATen ops without a 16-bit kernel, underflow,
+        conditioning; then the policy's routers."""
         return cls(
             [
                 UnsafeIndexRule(),
                 AccuracyBudgetRule(frozenset(force_fp32)),
                 ObservedOverflowRule(limit),
                 FakeKernelRule(low),
+                NoLowKernelRule(),
                 UnderflowRule(),
                 ConditioningRule(),
                 RouterRule(),

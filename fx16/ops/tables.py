@@ -101,6 +101,102 @@ CREATION_OPS = overloads(
 # of the value they check.
 ASSERT_METADATA_OPS = overloads("_assert_tensor_metadata.default")
 
+# ---- ops without a 16-bit kernel --------------------------------------------------------
+
+
+def every_overload(*packets: str) -> frozenset:
+    """Every overload of each named op packet that the installed torch has."""
+    found = set()
+    for name in packets:
+        packet = getattr(aten, name, None)
+        if packet is not None:
+            found.update(getattr(packet, overload) for overload in packet.overloads())
+    return frozenset(found)
+
+
+# Ops with no fp16 or bf16 kernel on the CPU (``"..." not implemented for 'Half'``, "MKL
+# FFT doesn't support tensors of type: Half"): fed 16-bit values, the program fails
+# where the fp32 one runs. Eager autocast keeps the FFTs and the decompositions fp32 on
+# every device; so does fx16 (``NoLowKernelRule``). tests/test_no_low_kernel.py checks the
+# table against every op of PyTorch's op database whose CPU dtypes lack float16.
+NO_LOW_KERNEL_OPS = every_overload(
+    # FFTs: the torch.fft functions as exported, and what they decompose into
+    *(
+        f"fft_{kind}{suffix}"
+        for kind in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft")
+        for suffix in ("", "2", "n")
+    ),
+    "_fft_r2c",
+    "_fft_c2c",
+    "_fft_c2r",
+    "stft",
+    "istft",
+    # linear algebra: factorizations, solves, inverses, determinants
+    "cholesky",
+    "cholesky_inverse",
+    "cholesky_solve",
+    "geqrf",
+    "ormqr",
+    "triangular_solve",
+    "linalg_cholesky_ex",
+    "linalg_eig",
+    "_linalg_eigh",
+    "linalg_householder_product",
+    "linalg_inv_ex",
+    "linalg_ldl_factor_ex",
+    "linalg_ldl_solve",
+    "linalg_lu",
+    "linalg_lu_factor_ex",
+    "linalg_lu_solve",
+    "linalg_pinv",
+    "linalg_qr",
+    "_linalg_slogdet",
+    "_linalg_solve_ex",
+    "linalg_solve_triangular",
+    "_linalg_svd",
+    # distances, histograms, pooling, losses and resampling without a Half CPU kernel
+    "_cdist_forward",
+    "_histogramdd_bin_edges",
+    "_histogramdd_from_bin_cts",
+    "histogram",
+    "avg_pool3d",
+    "_ctc_loss",
+    "multi_margin_loss",
+    "multilabel_margin_loss_forward",
+    "_upsample_bilinear2d_aa",
+    "rrelu_with_noise",
+    "polar",
+    "sparse_sampled_addmm",
+    # special functions
+    "special_airy_ai",
+    "special_bessel_j0",
+    "special_bessel_j1",
+    "special_bessel_y0",
+    "special_bessel_y1",
+    "special_erfcx",
+    "special_log_ndtr",
+    "special_modified_bessel_i0",
+    "special_modified_bessel_i1",
+    "special_modified_bessel_k0",
+    "special_modified_bessel_k1",
+    "special_ndtri",
+    "special_scaled_modified_bessel_k0",
+    "special_scaled_modified_bessel_k1",
+    "special_spherical_bessel_j0",
+    "special_zeta",
+    *(
+        f"special_{kind}_polynomial_{letter}"
+        for kind, letters in (
+            ("chebyshev", "tuvw"),
+            ("shifted_chebyshev", "tuvw"),
+            ("hermite", ("h", "he")),
+            ("laguerre", "l"),
+            ("legendre", "p"),
+        )
+        for letter in letters
+    ),
+)
+
 # ---- ops that keep the values they are given ---------------------------------------
 
 

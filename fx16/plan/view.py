@@ -137,6 +137,7 @@ DOWNCASTABLE = frozenset(
         Reason.ACCURACY_FALLBACK,
         Reason.LOOP_CARRIED,
         Reason.FIXED_OUTPUT_DTYPE,
+        Reason.NO_LOW_KERNEL,
         Reason.ILL_CONDITIONED,
         Reason.UNDERFLOW,
     }
