@@ -41,6 +41,17 @@ CALIBRATION_STATUS = "fx16.calibration"  # CalibrationAnalysis: how it went
 ISLANDS = ISLAND  # ExplicitFp32Analysis: every verdict of one graph, a list
 FP32_RULES_RAN = "fx16.fp32_rules"  # Fp32RulesAnalysis: the rules that ran
 VERDICT_CHECKS = "fx16.verdict_checks"  # VerdictCheckAnalysis: what each check measured
+# in graph_module.meta["custom"], which torch.export.save keeps: a cast's report (provenance,
+# margin, the placeholders' decisions; fx16.report.saved)
+SAVED_REPORT = "fx16_report"
+
+
+def cast_by_fx16(graph_module: Any, decision_key: str) -> bool:
+    """fx16 cast this program before: a node carries its decision (``decision_key``), or
+    the graph module the report a saved cast keeps."""
+    if SAVED_REPORT in (graph_module.meta.get("custom") or {}):
+        return True
+    return any(decision_key in node.meta for node in graph_module.graph.nodes)
 
 
 def observed_max_abs(node: Any) -> float | None:

@@ -25,13 +25,16 @@ from fx16.analysis import (
     ValueRangeAnalysis,
     VerdictCheckAnalysis,
 )
+from fx16.decisions import PRECISION
 from fx16.errors import (
     Fx16Error,
     InvalidOptionError,
+    InvalidProgramError,
     PassFailedError,
     require_flag,
     require_number,
 )
+from fx16.meta import cast_by_fx16
 from fx16.options import Fp16Options
 from fx16.passes import (
     CleanupCastsPass,
@@ -45,20 +48,27 @@ from fx16.passes import (
     RecordStatsPass,
     ScalarsAsConstantsPass,
     StabilizePass,
+    WidenOtherSixteenBitPass,
 )
 from fx16.passes.policy_pass import overflow_limit
+from fx16.passes.widen_other_sixteen_bit import OTHER_SIXTEEN_BIT, holds_dtype
 from fx16.plan.narrowing import check_mode
 from fx16.policy import PrecisionPolicy, as_names
 from fx16.program import Program
 from fx16.program.lazy_code import compile_when_needed
 from fx16.program.names import check_names
-from fx16.program.nodes import SIXTEEN_BIT_DTYPES
+from fx16.program.nodes import SIXTEEN_BIT_DTYPES, dtype_name, node_val, tensor_leaves
+from fx16.program.subgraphs import nested_graph_modules
+
+FP32 = torch.float32
 
 
 def fp16_passes(ep, options: Fp16Options | None = None, **keywords) -> list[PassBase]:
     """The fp32 -> fp16 pipeline for ``ep``, as fresh pass instances.
 
-    Order: the model's conversions that a write in place reaches pinned as copies or
+    Order: a program made in the other 16-bit dtype (a bf16 checkpoint cast to fp16)
+    widened to fp32 (``WidenOtherSixteenBitPass``); the model's conversions that a
+    write in place reaches pinned as copies or
     aliases (``PreserveCopiesPass``), before any dtype changes; with the policy's
     ``stabilize`` (the default), the exact stable rewrites of patterns 16-bit spoils
     (``StabilizePass``; ``eps_clamp`` adds its one inexact rule);
@@ -95,6 +105,7 @@ def _analyses(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
     stabilize = [StabilizePass(policy.low, policy.stabilize, policy.eps_clamp)] if rewrites else []
     return [
         RecordStatsPass(program),
+        WidenOtherSixteenBitPass(program, OTHER_SIXTEEN_BIT[policy.low]),
         PreserveCopiesPass(),
         *stabilize,
         CalibrationAnalysis(program, options.calibration),
@@ -138,7 +149,36 @@ def _checked(program: Program, options: Fp16Options) -> tuple[Fp16Options, Preci
     )
     options = replace(options, force_fp32=as_names(options.force_fp32))
     check_names(program, policy, options.force_fp32)
+    refuse_nothing_to_cast(program, policy.low)
     return options, policy
+
+
+def refuse_nothing_to_cast(program: Program, low: torch.dtype) -> None:
+    """``InvalidProgramError`` for a program that computes in ``low`` already and holds
+    no fp32 value (an export of ``model.half()`` cast to fp16), which fx16 has not cast
+    before (a second cast of its own result is a no-op): there is nothing to cast, and
+    saying so beats a silent no-op. A program made in the other 16-bit dtype is widened
+    and cast (``WidenOtherSixteenBitPass``), unless fx16 made it so: its decisions are
+    about that dtype, so the fp32 program it was cast from is the one to cast again."""
+    dtypes = {
+        leaf.dtype
+        for module in nested_graph_modules(program.graph_module)
+        for node in module.graph.nodes
+        for leaf in tensor_leaves(node_val(node))
+    }
+    cast_before = cast_by_fx16(program.graph_module, PRECISION)
+    other = OTHER_SIXTEEN_BIT[low]
+    if low in dtypes and FP32 not in dtypes and not cast_before:
+        raise InvalidProgramError(
+            f"the program computes in {dtype_name(low)} already and holds no float32 value: "
+            f"nothing to cast to {dtype_name(low)} (cast the fp32 program it was made from, "
+            f"or choose a {dtype_name(other)} policy to convert it)"
+        )
+    if cast_before and holds_dtype(program, other):
+        raise InvalidProgramError(
+            f"fx16 cast this program to {dtype_name(other)} already: cast the fp32 program "
+            f"it was made from to {dtype_name(low)} instead"
+        )
 
 
 def without_rules(passes: list[PassBase], *rule_types: type) -> list[PassBase]:

@@ -33,6 +33,7 @@ from fx16.passes import (
     RemoveNoopCastsPass,
     ScalarsAsConstantsPass,
     StabilizePass,
+    WidenOtherSixteenBitPass,
 )
 from fx16.pipelines import run_passes
 from fx16.program.lazy_code import compile_when_needed
@@ -74,6 +75,7 @@ def test_pass_lists_are_fresh_instances():
     assert not any(a is b for a, b in zip(first, second))
     assert [type(p) for p in first] == [
         RecordStatsPass,
+        WidenOtherSixteenBitPass,
         PreserveCopiesPass,
         StabilizePass,
         CalibrationAnalysis,

@@ -101,11 +101,13 @@ def test_a_program_without_floats_gets_only_the_int16_stage():
     assert ep.example_inputs[0][0].dtype == torch.int16
 
 
-def test_an_fp16_program_is_left_as_it_is():
+def test_an_fp16_program_is_refused_and_left_as_it_is():
+    """Nothing to cast: said (once a silent no-op), and the program is unchanged."""
     model = MLP().half()
     ep = export(model, torch.randn(3, 8).half())
     before = state_snapshot(ep)
-    fx16.cast_to_16_bit_precision(ep)
+    with pytest.raises(fx16.InvalidProgramError, match="computes in float16 already"):
+        fx16.cast_to_16_bit_precision(ep)
     assert_same_state(before, state_snapshot(ep))
 
 
@@ -362,7 +364,7 @@ def test_presets_take_overrides_of_any_field():
 @pytest.mark.parametrize(
     "option, value, message",
     [
-        ("max_rel_error", float("inf"), "max_rel_error must be a number >= 0, got inf"),
+        ("max_rel_error", float("inf"), "max_rel_error must be a finite number >= 0, got inf"),
         ("max_rel_error", True, "max_rel_error must be a number >= 0, got True"),
         ("overflow_margin", float("nan"), "overflow_margin must be a number >= 1, got nan"),
         ("overflow_margin", "2", "overflow_margin must be a number >= 1, got '2'"),

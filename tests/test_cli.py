@@ -190,6 +190,18 @@ def test_cast_takes_overflow_margin_and_q(program, tmp_path):
     assert json.loads(report.read_text())["provenance"]["options"]["overflow_margin"] == 8.0
 
 
+def test_a_half_program_is_cast_to_bf16_as_the_api_casts_it(tmp_path):
+    """The command once refused every 16-bit program; like the API, it converts one of
+    the other dtype."""
+    torch.manual_seed(0)
+    source, target = tmp_path / "half.pt2", tmp_path / "bf16.pt2"
+    torch.export.save(export(MLP().half(), torch.randn(4, 8).half()), source)
+    result = fx16("cast", source, "-o", target, "--policy", "auto_mixed_bf16")
+    assert result.returncode == 0, result.stderr
+    loaded = torch.export.load(target)
+    assert {t.dtype for t in loaded.state_dict.values()} == {torch.bfloat16}
+
+
 def test_cast_and_inspect_print_the_same_summary(program, tmp_path):
     source, _ = program
     cast = fx16("cast", source, "-o", tmp_path / "x.pt2", "--dry-run")
@@ -242,7 +254,7 @@ def _bad_inputs(folder, source):
             "empty list",
         ),
         "16-bit program": (
-            ["cast", folder / "half.pt2", "-o", folder / "x.pt2", "--policy", "auto_mixed_bf16"],
+            ["cast", folder / "half.pt2", "-o", folder / "x.pt2"],
             "computes in float16 already",
         ),
         "missing": (["cast", folder / "missing.pt2", "-o", folder / "x.pt2"], "does not exist"),

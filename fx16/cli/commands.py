@@ -23,7 +23,6 @@ from fx16.cli.files import (
     existing_program_path,
     load_with_imports,
     read_inputs,
-    refuse_sixteen_bit_program,
     run_or_name_input,
     save_program,
     writable_path,
@@ -292,8 +291,6 @@ def _cast(source: Path, args, timings: Timings):
     policy = _policy(args)  # the overrides' names: before the program loads
     ep = load_with_imports(source, args)
     timings.lap("load")
-    if args.command == "cast":  # inspect shows a cast program's decisions as they are
-        refuse_sixteen_bit_program(ep, source)
     label = str(args.calibrate or "example inputs")
     calls = read_inputs(args.calibrate) if args.calibrate else example_calls(ep)
     calls = calibration_calls(Program.of(ep), calls, label=label)  # count, shapes, dtypes

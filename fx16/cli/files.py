@@ -9,8 +9,6 @@ import torch
 from fx16.errors import one_line
 from fx16.program import Program
 from fx16.program.archive import import_modules, load_program
-from fx16.program.nodes import SIXTEEN_BIT_DTYPES, dtype_name, node_val, tensor_leaves
-from fx16.program.subgraphs import nested_graph_modules
 
 
 class CommandError(Exception):
@@ -67,23 +65,6 @@ def save_program(ep, target: Path) -> None:
         torch.export.save(ep, target)
     except (OSError, RuntimeError) as error:  # torch's file writer raises RuntimeError
         raise CommandError(f"cannot write {target}: {one_line(error)}") from error
-
-
-def refuse_sixteen_bit_program(ep, source: Path) -> None:
-    """A program that computes in a 16-bit float dtype and holds no fp32 value has
-    nothing to cast, and its fp32 reference would be itself: say so."""
-    dtypes = {
-        leaf.dtype
-        for module in nested_graph_modules(ep.graph_module)
-        for node in module.graph.nodes
-        for leaf in tensor_leaves(node_val(node))
-    }
-    sixteen = sorted(dtype_name(dtype) for dtype in dtypes & set(SIXTEEN_BIT_DTYPES))
-    if sixteen and torch.float32 not in dtypes:
-        raise CommandError(
-            f"{source} computes in {', '.join(sixteen)} already and holds no float32 value: "
-            "nothing to cast; cast the fp32 program it was made from"
-        )
 
 
 def load_with_imports(path: Path, args):

@@ -17,12 +17,13 @@ from torch.fx import GraphModule, Node
 
 from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis, Island
 from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason, decision
+from fx16.meta import SAVED_REPORT
 from fx16.program.node_ids import CUSTOM, graph_modules
 from fx16.program.nodes import dtype_name
 
 DECISION = "fx16_decision"  # the rule and reason of a node's precision, as text
 SAVED = "fx16_precision"  # {meta key: [dtype, reason name, detail]}
-REPORT = "fx16_report"  # the graph's: {"provenance": ..., "margin": ...}
+REPORT = SAVED_REPORT  # the graph's: {"provenance": ..., "margin": ...}
 _KEYS = (PRECISION, INT_PRECISION)
 
 

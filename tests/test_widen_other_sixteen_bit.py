@@ -1,0 +1,156 @@
+"""WidenOtherSixteenBitPass: a program made in the other 16-bit dtype (a bf16 checkpoint
+cast to fp16, an export of ``model.half()`` cast to bf16) is widened to fp32 exactly and
+then cast with the fp32 program's rules; a program with nothing to cast is refused."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fx16
+from benchmarks import zoo
+from fx16.passes import WidenOtherSixteenBitPass
+from fx16.program import Program
+from fx16.program.nodes import node_val, tensor_leaves
+from fx16.program.subgraphs import nested_graph_modules
+from helpers import (
+    assert_same_state,
+    check_program,
+    export,
+    fp64_reference,
+    max_error,
+    run,
+    state_snapshot,
+)
+from models import MLP
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _dtypes(ep) -> set[torch.dtype]:
+    """Every float dtype a value of the program has (bodies too) or its state holds."""
+    held = {
+        leaf.dtype
+        for module in nested_graph_modules(ep.graph_module)
+        for node in module.graph.nodes
+        for leaf in tensor_leaves(node_val(node))
+    }
+    held |= {t.dtype for t in [*ep.state_dict.values(), *ep.constants.values()]}
+    return {dtype for dtype in held if dtype.is_floating_point}
+
+
+def _llama():
+    torch.manual_seed(0)
+    return zoo.llama(layers=2, vocab=64).eval(), torch.randint(0, 64, (2, 8))
+
+
+def test_the_pass_alone_widens_a_bf16_program_exactly():
+    """Input: a bf16 Llama's program (weights, norms, the model's own casts to bf16).
+    Output: the same program in fp32: no bf16 value, dtype arguments included, and the
+    outputs of the bf16 weights computed in fp32 (the eager model widened)."""
+    model, ids = _llama()
+    bf16 = copy.deepcopy(model).to(BF16)
+    ep = export(bf16, ids)
+    result = WidenOtherSixteenBitPass(Program.of(ep), BF16)(ep.graph_module)
+    assert result.modified and BF16 not in _dtypes(ep)
+    check_program(ep)
+    widened = copy.deepcopy(bf16).float()
+    with torch.no_grad():
+        torch.testing.assert_close(run(ep, ids)[0], widened(ids), rtol=1e-5, atol=1e-5)
+    again = WidenOtherSixteenBitPass(Program.of(ep), BF16)(ep.graph_module)
+    assert not again.modified
+
+
+def test_a_bf16_llama_is_cast_to_fp16():
+    """cast_fp32_to_fp16 once left a bf16 program bf16. Now every value is fp16 or, for
+    a stated cause, fp32; the error against the fp32 model's fp64 run is no worse than
+    the bf16 program's own."""
+    model, ids = _llama()
+    bf16 = copy.deepcopy(model).to(BF16)
+    ep = fx16.cast_fp32_to_fp16(export(bf16, ids))
+    check_program(ep)
+    assert BF16 not in _dtypes(ep)
+    assert {t.dtype for t in ep.state_dict.values()} == {FP16}
+    assert fx16.report.report_of(ep).totals.flop_share_16bit == 1.0
+    reference = fp64_reference(model, ids)
+    with torch.no_grad():
+        own = max_error(reference, [bf16(ids).float()])
+    assert max_error(reference, run(ep, ids)) <= own
+
+
+class MixedPrecisionMLP(nn.Module):
+    """An fp32 layer, then a bf16 one the model feeds by its own cast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 16), nn.Linear(16, 4).to(BF16)
+
+    def forward(self, x):
+        return self.second(torch.relu(self.first(x)).to(BF16)).float()
+
+
+def test_a_mixed_fp32_and_bf16_program_is_cast_to_fp16():
+    torch.manual_seed(0)
+    model, x = MixedPrecisionMLP().eval(), torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    assert BF16 not in _dtypes(ep)
+    assert {t.dtype for t in ep.state_dict.values()} == {FP16}
+    with torch.no_grad():  # its own bf16 rounding of the activation is gone: fp16's finer
+        assert max_error([model(x)], run(ep, x)) < 1e-2
+
+
+class OwnBf16Rounding(nn.Module):
+    """An fp32 program that rounds one value to bf16 itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).to(BF16).float() * 2
+
+
+def test_an_fp32_program_keeps_its_own_bf16_cast():
+    """The widening is for programs made in the other dtype (state or inputs); an fp32
+    program's own rounding to bf16 is the model's, and stays."""
+    torch.manual_seed(0)
+    ep = export(OwnBf16Rounding(), torch.randn(2, 8))
+    assert not WidenOtherSixteenBitPass(Program.of(ep), BF16)(ep.graph_module).modified
+    fx16.cast_fp32_to_fp16(ep)
+    assert BF16 in _dtypes(ep)
+
+
+def test_a_half_program_is_cast_to_bf16_and_refused_for_fp16():
+    """Exported from ``model.half()``: cast to fp16 there is nothing to do, said as an
+    InvalidProgramError that leaves the program as it was (once: a silent no-op, while
+    the command line refused it); a bf16 policy converts it."""
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(4, 8)
+    ep = export(copy.deepcopy(model).half(), x.half())
+    before = state_snapshot(ep)
+    with pytest.raises(fx16.InvalidProgramError, match="computes in float16 already"):
+        fx16.cast_fp32_to_fp16(ep)
+    assert_same_state(before, state_snapshot(ep))
+    fx16.cast_fp32_to_fp16(ep, policy="auto_mixed_bf16")
+    check_program(ep)
+    assert _dtypes(ep) == {BF16}
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 2e-2
+
+
+def test_a_program_fx16_cast_is_not_cast_again_to_the_other_dtype():
+    """Its decisions are about fp16: the fp32 program is the one to cast to bf16."""
+    model, ids = _llama()
+    ep = fx16.cast_fp32_to_fp16(export(model, ids))
+    before = state_snapshot(ep)
+    with pytest.raises(fx16.InvalidProgramError, match="cast this program to float16 already"):
+        fx16.cast_fp32_to_fp16(ep, policy="auto_mixed_bf16")
+    assert_same_state(before, state_snapshot(ep))
+
+
+def test_int16_casting_leaves_a_bf16_programs_floats_alone():
+    """cast_int32_to_int16 keeps its meaning: integers only."""
+    model, ids = _llama()
+    ep = fx16.cast_int32_to_int16(export(copy.deepcopy(model).to(BF16), ids))
+    assert BF16 in _dtypes(ep) and FP16 not in _dtypes(ep)
