@@ -5,17 +5,19 @@ Each works in place, returns the program it was given, stores a CastReport in
 the program is restored and a ``PassFailedError`` names the stage.
 """
 
+from collections.abc import Callable, Collection
 from dataclasses import replace
+from typing import NoReturn
 
 from torch.export import ExportedProgram
 
 from fx16.accuracy.budget import cast_fp16_within_budget
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.errors import InvalidOptionError, require_flag, require_number
-from fx16.options import Fp16Options, shows_fp16_options
-from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes, split_options
+from fx16.options import Fp16Options
+from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes
 from fx16.plan.steps import explained
-from fx16.policy import as_names
+from fx16.policy import PrecisionPolicy, as_names
 from fx16.program import Program
 from fx16.program.node_ids import assign_ids
 from fx16.program.snapshot import collector_paused
@@ -25,100 +27,131 @@ from fx16.report.provenance import provenance
 from fx16.report.saved import keep_decisions
 
 
-@shows_fp16_options
 def cast_fp32_to_fp16(
     ep: ExportedProgram,
     *,
+    policy: PrecisionPolicy | str | None = None,
+    explicit_fp32: str | None = None,
+    stabilize: bool | None = None,
+    eps_clamp: bool | None = None,
+    routing: str | None = None,
+    keep_io_types: bool | Collection[str] | None = None,
+    calibration: list | None = None,
+    overflow_margin: float = 2.0,
+    input_ranges: dict[str, tuple[int, int]] | None = None,
+    force_fp32: Collection[str] | str = frozenset(),
+    scalars: str = "exact",
     max_rel_error: float | None = None,
     target_share: float | None = None,
-    metric=None,
+    metric: str | Callable | None = None,
     validation: list | None = None,
     progress: bool | None = None,
-    **options,
+    **unknown: NoReturn,
 ) -> ExportedProgram:
     """Rewrite ``ep`` in place to compute in fp16 where that is safe, and return it.
 
     Parameters, buffers, constants and user inputs become fp16 unless a value
     exceeds the fp16 range; ops run in fp16 unless an input or scalar forces fp32.
-    Callers pass fp16 tensors for converted inputs afterwards, and outputs may be fp16.
+    Callers pass fp16 tensors for converted inputs afterwards (``fx16.inputs_for``),
+    and outputs may be fp16. A program made in bf16 is converted to fp16 with the
+    same rules; one that computes in fp16 already, with nothing in fp32, is refused.
 
-    policy: a ``fx16.PrecisionPolicy`` or a preset name ("auto_mixed_bf16", ...);
-        default: everything in fp16 where safe (coreai-opt's behaviour, made safe).
-    explicit_fp32: what becomes of the fp32 regions the model opens itself
-        (``x.float()``, ``dtype=torch.float32``), such as the variance in an RMSNorm:
-        "calibrated" keeps one only where the calibration inputs (with the margin), a
-        proven range or the lack of any observation show 16-bit would spoil it;
-        "keep" keeps them all; "retarget" casts them to fp16, as coreai-opt does.
-        None: the policy's setting ("calibrated" by default).
-    stabilize: rewrite patterns 16-bit spoils into forms exact in real arithmetic
-        first (RMSNorm's variance scaled, log(softmax) as log_softmax, ...;
-        ``fx16.passes.stabilize``), so they need no fp32 and hold on inputs the
-        calibration never showed. None: the policy's setting (True, except autocast).
-    eps_clamp: raise an ``eps`` below the 16-bit smallest normal to it; this changes
-        results where the sum is below it. None: the policy's setting (False).
-    routing: where the ops that choose a route compute (a mixture-of-experts router's
-        top-k): "fp32" keeps them, "16-bit" casts them like the rest. None: the
-        policy's setting ("fp32").
-    keep_io_types: keep user inputs and outputs in their original dtypes, with casts
-        at the boundary (onnxconverter-common's option): True, or the names of the
-        inputs and outputs to keep. None: the policy's setting (False).
-    calibration: inputs to run the fp32 program on, a list of argument tuples (or
-        ``(args, kwargs)`` pairs). Values that grow beyond the fp16 range on them
-        (sums of squares, exp, attention scores) stay fp32. None: the example inputs
-        torch.export recorded; []: no calibration.
-    overflow_margin: a value counts as overflowing above ``65504 / overflow_margin``,
-        since calibration inputs rarely show the largest values a model will see
-        (a number >= 1).
-    input_ranges: declared value ranges of integer user inputs, by name
-        (``{"timestep": (0, 999)}``), as in ``cast_int32_to_int16``: floats made
-        from them (``t.float()``) take their range from these, so the conditioning
-        rule can tell a sin/cos of them is safe in fp16.
-    max_rel_error: an accuracy budget. After casting, outputs are compared with fp32
-        on the calibration inputs (max |diff| / max |fp32| per output); while over
-        budget, the nodes that add the most error return to fp32 (see fx16.accuracy.budget).
-        The search is recorded in the report's ``accuracy``.
-    metric: with ``max_rel_error``, what the budget measures: "rel" (default: the
-        largest relative error of any output), "cosine" (1 - cosine similarity), "top1"
-        (the share of rows whose argmax differs), or a callable
-        ``metric(reference_outputs, outputs) -> float``, lower is better, given one list
-        of user outputs per input call for each program (see ``fx16.accuracy.metrics``).
-    validation: with ``max_rel_error``, inputs the search never uses (a list like
-        ``calibration``): the error on them is reported as the search's
-        ``validation_error``, beside the calibration error.
-    target_share: with ``max_rel_error``, the share of the budget the calibration
-        error must reach, a margin for inputs not seen (0 < share <= 1). None: estimated
-        from the calibration inputs: the plain cast is kept when its worst input is
-        within the budget by as much as each input's error exceeds the others' (one
-        input: the budget itself); a search aims at ``1 - 0.5 / sqrt(inputs)`` of it (its
-        choices fit the calibration inputs).
-    force_fp32: names of nodes (as in ``ep.graph``) that must stay fp32, whatever the
-        policy says; "output" returns outputs computed in fp32 as fp32.
-    scalars: which Python numbers of 16-bit ops become 0-d 16-bit constants, so that
-        ExecuTorch's ``to_edge`` casts no constant on every call: "exact" (the
-        default: those the 16-bit type holds, every result bit for bit eager's),
-        "rounded" (also those it rounds to a normal number, as ``to_edge``'s own
-        cast would at run time), "keep" (none; see
-        ``fx16.passes.ScalarsAsConstantsPass``).
-    progress: show progress bars on stderr for the accuracy search and the weight
-        conversion (None: only when stderr is a terminal).
+    Args:
+        ep: the program, changed in place.
+        policy: a ``fx16.PrecisionPolicy`` or a preset name ("auto_mixed_bf16", ...);
+            default: everything in fp16 where safe (coreai-opt's behaviour, made safe).
+        explicit_fp32: what becomes of the fp32 regions the model opens itself
+            (``x.float()``, ``dtype=torch.float32``), such as the variance in an
+            RMSNorm: "calibrated" keeps one only where the calibration inputs (with the
+            margin), a proven range or the lack of any observation show 16-bit would
+            spoil it; "keep" keeps them all; "retarget" casts them to fp16, as
+            coreai-opt does. None: the policy's setting ("calibrated" by default).
+        stabilize: rewrite patterns 16-bit spoils into forms exact in real arithmetic
+            first (RMSNorm's variance scaled, log(softmax) as log_softmax, ...;
+            ``fx16.passes.stabilize``), so they need no fp32 and hold on inputs the
+            calibration never showed. None: the policy's setting (True, except
+            autocast).
+        eps_clamp: raise an ``eps`` below the 16-bit smallest normal to it; this
+            changes results where the sum is below it. None: the policy's setting
+            (False).
+        routing: where the ops that choose a route compute (a mixture-of-experts
+            router's top-k): "fp32" keeps them, "16-bit" casts them like the rest.
+            None: the policy's setting ("fp32").
+        keep_io_types: keep user inputs and outputs in their original dtypes, with
+            casts at the boundary (onnxconverter-common's option): True, or the names
+            of the inputs and outputs to keep. None: the policy's setting (False).
+        calibration: inputs to run the fp32 program on, a list of argument tuples (or
+            ``(args, kwargs)`` pairs). Values that grow beyond the fp16 range on them
+            (sums of squares, exp, attention scores) stay fp32. None: the example
+            inputs torch.export recorded; []: no calibration.
+        overflow_margin: a value counts as overflowing above ``65504 /
+            overflow_margin``, since calibration inputs rarely show the largest values
+            a model will see (a number >= 1).
+        input_ranges: declared value ranges of integer user inputs, by name
+            (``{"timestep": (0, 999)}``), as in ``cast_int32_to_int16``: floats made
+            from them (``t.float()``) take their range from these, so the
+            conditioning rule can tell a sin/cos of them is safe in fp16.
+        force_fp32: names of nodes (as in ``ep.graph``) that must stay fp32, whatever
+            the policy says; "output" returns outputs computed in fp32 as fp32.
+        scalars: which Python numbers of 16-bit ops become 0-d 16-bit constants, so
+            that ExecuTorch's ``to_edge`` casts no constant on every call: "exact"
+            (the default: those the 16-bit type holds, every result bit for bit
+            eager's), "rounded" (also those it rounds to a normal number, as
+            ``to_edge``'s own cast would at run time), "keep" (none; see
+            ``fx16.passes.ScalarsAsConstantsPass``).
+        max_rel_error: an accuracy budget. After casting, outputs are compared with
+            fp32 on the calibration inputs (max |diff| / max |fp32| per output); while
+            over budget, the nodes that add the most error return to fp32 (see
+            fx16.accuracy.budget). The search is recorded in the report's
+            ``accuracy``.
+        target_share: with ``max_rel_error``, the share of the budget the calibration
+            error must reach, a margin for inputs not seen (0 < share <= 1). None:
+            estimated from the calibration inputs: the plain cast is kept when its
+            worst input is within the budget by as much as each input's error exceeds
+            the others' (one input: the budget itself); a search aims at ``1 - 0.5 /
+            sqrt(inputs)`` of it (its choices fit the calibration inputs).
+        metric: with ``max_rel_error``, what the budget measures: "rel" (default: the
+            largest relative error of any output), "cosine" (1 - cosine similarity),
+            "top1" (the share of rows whose argmax differs), or a callable
+            ``metric(reference_outputs, outputs) -> float``, lower is better, given one
+            list of user outputs per input call for each program (see
+            ``fx16.accuracy.metrics``).
+        validation: with ``max_rel_error``, inputs the search never uses (a list like
+            ``calibration``): the error on them is reported as the search's
+            ``validation_error``, beside the calibration error.
+        progress: show progress bars on stderr for the accuracy search and the weight
+            conversion (None: only when stderr is a terminal).
+        **unknown: none is accepted: an unknown keyword raises ``InvalidOptionError``
+            (and a type checker flags it).
 
-    Raises, leaving ``ep`` exactly as it was:
+    Returns:
+        ``ep`` itself, cast, with its report in
+        ``ep.graph_module.meta["fx16.report"]`` (``fx16.report.report_of(ep)``).
 
-    - ``fx16.InvalidProgramError`` for an argument that is not an ExportedProgram;
-    - ``fx16.InvalidOptionError`` for an unknown keyword, a malformed option, a name
-      (in ``keep_io_types``, the policy's ``modules``/``nodes``/``ops``,
-      ``force_fp32``) that names nothing in the program, or calibration inputs the
-      program does not take or fails on;
-    - ``fx16.AccuracyBudgetError`` when ``max_rel_error`` cannot be met even with
-      every node fx16 may return to fp32 in fp32;
-    - ``fx16.PassFailedError`` when a stage fails.
+    Raises:
+        fx16.InvalidProgramError: ``ep`` is not an ExportedProgram, or there is
+            nothing to cast (it computes in fp16 already, with no fp32 value).
+        fx16.InvalidOptionError: an unknown keyword, a malformed option, a name (in
+            ``keep_io_types``, the policy's ``modules``/``nodes``/``ops``,
+            ``force_fp32``) that names nothing in the program, or calibration inputs
+            the program does not take or fails on.
+        fx16.AccuracyBudgetError: ``max_rel_error`` cannot be met even with every node
+            fx16 may return to fp32 in fp32.
+        fx16.PassFailedError: a stage failed.
+
+    Each leaves ``ep`` exactly as it was.
     """
-    own = ("max_rel_error", "metric", "progress", "target_share", "validation")
-    fp16_options = Fp16Options.of("cast_fp32_to_fp16", also=own, **options)
+    reject_unknown(cast_fp32_to_fp16, unknown)
+    fp16_options = Fp16Options(**_fp16_fields(locals()))
     budget = dict(
         max_rel_error=max_rel_error, target_share=target_share, metric=metric, validation=validation
     )
     return _cast(ep, "cast_fp32_to_fp16", fp16_options, None, budget, progress)
+
+
+def _fp16_fields(arguments: dict) -> dict:
+    """The ``Fp16Options`` fields among a public function's ``arguments`` (its locals)."""
+    return {name: arguments[name] for name in Fp16Options.names()}
 
 
 def cast_int32_to_int16(
@@ -159,22 +192,64 @@ def cast_int32_to_int16(
 def cast_to_16_bit_precision(
     ep: ExportedProgram,
     *,
+    policy: PrecisionPolicy | str | None = None,
+    explicit_fp32: str | None = None,
+    stabilize: bool | None = None,
+    eps_clamp: bool | None = None,
+    routing: str | None = None,
+    keep_io_types: bool | Collection[str] | None = None,
+    calibration: list | None = None,
+    overflow_margin: float = 2.0,
+    input_ranges: dict[str, tuple[int, int]] | None = None,
+    force_fp32: Collection[str] | str = frozenset(),
+    scalars: str = "exact",
+    int16: str = "proven",
     max_rel_error: float | None = None,
     target_share: float | None = None,
-    metric=None,
+    metric: str | Callable | None = None,
     validation: list | None = None,
     progress: bool | None = None,
-    **options,
+    **unknown: NoReturn,
 ) -> ExportedProgram:
     """fp32 -> fp16, then int32/int64 -> int16, in place and as one transaction.
 
-    Takes the keyword options of ``cast_fp32_to_fp16`` and ``cast_int32_to_int16``
-    (``calibration`` serves both); an unknown one raises ``fx16.InvalidOptionError``.
-    The accuracy budget applies to the fp16 stage (int16 narrowing is exact). Raises
-    as both do.
+    Args:
+        ep: the program, changed in place.
+        policy: as in ``cast_fp32_to_fp16``; so are ``explicit_fp32``, ``stabilize``,
+            ``eps_clamp``, ``routing``, ``keep_io_types``, ``overflow_margin``,
+            ``force_fp32``, ``scalars``, ``max_rel_error``, ``target_share``,
+            ``metric``, ``validation`` and ``progress``. The accuracy budget applies to
+            the fp16 stage (int16 narrowing is exact).
+        explicit_fp32: see ``cast_fp32_to_fp16``.
+        stabilize: see ``cast_fp32_to_fp16``.
+        eps_clamp: see ``cast_fp32_to_fp16``.
+        routing: see ``cast_fp32_to_fp16``.
+        keep_io_types: see ``cast_fp32_to_fp16``.
+        calibration: inputs for both stages: the fp16 stage's calibration, and the
+            int16 stage's ``int16="observed"``.
+        overflow_margin: see ``cast_fp32_to_fp16``.
+        input_ranges: declared value ranges of integer user inputs, by name, for both
+            stages (see ``cast_int32_to_int16``).
+        force_fp32: see ``cast_fp32_to_fp16``.
+        scalars: see ``cast_fp32_to_fp16``.
+        int16: how integers narrow, as in ``cast_int32_to_int16``.
+        max_rel_error: see ``cast_fp32_to_fp16``.
+        target_share: see ``cast_fp32_to_fp16``.
+        metric: see ``cast_fp32_to_fp16``.
+        validation: see ``cast_fp32_to_fp16``.
+        progress: see ``cast_fp32_to_fp16``.
+        **unknown: none is accepted: an unknown keyword raises ``InvalidOptionError``.
+
+    Returns:
+        ``ep`` itself, cast.
+
+    Raises:
+        fx16.Fx16Error: as ``cast_fp32_to_fp16`` and ``cast_int32_to_int16`` raise,
+            leaving ``ep`` as it was.
     """
-    fp16_keywords, int16_options = split_options(options)
-    fp16_options = Fp16Options.of("cast_to_16_bit_precision", **fp16_keywords)
+    reject_unknown(cast_to_16_bit_precision, unknown)
+    fp16_options = Fp16Options(**_fp16_fields(locals()))
+    int16_options = dict(input_ranges=input_ranges, int16=int16, calibration=calibration)
     budget = dict(
         max_rel_error=max_rel_error, target_share=target_share, metric=metric, validation=validation
     )

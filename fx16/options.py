@@ -7,7 +7,6 @@ declared, defaulted and checked for unknown names once. What each option means i
 documented on ``fx16.cast_fp32_to_fp16``.
 """
 
-import inspect
 from collections.abc import Collection
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -52,16 +51,3 @@ class Fp16Options:
 
     def as_keywords(self) -> dict:
         return {field.name: getattr(self, field.name) for field in fields(self)}
-
-
-def shows_fp16_options(function):
-    """Give ``function`` (which takes ``**options``) a signature that lists every
-    ``Fp16Options`` field as a keyword, for ``help()`` and editors."""
-    signature = inspect.signature(function)
-    own = [p for p in signature.parameters.values() if p.kind != p.VAR_KEYWORD]
-    listed = [
-        inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default)
-        for field in fields(Fp16Options)
-    ]
-    function.__signature__ = signature.replace(parameters=own + listed)
-    return function

@@ -51,10 +51,11 @@ from fx16.passes import (
     WidenOtherSixteenBitPass,
 )
 from fx16.passes.policy_pass import overflow_limit
-from fx16.passes.widen_other_sixteen_bit import OTHER_SIXTEEN_BIT, holds_dtype
+from fx16.passes.widen_other_sixteen_bit import OTHER_SIXTEEN_BIT, made_in
 from fx16.plan.narrowing import check_mode
 from fx16.policy import PrecisionPolicy, as_names
 from fx16.program import Program
+from fx16.program.boundaries import Boundaries
 from fx16.program.lazy_code import compile_when_needed
 from fx16.program.names import check_names
 from fx16.program.nodes import SIXTEEN_BIT_DTYPES, dtype_name, node_val, tensor_leaves
@@ -174,7 +175,7 @@ def refuse_nothing_to_cast(program: Program, low: torch.dtype) -> None:
             f"nothing to cast to {dtype_name(low)} (cast the fp32 program it was made from, "
             f"or choose a {dtype_name(other)} policy to convert it)"
         )
-    if cast_before and holds_dtype(program, other):
+    if cast_before and made_in(program, other, Boundaries(program.graph_module)):
         raise InvalidProgramError(
             f"fx16 cast this program to {dtype_name(other)} already: cast the fp32 program "
             f"it was made from to {dtype_name(low)} instead"
@@ -246,22 +247,6 @@ def int16_passes(
         CleanupCastsPass(program),
         ScalarsAsConstantsPass(program, dtypes=(torch.int16,)),
     ]
-
-
-def split_options(options: dict) -> tuple[dict, dict]:
-    """Split keyword options between ``fp16_passes`` and ``int16_passes``.
-
-    An option both accept (``calibration``) goes to both; one neither accepts
-    raises ``InvalidOptionError`` naming the accepted ones.
-    """
-    accepted = [Fp16Options.names(), keyword_options(int16_passes)]
-    unknown = sorted(set(options) - accepted[0] - accepted[1])
-    if unknown:
-        raise InvalidOptionError(
-            f"unknown option(s) {unknown}; accepted: {sorted(accepted[0] | accepted[1])}"
-        )
-    fp16, int16 = ({k: v for k, v in options.items() if k in names} for names in accepted)
-    return fp16, int16
 
 
 def keyword_options(function) -> set[str]:

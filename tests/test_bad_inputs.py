@@ -239,9 +239,10 @@ OPTION_ERRORS = [
     (
         fx16.cast_to_16_bit_precision,
         dict(input_range={"x": (0, 1)}),
-        "unknown option(s) ['input_range']; accepted: ['calibration', 'eps_clamp', "
-        "'explicit_fp32', 'force_fp32', 'input_ranges', 'int16', 'keep_io_types', "
-        "'overflow_margin', 'policy', 'routing', 'scalars', 'stabilize']",
+        "cast_to_16_bit_precision: unknown option(s) ['input_range']; accepted: "
+        "['calibration', 'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', "
+        "'int16', 'keep_io_types', 'max_rel_error', 'metric', 'overflow_margin', 'policy', "
+        "'progress', 'routing', 'scalars', 'stabilize', 'target_share', 'validation']",
     ),
     (
         fx16.cast_fp32_to_fp16,

@@ -80,25 +80,27 @@ def test_a_bf16_llama_is_cast_to_fp16():
 
 
 class MixedPrecisionMLP(nn.Module):
-    """An fp32 layer, then a bf16 one the model feeds by its own cast."""
+    """bf16 linears around a LayerNorm kept fp32 (as transformers keeps some modules
+    fp32 in a bf16 checkpoint), with the model's own casts between them."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.first, self.second = nn.Linear(8, 16), nn.Linear(16, 4).to(BF16)
+        self.first, self.second = nn.Linear(8, 16).to(BF16), nn.Linear(16, 4).to(BF16)
+        self.norm = nn.LayerNorm(16)
 
     def forward(self, x):
-        return self.second(torch.relu(self.first(x)).to(BF16)).float()
+        return self.second(self.norm(self.first(x).float()).to(BF16))
 
 
 def test_a_mixed_fp32_and_bf16_program_is_cast_to_fp16():
     torch.manual_seed(0)
-    model, x = MixedPrecisionMLP().eval(), torch.randn(4, 8)
+    model, x = MixedPrecisionMLP().eval(), torch.randn(4, 8, dtype=BF16)
     ep = fx16.cast_fp32_to_fp16(export(model, x))
     check_program(ep)
     assert BF16 not in _dtypes(ep)
     assert {t.dtype for t in ep.state_dict.values()} == {FP16}
-    with torch.no_grad():  # its own bf16 rounding of the activation is gone: fp16's finer
-        assert max_error([model(x)], run(ep, x)) < 1e-2
+    with torch.no_grad():  # the bf16 program's own roundings are finer in fp16
+        assert max_error([model(x).float()], run(ep, x)) < 2e-2
 
 
 class OwnBf16Rounding(nn.Module):
