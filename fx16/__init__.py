@@ -6,6 +6,29 @@ The public names load on first use (PEP 562), so that ``fx16 --help`` and
 
 import importlib
 import importlib.util
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what type checkers see of the names below, loaded lazily at run time
+    from fx16.casting import (
+        cast_fp32_to_fp16,
+        cast_int32_to_int16,
+        cast_to_16_bit_precision,
+        inputs_for,
+    )
+    from fx16.diagnosis import diagnose
+    from fx16.errors import (
+        AccuracyBudgetError,
+        Fx16Error,
+        InvalidOptionError,
+        InvalidProgramError,
+        PassFailedError,
+        PreconditionError,
+    )
+    from fx16.loading import load
+    from fx16.ops.kinds import OpKind
+    from fx16.options import Fp16Options
+    from fx16.pipelines import fp16_passes, int16_passes
+    from fx16.policy import Precision, PrecisionPolicy
 
 # Each public name, and the module that defines it.
 _PUBLIC = {

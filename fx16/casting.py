@@ -125,8 +125,7 @@ def cast_fp32_to_fp16(
             (and a type checker flags it).
 
     Returns:
-        ``ep`` itself, cast, with its report in
-        ``ep.graph_module.meta["fx16.report"]`` (``fx16.report.report_of(ep)``).
+        ``ep`` itself, cast; its report is ``fx16.report.report_of(ep)``.
 
     Raises:
         fx16.InvalidProgramError: ``ep`` is not an ExportedProgram, or there is

@@ -3,6 +3,7 @@ missing page or a renamed function in the API reference fails it), the generated
 reference pages hold the registries, and the README's demo block is what the demo
 prints."""
 
+import html
 import os
 import re
 import shutil
@@ -15,6 +16,11 @@ import pytest
 from helpers import run_fx16
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _text(page: str) -> str:
+    """A page's text, tags dropped and white space folded."""
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page)))
 
 
 def _build(root: Path, site: Path) -> subprocess.CompletedProcess:
@@ -34,6 +40,14 @@ def test_the_site_builds_strict_with_the_generated_pages(tmp_path):
     assert "--max-rel-error" in options and "--per-node" in options
     api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
     assert "cast_fp32_to_fp16" in api and "InvalidOptionError" in api
+    # the cast's options as a parameter table, its signature keyword by keyword (once
+    # one paragraph under a signature of ``**options``)
+    cast = _text(api.split('id="fx16.casting.cast_fp32_to_fp16"', 1)[1])
+    cast = cast.split('id="fx16.casting.cast_int32_to_int16"', 1)[0]
+    assert "overflow_margin = 2.0" in cast and "**options" not in cast.replace(" ", "")
+    assert "Parameters: Name Type Description Default" in cast
+    assert "overflow_margin float a value counts as overflowing" in cast
+    assert "Raises: Type Description InvalidProgramError ep is not an ExportedProgram" in cast
     shutil.copytree(ROOT / "docs", tmp_path / "broken" / "docs")
     shutil.copytree(ROOT / "fx16", tmp_path / "broken" / "fx16")
     shutil.copytree(ROOT / "benchmarks", tmp_path / "broken" / "benchmarks")
