@@ -143,6 +143,61 @@ def test_a_rewritten_program_that_fails_to_run_is_told_apart_from_a_pass_that_ra
         )
 
 
+class GeluToRelu(PassBase):
+    """A wrong rewrite of one op family into another: gelu becomes relu."""
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        modified = False
+        for node in graph_module.graph.nodes:
+            if node.target == aten.gelu.default:
+                node.target, node.args, node.kwargs = aten.relu.default, node.args[:1], {}
+                modified = True
+        return PassResult(graph_module, modified)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_default_settings_catch_a_pass_that_replaces_one_op_family(seed):
+    """With hypothesis seeds 1 and 2, fuzz_pass once drew no program holding a gelu in
+    50 and passed GeluToRelu; the sweep over the whole menu finds the op it touches."""
+    with pytest.raises(fx16.testing.PassBroke, match=r"steps=\[\('gelu'"):
+        fx16.testing.fuzz_pass(GeluToRelu, seed=seed)
+
+
+class GeluToReluDeclared(GeluToRelu):
+    touches = ("gelu",)
+
+
+def test_a_pass_that_declares_what_it_touches_is_fuzzed_there(monkeypatch):
+    """No sweep: half the random programs are drawn from the declared entries."""
+    import fx16.testing.fuzz as fuzz
+
+    monkeypatch.setattr(fuzz, "sweep_cases", lambda: pytest.fail("swept"))
+    with pytest.raises(fx16.testing.PassBroke, match="gelu"):
+        fx16.testing.fuzz_pass(GeluToReluDeclared, seed=1)
+
+
+def test_a_seed_makes_the_draw_reproducible(monkeypatch):
+    """Two runs with one seed check the same programs, step for step."""
+    import fx16.testing.fuzz as fuzz
+
+    seen: list[list] = []
+    monkeypatch.setattr(fuzz, "failure", lambda case, *_: seen[-1].append(case.model.steps))
+    for _ in range(2):
+        seen.append([])
+        fx16.testing.fuzz_pass(ReluAsClamp, max_examples=5, seed=7, touches=("relu",))
+    assert len(seen[0]) == 5 and seen[0] == seen[1]
+
+
+def test_the_sweep_holds_every_menu_entry_in_programs_that_export():
+    from fx16.testing.random_programs import MENU
+    from fx16.testing.strategies import sweep_cases
+
+    cases = sweep_cases()
+    assert {step[0] for case in cases for step in case.model.steps} == set(MENU)
+    for case in cases:
+        case.export()
+
+
 def test_a_pass_that_computes_wrong_floats_is_caught():
     """fuzz_pass(MulToAdd) on a float-only menu: a PassBroke naming the float output
     that is off, with the values."""
