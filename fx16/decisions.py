@@ -41,6 +41,10 @@ class Reason(str, enum.Enum):
         "the same tensor is stored under another name that stays fp32: stored once, in "
         "fp32, and cast for the 16-bit ops that read it"
     )
+    READERS_FP32 = (
+        "every op that reads it computes in fp32: stored in fp32 rather than in 16-bit and "
+        "cast up on every call"
+    )
     OPAQUE_SUBGRAPH = "a higher-order op fx16 does not look inside runs as exported, in fp32"
     LOOP_CARRIED = "carried by a while_loop from one iteration to the next in its exported dtype"
     AUTOCAST_DISABLED = "inside a torch.autocast(enabled=False) region the model wrote"

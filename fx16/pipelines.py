@@ -48,6 +48,7 @@ from fx16.passes import (
     RecordStatsPass,
     ScalarsAsConstantsPass,
     StabilizePass,
+    StoreAsReadPass,
     WidenOtherSixteenBitPass,
 )
 from fx16.passes.policy_pass import overflow_limit
@@ -81,7 +82,8 @@ def fp16_passes(ep, options: Fp16Options | None = None, **keywords) -> list[Pass
     read them all (``Fp32RulesAnalysis``), and the check of the verdicts that cost
     FLOPs or may not help (``VerdictCheckAnalysis``, on the calibration inputs);
     then state tensors and user inputs, so the cast inserter sees every graph input
-    in its final dtype; then the inserter walks the graph once; cleanup last,
+    in its final dtype; then the inserter walks the graph once, and a state tensor it
+    reads only through casts up to fp32 is stored in fp32 (``StoreAsReadPass``); cleanup last,
     because it only removes casts and needs them all in place. Options: see
     ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that must stay fp32.
     A policy that changes nothing (``always_fp32``) gives an empty list.
@@ -127,6 +129,7 @@ def _rewrites(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
         ConvertParametersPass(program, policy=policy, force_fp32=forced),
         ConvertUserInputsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
         InsertFP16CastsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
+        StoreAsReadPass(program),
         RecastAfterWritesPass(),
         CleanupCastsPass(program),
         ScalarsAsConstantsPass(program, options.scalars, SIXTEEN_BIT_DTYPES),

@@ -33,6 +33,7 @@ from fx16.passes import (
     RemoveNoopCastsPass,
     ScalarsAsConstantsPass,
     StabilizePass,
+    StoreAsReadPass,
     WidenOtherSixteenBitPass,
 )
 from fx16.pipelines import run_passes
@@ -90,6 +91,7 @@ def test_pass_lists_are_fresh_instances():
         ConvertParametersPass,
         ConvertUserInputsPass,
         InsertFP16CastsPass,
+        StoreAsReadPass,
         RecastAfterWritesPass,
         CleanupCastsPass,
         ScalarsAsConstantsPass,

@@ -32,8 +32,18 @@ def only_product_operands(node: Node, boundaries: Boundaries) -> bool:
     dtype), into and out of the bodies of higher-order ops fx16 looks into. False when
     the value (or a view of it) is read by any other op, written in place, or returned
     by the program; True for a value nothing reads."""
+    readers = computing_readers(node, boundaries)
+    return readers is not None and all(_is_product(reader.target) for reader in readers)
+
+
+def computing_readers(node: Node, boundaries: Boundaries) -> list[Node] | None:
+    """The ops that compute from ``node``'s value, reached directly or through ops that
+    only move values (``_moves_values``), into and out of the bodies of higher-order
+    ops fx16 looks into; metadata checks, which read no values, left out. None where
+    the value escapes that walk: returned by the program, written in place, or read by
+    something that is not an op call."""
     top = boundaries.graph_modules[0].graph
-    seen, pending = set(), [node]
+    seen, pending, found = set(), [node], []
     while pending:
         value = pending.pop()
         if value in seen:
@@ -45,16 +55,17 @@ def only_product_operands(node: Node, boundaries: Boundaries) -> bool:
                 continue  # its bodies' placeholders and its results are the crossing sinks
             if reader.op == "output":
                 if reader.graph is top:
-                    return False
+                    return None
                 continue  # a body's output: its readers are the op's results (crossing sinks)
-            if reader.op != "call_function":
-                return False
-            if _is_product(reader.target) or _reads_no_values(reader.target):
+            if reader.op != "call_function" or mutated_argument(reader) is not None:
+                return None
+            if _reads_no_values(reader.target):
                 continue
-            if not _moves_values(reader):
-                return False
-            pending.append(reader)
-    return True
+            if _moves_values(reader):
+                pending.append(reader)
+            else:
+                found.append(reader)
+    return found
 
 
 @per_op
@@ -77,4 +88,4 @@ def _moves_values(reader: Node) -> bool:
     if reader.target in CAST_OPS:
         val = reader.meta.get("val")
         return getattr(val, "dtype", None) is not None and val.dtype.is_floating_point
-    return reader.target in VALUE_PRESERVING_OPS and mutated_argument(reader) is None
+    return reader.target in VALUE_PRESERVING_OPS

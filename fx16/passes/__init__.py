@@ -17,6 +17,7 @@ from fx16.passes.remove_noop_casts import RemoveNoopCastsPass
 from fx16.passes.remove_unused_casts import RemoveUnusedCastsPass
 from fx16.passes.scalars_as_constants import ScalarsAsConstantsPass
 from fx16.passes.stabilize import StabilizePass
+from fx16.passes.store_as_read import StoreAsReadPass
 from fx16.passes.widen_other_sixteen_bit import WidenOtherSixteenBitPass
 
 __all__ = [
@@ -37,5 +38,6 @@ __all__ = [
     "RemoveUnusedCastsPass",
     "ScalarsAsConstantsPass",
     "StabilizePass",
+    "StoreAsReadPass",
     "WidenOtherSixteenBitPass",
 ]

@@ -138,6 +138,7 @@ DOWNCASTABLE = frozenset(
         Reason.LOOP_CARRIED,
         Reason.FIXED_OUTPUT_DTYPE,
         Reason.NO_LOW_KERNEL,
+        Reason.READERS_FP32,
         Reason.ILL_CONDITIONED,
         Reason.UNDERFLOW,
     }

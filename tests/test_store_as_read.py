@@ -1,0 +1,87 @@
+"""StoreAsReadPass: a state tensor whose every reader the inserter casts up to fp32 is
+stored in fp32, not in 16-bit and cast up on every call."""
+
+import torch
+from torch import nn
+
+import fx16
+from benchmarks import zoo
+from fx16.decisions import PRECISION, Reason
+from fx16.program.casts import is_inserted
+from fx16.report import report_of
+from helpers import check_program, export, max_error, node_named, run
+from models import MLP
+
+
+def _weights(ep) -> dict:
+    return {
+        n.name: n.meta[PRECISION]
+        for n in ep.graph.nodes
+        if n.op == "placeholder" and n.name.startswith("p_")
+    }
+
+
+def test_a_margin_that_keeps_every_op_fp32_keeps_every_weight_fp32():
+    """overflow_margin=1e5: every activation counts as overflowing. Input graph:
+    linear(x, w0) -> gelu -> linear(., w1). Output graph: the same, reading fp32 weights
+    (once: each weight stored fp16 and cast up on every call, 5 casts per call); the one
+    cast left is the output's, whose values fit."""
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(model, x), overflow_margin=1e5)
+    check_program(ep)
+    weights = _weights(ep)
+    assert {d.reason for d in weights.values()} == {Reason.READERS_FP32}
+    assert {t.dtype for t in ep.state_dict.values()} == {torch.float32}
+    totals = report_of(ep).totals
+    assert totals.casts_inserted == 1 and totals.weight_bytes_after == totals.weight_bytes_before
+    with torch.no_grad():
+        assert max_error([model(x)], run(ep, x)) < 1e-3  # fp32 throughout, the output rounded
+
+
+class TiedAcrossPrecisions(nn.Module):
+    """One tensor under two names: a product reads one in 16-bit, and a scaling past
+    fp16's range (fp32, by the overflow rule) reads the other through a cast up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(8, 8) * 0.1)
+        self.b = self.a  # tied, as an embedding and a head are
+
+    def forward(self, x):
+        return x @ self.a, self.b * 1e6
+
+
+def test_a_tensor_a_16_bit_op_reads_stays_16_bit_under_every_name():
+    """Only a tensor every reader of every name casts up moves: here the product reads
+    it in 16-bit, so it stays stored once, in 16-bit."""
+    torch.manual_seed(0)
+    ep = fx16.cast_fp32_to_fp16(export(TiedAcrossPrecisions(), torch.randn(4, 8)))
+    check_program(ep)
+    assert {d.reason for d in _weights(ep).values()} == {Reason.FITS}
+    assert {t.dtype for t in ep.state_dict.values()} == {torch.float16}
+    mul = next(n for n in ep.graph.nodes if n.target == torch.ops.aten.mul.Tensor)
+    assert mul.meta[PRECISION].reason is Reason.ACTIVATION_OVERFLOW
+
+
+def test_a_16_bit_program_stores_its_weights_16_bit():
+    """The default cast of an MLP: every weight is read by a 16-bit op."""
+    torch.manual_seed(0)
+    ep = fx16.cast_fp32_to_fp16(export(MLP(), torch.randn(4, 8)))
+    assert {d.reason for d in _weights(ep).values()} == {Reason.FITS}
+    assert not any(is_inserted(n) for n in ep.graph.nodes)
+
+
+def test_a_routers_gate_weight_is_stored_as_its_product_reads_it():
+    """qwen2_moe: routing="fp32" keeps each gate's product fp32, which read its weight
+    through a cast up on every call; now the weight is fp32. With routing="16-bit" the
+    product and its weight are 16-bit."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (1, 8))
+    kept = fx16.cast_fp32_to_fp16(export(zoo.qwen2_moe(), ids))
+    gate = node_named(kept, "p_model_model_layers_0_mlp_gate_weight")
+    assert gate.meta[PRECISION].reason is Reason.READERS_FP32
+    assert gate.meta["val"].dtype == torch.float32
+    sixteen = fx16.cast_fp32_to_fp16(export(zoo.qwen2_moe(), ids), routing="16-bit")
+    gate = node_named(sixteen, "p_model_model_layers_0_mlp_gate_weight")
+    assert gate.meta[PRECISION].reason is Reason.FITS
