@@ -165,3 +165,40 @@ def test_an_index_inside_a_branch_is_unsafe_on_both_sides_of_the_boundary():
     inside = {n.name: n.meta[KEY] for n in taken.graph.nodes}
     assert all(inside[n] for n in ("mul", "abs_1", "mul_1", "floor", "clamp", "to"))
     assert not inside["sum_1"]
+
+
+class IndexAndProductShareAnInput(torch.nn.Module):
+    """x feeds a bucket index, ``(x[:, 0] * 4 + 8).long()``, and a Linear; ``tanh=True``
+    puts a tanh between them."""
+
+    def __init__(self, tanh: bool) -> None:
+        super().__init__()
+        self.tanh = tanh
+        self.lin, self.emb = torch.nn.Linear(8, 8), torch.nn.Embedding(16, 8)
+
+    def forward(self, x):
+        shared = torch.tanh(x) if self.tanh else x
+        index = (shared[:, 0] * 4 + 8).long().clamp(0, 15)
+        return self.lin(shared) + self.emb(index)
+
+
+@pytest.mark.parametrize("tanh", [False, True])
+def test_a_value_kept_fp32_for_an_index_gives_its_other_readers_a_16_bit_copy(tanh):
+    """Input graph: x -> select -> mul -> add -> long -> embedding; x -> linear. Output
+    graph: the index path fp32 (the rule), the linear on a 16-bit copy of x. Once, with
+    x a user input, the linear read x in fp32 (0% of the FLOPs in 16-bit), while a
+    tanh's result gave it the copy; the index is computed as the fp32 program does."""
+    import fx16
+    from fx16.decisions import PRECISION, Reason
+    from helpers import max_error, run
+
+    torch.manual_seed(0)
+    model, x = IndexAndProductShareAnInput(tanh).eval(), torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    assert fx16.report.report_of(ep).totals.flop_share_16bit == 1.0
+    linear = next(n for n in ep.graph.nodes if n.target == torch.ops.aten.linear.default)
+    assert linear.args[0].meta["val"].dtype == torch.float16
+    to_long = next(n for n in ep.graph.nodes if n.target == torch.ops.aten.to.dtype)
+    assert to_long.args[0].meta[PRECISION].reason is Reason.UNSAFE_INDEX
+    with torch.no_grad():
+        assert max_error([model(x)], run(ep, x)) < 1e-2

@@ -141,5 +141,6 @@ DOWNCASTABLE = frozenset(
         Reason.READERS_FP32,
         Reason.ILL_CONDITIONED,
         Reason.UNDERFLOW,
+        Reason.UNSAFE_INDEX,
     }
 )
