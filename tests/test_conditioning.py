@@ -33,7 +33,7 @@ from fx16.ops.numerics import INF_LIKE
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.program.stats import relative_error
-from helpers import check_program, export, fp64_reference, run
+from helpers import check_program, export, fp64_reference, node_named, run
 
 KEY = ConditioningAnalysis.META_KEY
 
@@ -297,7 +297,8 @@ def test_the_interval_read_is_the_proven_one_else_the_observed_one():
     assert ranges.interval(z) is None and ranges.magnitude(z) == 7.0  # observed
     assert ranges.interval("s") is None  # a sentinel and nothing else
     assert _Ranges(_Proven({"i": (INF_LIKE, INF_LIKE)})).interval("i") is None
-    assert ranges.interval(2.0) is None and ranges.magnitude(2.0) is None
+    # a Python number's magnitude is its own (x - 1000.0 cancels as x - tensor(1000.0))
+    assert ranges.magnitude(2.0) == 2.0 and ranges.magnitude(-3) == 3.0
 
 
 class _Magnitudes:
@@ -428,3 +429,47 @@ def test_each_power_rule_reads_its_own_operand():
     assert marks[pows[1]].startswith("0.5 ** x of values in [-20, 10]: condition number 13.9,")
     assert marks[pows[2]].startswith("x ** 12: condition number 12,")
     assert marks["sub"] is None
+
+
+class OffsetThatCancels(torch.nn.Module):
+    """``lin(x - 1000)`` in each form a model writes it, on inputs near 1000 (kelvin,
+    timestamps, raw sensor counts with a bias)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form, self.lin = form, torch.nn.Linear(8, 8)
+        self.register_buffer("offset", torch.tensor(1000.0))
+
+    def forward(self, x):
+        shifted = {
+            "python float": lambda: x - 1000.0,
+            "python int": lambda: x - 1000,
+            "adding a negative": lambda: x + (-1000.0),
+            "reversed": lambda: 1000.0 - x,
+            "buffer": lambda: x - self.offset,
+        }[self.form]()
+        return self.lin(shifted)
+
+
+@pytest.mark.parametrize(
+    "form", ["python float", "python int", "adding a negative", "reversed", "buffer"]
+)
+def test_a_scalar_offset_that_cancels_is_judged_as_a_tensor_one(form):
+    """Input graph: x -> sub(x, 1000.0) -> linear. Output graph: x and the subtraction
+    fp32 (``ill_conditioned``), the linear 16-bit. Once only the buffer's form was kept
+    fp32: a Python number's was cast at the door (fp16's spacing at 1000 is 0.5),
+    13.5% off and reported as fitting."""
+    import fx16
+    from fx16.decisions import PRECISION, Reason
+    from helpers import max_error
+
+    torch.manual_seed(0)
+    model = OffsetThatCancels(form).eval()
+    calibration = [(1000 + torch.randn(4, 8),) for _ in range(4)]
+    ep = fx16.cast_fp32_to_fp16(export(model, *calibration[0]), calibration=calibration)
+    offset = next(n for n in ep.graph.nodes if n.name in ("sub", "add", "rsub"))
+    assert offset.meta[PRECISION].reason is Reason.ILL_CONDITIONED
+    assert node_named(ep, "x").meta["val"].dtype == torch.float32
+    assert fx16.report.report_of(ep).totals.flop_share_16bit == 1.0
+    x = 1000 + torch.randn(4, 8)
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 2e-3

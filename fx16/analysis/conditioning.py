@@ -10,7 +10,8 @@ the range x takes (error against the largest output, as fx16's budget measures i
 - exp, exp2, expm1 over [lo, hi]: max |x| e^x / e^hi (large positive arguments).
 - pow(b, x): max |x ln b|; pow(x, p): |p|.
 - log over [lo, hi], lo > 0: 1 / max |ln x| (arguments near 1).
-- a - b and a + b of tensors: (max|a| + max|b|) / max|a -/+ b| (cancellation), when
+- a - b and a + b of tensors, or of a tensor and a Python number (``x - 1000.0``, whose
+  magnitude is its own): (max|a| + max|b|) / max|a -/+ b| (cancellation), when
   it is 8 or more (three bits lost; a residual add's maxima give ratios near 2), and
   neither holds an infinity-like sentinel (an additive mask's ``finfo.min``).
 - the ops that subtract a mean inside (batch, layer, group and instance norms, var,
@@ -147,6 +148,8 @@ class _Ranges:
         return None
 
     def magnitude(self, arg) -> float | None:
+        if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            return abs(float(arg))
         found = self.interval(arg)
         if found is not None:
             return max(abs(found[0]), abs(found[1]))
@@ -193,7 +196,7 @@ def _condition(node: Node, ranges: _Ranges) -> tuple[float, str] | None:
         )
     if target in POWER_BY_SCALAR_OPS and isinstance(args[1], (int, float)):
         return abs(args[1]), f"x ** {args[1]:g}"
-    if target in SUM_OPS and all(isinstance(arg, Node) for arg in args[:2]):
+    if target in SUM_OPS and any(isinstance(arg, Node) for arg in args[:2]):
         return _cancellation(node, ranges)
     if target in CENTERING_OPS:
         return _centering(node, ranges.proven)
@@ -231,6 +234,7 @@ def _cancellation(node: Node, ranges: _Ranges) -> tuple[float, str] | None:
     """The larger of the whole tensor's cancellation and, for a subtraction of a
     per-slice statistic, the worst slice's (as calibration measured it)."""
     a, b, result = (ranges.magnitude(arg) for arg in (node.args[0], node.args[1], node))
+    # a Python number cancels as a tensor of its value does (``x - 1000.0``)
     if a is None or b is None or max(a, b) >= INF_LIKE:  # an additive mask's finfo.min:
         return None  # a sentinel, not a rounding
     whole = (a + b) / result if result else 0.0
@@ -242,7 +246,7 @@ def _cancellation(node: Node, ranges: _Ranges) -> tuple[float, str] | None:
             f"a - b per slice: a slice of a reaches {sliced:.3g}x its largest deviation from "
             f"b there (observed; over the whole tensor {whole:.3g}x)"
         )
-    operation = "a - b" if node.target._opname == "sub" else "a + b"
+    operation = "a + b" if node.target._opname == "add" else "a - b"
     return whole, f"{operation} with |a| ~ {a:.3g}, |b| ~ {b:.3g}, result {result:.3g}"
 
 

@@ -382,4 +382,6 @@ EXPONENTIAL_OPS = {
 LOGARITHM_OPS = overloads("log.default", "log2.default", "log10.default")
 POWER_OF_SCALAR_OPS = overloads("pow.Scalar")
 POWER_BY_SCALAR_OPS = overloads("pow.Tensor_Scalar")
-SUM_OPS = overloads("add.Tensor", "sub.Tensor")
+SUM_OPS = overloads(
+    "add.Tensor", "sub.Tensor", "add.Scalar", "sub.Scalar", "rsub.Tensor", "rsub.Scalar"
+)
