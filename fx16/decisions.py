@@ -21,6 +21,13 @@ class Reason(str, enum.Enum):
     VALUE_OVERFLOW = "a tensor value exceeds the 16-bit range"
     SCALAR_OVERFLOW = "a scalar argument exceeds the 16-bit range"
     ACTIVATION_OVERFLOW = "its values exceed the 16-bit range on the calibration inputs"
+    VALUE_BELOW_RANGE = (
+        "every tensor value lies below the 16-bit normal range: subnormal or zero in 16-bit"
+    )
+    ACTIVATION_BELOW_RANGE = (
+        "its values lie below the 16-bit normal range on the calibration inputs: subnormal "
+        "or zero in 16-bit"
+    )
     FP32_INPUT = "an input stays fp32"
     EXPLICIT_FP32 = "inside an fp32 region the model asks for explicitly"
     EXPLICIT_FP32_RETARGETED = (

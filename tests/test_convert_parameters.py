@@ -43,15 +43,16 @@ def test_parameters_become_fp16_and_meta_follows():
     assert weight.meta[PRECISION].reason == Reason.FITS
 
 
-def test_overflowing_weight_stays_fp32_and_tiny_weight_is_not_flushed():
+def test_weights_beyond_the_range_at_either_end_stay_fp32():
+    """1e5 overflows fp16; 1e-9s, every element below its normal range, would be zeros
+    (once: lifted to 2**-24, 17x too large, and reported as fitting)."""
     ep = export(OverflowWeight(), torch.randn(2, 4))
     _convert(ep)
-    assert ep.state_dict["big"].dtype == torch.float32
-    assert node_named(ep, "p_big").meta[PRECISION].reason == Reason.VALUE_OVERFLOW
-    assert node_named(ep, "p_big").meta["val"].dtype == torch.float32
-    tiny = ep.state_dict["tiny"]
-    assert tiny.dtype == torch.float16
-    assert torch.all(tiny == torch.tensor(FP16_TINY, dtype=torch.float16))
+    for name, reason in (("big", Reason.VALUE_OVERFLOW), ("tiny", Reason.VALUE_BELOW_RANGE)):
+        assert ep.state_dict[name].dtype == torch.float32
+        assert node_named(ep, f"p_{name}").meta[PRECISION].reason == reason
+        assert node_named(ep, f"p_{name}").meta["val"].dtype == torch.float32
+    assert torch.all(ep.state_dict["tiny"] == 1e-9)
 
 
 def test_lifted_constants_and_non_persistent_buffers_are_converted():

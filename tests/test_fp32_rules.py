@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fx16
-from fx16 import PreconditionError
+from fx16 import PreconditionError, meta
 from fx16.analysis import (
     CalibrationAnalysis,
     ConditioningAnalysis,
@@ -20,6 +20,7 @@ from fx16.analysis import (
 from fx16.analysis.fp32_rules import (
     AccuracyBudgetRule,
     ConditioningRule,
+    ObservedBelowRangeRule,
     ObservedOverflowRule,
     RouterRule,
     UnsafeIndexRule,
@@ -182,9 +183,14 @@ def test_the_rules_that_read_no_analysis_judge_custom_ops_in_the_dtype_asked_for
     assert [type(rule).__name__ for rule in analysis.rules] == [
         "AccuracyBudgetRule",
         "FakeKernelRule",
+        "NoLowKernelRule",
     ]
     rules = _rules(ep, analysis.rules)
-    assert ep.graph_module.meta["fx16.fp32_rules"] == ["AccuracyBudgetRule", "FakeKernelRule"]
+    assert ep.graph_module.meta["fx16.fp32_rules"] == [
+        "AccuracyBudgetRule",
+        "FakeKernelRule",
+        "NoLowKernelRule",
+    ]
     assert rules["scaled_to"] is None
     assert rules["fp32_only"].dtype == rules["x"].dtype == torch.float32
     assert (rules["fp32_only"].reason, rules["fp32_only"].detail) == (Reason.NO_FAKE_KERNEL, "")
@@ -217,3 +223,60 @@ def test_the_analysis_hands_back_the_module_it_was_given_unchanged():
     assert result.graph_module is ep.graph_module
     assert result.modified is False
     assert ep.graph_module.code == code
+
+
+class TinyMultiplier(nn.Module):
+    """``lin(x) * 1e-8 * 1e8``: the middle value lies below fp16's smallest subnormal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * 1e-8 * 1e8
+
+
+class TinyWeight(nn.Module):
+    """A weight of 1e-9s read by a product, then a reciprocal and a scale back up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 1e-9)
+
+    def forward(self, x):
+        y = x @ self.w
+        return 1 / y, y * 1e6
+
+
+@pytest.mark.parametrize("model_type", [TinyMultiplier, TinyWeight])
+def test_a_value_observed_below_the_normal_range_never_fits(model_type):
+    """Once both were cast to fp16 and reported as fitting: all zeros (the multiplier),
+    inf and 100% off (the weight). Now the value below the range computes in fp32
+    (``activation_below_range``; the weight ``value_below_range``) and the outputs are
+    fp32's within 16-bit's rounding; the linear before the multiplier stays 16-bit."""
+    from helpers import fp64_reference, max_error, run
+
+    torch.manual_seed(0)
+    model, x = model_type().eval(), torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    reasons = {n.name: n.meta[PRECISION].reason for n in ep.graph.nodes if PRECISION in n.meta}
+    below = "mul" if model_type is TinyMultiplier else "matmul"
+    assert reasons[below] is Reason.ACTIVATION_BELOW_RANGE
+    if model_type is TinyWeight:
+        assert reasons["p_w"] is Reason.VALUE_BELOW_RANGE
+    else:
+        assert reasons["linear"] is Reason.FITS
+    outputs = run(ep, x)
+    assert all(bool(out.isfinite().all()) and bool((out != 0).any()) for out in outputs)
+    assert max_error(fp64_reference(model, x), outputs) < 1e-2
+
+
+def test_a_value_that_reaches_the_normal_range_is_not_kept():
+    """A product of 1e-4s is subnormal in fp16 only in some elements: it fits."""
+    analysis = ObservedBelowRangeRule(torch.float16)
+    node = torch.fx.Graph().call_function(torch.ops.aten.mul.Tensor, (1.0, 2.0))
+    node.meta["val"] = torch.zeros(2)
+    for largest, kept in ((1e-4, False), (5e-5, True), (0.0, False)):
+        node.meta[meta.OBSERVED_MAX_ABS] = largest
+        assert (analysis.applies(node) is not None) is kept, largest

@@ -23,9 +23,10 @@ from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.contracts import Analysis
 from fx16.decisions import Decision, Reason
 from fx16.ops.int_ops import SELECTION_OPS
+from fx16.ops.numerics import interval_below_normal
 from fx16.ops.tables import NO_LOW_KERNEL_OPS, is_custom_op
 from fx16.program.aliases import storage_owners
-from fx16.program.nodes import mutated_argument
+from fx16.program.nodes import is_float_tensor, mutated_argument
 from fx16.program.propagation import runs_narrowed
 
 FP32 = torch.float32
@@ -102,6 +103,34 @@ class ObservedOverflowRule:
                 for owner in storage_owners(target):
                     found.setdefault(owner, said)
         return found
+
+
+@dataclass(frozen=True)
+class ObservedBelowRangeRule:
+    """An op whose every value on the calibration inputs lies below the 16-bit normal
+    range (one nonzero) computes in fp32: in 16-bit it is subnormal or zero, and what
+    reads it (a scale back up, a division) gets the loss. Reads
+    ``meta["fx16.observed_range"]``.
+
+    Before: ``lin(x) * 1e-8 * 1e8`` gives all zeros in fp16, reported as fitting.
+    After: the two multiplies compute in fp32 (the second reads the first's fp32
+    result) and the linear stays 16-bit. Costs: the op and its readers' FLOPs in fp32
+    (elementwise, or a product that reads a weight below the range)."""
+
+    low: torch.dtype
+    needs = (CalibrationAnalysis,)
+    reason = Reason.ACTIVATION_BELOW_RANGE
+
+    def applies(self, node: Node) -> str | None:
+        if node.op != "call_function" or not is_float_tensor(node.meta.get("val")):
+            return None
+        if meta.negligible(node) or meta.rounding_cancels(node):
+            return None  # a stable rewrite's term whose loss it proved harmless
+        largest = meta.observed_max_abs(node)
+        if largest is None or not interval_below_normal((-largest, largest), self.low):
+            return None
+        tiny = torch.finfo(self.low).tiny
+        return f"observed at most {largest:.3g}, below the smallest normal {tiny:.3g}"
 
 
 @dataclass(frozen=True)
@@ -222,14 +251,15 @@ class Fp32RulesAnalysis(Analysis):
     def standard(
         cls, low: torch.dtype, limit: float, force_fp32: frozenset[str] = frozenset()
     ) -> "Fp32RulesAnalysis":
-        """fx16's rules, safety first: index, accuracy budget, observed overflow, custom
-        ops without a 16-bit fake kernel, ATen ops without a 16-bit kernel, underflow,
-        conditioning; then the policy's routers."""
+        """fx16's rules, safety first: index, accuracy budget, observed overflow, values
+        observed below the normal range, custom ops without a 16-bit fake kernel, ATen
+        ops without a 16-bit kernel, underflow, conditioning; then the policy's routers."""
         return cls(
             [
                 UnsafeIndexRule(),
                 AccuracyBudgetRule(frozenset(force_fp32)),
                 ObservedOverflowRule(limit),
+                ObservedBelowRangeRule(low),
                 FakeKernelRule(low),
                 NoLowKernelRule(),
                 UnderflowRule(),

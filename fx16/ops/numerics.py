@@ -120,6 +120,15 @@ def interval_overflows(interval: tuple[float, float] | None, dtype: torch.dtype)
     return interval is not None and max(-interval[0], interval[1]) > largest(dtype)
 
 
+def interval_below_normal(interval: tuple[float, float] | None, dtype: torch.dtype) -> bool:
+    """Every value in ``interval`` lies below ``dtype``'s smallest normal, and one is
+    nonzero: in ``dtype`` the whole tensor is subnormal or zero, its precision gone."""
+    if interval is None:
+        return False
+    largest_magnitude = max(-interval[0], interval[1])
+    return 0.0 < largest_magnitude < torch.finfo(dtype).tiny
+
+
 def interval_may_flush(interval: tuple[float, float] | None, dtype: torch.dtype) -> bool:
     """A nonzero value in ``interval`` may lie below ``dtype``'s smallest subnormal (and
     flush to zero in a plain conversion). False for a tensor of zeros, or one whose

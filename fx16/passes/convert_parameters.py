@@ -8,7 +8,12 @@ from fx16 import meta
 from fx16.analysis.facts import Facts
 from fx16.analysis.product_operands import only_product_operands
 from fx16.decisions import PRECISION, Reason, decide
-from fx16.ops.numerics import finite_interval, interval_may_flush, interval_overflows
+from fx16.ops.numerics import (
+    finite_interval,
+    interval_below_normal,
+    interval_may_flush,
+    interval_overflows,
+)
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision
 from fx16.program.tensor_subclasses import (
@@ -29,7 +34,9 @@ class ConvertParametersPass(PolicyPass):
     (``Program.narrow_state``) and converted by its commit step, once every stage has
     decided; run on its own, the pass converts them before it returns.
 
-    A tensor with a finite magnitude above 65504 stays fp32 (for bf16: above its maximum);
+    A tensor with a finite magnitude above 65504 stays fp32 (for bf16: above its maximum),
+    and so does one whose every element lies below the 16-bit normal range (a weight of
+    1e-9s, zeros in fp16: ``value_below_range``);
     where CalibrationAnalysis ran, its observed interval on the placeholder says so
     without reading the tensor again.
     A placeholder the policy keeps in fp32 (by kind "boundary", module path - the
@@ -72,8 +79,10 @@ class ConvertParametersPass(PolicyPass):
             else:
                 if id(tensor) not in fits:
                     fits[id(tensor)] = _fit(slot.placeholder, tensor, low)
-                if fits[id(tensor)][0]:
-                    decide(slot.placeholder, torch.float32, Reason.VALUE_OVERFLOW)
+                overflows, _, below = fits[id(tensor)]
+                if overflows or below:
+                    why = Reason.VALUE_OVERFLOW if overflows else Reason.VALUE_BELOW_RANGE
+                    decide(slot.placeholder, torch.float32, why)
                 else:
                     narrowing.append((slot, tensor))
                     continue
@@ -110,17 +119,23 @@ class ConvertParametersPass(PolicyPass):
         return PassResult(graph_module, modified)
 
 
-def _fit(placeholder, tensor: torch.Tensor, low: torch.dtype) -> tuple[bool, bool]:
-    """Whether a finite element of the state tensor exceeds ``low``'s maximum, and
-    whether a nonzero element may flush to zero in ``low`` (``interval_may_flush``).
-    Read from the interval calibration recorded on its placeholder when it ran (the
-    same values: no second pass over the weights), else from the tensor."""
+def _fit(placeholder, tensor: torch.Tensor, low: torch.dtype) -> tuple[bool, bool, bool]:
+    """Whether a finite element of the state tensor exceeds ``low``'s maximum, whether
+    a nonzero element may flush to zero in ``low`` (``interval_may_flush``), and whether
+    every element lies below its normal range (``interval_below_normal``: a weight of
+    1e-9s would be zeros). Read from the interval calibration recorded on its
+    placeholder when it ran (the same values: no second pass over the weights), else
+    from the tensor."""
     if meta.holds_sentinel(placeholder):
         # a -1e38 would become -inf, and -inf - -inf is nan where -1e38 - -1e38 is 0
-        return True, True
+        return True, True, False
     interval = meta.observed_interval(placeholder)
     if interval is None and is_subclass(tensor):
-        return state_overflows(tensor, low), True
+        return state_overflows(tensor, low), True, False
     if interval is None:
         interval = finite_interval(tensor)
-    return interval_overflows(interval, low), interval_may_flush(interval, low)
+    return (
+        interval_overflows(interval, low),
+        interval_may_flush(interval, low),
+        interval_below_normal(interval, low),
+    )
