@@ -45,6 +45,7 @@ def _program():
             "policy nodes names nothing in this program: 'linear_999'; closest: linear",
         ),
         ({"policy": PrecisionPolicy.custom(ops={"softmx": "fp32"})}, "no ATen op: 'softmx'"),
+        ({"policy": PrecisionPolicy.custom(ops={"linear.nosuch": "fp32"})}, "'linear.nosuch'"),
         ({"force_fp32": frozenset({"nope"})}, "force_fp32 names nothing in this program"),
     ],
 )
@@ -56,6 +57,16 @@ def test_a_name_that_matches_nothing_is_refused_and_changes_nothing(options, wor
         cast(ep, **options)
     assert "\n" not in str(raised.value)
     assert_same_state(state_snapshot(ep), before)
+
+
+def test_an_op_is_named_by_its_packet_or_by_an_overload_as_inspect_prints_it():
+    """``ops={"linear.default": ...}`` (the overload form ``fx16 inspect`` prints) was
+    refused as naming no ATen op; it overrides that overload."""
+    ep = fx16.cast_fp32_to_fp16(
+        _program(), policy=PrecisionPolicy.custom(ops={"linear.default": "fp32"})
+    )
+    linears = [n for n in ep.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert linears and all(n.meta["val"].dtype == torch.float32 for n in linears)
 
 
 def test_the_error_lists_the_names_there_are():

@@ -99,10 +99,19 @@ def check_names(program: Program, policy, force_fp32: Iterable[str] = ()) -> Non
         )
     _refuse(
         "policy ops names no ATen op",
-        [op for op in policy.ops if not hasattr(torch.ops.aten, op)],
+        [op for op in policy.ops if not _is_aten_op(op)],
         [],
-        "ATen op names, as in torch.ops.aten (softmax, linear, ...)",
+        "ATen op names, as in torch.ops.aten (softmax, linear, ...), or an overload of one "
+        "(softmax.int)",
     )
+
+
+def _is_aten_op(name: str) -> bool:
+    """``name`` is an ATen op packet ("softmax") or one of its overloads ("softmax.int",
+    as ``fx16 inspect`` prints ops)."""
+    packet_name, _, overload = str(name).partition(".")
+    packet = getattr(torch.ops.aten, packet_name, None)
+    return packet is not None and (not overload or overload in packet.overloads())
 
 
 def _output_labels(program: Program) -> list[tuple[str, ...]]:
