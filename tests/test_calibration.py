@@ -410,3 +410,19 @@ def test_observed_floats_follow_their_definition_for_a_tensor_a_parameter_and_a_
         else None,
     )
     assert observe_floats(tuple(tensors)) == combined
+
+
+def test_float64_calibration_inputs_are_taken_as_the_float32_the_program_takes():
+    """Calibration data in float64 (NumPy's default, through torch.from_numpy) once
+    failed inside the program ("mat1 and mat2 must have the same dtype"); it is
+    converted as ``inputs_for`` converts a call, and observes what float32 inputs do."""
+    torch.manual_seed(0)
+    model, x = SquaredSum().eval(), torch.randn(4, 16)  # its squares pass fp16's range
+    wide = fx16.cast_fp32_to_fp16(export(model, x), calibration=[(x.double(),)], stabilize=False)
+    narrow = fx16.cast_fp32_to_fp16(export(model, x), calibration=[(x,)], stabilize=False)
+    decisions = [
+        {n.name: n.meta[PRECISION] for n in ep.graph.nodes if PRECISION in n.meta}
+        for ep in (wide, narrow)
+    ]
+    assert decisions[0] == decisions[1]
+    assert any(d.reason is Reason.ACTIVATION_OVERFLOW for d in decisions[0].values())

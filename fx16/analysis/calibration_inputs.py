@@ -21,7 +21,9 @@ def calibration_calls(
     Each entry of ``calibration`` is an argument tuple, an (args, kwargs) pair, or a
     tensor for a program with one input; an entry that does not supply the
     program's user inputs, or gives one a shape the program does not take, raises
-    ``InvalidOptionError`` naming it as ``label[index]``."""
+    ``InvalidOptionError`` naming it as ``label[index]``. A tensor of another float (or
+    integer) dtype than its input's is converted to it, as ``fx16.inputs_for`` converts
+    a call's (float64 calibration data for a float32 program)."""
     if calibration is None:
         example = program.ep.example_inputs
         return [example] if example is not None else []
@@ -47,7 +49,7 @@ def calibration_calls(
             raise InvalidOptionError(f"{label}[{index}] {problem}")
         for value, placeholder in zip(supplied, placeholders):
             _check_shape(f"{label}[{index}]", value, placeholder, ranges)
-        calls.append(call)
+        calls.append(program.adapt_call(*call))  # float64 to the float32 it takes, ...
     return calls
 
 
