@@ -89,7 +89,7 @@ class Reason(str, enum.Enum):
     RANGE_EXCEEDS = "its range, or an input's, exceeds int16"
     NOT_INT16_OP = "the op does not compute in int16"
     NO_INT16_CONSUMER = "no consumer computes in int16"
-    IN_PLACE = "writes a buffer in place"
+    IN_PLACE = "writes a buffer (in place, or as the program's state update)"
     ASSUMED_SAFE = "narrowed without a range check (int16='assume_safe')"
 
 

@@ -175,3 +175,21 @@ def test_observed_ranges_narrow_only_when_asked():
     assert narrowed(observed) == {"a", "b", "add", "sub", "add_1", "mul"}
     assert "(observed)" in int_decisions(observed)["add"].detail
     _exact(observed, Int32Arithmetic(), *args)
+
+
+@pytest.mark.parametrize("decompose", [False, True])
+def test_a_batch_norms_step_counter_is_a_state_update_not_constant_foldable(decompose):
+    """A train-mode BatchNorm's ``num_batches_tracked += 1`` (``add_`` in the training IR,
+    an ``add`` written back as a buffer mutation in the ATen dialect) depends on no user
+    input, but it updates the program's state: once told as "constant-foldable"."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train()
+    ep = torch.export.export(model, (torch.randn(8, 4),))  # in train mode, as it is
+    if decompose:
+        ep = ep.run_decompositions()
+    fx16.cast_to_16_bit_precision(ep)
+    adds = (torch.ops.aten.add_.Tensor, torch.ops.aten.add.Tensor)
+    counters = [
+        n for n in ep.graph.nodes if n.target in adds and n.meta["val"].dtype == torch.int64
+    ]
+    assert counters
+    assert {int_decisions(ep)[n.name].reason for n in counters} == {Reason.IN_PLACE}

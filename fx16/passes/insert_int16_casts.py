@@ -54,6 +54,8 @@ class InsertInt16CastsPass(Int16Pass):
     def call(self, graph_module: GraphModule) -> PassResult:
         casts = CastInserter(graph_module.graph)
         modified = False
+        returned = self.program.output_node().args[0]
+        writes_state = {returned[i] for i in self.program.required_output_dtypes()}
         for node in list(graph_module.graph.nodes):
             original = node_dtype(node)
             if (
@@ -64,7 +66,10 @@ class InsertInt16CastsPass(Int16Pass):
             ):
                 continue
             reason, detail = int16_verdict(node, self.mode)
-            if may_narrow(reason) and mutated_argument(node) is not None:
+            writes = node in writes_state or mutated_argument(node) is not None
+            if writes and (may_narrow(reason) or reason is Reason.NOT_USER_REACHABLE):
+                # a state update (a batch norm's num_batches_tracked += 1) is not
+                # constant-foldable, whatever it reads
                 reason, detail = Reason.IN_PLACE, ""
             if may_narrow(reason) and not self._narrow(node, casts):
                 reason, detail = Reason.NOT_INT16_OP, ""
