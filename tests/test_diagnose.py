@@ -3,6 +3,7 @@
 import copy
 import io
 import json
+import math
 
 import pytest
 import torch
@@ -77,7 +78,9 @@ def test_a_program_cast_with_always_fp16_is_diagnosed_with_fx16s_decision():
     torch.manual_seed(0)
     x = torch.randn(8, 16)
     reference = export(Shift(), x)
-    cast = fx16.cast_fp32_to_fp16(copy.deepcopy(reference), policy="always_fp16")
+    # the conditioning rule off: the cancelling subtraction is cast as "fits"
+    policy = fx16.PrecisionPolicy.always_fp16(precision_tolerance=math.inf)
+    cast = fx16.cast_fp32_to_fp16(copy.deepcopy(reference), policy=policy)
     first = diagnose(reference, cast, [(x,)]).first_divergence
     assert first.id == "sub" and first.source.endswith(_line("# SHIFT_LINE"))
     assert first.decision == "fits" and first.error > 0.5

@@ -569,7 +569,11 @@ class TinyFillsInBranches(torch.nn.Module):
         )
 
 
-def test_a_tiny_fill_inside_a_cond_branch_flushes_or_guards_as_in_the_root_graph():
+def test_a_tiny_fill_inside_a_cond_branch_is_judged_as_in_the_root_graph():
+    """The branch calibration ran multiplies by a fill of 1e-9: observed below fp16's
+    normal range, the fill and the product compute in fp32 and the cond returns fp32
+    (once: flushed to zero, all zeros out); the branch it never ran adds a fill of
+    1e-12, clamped to the smallest subnormal (a guard)."""
     ep = fx16.cast_fp32_to_fp16(export(TinyFillsInBranches(), torch.ones(2, 5)))
     fills = {
         name: node
@@ -578,10 +582,10 @@ def test_a_tiny_fill_inside_a_cond_branch_flushes_or_guards_as_in_the_root_graph
         if node.target == aten.full.default
     }
     assert fills["true_graph_0"].args[1] == 1e-9
-    assert fills["true_graph_0"].meta[PRECISION].detail == "flushed to zero: 1e-09 -> 0"
+    assert fills["true_graph_0"].meta[PRECISION].reason == Reason.ACTIVATION_BELOW_RANGE
     assert fills["false_graph_0"].args[1] == 2.0**-24
     assert fills["false_graph_0"].meta[PRECISION].reason == Reason.SCALAR_CLAMPED
-    assert torch.equal(run(ep, torch.ones(2, 5))[0], torch.zeros(2, 5).half())
+    assert torch.equal(run(ep, torch.ones(2, 5))[0], torch.full((2, 5), 1e-9))
 
 
 class TinyScalar(torch.nn.Module):
@@ -627,10 +631,11 @@ def test_only_a_scalar_that_keeps_a_result_above_zero_is_clamped_to_the_subnorma
     assert not guarded or "1e-09 -> " in op.meta[PRECISION].detail  # said, with its sign
 
 
-def test_a_clamp_to_a_band_below_the_subnormals_gives_what_16_bit_rounds_it_to():
+def test_a_clamp_to_a_band_below_the_subnormals_gives_fp32s_band():
     """The long fuzz's example: clamp to [-1e-9, 1e-9], then a layer norm (which divides
-    by sqrt(var + eps), so a 60x larger clamp came out 60x larger): zeros, as the 16-bit
-    rounding of fp32's result, within the float oracle's bound."""
+    by sqrt(var + eps), so a 60x larger clamp came out 60x larger). The band lies below
+    fp16's normal range on the calibration input, so it is computed and returned in
+    fp32 (once: zeros, 16-bit's rounding of it), within the float oracle's bound."""
 
     class BandThenNorm(torch.nn.Module):
         def forward(self, x):
@@ -642,7 +647,7 @@ def test_a_clamp_to_a_band_below_the_subnormals_gives_what_16_bit_rounds_it_to()
     fx16.cast_fp32_to_fp16(ep, policy="always_fp16")
     check_outputs(original, ep, (x,))
     band, normed = run(ep, x.half())
-    assert not band.any() and not normed.any()
+    assert torch.equal(band, torch.clamp(x.half().float(), -TINY, TINY))
 
 
 class TinyClampsInBranches(torch.nn.Module):
@@ -656,8 +661,10 @@ class TinyClampsInBranches(torch.nn.Module):
 
 
 def test_a_clamp_inside_a_cond_branch_is_guarded_only_by_its_positive_minimum():
-    """In a body as in the root graph: the band's bounds are kept (the kernel rounds
-    its result to zeros), the positive minimum is clamped to 2**-24."""
+    """In a body as in the root graph: the band's bounds are kept, and since the band
+    (the branch calibration ran) lies below fp16's normal range it is computed and
+    returned in fp32 (once: the kernel rounded it to zeros); the positive minimum of
+    the other branch is clamped to 2**-24."""
     ep = fx16.cast_fp32_to_fp16(
         export(TinyClampsInBranches(), torch.ones(2, 5)), policy="always_fp16", scalars="keep"
     )
@@ -670,4 +677,5 @@ def test_a_clamp_inside_a_cond_branch_is_guarded_only_by_its_positive_minimum():
     assert clamps["true_graph_0"].args[1:] == (-TINY, TINY)
     assert clamps["false_graph_0"].args[1] == 2.0**-24
     assert clamps["false_graph_0"].meta[PRECISION].reason == Reason.SCALAR_CLAMPED
-    assert not run(ep, torch.ones(2, 5).half())[0].any()  # the band: 1e-9 rounds to 0
+    assert clamps["true_graph_0"].meta[PRECISION].reason == Reason.ACTIVATION_BELOW_RANGE
+    assert torch.equal(run(ep, torch.ones(2, 5).half())[0], torch.full((2, 5), TINY))

@@ -251,19 +251,20 @@ class Fp32RulesAnalysis(Analysis):
     def standard(
         cls, low: torch.dtype, limit: float, force_fp32: frozenset[str] = frozenset()
     ) -> "Fp32RulesAnalysis":
-        """fx16's rules, safety first: index, accuracy budget, observed overflow, values
-        observed below the normal range, custom ops without a 16-bit fake kernel, ATen
-        ops without a 16-bit kernel, underflow, conditioning; then the policy's routers."""
+        """fx16's rules, safety first: index, accuracy budget, observed overflow, custom
+        ops without a 16-bit fake kernel, ATen ops without a 16-bit kernel, underflow,
+        conditioning, values observed below the normal range (the more specific causes
+        first); then the policy's routers."""
         return cls(
             [
                 UnsafeIndexRule(),
                 AccuracyBudgetRule(frozenset(force_fp32)),
                 ObservedOverflowRule(limit),
-                ObservedBelowRangeRule(low),
                 FakeKernelRule(low),
                 NoLowKernelRule(),
                 UnderflowRule(),
                 ConditioningRule(),
+                ObservedBelowRangeRule(low),
                 RouterRule(),
             ]
         )

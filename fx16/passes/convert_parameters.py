@@ -50,6 +50,9 @@ class ConvertParametersPass(PolicyPass):
     in ``force_fp32``, or that a safety rule keeps in fp32 (``meta["fx16.fp32_rule"]``:
     a buffer such as a rotary ``inv_freq`` feeding an ill-conditioned sin), stay fp32.
 
+    A tensor an earlier cast stored fp32 because every reader computes in fp32
+    (``readers_fp32``, ``StoreAsReadPass``) stays so: a second cast finds what the first did.
+
     A tensor subclass of dtype fp32 (torchao's ``Int8Tensor``) is rebuilt with its fp32
     inner tensors (scales) in 16-bit and its quantized data untouched, where the
     subclass can be rebuilt so; otherwise it stays as it is (``subclass_kept``).
@@ -71,8 +74,11 @@ class ConvertParametersPass(PolicyPass):
             if tensor is None or tensor.dtype != torch.float32:
                 continue
             rule = self.kept_fp32(slot.placeholder)
+            earlier = slot.placeholder.meta.get(PRECISION)
             if rule is not None:
                 slot.placeholder.meta[PRECISION] = rule
+            elif earlier is not None and earlier.reason is Reason.READERS_FP32:
+                pass  # an earlier cast found every reader fp32 (StoreAsReadPass): as before
             elif self.policy.precision_for(slot.placeholder, slot.target) != Precision.LOW:
                 entry = self.policy.matching_entry(slot.placeholder, slot.target)[1]
                 decide(slot.placeholder, torch.float32, Reason.POLICY, detail=entry)

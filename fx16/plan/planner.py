@@ -21,7 +21,7 @@ from torch.fx import GraphModule, Node
 from fx16 import meta
 from fx16.analysis.islands import island_decision
 from fx16.decisions import Reason, decision, decision_of
-from fx16.ops.numerics import flushes_to_zero
+from fx16.ops.numerics import flushes_to_zero, interval_below_normal
 from fx16.ops.tables import (
     ASSERT_METADATA_OPS,
     CAST_OPS,
@@ -272,6 +272,9 @@ class Planner:
         elif meta.overflows(node, self.limit):
             seen = meta.observed_max_abs(node)
             step.cast_back_skipped = f"observed {seen:.4g}, beyond 16-bit with the margin"
+        elif interval_below_normal((0.0, meta.observed_max_abs(node) or 0.0), self.low):
+            seen = meta.observed_max_abs(node)
+            step.cast_back_skipped = f"observed at most {seen:.3g}, below 16-bit's normal range"
         elif all(is_cast(user) for user in node.users):
             step.cast_back_skipped = "its consumers are casts, which convert it themselves"
         elif written_in_place(node):

@@ -86,9 +86,14 @@ def _why_input(view: View, value: Node) -> str:
 
 def _safety_rule(view: View) -> Choice | None:
     """A safety rule keeps the node fp32 (``meta["fx16.fp32_rule"]``): computed in
-    fp32."""
+    fp32. An op with no 16-bit kernel is fp32 as a policy's op is, so its consumers read
+    a 16-bit copy where the policy casts back (eager autocast's fp32 list: they follow
+    the fp32 result)."""
     rule: Decision | None = meta.fp32_rule(view.node)
-    return Choice(Action.FP32, rule.reason, rule.detail) if rule is not None else None
+    if rule is None:
+        return None
+    cast_back = view.policy.cast_back if rule.reason is Reason.NO_LOW_KERNEL else True
+    return Choice(Action.FP32, rule.reason, rule.detail, cast_back=cast_back)
 
 
 def _policy_fp32(view: View) -> Choice | None:
