@@ -112,3 +112,55 @@ def test_the_rounding_16_bit_products_leave_in_logits_is_named():
     assert any(line.startswith("envelope:   sharper logits:") for line in report_of(ep).summary())
     plain = fx16.cast_fp32_to_fp16(export(ScaleByRowPeak(), _rows(1)))
     assert report_of(plain).totals.envelope.logit_rounding is None
+
+
+class ScoresOfTheInput(nn.Module):
+    """Attention scores of the input itself, ``softmax(q kᵀ) v``: the scores grow with
+    the square of the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(16, 16, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return scores.softmax(-1) @ self.v(x)
+
+
+def test_larger_inputs_are_stated_for_the_inputs_through_the_squares():
+    """Once: "16-bit values stay in range up to 2.6e3x the calibrated magnitudes", while
+    inputs 130x larger gave inf (the scores grow as the square). Now the factor is the
+    inputs', through the product: below it the cast program stays finite, 1.5x past it
+    the scores overflow."""
+    torch.manual_seed(0)
+    model, x = ScoresOfTheInput().eval(), torch.randn(1, 8, 16)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    found = report_of(ep).totals.envelope
+    assert found.headroom_degree == 2 and found.headroom_node == "matmul"
+    with torch.no_grad():
+        scores = model.q(x) @ model.k(x).transpose(-1, -2)
+    assert abs(found.headroom - (65504 / float(scores.abs().max())) ** 0.5) < 1e-3 * found.headroom
+    line = next(line for line in report_of(ep).summary() if "larger inputs" in line)
+    assert f"float inputs up to {found.headroom:.3g}x" in line and "inputs ** 2" in line
+    args, _ = fx16.inputs_for(ep, x * 0.9 * found.headroom)
+    assert bool(ep.module()(*args).isfinite().all())
+    args, _ = fx16.inputs_for(ep, x * 1.5 * found.headroom)
+    assert not bool(ep.module()(*args).isfinite().all())
+
+
+class TokensThroughANorm(nn.Module):
+    """Token ids -> embedding -> LayerNorm -> linear: no float input to scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(32, 16), nn.LayerNorm(16), nn.Linear(16, 8)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.embed(ids)))
+
+
+def test_a_program_of_token_ids_says_nothing_about_larger_inputs():
+    """Nothing grows with a token id; once a weight was named the tightest value."""
+    ep = fx16.cast_fp32_to_fp16(export(TokensThroughANorm(), torch.randint(0, 32, (2, 6))))
+    assert report_of(ep).totals.envelope.headroom is None
+    assert not any("larger inputs" in line for line in report_of(ep).summary())

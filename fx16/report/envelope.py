@@ -33,9 +33,11 @@ from fx16.analysis.underflow import singular_argument, small_end
 from fx16.decisions import PRECISION
 from fx16.ops.numerics import largest, smallest_normal
 from fx16.ops.tables import EXPONENTIAL_TAIL_OPS, SOFTMAX_OPS
+from fx16.program import Program
+from fx16.program.boundaries import Boundaries
 from fx16.program.casts import is_cast
 from fx16.program.cost import is_product
-from fx16.program.nodes import node_val
+from fx16.program.nodes import node_val, tensor_leaves
 from fx16.program.subgraphs import nested_graph_modules
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -50,10 +52,13 @@ class Envelope:
     margin: float  # the overflow margin the decisions were made with
     rewritten: int  # stable rewrites: exact for every input
     proven: int  # values narrowed on a proven range: in range for every input
-    # inputs may make the values 16-bit holds this many times larger before the
-    # tightest (headroom_node) passes the 16-bit maximum
+    # the program's float inputs may grow this many times beyond the calibration inputs
+    # before the tightest 16-bit value (headroom_node, which grows as the inputs to the
+    # power headroom_degree: 2 for attention scores) passes the 16-bit maximum; None
+    # where no 16-bit value grows with them (token ids in, weights only)
     headroom: float | None = None
     headroom_node: str = ""
+    headroom_degree: float = 1.0
     # the smallest nonzero value a 16-bit op singular at zero read on calibration, and
     # how many times quieter inputs may make it before it leaves the normal range
     quietest: float | None = None
@@ -77,9 +82,14 @@ class Envelope:
             return lines
         lines.append(f"{self.calibration}, with an overflow margin of {self.margin:g}x")
         if self.headroom is not None:
+            grows = (
+                ""
+                if self.headroom_degree == 1
+                else f", which grows as the inputs ** {self.headroom_degree:g}"
+            )
             lines.append(
-                f"  larger inputs: 16-bit values stay in range up to {self.headroom:.3g}x the "
-                f"calibrated magnitudes (tightest: {self.headroom_node})"
+                f"  larger inputs: float inputs up to {self.headroom:.3g}x the calibration "
+                f"inputs keep 16-bit values in range (tightest: {self.headroom_node}{grows})"
             )
         if self.quiet_factor is not None:
             lines.append(
@@ -99,7 +109,8 @@ class Envelope:
 def envelope(ep: ExportedProgram, margin: float) -> Envelope:
     """The envelope of the cast program ``ep``, cast with ``margin`` (see the module)."""
     rewritten = proven = 0
-    headroom: tuple[float, str] | None = None
+    degrees = input_degrees(ep)
+    headroom: tuple[float, str, float] | None = None
     quiet: tuple[float, float, str] | None = None
     logits: tuple[float, str, str] | None = None
     for module in nested_graph_modules(ep.graph_module):
@@ -112,10 +123,13 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
                 continue
             observed = meta.observed_max_abs(node)
             bounded = meta.scaled(node) or meta.rounding_cancels(node)  # for any input
+            degree = degrees.get(node)
+            grows = degree is not None and degree > 0  # with the program's float inputs
             if decision is not None and observed and math.isfinite(observed) and not bounded:
-                factor = largest(val.dtype) / observed
-                if headroom is None or factor < headroom[0]:
-                    headroom = (factor, node.name)
+                if grows:
+                    factor = (largest(val.dtype) / observed) ** (1.0 / degree)
+                    if headroom is None or factor < headroom[0]:
+                        headroom = (factor, node.name, degree)
             found = _quietest_argument(node, val.dtype)
             if found is not None and (quiet is None or found[0] < quiet[0]):
                 quiet = (*found, node.name)
@@ -131,6 +145,7 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
         proven=proven,
         headroom=headroom[0] if headroom else None,
         headroom_node=headroom[1] if headroom else "",
+        headroom_degree=headroom[2] if headroom else 1.0,
         quietest=quiet[1] if quiet else None,
         quietest_node=quiet[2] if quiet else "",
         quiet_factor=quiet[0] if quiet else None,
@@ -185,3 +200,111 @@ def _logit_rounding(node: Node) -> tuple[float, str] | None:
 
 
 EXPONENTIALS = EXPONENTIAL_TAIL_OPS | SOFTMAX_OPS
+
+
+# How a value's magnitude grows with the program's float inputs scaled by s: as s ** d.
+_PRODUCTS = frozenset(
+    {
+        "mm",
+        "bmm",
+        "matmul",
+        "linear",
+        "mv",
+        "dot",
+        "einsum",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "convolution",
+        "_convolution",
+        "mul",
+    }
+)
+_BOUNDED = frozenset(
+    {
+        "softmax",
+        "_softmax",
+        "_safe_softmax",
+        "sigmoid",
+        "tanh",
+        "sin",
+        "cos",
+        "erf",
+        "layer_norm",
+        "native_layer_norm",
+        "group_norm",
+        "native_group_norm",
+        "rms_norm",
+        "instance_norm",
+        "sign",
+        "log",
+        "scaled_dot_product_attention",
+        "_native_batch_norm_legit",
+        "native_batch_norm",
+        "batch_norm",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "argmax",
+        "argmin",
+    }
+)
+_UNBOUNDED = frozenset({"exp", "exp2", "expm1", "pow"})
+
+
+def input_degrees(ep: ExportedProgram) -> dict[Node, float | None]:
+    """How each value grows when the program's float user inputs grow: as their scale
+    to this power (1 for a linear of an input, 2 for attention scores ``q kᵀ``, 0 for a
+    weight, a norm's output, a softmax or what token ids select; None where it grows
+    faster than any power, an exponential of them). Bodies read their operands'."""
+    boundaries = Boundaries(ep.graph_module)
+    program_inputs = {node.name for node in Program.of(ep).user_input_placeholders()}
+    degrees: dict[Node, float | None] = {}
+    for module in boundaries.graph_modules:
+        for node in module.graph.nodes:
+            degrees[node] = _degree(node, degrees, boundaries, program_inputs, module)
+    return degrees
+
+
+def _degree(node, degrees, boundaries, program_inputs, module) -> float | None:
+    val = node_val(node)
+    floats = [leaf for leaf in tensor_leaves(val) if leaf.is_floating_point()]
+    if node.op == "placeholder":
+        sources = boundaries.crossing_sources(node)
+        if sources:
+            found = [degrees.get(source, 0.0) for source in sources]
+            return None if None in found else max(found)
+        top = module is boundaries.graph_modules[0]
+        return 1.0 if top and node.name in program_inputs and floats else 0.0
+    if node.op != "call_function" or not floats:
+        return 0.0
+    inputs = [degrees.get(arg, 0.0) for arg in boundaries.inputs(node)]
+    if None in inputs:
+        return None
+    name = getattr(node.target, "_opname", "")
+    tensors = [arg for arg in node.args if isinstance(arg, Node)]
+    own = [degrees.get(arg, 0.0) for arg in tensors]
+    if name in _BOUNDED:
+        return 0.0
+    if name in _UNBOUNDED and name != "pow":
+        return None if max(inputs, default=0.0) > 0 else 0.0
+    if name == "pow" and len(node.args) > 1 and isinstance(node.args[1], (int, float)):
+        return own[0] * node.args[1] if own else 0.0
+    if name in ("div", "reciprocal", "rsqrt", "sqrt", "var", "std"):
+        first = own[0] if own else 0.0
+        return {
+            "div": first - (own[1] if len(own) > 1 else 0.0),
+            "reciprocal": -first,
+            "rsqrt": -first / 2,
+            "sqrt": first / 2,
+            "var": 2 * first,
+            "std": first,
+        }[name]
+    if name in _PRODUCTS:
+        return sum(own)
+    if name in ("addmm", "baddbmm", "addbmm"):
+        return max(own[0], own[1] + own[2]) if len(own) >= 3 else max(own, default=0.0)
+    return max(inputs, default=0.0)
