@@ -1,0 +1,209 @@
+"""Range: models whose values leave fp16's range, at either end, cast side by side.
+
+For each model, fx16's default cast, eager ``.half()``, eager bf16 autocast and
+coreai-opt: the largest relative error of an output against an fp64 run, the outputs
+that turn inf or NaN where fp64 is finite, the share of matmul/conv/attention FLOPs in
+16-bit, the ops left in fp32 and the casts the cast program runs per call (the eager
+peers have no program: "-"). An in-range twin (the same architecture with its values
+inside fp16's range) gives the error the range goal compares against. Writes
+``benchmarks/RANGE.md``.
+"""
+
+import argparse
+import copy
+import warnings
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import fx16
+from benchmarks import zoo
+from benchmarks.markdown import table_row, write_results
+from fx16.program import Program
+from fx16.program.stats import program_stats, relative_error
+
+
+class TinyWeights(nn.Module):
+    """A product with weights of 1e-9 (every one below fp16's subnormals), then a
+    reciprocal and a scale back up, as a calibrated sensor gain might be stored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(32, 32) * 1e-9)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        y = x @ self.gain
+        return self.head(y * 1e6), 1 / y
+
+
+class RawUnits(nn.Module):
+    """A tabular MLP fed raw units (incomes, populations: up to ~1e6)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 4)
+        with torch.no_grad():
+            self.layers[0].weight.mul_(1e-5)
+
+    def forward(self, x):
+        return self.head(self.layers(x))
+
+
+class GrowingCnn(nn.Module):
+    """conv -> BatchNorm (eval: a per-channel affine) -> ReLU, six times, each block
+    multiplying the activations by about 8 (inception-like growth past fp16's range)."""
+
+    def __init__(self, blocks: int = 6) -> None:
+        super().__init__()
+        layers = []
+        for _ in range(blocks):
+            conv, norm = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+            with torch.no_grad():
+                norm.weight.fill_(8.0)
+                norm.running_var.fill_(0.05)
+            layers += [conv, norm, nn.ReLU()]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def models():
+    """(name, build, inputs, twin): twin is the in-range model's name, or None."""
+
+    def ids():
+        return (zoo.massive_ids(),)
+
+    return [
+        (
+            "T5 v1.1 encoder, residual ~2e3 (in range)",
+            lambda: zoo.massive_t5_encoder(2e3),
+            ids,
+            None,
+        ),
+        ("T5 v1.1 encoder, residual ~3e4", lambda: zoo.massive_t5_encoder(3e4), ids, "T5"),
+        ("T5 v1.1 encoder, residual ~3e5", lambda: zoo.massive_t5_encoder(3e5), ids, "T5"),
+        ("T5 v1.1 encoder, residual ~3e6", lambda: zoo.massive_t5_encoder(3e6), ids, "T5"),
+        (
+            "Llama, massive activations ~2e3 (in range)",
+            lambda: zoo.massive_llama(3, 2e3),
+            ids,
+            None,
+        ),
+        ("Llama, massive activations ~2e5", lambda: zoo.massive_llama(3, 2e5), ids, "Llama"),
+        ("tiny weights (1e-9)", TinyWeights, lambda: (torch.randn(4, 32),), None),
+        ("raw-unit inputs (~1e6)", RawUnits, lambda: (torch.rand(8, 16) * 1e6,), None),
+        ("bf16 Llama cast to fp16", lambda: zoo.llama(2).to(torch.bfloat16), ids, None),
+        (
+            "growing CNN (x8 a block)",
+            lambda: GrowingCnn().eval(),
+            lambda: (torch.randn(2, 8, 8, 8),),
+            None,
+        ),
+    ]
+
+
+def _floats64(args):
+    return [a.double() if a.is_floating_point() else a for a in args]
+
+
+def _reference(model, args) -> list:
+    """The model in fp64 (a bf16 model's weights widened exactly)."""
+    with torch.no_grad():
+        return pytree.tree_leaves(copy.deepcopy(model).double()(*_floats64(args)))
+
+
+def _outcome(reference, outputs) -> tuple[str, str]:
+    errors, broken = [], 0
+    for ref, out in zip(reference, outputs):
+        if isinstance(ref, torch.Tensor) and ref.is_floating_point():
+            errors.append(relative_error(ref, out.double()))
+            broken += int((torch.isfinite(ref) & ~torch.isfinite(out.double())).sum())
+    return f"{max(errors):.2e}", str(broken)
+
+
+def _program_row(cast, model, args, reference) -> list[str]:
+    ep = torch.export.export(model, args)
+    cast(ep)
+    stats = program_stats(ep)
+    with torch.no_grad():
+        outputs = Program(ep).run(args)
+    error, broken = _outcome(reference, outputs)
+    return [
+        error,
+        broken,
+        f"{stats.flop_share_16bit:.1%}",
+        str(stats.ops_in(torch.float32)),
+        str(stats.casts),
+    ]
+
+
+def _eager_row(run, model, args, reference) -> list[str]:
+    with torch.no_grad():
+        outputs = pytree.tree_leaves(run(model, args))
+    return [*_outcome(reference, outputs), "-", "-", "-"]
+
+
+def _half(model, args):
+    return copy.deepcopy(model).half()(*[a.half() if a.is_floating_point() else a for a in args])
+
+
+def _autocast(model, args):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(*args)
+
+
+def tools() -> dict:
+    found = {"fx16": lambda *a: _program_row(fx16.cast_fp32_to_fp16, *a)}
+    found["eager .half()"] = lambda *a: _eager_row(_half, *a)
+    found["eager autocast bf16"] = lambda *a: _eager_row(_autocast, *a)
+    try:
+        from coreai_opt.casting import cast_fp32_to_fp16
+    except ImportError:
+        return found
+    found["coreai-opt 0.3.0"] = lambda *a: _program_row(cast_fp32_to_fp16, *a)
+    return found
+
+
+COMMAND = "python -m benchmarks.range"
+HEADER = (
+    "| model | tool | max rel. error vs fp64 | outputs turned inf/nan | 16-bit FLOP share | "
+    "fp32 ops | casts per call |"
+)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", type=Path, default=Path(__file__).with_name("RANGE.md"))
+    options = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    lines = [HEADER, "|" + "---|" * 7]
+    for name, build, draw, _ in models():
+        torch.manual_seed(0)
+        model, args = build(), tuple(draw())
+        model.eval()
+        reference = _reference(model, args)
+        for tool, run in tools().items():
+            if tool == "eager autocast bf16" and next(model.parameters()).dtype == torch.bfloat16:
+                continue
+            try:
+                cells = run(model, args, reference)
+            except Exception as error:  # a peer that cannot cast the model says so
+                cells = [f"fails: {type(error).__name__}", "-", "-", "-", "-"]
+            lines.append(table_row([name, tool, *cells]))
+            print(lines[-1], flush=True)
+    notes = (
+        "Errors against an fp64 run of the model (a bf16 model's weights widened "
+        "exactly); casts per call count every cast node of the cast program. The rows "
+        "marked in range are the twins the range goal compares with."
+    )
+    write_results(options.output, "Range: values beyond fp16 at either end", COMMAND, notes, lines)
+
+
+if __name__ == "__main__":
+    main()
