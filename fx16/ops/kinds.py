@@ -47,6 +47,49 @@ COMPUTE_OPS = packets(
     "grouped_mm_fallback",  # transformers' mixture-of-experts kernel, as exported
 )
 
+# How a value's magnitude grows when a program's float inputs are scaled by s, as s ** d
+# (fx16.report.envelope): attention grows as its values do; the other products (and mul)
+# multiply their operands' growth; these give values bounded whatever the scale (norms,
+# softmax, saturating functions, comparisons); these grow faster than any power.
+ATTENTION_OPS = packets(
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+)
+GROWTH_MULTIPLYING_OPS = (COMPUTE_OPS - ATTENTION_OPS) | packets("mul")
+SCALE_BOUNDED_OPS = packets(
+    "softmax",
+    "_softmax",
+    "_safe_softmax",
+    "layer_norm",
+    "native_layer_norm",
+    "group_norm",
+    "native_group_norm",
+    "rms_norm",
+    "_fused_rms_norm",
+    "instance_norm",
+    "batch_norm",
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "sigmoid",
+    "tanh",
+    "sin",
+    "cos",
+    "erf",
+    "sign",
+    "log",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "argmax",
+    "argmin",
+)
+EXPONENTIAL_GROWTH_OPS = packets("exp", "exp2", "expm1")
+
 # Ops that accumulate over many elements: normalisations, softmax, sums, losses.
 REDUCTION_OPS = packets(
     "softmax",

@@ -31,6 +31,12 @@ from fx16 import meta
 from fx16.analysis.intervals import Source, ValueRange
 from fx16.analysis.underflow import singular_argument, small_end
 from fx16.decisions import PRECISION
+from fx16.ops.kinds import (
+    ATTENTION_OPS,
+    EXPONENTIAL_GROWTH_OPS,
+    GROWTH_MULTIPLYING_OPS,
+    SCALE_BOUNDED_OPS,
+)
 from fx16.ops.numerics import largest, smallest_normal
 from fx16.ops.tables import EXPONENTIAL_TAIL_OPS, SOFTMAX_OPS
 from fx16.program import Program
@@ -202,59 +208,6 @@ def _logit_rounding(node: Node) -> tuple[float, str] | None:
 EXPONENTIALS = EXPONENTIAL_TAIL_OPS | SOFTMAX_OPS
 
 
-# How a value's magnitude grows with the program's float inputs scaled by s: as s ** d.
-_PRODUCTS = frozenset(
-    {
-        "mm",
-        "bmm",
-        "matmul",
-        "linear",
-        "mv",
-        "dot",
-        "einsum",
-        "conv1d",
-        "conv2d",
-        "conv3d",
-        "convolution",
-        "_convolution",
-        "mul",
-    }
-)
-_BOUNDED = frozenset(
-    {
-        "softmax",
-        "_softmax",
-        "_safe_softmax",
-        "sigmoid",
-        "tanh",
-        "sin",
-        "cos",
-        "erf",
-        "layer_norm",
-        "native_layer_norm",
-        "group_norm",
-        "native_group_norm",
-        "rms_norm",
-        "instance_norm",
-        "sign",
-        "log",
-        "scaled_dot_product_attention",
-        "_native_batch_norm_legit",
-        "native_batch_norm",
-        "batch_norm",
-        "eq",
-        "ne",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "argmax",
-        "argmin",
-    }
-)
-_UNBOUNDED = frozenset({"exp", "exp2", "expm1", "pow"})
-
-
 def input_degrees(ep: ExportedProgram) -> dict[Node, float | None]:
     """How each value grows when the program's float user inputs grow: as their scale
     to this power (1 for a linear of an input, 2 for attention scores ``q kᵀ``, 0 for a
@@ -287,10 +240,12 @@ def _degree(node, degrees, boundaries, program_inputs, module) -> float | None:
     name = getattr(node.target, "_opname", "")
     tensors = [arg for arg in node.args if isinstance(arg, Node)]
     own = [degrees.get(arg, 0.0) for arg in tensors]
-    if name in _BOUNDED:
+    if name in SCALE_BOUNDED_OPS:
         return 0.0
-    if name in _UNBOUNDED and name != "pow":
+    if name in EXPONENTIAL_GROWTH_OPS:
         return None if max(inputs, default=0.0) > 0 else 0.0
+    if name in ATTENTION_OPS:  # a weighted mean of the values
+        return own[2] if len(own) > 2 else max(inputs, default=0.0)
     if name == "pow" and len(node.args) > 1 and isinstance(node.args[1], (int, float)):
         return own[0] * node.args[1] if own else 0.0
     if name in ("div", "reciprocal", "rsqrt", "sqrt", "var", "std"):
@@ -303,8 +258,8 @@ def _degree(node, degrees, boundaries, program_inputs, module) -> float | None:
             "var": 2 * first,
             "std": first,
         }[name]
-    if name in _PRODUCTS:
-        return sum(own)
-    if name in ("addmm", "baddbmm", "addbmm"):
+    if name in ("addmm", "baddbmm", "addbmm", "addmv"):  # input + a product
         return max(own[0], own[1] + own[2]) if len(own) >= 3 else max(own, default=0.0)
+    if name in GROWTH_MULTIPLYING_OPS:
+        return sum(own)
     return max(inputs, default=0.0)
