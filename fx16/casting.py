@@ -149,7 +149,7 @@ def cast_fp32_to_fp16(
 
 
 def _fp16_fields(arguments: dict) -> dict:
-    """The ``Fp16Options`` fields among a public function's ``arguments`` (its locals)."""
+    """The ``Fp16Options`` a public function takes, from its ``arguments`` (its locals)."""
     return {name: arguments[name] for name in Fp16Options.names()}
 
 

@@ -77,6 +77,7 @@ class Reason(str, enum.Enum):
         "measurably lower the output error"
     )
     ACCURACY_FALLBACK = "returned to fp32 to meet the accuracy budget"
+    FORCED = "the caller's force_fp32 names it"
     POLICY = "the precision policy asks for fp32"
     POLICY_FOLLOW = "follows its inputs' dtype (the policy's follow/promote rule)"
     KEEP_IO = "kept at its original dtype (keep_io_types)"

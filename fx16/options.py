@@ -27,10 +27,14 @@ class Fp16Options:
     input_ranges: dict | None = None
     force_fp32: Collection[str] | str = frozenset()
     scalars: str = "exact"  # which Python numbers become 16-bit constants
+    # the nodes an accuracy-budget search returned to fp32 (set by the search, not by
+    # callers: their own names go in force_fp32, and the report tells the two apart)
+    fallback: frozenset[str] = frozenset()
 
     @classmethod
     def names(cls) -> frozenset[str]:
-        return frozenset(field.name for field in fields(cls))
+        """The options a caller passes (``fallback`` is the accuracy search's own)."""
+        return frozenset(field.name for field in fields(cls)) - {"fallback"}
 
     @classmethod
     def of(
@@ -50,4 +54,4 @@ class Fp16Options:
         return replace(options or cls(), **keywords)
 
     def as_keywords(self) -> dict:
-        return {field.name: getattr(self, field.name) for field in fields(self)}
+        return {name: getattr(self, name) for name in sorted(self.names())}

@@ -122,9 +122,10 @@ def _analyses(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
 
 
 def _rewrites(program: Program, options: Fp16Options, policy: PrecisionPolicy) -> list[PassBase]:
-    margin, forced = options.overflow_margin, options.force_fp32
+    margin, forced = options.overflow_margin, options.force_fp32 | options.fallback
+    limit = overflow_limit(policy, margin)
     return [
-        Fp32RulesAnalysis.standard(policy.low, overflow_limit(policy, margin), forced),
+        Fp32RulesAnalysis.standard(policy.low, limit, options.force_fp32, options.fallback),
         VerdictCheckAnalysis(program, policy, options.calibration),
         ConvertParametersPass(program, policy=policy, force_fp32=forced),
         ConvertUserInputsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),

@@ -174,27 +174,20 @@ class CustomOps(nn.Module):
 
 @pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
 def test_the_rules_that_read_no_analysis_judge_custom_ops_in_the_dtype_asked_for(low):
-    """``needing_nothing`` (a pipeline that runs no analysis) keeps the budget's and the
-    fake-kernel rules, the latter judging in ``low``: an op whose fake kernel takes
+    """``needing_nothing`` (a pipeline that runs no analysis) keeps the forced, budget's
+    and kernel rules, the latter judging in ``low``: an op whose fake kernel takes
     ``low`` is left alone, one that refuses it is kept as exported; the rules that read
     an analysis are left out."""
     ep = export(CustomOps(), torch.randn(2, 8))
     analysis = Fp32RulesAnalysis.needing_nothing(low, 65504 / 2, frozenset({"x"}))
-    assert [type(rule).__name__ for rule in analysis.rules] == [
-        "AccuracyBudgetRule",
-        "FakeKernelRule",
-        "NoLowKernelRule",
-    ]
+    names = ["ForcedRule", "AccuracyBudgetRule", "FakeKernelRule", "NoLowKernelRule"]
+    assert [type(rule).__name__ for rule in analysis.rules] == names
     rules = _rules(ep, analysis.rules)
-    assert ep.graph_module.meta["fx16.fp32_rules"] == [
-        "AccuracyBudgetRule",
-        "FakeKernelRule",
-        "NoLowKernelRule",
-    ]
+    assert ep.graph_module.meta["fx16.fp32_rules"] == names
     assert rules["scaled_to"] is None
     assert rules["fp32_only"].dtype == rules["x"].dtype == torch.float32
     assert (rules["fp32_only"].reason, rules["fp32_only"].detail) == (Reason.NO_FAKE_KERNEL, "")
-    assert (rules["x"].reason, rules["x"].detail) == (Reason.ACCURACY_FALLBACK, "")
+    assert (rules["x"].reason, rules["x"].detail) == (Reason.FORCED, "force_fp32='x'")
 
 
 class AfterACond(nn.Module):
@@ -280,3 +273,17 @@ def test_a_value_that_reaches_the_normal_range_is_not_kept():
     for largest, kept in ((1e-4, False), (5e-5, True), (0.0, False)):
         node.meta[meta.OBSERVED_MAX_ABS] = largest
         assert (analysis.applies(node) is not None) is kept, largest
+
+
+def test_a_callers_force_fp32_is_said_as_forced_not_as_an_accuracy_fallback():
+    """``force_fp32=["linear_1"]`` with no budget once reported ``accuracy_fallback:
+    returned to fp32 to meet the accuracy budget``; its own reason names the option and
+    the name that matched. A budget search's choices keep theirs (tests/test_budget.py)."""
+    from models import MLP
+
+    torch.manual_seed(0)
+    ep = fx16.cast_fp32_to_fp16(export(MLP(), torch.randn(4, 8)), force_fp32=["linear_1"])
+    (row,) = [row for row in fx16.report.report_of(ep).rows if row.node == "linear_1"]
+    assert (row.dtype, row.rule) == ("float32", "forced")
+    decided = next(n for n in ep.graph.nodes if n.name == "linear_1").meta[PRECISION]
+    assert (decided.reason, decided.detail) == (Reason.FORCED, "force_fp32='linear_1'")

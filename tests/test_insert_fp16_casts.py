@@ -26,7 +26,7 @@ aten = torch.ops.aten
 def _analyses(program, policy, forced=frozenset()):
     """The analyses the inserter reads, without calibration or ranges."""
     return [
-        Fp32RulesAnalysis.needing_nothing(policy.low, 65504 / 2, forced),
+        Fp32RulesAnalysis.needing_nothing(policy.low, 65504 / 2, fallback=forced),
         ExplicitFp32Analysis(program, policy),
     ]
 

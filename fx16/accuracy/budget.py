@@ -63,7 +63,6 @@ from fx16.errors import (
 from fx16.options import Fp16Options
 from fx16.passes.insert_fp16_casts import OUTPUTS
 from fx16.pipelines import fp16_stages, run_passes
-from fx16.policy import as_names
 from fx16.program import Program
 from fx16.program.cost import flops, is_product
 from fx16.program.stats import program_stats
@@ -194,8 +193,7 @@ class _Search:
             self.pristine.restore()
             gc.collect()  # the last round's graph (the transaction pauses the collector)
         self.holds = set(forced)
-        kept = frozenset(forced) | as_names(self.options.force_fp32)  # the caller's too
-        _, passes = fp16_stages(ep, replace(self.options, force_fp32=kept))
+        _, passes = fp16_stages(ep, replace(self.options, fallback=frozenset(forced)))
         for stage in passes:
             if isinstance(stage, VerdictCheckAnalysis):
                 stage.answers = self.answers  # each kind of verdict measured once

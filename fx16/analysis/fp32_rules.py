@@ -68,6 +68,21 @@ class AccuracyBudgetRule:
 
 
 @dataclass(frozen=True)
+class ForcedRule:
+    """The nodes the caller's ``force_fp32`` names, by name.
+
+    Before: ``force_fp32=["linear_1"]``, with no budget, reported ``linear_1`` as
+    returned to fp32 to meet an accuracy budget. After: ``forced``, naming the option
+    and the name that matched. Costs: what the caller asked for."""
+
+    names: frozenset[str]
+    reason = Reason.FORCED
+
+    def applies(self, node: Node) -> str | None:
+        return f"force_fp32={node.name!r}" if node.name in self.names else None
+
+
+@dataclass(frozen=True)
 class ObservedOverflowRule:
     """An op whose values on the calibration inputs exceed ``limit`` (the 16-bit
     maximum over the overflow margin) computes in fp32. Reads
@@ -240,25 +255,36 @@ class Fp32RulesAnalysis(Analysis):
 
     @classmethod
     def needing_nothing(
-        cls, low: torch.dtype, limit: float, force_fp32: frozenset[str] = frozenset()
+        cls,
+        low: torch.dtype,
+        limit: float,
+        force_fp32: frozenset[str] = frozenset(),
+        fallback: frozenset[str] = frozenset(),
     ) -> "Fp32RulesAnalysis":
-        """The standard rules that read no analysis (the budget's names, custom ops
-        without a 16-bit fake kernel, ...): for a pipeline that runs none."""
-        rules = cls.standard(low, limit, force_fp32).rules
+        """The standard rules that read no analysis (the caller's and the budget's
+        names, custom ops without a 16-bit fake kernel, ...): for a pipeline that runs
+        none."""
+        rules = cls.standard(low, limit, force_fp32, fallback).rules
         return cls([rule for rule in rules if not getattr(rule, "needs", ())])
 
     @classmethod
     def standard(
-        cls, low: torch.dtype, limit: float, force_fp32: frozenset[str] = frozenset()
+        cls,
+        low: torch.dtype,
+        limit: float,
+        force_fp32: frozenset[str] = frozenset(),
+        fallback: frozenset[str] = frozenset(),
     ) -> "Fp32RulesAnalysis":
-        """fx16's rules, safety first: index, accuracy budget, observed overflow, custom
+        """fx16's rules, safety first: index, the caller's force_fp32, the accuracy
+        budget's choices, observed overflow, custom
         ops without a 16-bit fake kernel, ATen ops without a 16-bit kernel, underflow,
         conditioning, values observed below the normal range (the more specific causes
         first); then the policy's routers."""
         return cls(
             [
                 UnsafeIndexRule(),
-                AccuracyBudgetRule(frozenset(force_fp32)),
+                ForcedRule(frozenset(force_fp32)),
+                AccuracyBudgetRule(frozenset(fallback)),
                 ObservedOverflowRule(limit),
                 FakeKernelRule(low),
                 NoLowKernelRule(),

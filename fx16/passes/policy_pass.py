@@ -16,7 +16,8 @@ class PolicyPass(PassBase):
 
     program: the ExportedProgram view. policy: default ``PrecisionPolicy.default()``.
     overflow_margin: a calibrated value overflows above the 16-bit maximum / margin.
-    force_fp32: node names that must stay fp32 (the accuracy-budget search sets them).
+    force_fp32: node names that must stay fp32 (the caller's ``force_fp32`` and the
+        accuracy-budget search's choices; Fp32RulesAnalysis tells the two apart).
     """
 
     def __init__(
@@ -42,7 +43,7 @@ class PolicyPass(PassBase):
         where no Fp32RulesAnalysis ran, a name in ``force_fp32``."""
         rule = fp32_rule(node)
         if rule is None and node.name in self.force_fp32:
-            return Decision(torch.float32, Reason.ACCURACY_FALLBACK)
+            return Decision(torch.float32, Reason.FORCED, f"force_fp32={node.name!r}")
         return rule
 
 

@@ -135,6 +135,7 @@ DOWNCASTABLE = frozenset(
         Reason.POLICY,
         Reason.POLICY_FOLLOW,
         Reason.ACCURACY_FALLBACK,
+        Reason.FORCED,
         Reason.LOOP_CARRIED,
         Reason.FIXED_OUTPUT_DTYPE,
         Reason.NO_LOW_KERNEL,
