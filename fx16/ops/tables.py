@@ -17,16 +17,23 @@ import torch
 aten = torch.ops.aten
 
 
+# Every name a table gave that the installed torch does not have: skipped, so that the
+# tables load on every supported torch, and listed, so that a typo cannot hide there
+# (tests/test_tables.py holds this list empty on the torch the project is tested with).
+UNRESOLVED: list[str] = []
+
+
 def overloads(*names: str) -> frozenset:
-    """Resolve "op.overload" names against torch.ops.aten, skipping unknown ones."""
+    """Resolve "op.overload" names against torch.ops.aten; one the installed torch lacks
+    is skipped and recorded in ``UNRESOLVED``."""
     found = set()
     for name in names:
         op_name, _, overload = name.partition(".")
         packet = getattr(aten, op_name, None)
-        if packet is None:
-            continue
-        op = getattr(packet, overload or "default", None)
-        if op is not None:
+        op = getattr(packet, overload or "default", None) if packet is not None else None
+        if op is None:
+            UNRESOLVED.append(name)
+        else:
             found.add(op)
     return frozenset(found)
 
@@ -109,7 +116,9 @@ def every_overload(*packets: str) -> frozenset:
     found = set()
     for name in packets:
         packet = getattr(aten, name, None)
-        if packet is not None:
+        if packet is None:
+            UNRESOLVED.append(name)
+        else:
             found.update(getattr(packet, overload) for overload in packet.overloads())
     return frozenset(found)
 
