@@ -39,14 +39,16 @@ def calibration_calls(
             entry = (entry,)
         call = entry if _is_args_kwargs(entry) else (tuple(entry), {})
         supplied = pytree.tree_leaves(call)
-        problem = _structure_problem(call, program.ep.call_spec.in_spec, placeholders)
-        if problem is None and len(supplied) != len(placeholders):
-            problem = (
-                f"supplies {len(supplied)} input value(s); the program takes "
-                f"{len(placeholders)} ({', '.join(p.name for p in placeholders)})"
+        if len(supplied) != len(placeholders):  # said by input where the layout shows how
+            problem = _structure_problem(call, program.ep.call_spec.in_spec, placeholders)
+            raise InvalidOptionError(
+                f"{label}[{index}] "
+                + (
+                    problem
+                    or f"supplies {len(supplied)} input value(s); the program takes "
+                    f"{len(placeholders)} ({', '.join(p.name for p in placeholders)})"
+                )
             )
-        if problem is not None:
-            raise InvalidOptionError(f"{label}[{index}] {problem}")
         for value, placeholder in zip(supplied, placeholders):
             _check_shape(f"{label}[{index}]", value, placeholder, ranges)
         calls.append(program.adapt_call(*call))  # float64 to the float32 it takes, ...
