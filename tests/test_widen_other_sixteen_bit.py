@@ -156,3 +156,31 @@ def test_int16_casting_leaves_a_bf16_programs_floats_alone():
     model, ids = _llama()
     ep = fx16.cast_int32_to_int16(export(copy.deepcopy(model).to(BF16), ids))
     assert BF16 in _dtypes(ep) and FP16 not in _dtypes(ep)
+
+
+class Bf16Branches(nn.Module):
+    """A bf16 linear, then a cond whose branches compute on its result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).to(BF16)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.cond(h.sum() > 0, lambda a: a * 2, lambda a: a.relu(), (h,))
+
+
+def test_the_widening_reaches_into_a_conds_branches():
+    """Input graph: linear (bf16) -> cond(branches on bf16). Output graph: fp16 outside
+    and inside both branches, no bf16 left; the branches compute what they did."""
+    torch.manual_seed(0)
+    model, x = Bf16Branches().eval(), torch.randn(4, 8, dtype=BF16)
+    ep = export(model, x)
+    assert WidenOtherSixteenBitPass(Program.of(ep), BF16)(ep.graph_module).modified
+    assert BF16 not in _dtypes(ep)
+    check_program(ep)
+    fx16.cast_fp32_to_fp16(ep)
+    check_program(ep)
+    assert BF16 not in _dtypes(ep) and FP16 in _dtypes(ep)
+    with torch.no_grad():
+        assert max_error([model(x).float()], run(ep, x)) < 2e-2

@@ -10,8 +10,9 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from fx16.program import Program
 from fx16.program.boundaries import Boundaries
 from fx16.program.casts import retype_val
+from fx16.program.cost import tensor_bytes
 from fx16.program.nodes import dtype_arguments, node_val, set_argument, tensor_leaves
-from fx16.program.subgraphs import AUTOCAST, bodies_and_operands
+from fx16.program.subgraphs import AUTOCAST, bodies_and_operands, nested_graph_modules
 
 FP32 = torch.float32
 OTHER_SIXTEEN_BIT = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float16}
@@ -53,38 +54,20 @@ def made_in(program: Program, dtype: torch.dtype, boundaries: Boundaries) -> set
 
 
 def _float_bytes(nodes: list[Node]) -> int:
-    leaves = [leaf for node in nodes for leaf in tensor_leaves(node_val(node))]
-    return sum(
-        _static_numel(leaf) * leaf.element_size() for leaf in leaves if leaf.is_floating_point()
-    )
-
-
-def _static_numel(leaf: torch.Tensor) -> int:
-    """The element count, a dynamic size counted as 1."""
-    count = 1
-    for size in leaf.shape:
-        count *= size if isinstance(size, int) else 1
-    return count
+    floats = [
+        leaf for n in nodes for leaf in tensor_leaves(node_val(n)) if leaf.is_floating_point()
+    ]
+    return tensor_bytes(floats)
 
 
 def _autocast_body_nodes(boundaries: Boundaries) -> set[Node]:
-    """The nodes of every ``wrap_with_autocast`` body (nested ones too)."""
+    """The nodes of every ``wrap_with_autocast`` body, and of the bodies nested in it."""
     inside: set[Node] = set()
     for module in boundaries.graph_modules:
         for node in module.graph.find_nodes(op="call_function", target=AUTOCAST):
             for body in bodies_and_operands(node)[0]:
-                inside.update(getattr(module, body.target).graph.nodes)
-    nested = True
-    while nested:  # a body nested in an autocast body is inside it too
-        nested = False
-        for module in boundaries.graph_modules:
-            for node in module.graph.nodes:
-                if node in inside:
-                    for body in bodies_and_operands(node)[0]:
-                        body_nodes = set(getattr(module, body.target).graph.nodes)
-                        if not body_nodes <= inside:
-                            inside |= body_nodes
-                            nested = True
+                for nested in nested_graph_modules(getattr(module, body.target)):
+                    inside.update(nested.graph.nodes)
     return inside
 
 
@@ -100,8 +83,9 @@ class WidenOtherSixteenBitPass(PassBase):
     ``Program.replace_state_tensor``, inside the cast's transaction), those nodes'
     ``meta["val"]`` leaves of ``dtype`` as fp32, and their ``dtype`` arguments (the
     model's ``x.to(torch.bfloat16)``, a creation op's ``dtype=``, the metadata asserts
-    that check them) as ``torch.float32``. The program computes what it did, in fp32;
-    callers' ``dtype`` inputs are converted by ``fx16.inputs_for`` as fp32 ones are.
+    that check them) as ``torch.float32``, and the recorded example inputs as the
+    widened inputs take them. The program computes what it did, in fp32; callers'
+    ``dtype`` inputs are converted by ``fx16.inputs_for`` as fp32 ones are.
     """
 
     def __init__(self, program: Program, dtype: torch.dtype) -> None:
@@ -121,6 +105,8 @@ class WidenOtherSixteenBitPass(PassBase):
                 if node in widened or any(arg in widened for arg in node.all_input_nodes):
                     self._widen(node)
             module.recompile()
+        if any(node in widened for node in self.program.user_input_placeholders()):
+            self.program.adapt_example_inputs()  # the recorded inputs, as the program takes them
         return PassResult(graph_module, True)
 
     def _widen(self, node: Node) -> None:
