@@ -2,6 +2,9 @@
 stored in fp32, not in 16-bit and cast up on every call."""
 
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fx16
@@ -9,6 +12,7 @@ from benchmarks import zoo
 from fx16.decisions import PRECISION, Reason
 from fx16.program.casts import is_inserted
 from fx16.report import report_of
+from fx16.testing import check_cast, programs
 from helpers import check_program, export, max_error, node_named, run
 from models import MLP
 
@@ -85,3 +89,28 @@ def test_a_routers_gate_weight_is_stored_as_its_product_reads_it():
     sixteen = fx16.cast_fp32_to_fp16(export(zoo.qwen2_moe(), ids), routing="16-bit")
     gate = node_named(sixteen, "p_model_model_layers_0_mlp_gate_weight")
     assert gate.meta[PRECISION].reason is Reason.FITS
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(programs(), st.sampled_from([2.0, 1e3]))
+def test_property_no_weight_is_stored_16_bit_only_to_be_cast_up(case, margin):
+    """Random programs, cast with the default margin and with one that keeps most ops
+    fp32: the result is within the float oracle's bound, no 16-bit state tensor is read
+    only through fx16's casts to fp32, and each ``readers_fp32`` tensor is fp32 and read
+    without one."""
+    from fx16.program.casts import cast_dtype, is_cast
+
+    ep = check_cast(case, lambda ep: fx16.cast_fp32_to_fp16(ep, overflow_margin=margin))
+    for node in ep.graph.nodes:
+        decided = node.meta.get(PRECISION)
+        if node.op != "placeholder" or decided is None or not node.users:
+            continue
+        casts_up = [
+            u
+            for u in node.users
+            if is_inserted(u) and is_cast(u) and cast_dtype(u) == torch.float32
+        ]
+        if decided.reason is Reason.READERS_FP32:
+            assert node.meta["val"].dtype == torch.float32 and not casts_up, node.name
+        elif node.name.startswith(("p_", "b_", "c_")) and decided.narrowed:
+            assert len(casts_up) < len(node.users), node.name
