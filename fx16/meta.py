@@ -34,6 +34,8 @@ ROUNDING_CANCELS = "fx16.rounding_cancels"  # StabilizePass: why this value's er
 BOUNDED_BELOW = "fx16.bounded_below"  # StabilizePass: why this value cannot flush to zero
 SCALED = "fx16.scaled"  # StabilizePass: why this value stays in range for any input
 SCALAR_ROUNDS_EXACTLY = "fx16.scalar_rounds_exactly"  # StabilizePass: why its scalar may round
+SCALE_EXPONENT = "fx16.scale_exponent"  # ScaleDomainsPass: e, the value holds v * 2**e
+RANGE_SCALE = "fx16.range_scale"  # ScaleDomainsPass: why it inserted this multiply
 
 # ---- graph_module.meta ---------------------------------------------------------------
 CALIBRATION_OUTPUTS = "fx16.calibration_outputs"  # CalibrationAnalysis: fp32 reference
@@ -41,6 +43,8 @@ CALIBRATION_STATUS = "fx16.calibration"  # CalibrationAnalysis: how it went
 ISLANDS = ISLAND  # ExplicitFp32Analysis: every verdict of one graph, a list
 FP32_RULES_RAN = "fx16.fp32_rules"  # Fp32RulesAnalysis: the rules that ran
 VERDICT_CHECKS = "fx16.verdict_checks"  # VerdictCheckAnalysis: what each check measured
+SCALE_PLAN = "fx16.scale_plan"  # ScaleDomainsAnalysis: the plan ScaleDomainsPass applies
+SCALE_DOMAINS = "fx16.scale_domains"  # ScaleDomainsAnalysis: a Domain per scale domain
 # in graph_module.meta["custom"], which torch.export.save keeps: a cast's report (provenance,
 # margin, the placeholders' decisions; fx16.report.saved)
 SAVED_REPORT = "fx16_report"
@@ -165,6 +169,11 @@ def keeps_island(node: Any) -> bool:
     """``node`` opens a region of the model's own that ExplicitFp32Analysis keeps fp32."""
     verdict = island_verdict(node)
     return verdict is not None and verdict.keep
+
+
+def scale_exponent(node: Any) -> int:
+    """e where the value is carried at 2**e (ScaleDomainsPass); 0 for one that is not."""
+    return _meta(node).get(SCALE_EXPONENT, 0)
 
 
 def stabilized(node: Any) -> tuple[str, str] | None:

@@ -19,6 +19,7 @@ from fx16.analysis import (
     ExplicitFp32Analysis,
     Fp32RulesAnalysis,
     RoutingAnalysis,
+    ScaleDomainsAnalysis,
     UnderflowAnalysis,
     UnsafeIndexAnalysis,
     UserReachabilityAnalysis,
@@ -47,6 +48,7 @@ from fx16.passes import (
     RecastAfterWritesPass,
     RecordStatsPass,
     ScalarsAsConstantsPass,
+    ScaleDomainsPass,
     StabilizePass,
     StoreAsReadPass,
     WidenOtherSixteenBitPass,
@@ -106,12 +108,19 @@ def fp16_stages(ep, options: Fp16Options) -> tuple[list[PassBase], list[PassBase
 def _analyses(program: Program, options: Fp16Options, policy: PrecisionPolicy) -> list[PassBase]:
     rewrites = policy.stabilize or policy.eps_clamp
     stabilize = [StabilizePass(policy.low, policy.stabilize, policy.eps_clamp)] if rewrites else []
+    limit = overflow_limit(policy, options.overflow_margin)
+    scaling = (
+        [ScaleDomainsAnalysis(program, limit), ScaleDomainsPass(program, options.calibration)]
+        if policy.low == torch.float16 and policy.scale_range
+        else []
+    )
     return [
         RecordStatsPass(program),
         WidenOtherSixteenBitPass(program, OTHER_SIXTEEN_BIT[policy.low]),
         PreserveCopiesPass(),
         *stabilize,
         CalibrationAnalysis(program, options.calibration),
+        *scaling,
         UnsafeIndexAnalysis(),
         ValueRangeAnalysis(program, options.input_ranges),
         ConditioningAnalysis(program, policy),

@@ -114,6 +114,9 @@ class PrecisionPolicy:
     eps_clamp: raise an ``eps`` below the 16-bit dtype's smallest normal to it
         (``rsqrt(v + 1e-12)``): unlike the ``stabilize`` rewrites this changes the result
         where the sum is below the new eps, so it is off unless asked for.
+    scale_range: carry fp16 values beyond its range at power-of-two scales folded into
+        weights and constants (``fx16.analysis.scale_domains``) rather than in fp32. On
+        by default for fp16 (bf16 has fp32's range); off in the ``autocast`` preset.
     precision_tolerance: the relative output error 16-bit rounding of an op's input
         may cause through the op's condition number before the op stays fp32
         (``fx16.analysis.conditioning``); None: two roundings of ``low`` (its eps:
@@ -136,6 +139,7 @@ class PrecisionPolicy:
     precision_tolerance: float | None = None
     stabilize: bool = True
     eps_clamp: bool = False
+    scale_range: bool = True
 
     def __post_init__(self) -> None:
         if self.low not in SIXTEEN_BIT_DTYPES:
@@ -242,6 +246,7 @@ class PrecisionPolicy:
             precision_tolerance=math.inf,  # eager autocast's dtypes, op by op
             explicit_fp32="keep",
             stabilize=False,  # eager autocast's ops, not rewritten ones
+            scale_range=False,  # nor rescaled ones
         )
 
     @classmethod

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fx16
+from fx16.policy import PrecisionPolicy
 from fx16.report import REPORT_KEY, format_rows, report_of
 from fx16.report.rows import decision_rows
 from helpers import export
@@ -21,9 +22,12 @@ from models import (
     ScaleShiftChain,
 )
 
+# a weight past fp16 on the fp32 path (scale domains would fold it into fp16)
+NO_SCALING = PrecisionPolicy(scale_range=False)
+
 
 def test_rows_name_every_decision_with_its_reason():
-    ep = fx16.cast_fp32_to_fp16(export(OverflowWeight(), torch.randn(2, 4)))
+    ep = fx16.cast_fp32_to_fp16(export(OverflowWeight(), torch.randn(2, 4)), policy=NO_SCALING)
     rows = {row.node: row for row in decision_rows(ep)}
     assert rows["p_big"].dtype == "float32" and not rows["p_big"].narrowed
     assert "exceeds the 16-bit range" in rows["p_big"].reason
@@ -58,6 +62,7 @@ def test_integer_rows_carry_ranges_and_json_round_trips():
         "cast_back_skipped",
         "stabilized",
         "chosen_by",
+        "scale_exponent",
     }
     assert add_row(report_of(ep))["proven"] == [0, 999999]  # numbers, not only text
     table = format_rows(rows)
@@ -90,6 +95,7 @@ def test_every_cast_stores_a_report_whose_json_has_a_reason_for_every_wide_node(
         "cast_bytes",
         "fp32_weight_bytes",
         "envelope",
+        "scale_domains",
     }
     envelope = document["totals"]["envelope"]
     assert envelope["calibration"] == "observed on 1 input(s)" and envelope["margin"] == 2.0
@@ -160,10 +166,12 @@ def test_a_pipeline_of_fx16_passes_has_a_report_too():
 
     for model, width in ((OverflowWeight, 4), (RMSNormMLP, 16)):
         torch.manual_seed(0)
-        by_function = fx16.cast_fp32_to_fp16(export(model(), torch.randn(2, width)))
+        by_function = fx16.cast_fp32_to_fp16(
+            export(model(), torch.randn(2, width)), policy=NO_SCALING
+        )
         torch.manual_seed(0)
         by_manager = export(model(), torch.randn(2, width))
-        PassManager(fx16.fp16_passes(by_manager))(by_manager.graph_module)
+        PassManager(fx16.fp16_passes(by_manager, policy=NO_SCALING))(by_manager.graph_module)
         built, stored = report_of(by_manager), report_of(by_function)
         assert built is not None and built.rows == stored.rows
         assert built.totals == stored.totals

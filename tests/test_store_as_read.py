@@ -10,6 +10,7 @@ from torch import nn
 import fx16
 from benchmarks import zoo
 from fx16.decisions import PRECISION, Reason
+from fx16.policy import PrecisionPolicy
 from fx16.program.casts import is_inserted
 from fx16.report import report_of
 from fx16.testing import check_cast, programs
@@ -32,7 +33,7 @@ def test_a_margin_that_keeps_every_op_fp32_keeps_every_weight_fp32():
     cast left is the output's, whose values fit."""
     torch.manual_seed(0)
     model, x = MLP().eval(), torch.randn(4, 8)
-    ep = fx16.cast_fp32_to_fp16(export(model, x), overflow_margin=1e5)
+    ep = fx16.cast_fp32_to_fp16(export(model, x), overflow_margin=1e5, policy=NO_SCALING)
     check_program(ep)
     weights = _weights(ep)
     assert {d.reason for d in weights.values()} == {Reason.READERS_FP32}
@@ -41,6 +42,10 @@ def test_a_margin_that_keeps_every_op_fp32_keeps_every_weight_fp32():
     assert totals.casts_inserted == 1 and totals.weight_bytes_after == totals.weight_bytes_before
     with torch.no_grad():
         assert max_error([model(x)], run(ep, x)) < 1e-3  # fp32 throughout, the output rounded
+
+
+# these tests are about values kept fp32 for range: scale domains would carry them 16-bit
+NO_SCALING = PrecisionPolicy(scale_range=False)
 
 
 class TiedAcrossPrecisions(nn.Module):
@@ -60,7 +65,9 @@ def test_a_tensor_a_16_bit_op_reads_stays_16_bit_under_every_name():
     """Only a tensor every reader of every name casts up moves: here the product reads
     it in 16-bit, so it stays stored once, in 16-bit."""
     torch.manual_seed(0)
-    ep = fx16.cast_fp32_to_fp16(export(TiedAcrossPrecisions(), torch.randn(4, 8)))
+    ep = fx16.cast_fp32_to_fp16(
+        export(TiedAcrossPrecisions(), torch.randn(4, 8)), policy=NO_SCALING
+    )
     check_program(ep)
     assert {d.reason for d in _weights(ep).values()} == {Reason.FITS}
     assert {t.dtype for t in ep.state_dict.values()} == {torch.float16}

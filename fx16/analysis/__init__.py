@@ -7,6 +7,7 @@ from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis
 from fx16.analysis.fp32_rules import Fp32RulesAnalysis
 from fx16.analysis.intervals import Source, ValueRange
 from fx16.analysis.routing import RoutingAnalysis
+from fx16.analysis.scale_domains import ScaleDomainsAnalysis
 from fx16.analysis.underflow import UnderflowAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.analysis.user_reachability import UserReachabilityAnalysis
@@ -20,6 +21,7 @@ __all__ = [
     "ExplicitFp32Analysis",
     "Fp32RulesAnalysis",
     "RoutingAnalysis",
+    "ScaleDomainsAnalysis",
     "Source",
     "UnderflowAnalysis",
     "UnsafeIndexAnalysis",

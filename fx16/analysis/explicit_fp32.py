@@ -141,7 +141,11 @@ class ExplicitFp32Analysis(Analysis):
                     f"{node.name} reaches {magnitude:.4g} ({seen}), beyond {self.limit:.4g} "
                     "(the 16-bit maximum over the overflow margin)"
                 )
-            elif 0 < magnitude < self.smallest and not meta.negligible(node):
+            elif (
+                0 < magnitude < self.smallest
+                and not meta.negligible(node)
+                and not meta.bounded_below(node)
+            ):
                 return True, (
                     f"{node.name} stays below {magnitude:.3g} ({seen}), in the 16-bit "
                     f"subnormal range (under {self.smallest:.3g} with the overflow margin)"

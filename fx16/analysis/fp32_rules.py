@@ -24,7 +24,7 @@ from fx16.contracts import Analysis
 from fx16.decisions import Decision, Reason
 from fx16.ops.int_ops import SELECTION_OPS
 from fx16.ops.numerics import interval_below_normal
-from fx16.ops.tables import NO_LOW_KERNEL_OPS, is_custom_op
+from fx16.ops.tables import NO_LOW_KERNEL_OPS, is_custom_op, overloads
 from fx16.program.aliases import storage_owners
 from fx16.program.nodes import is_float_tensor, mutated_argument
 from fx16.program.propagation import runs_narrowed
@@ -120,6 +120,9 @@ class ObservedOverflowRule:
         return found
 
 
+TENSOR_SUMS = overloads("add.Tensor", "sub.Tensor")
+
+
 @dataclass(frozen=True)
 class ObservedBelowRangeRule:
     """An op whose every value on the calibration inputs lies below the 16-bit normal
@@ -144,8 +147,18 @@ class ObservedBelowRangeRule:
         largest = meta.observed_max_abs(node)
         if largest is None or not interval_below_normal((-largest, largest), self.low):
             return None
+        if node.users and all(self._absorbed_by(user) for user in node.users):
+            return None
         tiny = torch.finfo(self.low).tiny
         return f"observed at most {largest:.3g}, below the smallest normal {tiny:.3g}"
+
+    def _absorbed_by(self, user: Node) -> bool:
+        """``user`` adds the value to a tensor and reaches the normal range: a subnormal
+        addend's rounding (at most half the smallest subnormal) is below the sum's."""
+        if user.op != "call_function" or user.target not in TENSOR_SUMS:
+            return False
+        largest = meta.observed_max_abs(user)
+        return largest is not None and not interval_below_normal((-largest, largest), self.low)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from fx16.passes.remove_identity_arithmetic import RemoveIdentityArithmeticPass
 from fx16.passes.remove_noop_casts import RemoveNoopCastsPass
 from fx16.passes.remove_unused_casts import RemoveUnusedCastsPass
 from fx16.passes.scalars_as_constants import ScalarsAsConstantsPass
+from fx16.passes.scale_domains import ScaleDomainsPass
 from fx16.passes.stabilize import StabilizePass
 from fx16.passes.store_as_read import StoreAsReadPass
 from fx16.passes.widen_other_sixteen_bit import WidenOtherSixteenBitPass
@@ -37,6 +38,7 @@ __all__ = [
     "RemoveNoopCastsPass",
     "RemoveUnusedCastsPass",
     "ScalarsAsConstantsPass",
+    "ScaleDomainsPass",
     "StabilizePass",
     "StoreAsReadPass",
     "WidenOtherSixteenBitPass",

@@ -172,6 +172,7 @@ class CastReport:
         if stabilized:
             kinds = ", ".join(f"{name} x{count}" for name, count in stabilized.items())
             lines.append(f"stabilized (rewritten for 16-bit): {kinds}")
+        lines += [f"range: scale domain {domain}" for domain in t.scale_domains]
         if self.accuracy is not None:
             lines.append(self.accuracy.describe())
         if t.envelope is not None:

@@ -11,6 +11,7 @@ from torch.fx import GraphModule, Node
 from fx16 import meta
 from fx16.analysis.explicit_fp32 import islands
 from fx16.analysis.intervals import ValueRange
+from fx16.analysis.scale_domains import scale_domains
 from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason
 from fx16.ops.int_ops import WIDE_INT_DTYPES
 from fx16.program import Program
@@ -52,6 +53,8 @@ class Row:
     stabilized: str = ""
     # the plan's precedence rule that chose (fx16.plan.precedence: "safety_rule", "fp32_input")
     chosen_by: str = ""
+    # e where a scale domain carries the value at 2**e (fx16.analysis.scale_domains), else 0
+    scale_exponent: int = 0
 
     def why(self) -> str:
         """The reason with its detail, and the precedence rule where its name says more
@@ -87,6 +90,7 @@ class Totals:
     cast_bytes: int = 0  # bytes every cast of the program reads and writes per call
     fp32_weight_bytes: int = 0
     envelope: Envelope | None = None  # the inputs under which the decisions hold
+    scale_domains: tuple[str, ...] = ()  # each scale domain, described
 
     @property
     def share_16bit(self) -> float:
@@ -155,6 +159,8 @@ def _numbers(node: Node) -> dict:
     if planned is not None:
         numbers["chosen_by"] = planned.rule
         numbers["cast_back_skipped"] = planned.cast_back_skipped
+    if meta.scale_exponent(node):
+        numbers["scale_exponent"] = meta.scale_exponent(node)
     if meta.stabilized(node):
         name, detail = meta.stabilized(node)
         numbers["stabilized"] = f"{name}: {detail}" if detail else name
@@ -262,6 +268,7 @@ def totals(ep: ExportedProgram, before: ProgramStats | None, margin: float = 2.0
         cast_bytes=after.cast_bytes,
         fp32_weight_bytes=after.fp32_weight_bytes,
         envelope=envelope(ep, margin),
+        scale_domains=tuple(domain.describe() for domain in scale_domains(ep.graph_module)),
     )
 
 

@@ -1,0 +1,450 @@
+"""The exponents a scale plan gives every value, and the multiplies that keep it exact.
+
+``propagate`` walks the graph once, in order, and gives each value the power-of-two
+exponent it is carried at once the plan is applied, by each op's rule
+(``fx16.ops.scaling``). Where a domain wants a value at its exponent, or an op needs
+its operands at one exponent (an add of two values, a softmax of unscaled logits),
+it first moves a scale into something free (a scalar, a state tensor read by that op
+alone: both folded at cast time); only where nothing is free does it plan a runtime
+multiply by a power of two (a "break"): on one edge, or after a value for all its
+readers. Multiplying by a power of two is exact, so the planned program computes the
+same function as the original, up to values that leave fp32's range.
+"""
+
+import operator
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from torch.fx import Node
+
+from fx16.meta import bounded_below, observed_max_abs
+from fx16.ops.scaling import Kind, ScaleRule, scale_rule
+from fx16.program.nodes import (
+    Location,
+    is_float_tensor,
+    is_number,
+    named_argument,
+    node_val,
+    tensor_leaves,
+)
+
+
+@dataclass
+class ScalePlan:
+    """What applying a set of scale domains changes (``fx16.passes.scale_domains``)."""
+
+    exponents: dict[Node, Any] = field(default_factory=dict)  # int, or a tuple per leaf
+    folds: dict[int, int] = field(default_factory=dict)  # id(state tensor) -> exponent
+    scalars: dict[tuple[Node, Location], float] = field(default_factory=dict)
+    after: dict[Node, int] = field(default_factory=dict)  # value -> delta, for every reader
+    edges: dict[tuple[Node, int], list[Node]] = field(default_factory=dict)  # (value, delta)
+    wanted: dict[Node, int] = field(default_factory=dict)  # the domains' members
+    # each member's domain's largest calibrated magnitude: what a member may hold on
+    # other inputs (a where or a max picks any member's values), unscaled
+    bounds: dict[Node, float] = field(default_factory=dict)
+
+    @property
+    def runtime_multiplies(self) -> int:
+        return len(self.after) + len(self.edges)
+
+
+class StateTensors:
+    """The state placeholders a plan may fold a scale into: one exponent per tensor
+    (a tensor stored under several names is one), and which of them a scale may be
+    moved into late (read by one op, through one name)."""
+
+    def __init__(self, tensors: dict[Node, Any], magnitudes: dict, limit: float) -> None:
+        self.tensor_of = {node: id(tensor) for node, tensor in tensors.items()}
+        self.magnitudes, self.limit = magnitudes, limit
+        names: dict[int, list[Node]] = {}
+        for node, key in self.tensor_of.items():
+            names.setdefault(key, []).append(node)
+        self.names = names
+
+    def key(self, node: Node) -> int | None:
+        return self.tensor_of.get(node)
+
+    def movable(self, node: Node, exponent: int = 0, added: bool = False) -> bool:
+        """A scale may be moved into ``node`` late, and at ``exponent`` it fits (a
+        weight's elements stay normal; ``added``: a bias, which the product it is added
+        to absorbs, may shrink further)."""
+        key = self.tensor_of.get(node)
+        if key is None or len(self.names[key]) != 1 or len(node.users) != 1:
+            return False
+        magnitude = self.magnitudes.get(node, 0.0)
+        scaled = magnitude * 2.0**exponent
+        if not magnitude or added:
+            return scaled <= self.limit
+        return min(magnitude, _SMALLEST_FOLDED) <= scaled <= self.limit
+
+
+def propagate(nodes: list[Node], wanted: dict[Node, int], state: StateTensors) -> ScalePlan:
+    """The plan that carries each node of ``wanted`` at its exponent (state placeholders:
+    folded), walking ``nodes`` (one graph's, in order)."""
+    plan = ScalePlan(wanted=dict(wanted))
+    for node, exponent in wanted.items():
+        key = state.key(node)
+        if key is not None:
+            plan.folds.setdefault(key, exponent)
+    walk = _Walk(plan, state)
+    for node in nodes:
+        walk.visit(node)
+    return plan
+
+
+class _Walk:
+    def __init__(self, plan: ScalePlan, state: StateTensors) -> None:
+        self.plan, self.state = plan, state
+        self.shifts: dict[Node, int] = {}  # log2 of a scaled value: shifted by its exponent
+
+    # ---- reading ------------------------------------------------------------------
+
+    def seen(self, value: Any) -> int:
+        """The exponent a reader of ``value`` sees (after a break for every reader)."""
+        if not isinstance(value, Node):
+            return 0
+        exponent = self.plan.exponents.get(value, 0)
+        if isinstance(exponent, tuple):
+            return 0
+        return exponent + self.plan.after.get(value, 0)
+
+    def _float_operands(self, node: Node, positions) -> list[tuple[int, Node]]:
+        found = []
+        for position in positions:
+            if position >= len(node.args):
+                continue
+            value = node.args[position]
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, Node) and is_float_tensor(node_val(item)):
+                    found.append((position, item))
+        return found
+
+    # ---- changing ------------------------------------------------------------------
+
+    def brk(self, value: Node, reader: Node, delta: int) -> None:
+        """Plan ``value * 2**delta`` for ``reader`` only."""
+        if delta:
+            self.plan.edges.setdefault((value, delta), []).append(reader)
+
+    def scale_scalar(self, node: Node, position: int, factor: float) -> None:
+        key = (node, ("args", position))
+        current = self.plan.scalars.get(key, node.args[position])
+        self.plan.scalars[key] = current * factor
+
+    def scale_eps(self, node: Node, rule: ScaleRule, factor: float) -> bool:
+        """Scale a norm's eps, passed or left to its default; False where it has none."""
+        if rule.eps < len(node.args):
+            location, value = ("args", rule.eps), node.args[rule.eps]
+        else:
+            location, value = ("kwargs", "eps"), named_argument(node, "eps")
+        value = self.plan.scalars.get((node, location), value)
+        if not is_number(value):
+            return False
+        self.plan.scalars[(node, location)] = value * factor
+        return True
+
+    def refold(self, value: Node, delta: int, added: bool = False) -> bool:
+        """Move ``2**delta`` into something free that only ``value``'s reader sees: a
+        state tensor read there alone, or a scalar factor of the product it is."""
+        if delta == 0:
+            return True
+        if len(value.users) != 1 or value in self.plan.after or value in self.shifts:
+            return False
+        if value.op == "placeholder":
+            key = self.state.key(value)
+            if not self.state.movable(value, self.plan.folds.get(key, 0) + delta, added):
+                return False
+            self.plan.folds[key] = self.plan.folds.get(key, 0) + delta
+            self.plan.exponents[value] = self.plan.exponents.get(value, 0) + delta
+            return True
+        if value.op != "call_function" or scale_rule(value.target).kind is not Kind.PRODUCT:
+            return False
+        rule = scale_rule(value.target)
+        a, b = (value.args[p] for p in rule.tensors)
+        if not self._refold_product(value, rule, a, b, delta):
+            return False
+        self.plan.exponents[value] = self.plan.exponents.get(value, 0) + delta
+        return True
+
+    def _refold_product(self, value: Node, rule: ScaleRule, a, b, delta: int) -> bool:
+        if rule.bias is not None and rule.bias < len(value.args) and value.args[rule.bias]:
+            return False
+        for position, operand, sign in (
+            (rule.tensors[1], b, -1 if rule.divides else 1),
+            (rule.tensors[0], a, 1),
+        ):
+            if is_number(operand):
+                self.scale_scalar(value, position, 2.0 ** (sign * delta))
+                return True
+        if a is b and not rule.divides:
+            return delta % 2 == 0 and self.refold(a, delta // 2)
+        return any(
+            isinstance(operand, Node) and self.refold(operand, sign * delta)
+            for operand, sign in ((b, -1 if rule.divides else 1), (a, 1))
+        )
+
+    def settle(self, operand: Node, reader: Node, target: int) -> None:
+        """Bring ``operand`` to ``target`` for ``reader``: fold it, else a break."""
+        delta = target - self.seen(operand)
+        if delta and not self.refold(operand, delta):
+            self.brk(operand, reader, delta)
+
+    # ---- the walk ----------------------------------------------------------------------
+
+    def visit(self, node: Node) -> None:
+        if node.op == "placeholder":
+            key = self.state.key(node)
+            exponent = self.plan.folds.get(key, 0) if key is not None else 0
+            self.plan.exponents[node] = exponent
+            want = self.plan.wanted.get(node)
+            if want is not None and want != exponent:
+                self.plan.after[node] = want - exponent  # an input scaled at the door
+            return
+        if node.op == "output":
+            for leaf in _node_leaves(node.args):
+                if is_float_tensor(node_val(leaf)) and self.seen(leaf):
+                    self.brk(leaf, node, -self.seen(leaf))
+            return
+        if node.op != "call_function":
+            return
+        result = self.result(node)
+        self.plan.exponents[node] = result
+        want = self.plan.wanted.get(node)
+        if want is not None and want != result and is_float_tensor(node_val(node)):
+            self.plan.after[node] = want - result
+
+    def result(self, node: Node) -> Any:
+        val = node_val(node)
+        if val is None:
+            return 0  # asserts and other ops without a result read metadata only
+        if node.target is operator.getitem:
+            source, index = node.args[:2]
+            exponent = self.plan.exponents.get(source, 0)
+            if isinstance(exponent, tuple):
+                return exponent[index] if index < len(exponent) else 0
+            return exponent
+        rule = scale_rule(node.target)
+        if rule.kind is Kind.SCALE_FREE:
+            return self.scale_free(node, rule)
+        if not any(leaf.is_floating_point() for leaf in tensor_leaves(val)):
+            return self.opaque(node)
+        handler = {
+            Kind.SAME: self.same,
+            Kind.PRODUCT: self.product,
+            Kind.POWER: self.power,
+            Kind.NORM: self.norm,
+            Kind.ATTENTION: self.attention,
+            Kind.LOG2: self.log2,
+            Kind.FLOOR: self.floor,
+            Kind.POWER_OF_BASE: self.power_of_base,
+            Kind.FILL: self.fill,
+            Kind.CREATION: lambda *_: 0,
+        }.get(rule.kind)
+        return self.opaque(node) if handler is None else handler(node, rule)
+
+    def opaque(self, node: Node, *_) -> int:
+        for leaf in _node_leaves((node.args, node.kwargs)):
+            if is_float_tensor(node_val(leaf)):
+                self.settle(leaf, node, 0)
+        return 0
+
+    def same(self, node: Node, rule: ScaleRule) -> int:
+        operands = self._float_operands(node, rule.tensors)
+        if any(operand in self.shifts for _, operand in operands):
+            return self.opaque(node)
+        target = self.plan.wanted.get(node) if operands else 0
+        if target is None:
+            target = self.seen(_largest(operands))
+        for _, operand in operands:
+            self.settle(operand, node, target)
+        if target and bounded_below(node) is None:
+            for position in rule.scalars:
+                if position < len(node.args) and is_number(node.args[position]):
+                    self.scale_scalar(node, position, 2.0**target)
+        return target
+
+    def product(self, node: Node, rule: ScaleRule) -> int:
+        """A product's result: a domain's member at its exponent, any other unscaled,
+        where a scale folds into a scalar factor or a weight it alone reads (a layer
+        after a scaled input) at no cost. A bias that cannot follow the result brings
+        the result to it instead: the scaled operand is unscaled before the product."""
+        a, b = (_argument(node, p) for p in rule.tensors)
+        if a in self.shifts or b in self.shifts:
+            return self.opaque(node)
+        result = self.seen(a) - self.seen(b) if rule.divides else self.seen(a) + self.seen(b)
+        target = self.plan.wanted.get(node, 0)
+        if result != target and self.free_refold(node, target - result):
+            result = target
+        bias = _argument(node, rule.bias)
+        if isinstance(bias, Node) and self.seen(bias) != result:
+            delta = result - self.seen(bias)
+            if not self.refold(bias, delta, added=delta < 0):
+                scaled = a if self.seen(a) else b
+                if isinstance(scaled, Node) and scaled is not bias:
+                    sign = -1 if rule.divides and scaled is b else 1
+                    self.brk(scaled, node, sign * -delta)
+                    result = self.seen(bias)
+                else:
+                    self.brk(bias, node, delta)
+        return result
+
+    def free_refold(self, node: Node, delta: int) -> bool:
+        """Move ``2**delta`` into the product ``node``'s scalar factor or a state tensor
+        it alone reads (never into another value's exponent)."""
+        rule = scale_rule(node.target)
+        if rule.kind is not Kind.PRODUCT:
+            return False
+        a, b = (_argument(node, p) for p in rule.tensors)
+        for position, operand, sign in (
+            (rule.tensors[1], b, -1 if rule.divides else 1),
+            (rule.tensors[0], a, 1),
+        ):
+            if is_number(operand):
+                self.scale_scalar(node, position, 2.0 ** (sign * delta))
+                return True
+        for operand, sign in ((b, -1 if rule.divides else 1), (a, 1)):
+            if isinstance(operand, Node) and operand.op == "placeholder":
+                if self.refold(operand, sign * delta):
+                    return True
+        return False
+
+    def power(self, node: Node, rule: ScaleRule) -> int:
+        x = node.args[0]
+        exponent = rule.power
+        if exponent is None:
+            if not is_number(node.args[1]):
+                return self.opaque(node)
+            exponent = Fraction(node.args[1])
+        result = exponent * self.seen(x)
+        if result.denominator != 1:
+            self.settle(x, node, 0)
+            return 0
+        return int(result)
+
+    def norm(self, node: Node, rule: ScaleRule) -> Any:
+        def arg(position):
+            return _argument(node, position)
+
+        if arg(rule.training):
+            return self.opaque(node)
+        x = node.args[0]
+        scale = self.seen(x)
+        if scale and not self.scale_eps(node, rule, 2.0 ** (2 * scale)):
+            self.settle(x, node, 0)
+            scale = 0
+        for position, target in ((rule.mean, scale), (rule.variance, 2 * scale)):
+            if isinstance(arg(position), Node):
+                self.settle(arg(position), node, target)
+        weight, bias = arg(rule.weight), arg(rule.norm_bias)
+        result = self.seen(weight) if isinstance(weight, Node) else 0
+        if isinstance(bias, Node):
+            self.settle(bias, node, result)
+        if isinstance(node_val(node), (tuple, list)):
+            return (result, scale, -scale)[: len(node_val(node))]
+        return result
+
+    def scale_free(self, node: Node, rule: ScaleRule) -> int:
+        operands = self._float_operands(node, rule.tensors)
+        target = self.seen(_largest(operands)) if operands else 0
+        for _, operand in operands:
+            self.settle(operand, node, target)
+        for position in rule.scalars:
+            if target and position < len(node.args) and is_number(node.args[position]):
+                self.scale_scalar(node, position, 2.0**target)
+        return 0
+
+    def attention(self, node: Node, rule: ScaleRule) -> int:
+        query, key, value = node.args[:3]
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        for operand in (query, key, mask):
+            if isinstance(operand, Node) and is_float_tensor(node_val(operand)):
+                self.settle(operand, node, 0)
+        return self.seen(value)
+
+    def fill(self, node: Node, rule: ScaleRule) -> int:
+        target = self.plan.wanted.get(node, 0)
+        for position in rule.scalars:
+            if target and position < len(node.args) and is_number(node.args[position]):
+                self.scale_scalar(node, position, 2.0**target)
+        return target
+
+    def log2(self, node: Node, rule: ScaleRule) -> int:
+        x = node.args[0]
+        if self.seen(x) and _only_feeds_powers(node):
+            self.shifts[node] = self.seen(x)
+            return 0
+        return self.opaque(node)
+
+    def floor(self, node: Node, rule: ScaleRule) -> int:
+        x = node.args[0]
+        floor_by_one = node.kwargs.get("rounding_mode") == "floor" and node.args[1:2] in (
+            (1,),
+            (1.0,),
+        )
+        if x in self.shifts and (len(node.args) == 1 or floor_by_one):
+            self.shifts[node] = self.shifts[x]
+            return 0
+        return self.opaque(node)
+
+    def power_of_base(self, node: Node, rule: ScaleRule) -> int:
+        base, exponent = node.args[:2]
+        if exponent not in self.shifts:
+            return self.opaque(node)
+        power = _log2_exact(Fraction(base) if is_number(base) and base > 0 else None)
+        if power is None:
+            return self.opaque(node)
+        return power * self.shifts[exponent]
+
+
+# A fold never takes a state tensor's largest magnitude below this (nor below where it
+# was): its small elements would leave the 16-bit normal range.
+_SMALLEST_FOLDED = 2.0**-8
+
+
+def _argument(node: Node, position: int | None) -> Any:
+    """``node.args[position]``, None where the position is None or not passed."""
+    return node.args[position] if position is not None and position < len(node.args) else None
+
+
+def _log2_exact(value: Fraction | None) -> int | None:
+    """k where ``value`` is 2**k exactly, else None."""
+    if value is None or value.numerator & (value.numerator - 1):
+        return None
+    if value.denominator & (value.denominator - 1):
+        return None
+    return value.numerator.bit_length() - value.denominator.bit_length()
+
+
+def _only_feeds_powers(node: Node) -> bool:
+    """Every use of ``node`` (a log2) ends in ``pow(2**b, .)``, through floors by 1: the
+    chain a stabilized norm computes its scale with, where a scale on the log2's
+    argument comes back out of the power."""
+    for user in node.users:
+        kind = scale_rule(user.target).kind if user.op == "call_function" else None
+        if kind is Kind.FLOOR and user.args[0] is node:
+            if not _only_feeds_powers(user):
+                return False
+        elif not (kind is Kind.POWER_OF_BASE and user.args[1] is node):
+            return False
+    return True
+
+
+def _largest(operands: list[tuple[int, Node]]) -> Node | None:
+    """The operand with the largest observed magnitude (the first when none was seen)."""
+    if not operands:
+        return None
+    return max(operands, key=lambda pair: observed_max_abs(pair[1]) or 0.0)[1]
+
+
+def _node_leaves(value: Any) -> list[Node]:
+    found: list[Node] = []
+    if isinstance(value, Node):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            found += _node_leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            found += _node_leaves(item)
+    return found

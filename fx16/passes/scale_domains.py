@@ -1,0 +1,199 @@
+"""ScaleDomainsPass: apply the plan ``ScaleDomainsAnalysis`` made, then calibrate again."""
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16 import meta
+from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.facts import Facts
+from fx16.analysis.scale_domains import ScaleDomainsAnalysis
+from fx16.analysis.scale_exponents import ScalePlan
+from fx16.contracts import require
+from fx16.program import Program
+from fx16.program.casts import copy_provenance
+from fx16.program.nodes import set_argument
+from fx16.program.propagation import fresh_result
+
+aten = torch.ops.aten
+
+
+class ScaleDomainsPass(PassBase):
+    """Carry the planned values at their power-of-two scales.
+
+    Reads: ``graph_module.meta["fx16.scale_plan"]`` (``ScaleDomainsAnalysis``). Writes:
+    each folded state tensor, multiplied by its power of two (every name of a shared
+    tensor alike); the scalars the plan scales (a norm's eps, an add's constant); a
+    ``mul`` by a power of two where the plan needs one at run time, marked
+    ``meta["fx16.range_scale"]``; ``meta["fx16.scale_exponent"]`` on every value carried
+    at a scale. Then runs ``CalibrationAnalysis`` again (``calibration``: the same
+    inputs), so the analyses after it observe the scaled values. Without a plan, or
+    with an empty one, changes nothing."""
+
+    def __init__(self, program: Program, calibration: list | None = None) -> None:
+        self.program = Program.of(program)
+        self.calibration = calibration
+
+    def requires(self, graph_module: GraphModule) -> None:
+        require(graph_module, type(self).__name__, (ScaleDomainsAnalysis,))
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        plan: ScalePlan | None = graph_module.meta.pop(meta.SCALE_PLAN, None)
+        if plan is None or not plan.wanted:
+            return PassResult(graph_module, False)
+        reference = graph_module.meta.get(meta.CALIBRATION_OUTPUTS)
+        undo, unscaled = self._apply(graph_module, plan)
+        self._calibrate(graph_module)
+        outputs = graph_module.meta.get(meta.CALIBRATION_OUTPUTS)
+        if reference is None or same_outputs(reference, outputs):
+            _bound(unscaled, plan)
+            return PassResult(graph_module, True)
+        # a rule that does not commute as its table says: the plan is taken back whole
+        undo()
+        graph_module.meta[meta.SCALE_DOMAINS] = []
+        graph_module.meta[REVERTED] = "the scaled program's fp32 outputs moved on calibration"
+        self._calibrate(graph_module)
+        return PassResult(graph_module, False)
+
+    def _calibrate(self, graph_module: GraphModule) -> None:
+        Facts.invalidate(graph_module)
+        for node in graph_module.graph.nodes:
+            for key in _OBSERVED:
+                node.meta.pop(key, None)
+        CalibrationAnalysis(self.program, self.calibration)(graph_module)
+
+    def _apply(self, graph_module: GraphModule, plan: ScalePlan):
+        """Apply ``plan``; returns the function that takes it back."""
+        stored = self._fold(plan)
+        scalars = {}
+        for (node, location), value in plan.scalars.items():
+            kind, key = location
+            scalars[(node, location)] = (
+                node.args[key] if kind == "args" else node.kwargs.get(key, _ABSENT)
+            )
+            set_argument(node, location, value)
+        graph = graph_module.graph
+        inserted, replaced, unscaled = [], {}, {}
+        for node, delta in plan.after.items():
+            scaled = _multiply(graph, node, delta, "starts a scale domain")
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user, s=scaled: user is not s)
+            replaced[node] = scaled
+            inserted.append(scaled)
+        for (node, delta), readers in plan.edges.items():
+            source = replaced.get(node, node)
+            scaled = _multiply(graph, source, delta, "undoes a domain's scale for its reader")
+            for reader in readers:
+                reader.replace_input_with(source, scaled)
+            inserted.append(scaled)
+            unscaled[scaled] = node
+        for node, exponent in plan.exponents.items():
+            if isinstance(exponent, int) and exponent:
+                node.meta[meta.SCALE_EXPONENT] = exponent
+        graph.lint()
+
+        def undo() -> None:
+            for target, tensor in stored.items():
+                self.program.replace_state_tensor(target, tensor)
+            for (node, location), value in scalars.items():
+                if value is _ABSENT:
+                    node.kwargs = {k: v for k, v in node.kwargs.items() if k != location[1]}
+                else:
+                    set_argument(node, location, value)
+            for scaled in reversed(inserted):
+                scaled.replace_all_uses_with(scaled.args[0])
+                graph.erase_node(scaled)
+            for node in plan.exponents:
+                node.meta.pop(meta.SCALE_EXPONENT, None)
+
+        return undo, unscaled
+
+    def _fold(self, plan: ScalePlan) -> dict[str, torch.Tensor]:
+        """Multiply each folded state tensor by its power of two, once per tensor;
+        returns the tensors replaced, by name."""
+        done: dict[int, torch.Tensor] = {}
+        stored = {}
+        for slot in self.program.state_slots():
+            tensor = self.program.state_tensor(slot.target)
+            if tensor is None or not plan.folds.get(id(tensor)):
+                continue
+            key = id(tensor)
+            stored[slot.target] = tensor
+            if key not in done:
+                with torch.no_grad():
+                    scaled = tensor.detach() * 2.0 ** plan.folds[key]
+                done[key] = self.program.replace_state_tensor(slot.target, scaled)
+            else:
+                self.program.replace_state_tensor(slot.target, done[key])
+        return stored
+
+
+def _bound(unscaled: dict[Node, Node], plan: ScalePlan) -> None:
+    """A multiply that undoes a domain's scale holds, on other inputs, what any member
+    of the domain held (a where or a max picks any member's values): its observed
+    magnitude is raised to the domain's largest, so the rules judge the unscaled value
+    by it."""
+    for scaled, source in unscaled.items():
+        bound = plan.bounds.get(source)
+        seen = meta.observed_max_abs(scaled)
+        if bound is not None and seen is not None and bound > seen:
+            scaled.meta[meta.OBSERVED_MAX_ABS] = bound
+
+
+def same_outputs(reference: list, outputs: list | None) -> bool:
+    """The fp32 program's outputs on each calibration input, before and after scaling,
+    agree: powers of two are exact, so only fp32's own rounding of values near its
+    range's ends may differ."""
+    if outputs is None or len(reference) != len(outputs):
+        return False
+    for before, after in zip(reference, outputs):
+        if len(before) != len(after):
+            return False
+        for a, b in zip(before, after):
+            if not isinstance(a, torch.Tensor):
+                if a != b:
+                    return False
+            elif not a.is_floating_point():
+                if not torch.equal(a, b):
+                    return False
+            elif not _close(a, b):
+                return False
+    return True
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.double(), b.double()
+    finite = torch.isfinite(a)
+    if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(a[~finite], b[~finite]):
+        return False
+    if not finite.any():
+        return True
+    scale = float(a[finite].abs().max())
+    return bool(((a[finite] - b[finite]).abs() <= 1e-5 * scale + 1e-4 * a[finite].abs()).all())
+
+
+_ABSENT = object()
+# graph_module.meta key: why a plan was taken back (a rule that did not hold)
+REVERTED = "fx16.scale_domains_reverted"
+
+
+def _multiply(graph, node: Node, delta: int, why: str) -> Node:
+    """``node * 2**delta``, placed after ``node`` (after the last placeholder for one)."""
+    anchor = node
+    if node.op == "placeholder":
+        anchor = next(n for n in graph.nodes if n.op != "placeholder").prev
+    with graph.inserting_after(anchor):
+        scaled = graph.call_function(aten.mul.Tensor, (node, 2.0**delta))
+    scaled.meta["val"] = fresh_result(scaled)
+    copy_provenance(node, scaled)
+    scaled.meta[meta.RANGE_SCALE] = f"x 2**{delta}: {why}"
+    return scaled
+
+
+_OBSERVED = (
+    meta.OBSERVED_MAX_ABS,
+    meta.OBSERVED_INTERVAL,
+    meta.OBSERVED_SENTINEL,
+    meta.OBSERVED_CENTERING,
+    meta.OBSERVED_SMALLEST,
+    meta.OBSERVED_INT_RANGE,
+)
