@@ -1,0 +1,166 @@
+"""ScaleDomainsAnalysis and ScaleDomainsPass: values past fp16's range carried at a
+power-of-two scale instead of in fp32, on small exported programs and on the range
+benchmark's models; errors bounded against fp64."""
+
+import torch
+from torch import nn
+
+import fx16
+from benchmarks import zoo
+from benchmarks.range import GrowingCnn, RawUnits
+from fx16 import meta
+from fx16.analysis.scale_domains import scale_domains
+from fx16.policy import PrecisionPolicy
+from fx16.program.stats import program_stats
+from fx16.report import report_of
+from helpers import check_program, export, fp64_reference, max_error, run
+
+NO_SCALING = PrecisionPolicy(scale_range=False)
+
+
+class Residual(nn.Module):
+    """A pre-norm residual stream that grows past fp16's range: each block adds a
+    linear's output (weights scaled up) to the stream, read through an RMSNorm."""
+
+    def __init__(self, width: int = 16, blocks: int = 3, gain: float = 3e4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.embed = nn.Linear(width, width)
+        with torch.no_grad():
+            for block in self.blocks:
+                block.weight.mul_(gain)
+
+    @staticmethod
+    def norm(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(self.norm(h))
+        return self.norm(h)
+
+
+def _fp32_ops(ep) -> int:
+    return program_stats(ep).ops_in(torch.float32)
+
+
+def test_a_residual_stream_past_the_range_stays_16_bit_with_its_scale_folded():
+    torch.manual_seed(0)
+    model, x = Residual().eval(), torch.randn(4, 16)
+    with torch.no_grad():
+        assert model.embed(x).abs().max() < 100 and (model(x) - model(x)).abs().max() == 0
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    domains = scale_domains(ep.graph_module)
+    assert domains and all(domain.k >= 1 and domain.folded for domain in domains)
+    stats = program_stats(ep)
+    assert stats.flop_share_16bit == 1.0
+    # no runtime multiply: the scale starts in the weights and ends in the norm's eps
+    assert not any(meta.RANGE_SCALE in node.meta for node in ep.graph_module.graph.nodes)
+    error = max_error(fp64_reference(model, x), run(ep, x))
+    assert error < 8 * 2.0**-11 * 16  # a few roundings per block, well inside fp16's bound
+    fp32 = fx16.cast_fp32_to_fp16(export(model, x), policy=NO_SCALING)
+    assert _fp32_ops(ep) < _fp32_ops(fp32)  # what it cost before
+
+
+def test_the_scaled_program_computes_the_same_function_in_fp32():
+    """Powers of two are exact: the scaled fp32 program (before any 16-bit decision)
+    gives the original's outputs bit for bit on these inputs."""
+    torch.manual_seed(0)
+    model, x = Residual().eval(), torch.randn(4, 16)
+    ep = export(model, x)
+    passes = fx16.fp16_passes(ep)
+    stages = [type(p).__name__ for p in passes]
+    fx16.pipelines.run_passes(passes[: stages.index("ScaleDomainsPass") + 1], ep.graph_module)
+    assert scale_domains(ep.graph_module)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x), model(x))
+
+
+class LayerNormResidual(Residual):
+    @staticmethod
+    def norm(x):
+        return nn.functional.layer_norm(x, (x.shape[-1],), eps=1e-5)
+
+
+def test_a_norms_eps_is_scaled_with_its_input():
+    """LayerNorm(s x) with eps s**2 eps is LayerNorm(x): the scale ends there."""
+    torch.manual_seed(0)
+    model, x = LayerNormResidual().eval(), torch.randn(4, 16)
+    ep = export(model, x)
+    passes = fx16.fp16_passes(ep)
+    stages = [type(p).__name__ for p in passes]
+    fx16.pipelines.run_passes(passes[: stages.index("ScaleDomainsPass") + 1], ep.graph_module)
+    (domain,) = scale_domains(ep.graph_module)
+    eps = {
+        node.args[4]
+        for node in ep.graph_module.graph.nodes
+        if node.target is torch.ops.aten.layer_norm.default
+    }
+    assert 1e-5 * 2.0 ** (-2 * domain.k) in eps
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_cnn_whose_activations_grow_block_by_block_folds_into_batch_norm():
+    torch.manual_seed(0)
+    model, x = GrowingCnn().eval(), torch.randn(2, 8, 8, 8)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    assert program_stats(ep).flop_share_16bit == 1.0
+    reference = fp64_reference(model, x)
+    assert max_error(reference, run(ep, x)) < 2e-3
+    assert _fp32_ops(ep) < _fp32_ops(fx16.cast_fp32_to_fp16(export(model, x), policy=NO_SCALING))
+
+
+def test_inputs_in_raw_units_are_scaled_at_the_door_and_the_first_layer_takes_it_back():
+    torch.manual_seed(0)
+    model, x = RawUnits().eval(), torch.rand(8, 16) * 1e6
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    assert program_stats(ep).flop_share_16bit == 1.0
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 2e-3
+    lines = report_of(ep).summary()
+    assert any(line.startswith("range: scale domain") for line in lines)
+
+
+def test_a_llama_with_massive_activations_keeps_every_product_16_bit():
+    torch.manual_seed(0)
+    model, ids = zoo.massive_llama(2, 2e5).eval(), zoo.massive_ids()
+    ep = fx16.cast_fp32_to_fp16(torch.export.export(model, (ids,)))
+    assert program_stats(ep).flop_share_16bit == 1.0
+    twin = fx16.cast_fp32_to_fp16(torch.export.export(zoo.massive_llama(2, 2e3).eval(), (ids,)))
+    assert _fp32_ops(ep) <= _fp32_ops(twin)  # no op fp32 for range alone
+    assert program_stats(ep).casts <= program_stats(twin).casts
+
+
+def test_a_where_that_picks_a_scaled_fill_is_judged_by_the_fill_at_the_output():
+    """The output's multiply undoes the scale of a domain whose members reached 7e4:
+    on an input where the where picks the fill, 16-bit would overflow there."""
+
+    class Fill(nn.Module):
+        def forward(self, x):
+            return torch.where(x > 0, x, torch.full_like(x, 7e4))
+
+    x = torch.rand(2, 4) + 0.1  # the calibration never picks the fill
+    ep = fx16.cast_fp32_to_fp16(export(Fill(), x))
+    other = -torch.rand(2, 4)
+    out = run(ep, other)[0].float()
+    assert ((out - 7e4).abs() <= 7e4 * 2.0**-11).all()  # 7e4, rounded once to 16-bit
+
+
+def test_a_second_cast_changes_nothing():
+    torch.manual_seed(0)
+    ep = fx16.cast_fp32_to_fp16(export(Residual().eval(), torch.randn(4, 16)))
+    code = ep.graph_module.code
+    fx16.pipelines.run_passes(fx16.fp16_passes(ep), ep.graph_module)
+    assert ep.graph_module.code == code
+
+
+def test_bf16_and_the_autocast_preset_do_not_scale():
+    torch.manual_seed(0)
+    model, x = Residual().eval(), torch.randn(4, 16)
+    for policy in ("auto_mixed_bf16", "autocast"):
+        ep = fx16.cast_fp32_to_fp16(export(model, x), policy=policy)
+        assert not scale_domains(ep.graph_module)
