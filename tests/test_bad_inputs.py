@@ -356,7 +356,7 @@ def test_presets_take_overrides_of_any_field():
         fx16.InvalidOptionError,
         "unknown policy field(s) ['keep_io']; fields: name, low, kinds, ops, modules, nodes, "
         "predicate, op_table, keep_io_types, explicit_fp32, routing, cast_back, "
-        "widen_model_16bit, precision_tolerance, stabilize, eps_clamp",
+        "widen_model_16bit, precision_tolerance, stabilize, eps_clamp, scale_range",
         fx16.PrecisionPolicy.default,
         keep_io=True,
     )

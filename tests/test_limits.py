@@ -16,6 +16,7 @@ from fx16.ops.numerics import (
     smallest_normal,
     smallest_subnormal,
 )
+from fx16.policy import PrecisionPolicy
 from helpers import export
 
 FP16_MAX = 65504.0
@@ -67,9 +68,10 @@ class TimesFour(torch.nn.Module):
 @pytest.mark.parametrize("value, narrowed", [(8188.0, True), (8192.0, False)])
 def test_the_overflow_margin_keeps_values_above_half_the_fp16_maximum(value, narrowed):
     """4 * 8188 = 32752 = 65504 / 2 fits with the default margin; 4 * 8192 = 32768 does
-    not, and the product runs in fp32 (a limit of 65504 would narrow both)."""
+    not, and the product runs in fp32 (a limit of 65504 would narrow both). Without scale
+    domains, which would carry it in fp16 at 2**-1."""
     ep = export(TimesFour(), torch.tensor([[value, 1.0]]))
-    fx16.cast_fp32_to_fp16(ep)
+    fx16.cast_fp32_to_fp16(ep, policy=PrecisionPolicy(scale_range=False))
     (product,) = [n for n in ep.graph.nodes if n.target == torch.ops.aten.mul.Tensor][:1]
     expected = torch.float16 if narrowed else torch.float32
     assert product.meta["val"].dtype == expected
