@@ -93,6 +93,7 @@ class ScaleDomainsAnalysis(Analysis):
             return PassResult(graph_module, False)
         state = StateTensors(tensors, magnitudes, self.limit)
         wanted, domains = {}, []
+        groups = [group for group in groups if _worth_scaling(group, tensors)]
         for members in groups:
             largest = _largest(members, magnitudes)
             k = max(1, math.ceil(math.log2(largest / self.limit)))
@@ -124,6 +125,15 @@ class ScaleDomainsAnalysis(Analysis):
             ):
                 found[slot.placeholder] = tensor
         return found
+
+
+def _worth_scaling(members: list[Node], tensors: dict) -> bool:
+    """A domain buys something: a tensor folded into range, or a reader beyond it
+    (not only the program's outputs, where its scale would be undone at once)."""
+    if any(node in tensors for node in members):
+        return True
+    inside = set(members)
+    return any(user not in inside and user.op != "output" for n in members for user in n.users)
 
 
 def _largest(members: list[Node], magnitudes: dict) -> float:
