@@ -26,9 +26,11 @@ from fx16.analysis.fp32_rules import (
     UnsafeIndexRule,
     fp32_rule,
 )
+from fx16.analysis.scale_domains import scale_domains
 from fx16.decisions import PRECISION, Reason
 from fx16.passes import ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass
 from fx16.pipelines import run_passes, without_rules
+from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from helpers import assert_same_state, check_program, export, state_snapshot
 
@@ -241,23 +243,31 @@ class TinyWeight(nn.Module):
         return 1 / y, y * 1e6
 
 
+@pytest.mark.parametrize("scale_range", [True, False])
 @pytest.mark.parametrize("model_type", [TinyMultiplier, TinyWeight])
-def test_a_value_observed_below_the_normal_range_never_fits(model_type):
+def test_a_value_observed_below_the_normal_range_never_fits(model_type, scale_range):
     """Once both were cast to fp16 and reported as fitting: all zeros (the multiplier),
-    inf and 100% off (the weight). Now the value below the range computes in fp32
-    (``activation_below_range``; the weight ``value_below_range``) and the outputs are
-    fp32's within 16-bit's rounding; the linear before the multiplier stays 16-bit."""
+    inf and 100% off (the weight). By default a scale domain carries the value at a
+    power of two folded into the scalar (the weight), so everything computes in 16-bit;
+    without scale domains the value below the range computes in fp32
+    (``activation_below_range``; the weight ``value_below_range``). Either way the
+    outputs are fp32's within 16-bit's rounding; the linear before the multiplier
+    stays 16-bit."""
     from helpers import fp64_reference, max_error, run
 
     torch.manual_seed(0)
     model, x = model_type().eval(), torch.randn(4, 8)
-    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    policy = PrecisionPolicy(scale_range=scale_range)
+    ep = fx16.cast_fp32_to_fp16(export(model, x), policy=policy)
     check_program(ep)
     reasons = {n.name: n.meta[PRECISION].reason for n in ep.graph.nodes if PRECISION in n.meta}
     below = "mul" if model_type is TinyMultiplier else "matmul"
-    assert reasons[below] is Reason.ACTIVATION_BELOW_RANGE
+    if scale_range:
+        assert reasons[below] is Reason.FITS and scale_domains(ep.graph_module)
+    else:
+        assert reasons[below] is Reason.ACTIVATION_BELOW_RANGE
     if model_type is TinyWeight:
-        assert reasons["p_w"] is Reason.VALUE_BELOW_RANGE
+        assert reasons["p_w"] is (Reason.FITS if scale_range else Reason.VALUE_BELOW_RANGE)
     else:
         assert reasons["linear"] is Reason.FITS
     outputs = run(ep, x)

@@ -45,6 +45,9 @@ from fx16.program import Program
 from fx16.program.nodes import is_float_tensor, node_val, tensor_leaves
 from fx16.program.tensor_subclasses import is_subclass
 
+# Below this largest magnitude every element of a value is subnormal or zero in fp16.
+_SMALLEST_NORMAL = float(torch.finfo(torch.float16).tiny)
+
 PLAN_KEY = meta.SCALE_PLAN
 DOMAINS_KEY = meta.SCALE_DOMAINS
 
@@ -92,22 +95,41 @@ class ScaleDomainsAnalysis(Analysis):
         if not groups:
             return PassResult(graph_module, False)
         state = StateTensors(tensors, magnitudes, self.limit)
-        wanted, domains = {}, []
-        groups = [group for group in groups if _worth_scaling(group, tensors)]
-        for members in groups:
+        exponents = {}  # each domain's exponent, by its index in groups
+        for index, members in enumerate(groups):
             largest = _largest(members, magnitudes)
-            k = max(1, math.ceil(math.log2(largest / self.limit)))
-            wanted.update(dict.fromkeys(members, -k))
-            folded = tuple(node.name for node in members if node in tensors)
-            reach = self.limit / (largest * 2.0**-k)
-            names = tuple(node.name for node in members)
-            domains.append(Domain(k, names, folded, largest, reach))
-        if domains:
+            if not _worth_scaling(members, tensors):
+                continue
+            if largest > self.limit:
+                exponents[index] = -max(1, math.ceil(math.log2(largest / self.limit)))
+            elif largest < _SMALLEST_NORMAL:  # its largest magnitude brought to [1, 2)
+                exponents[index] = -math.floor(math.log2(largest))
+        plan = None
+        while exponents:
+            wanted = {n: exponents[i] for i in exponents for n in groups[i]}
             plan = propagate(list(graph_module.graph.nodes), wanted, state)
-            for members in groups:
-                plan.bounds.update(dict.fromkeys(members, _largest(members, magnitudes)))
-            graph_module.meta[PLAN_KEY] = plan
-            graph_module.meta[DOMAINS_KEY] = domains
+            # the small end only where its scale folds into the tensors and scalars it
+            # starts from (a runtime multiply there would flush what it should keep)
+            started = {
+                i for i in exponents if exponents[i] > 0 and plan.after.keys() & set(groups[i])
+            }
+            if not started:
+                break
+            for index in started:
+                del exponents[index]
+        if not exponents:
+            return PassResult(graph_module, False)
+        domains = []
+        for index, exponent in exponents.items():
+            members = groups[index]
+            largest = _largest(members, magnitudes)
+            plan.bounds.update(dict.fromkeys(members, largest))
+            folded = tuple(node.name for node in members if node in tensors)
+            reach = self.limit / (largest * 2.0**exponent)
+            names = tuple(node.name for node in members)
+            domains.append(Domain(-exponent, names, folded, largest, reach))
+        graph_module.meta[PLAN_KEY] = plan
+        graph_module.meta[DOMAINS_KEY] = domains
         return PassResult(graph_module, False)
 
     def _foldable_state(self) -> dict[Node, torch.Tensor]:
@@ -125,6 +147,20 @@ class ScaleDomainsAnalysis(Analysis):
             ):
                 found[slot.placeholder] = tensor
         return found
+
+
+def _small(node: Node) -> bool:
+    """A value below the normal range worth a domain of its own: a weight some product
+    multiplies by, or a product's result (a scale can fold into its factor); a tiny
+    bias or addend is absorbed by what it is added to."""
+    if node.op == "placeholder":
+        return any(
+            user.op == "call_function"
+            and scale_rule(user.target).kind is Kind.PRODUCT
+            and node in _operands(user, scale_rule(user.target).tensors)
+            for user in node.users
+        )
+    return node.op == "call_function" and scale_rule(node.target).kind is Kind.PRODUCT
 
 
 def _worth_scaling(members: list[Node], tensors: dict) -> bool:
@@ -156,7 +192,11 @@ def _domains(graph_module, magnitudes: dict, limit: float, tensors: dict) -> lis
     member: dict[Node, int] = {}
     groups: list[list[Node]] = []
     for seed, magnitude in magnitudes.items():
-        if seed in member or not limit < magnitude < INF_LIKE or meta.RANGE_SCALE in seed.meta:
+        if seed in member or meta.RANGE_SCALE in seed.meta:
+            continue
+        if not (
+            limit < magnitude < INF_LIKE or (0 < magnitude < _SMALLEST_NORMAL and _small(seed))
+        ):
             continue
         index = len(groups)
         groups.append([])
