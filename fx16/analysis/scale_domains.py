@@ -35,7 +35,8 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
-from fx16.analysis.scale_exponents import StateTensors, propagate
+from fx16.analysis.scale_exponents import propagate
+from fx16.analysis.scale_plan import StateTensors
 from fx16.contracts import Analysis
 from fx16.decisions import PRECISION
 from fx16.meta import observed_max_abs

@@ -12,71 +12,23 @@ same function as the original, up to values that leave fp32's range.
 """
 
 import operator
-from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
 from torch.fx import Node
 
-from fx16.meta import bounded_below, observed_max_abs
-from fx16.ops.scaling import Kind, ScaleRule, scale_rule
-from fx16.program.nodes import (
-    Location,
-    is_float_tensor,
-    is_number,
-    named_argument,
-    node_val,
-    tensor_leaves,
+from fx16.analysis.scale_plan import (
+    ScalePlan,
+    StateTensors,
+    argument,
+    largest_operand,
+    log2_exact,
+    node_leaves,
+    only_feeds_powers,
 )
-
-
-@dataclass
-class ScalePlan:
-    """What applying a set of scale domains changes (``fx16.passes.scale_domains``)."""
-
-    exponents: dict[Node, Any] = field(default_factory=dict)  # int, or a tuple per leaf
-    folds: dict[int, int] = field(default_factory=dict)  # id(state tensor) -> exponent
-    scalars: dict[tuple[Node, Location], float] = field(default_factory=dict)
-    after: dict[Node, int] = field(default_factory=dict)  # value -> delta, for every reader
-    edges: dict[tuple[Node, int], list[Node]] = field(default_factory=dict)  # (value, delta)
-    wanted: dict[Node, int] = field(default_factory=dict)  # the domains' members
-    # each member's domain's largest calibrated magnitude: what a member may hold on
-    # other inputs (a where or a max picks any member's values), unscaled
-    bounds: dict[Node, float] = field(default_factory=dict)
-
-    @property
-    def runtime_multiplies(self) -> int:
-        return len(self.after) + len(self.edges)
-
-
-class StateTensors:
-    """The state placeholders a plan may fold a scale into: one exponent per tensor
-    (a tensor stored under several names is one), and which of them a scale may be
-    moved into late (read by one op, through one name)."""
-
-    def __init__(self, tensors: dict[Node, Any], magnitudes: dict, limit: float) -> None:
-        self.tensor_of = {node: id(tensor) for node, tensor in tensors.items()}
-        self.magnitudes, self.limit = magnitudes, limit
-        names: dict[int, list[Node]] = {}
-        for node, key in self.tensor_of.items():
-            names.setdefault(key, []).append(node)
-        self.names = names
-
-    def key(self, node: Node) -> int | None:
-        return self.tensor_of.get(node)
-
-    def movable(self, node: Node, exponent: int = 0, added: bool = False) -> bool:
-        """A scale may be moved into ``node`` late, and at ``exponent`` it fits (a
-        weight's elements stay normal; ``added``: a bias, which the product it is added
-        to absorbs, may shrink further)."""
-        key = self.tensor_of.get(node)
-        if key is None or len(self.names[key]) != 1 or len(node.users) != 1:
-            return False
-        magnitude = self.magnitudes.get(node, 0.0)
-        scaled = magnitude * 2.0**exponent
-        if not magnitude or added:
-            return scaled <= self.limit
-        return min(magnitude, _SMALLEST_FOLDED) <= scaled <= self.limit
+from fx16.meta import bounded_below
+from fx16.ops.scaling import Kind, ScaleRule, scale_rule
+from fx16.program.nodes import is_float_tensor, is_number, named_argument, node_val, tensor_leaves
 
 
 def propagate(nodes: list[Node], wanted: dict[Node, int], state: StateTensors) -> ScalePlan:
@@ -202,7 +154,7 @@ class _Walk:
                 self.plan.after[node] = want - exponent  # an input scaled at the door
             return
         if node.op == "output":
-            for leaf in _node_leaves(node.args):
+            for leaf in node_leaves(node.args):
                 if is_float_tensor(node_val(leaf)) and self.seen(leaf):
                     self.brk(leaf, node, -self.seen(leaf))
             return
@@ -244,7 +196,7 @@ class _Walk:
         return self.opaque(node) if handler is None else handler(node, rule)
 
     def opaque(self, node: Node, *_) -> int:
-        for leaf in _node_leaves((node.args, node.kwargs)):
+        for leaf in node_leaves((node.args, node.kwargs)):
             if is_float_tensor(node_val(leaf)):
                 self.settle(leaf, node, 0)
         return 0
@@ -255,7 +207,7 @@ class _Walk:
             return self.opaque(node)
         target = self.plan.wanted.get(node) if operands else 0
         if target is None:
-            target = self.seen(_largest(operands))
+            target = self.seen(largest_operand(operands))
         for _, operand in operands:
             self.settle(operand, node, target)
         if target and bounded_below(node) is None:
@@ -269,14 +221,14 @@ class _Walk:
         where a scale folds into a scalar factor or a weight it alone reads (a layer
         after a scaled input) at no cost. A bias that cannot follow the result brings
         the result to it instead: the scaled operand is unscaled before the product."""
-        a, b = (_argument(node, p) for p in rule.tensors)
+        a, b = (argument(node, p) for p in rule.tensors)
         if a in self.shifts or b in self.shifts:
             return self.opaque(node)
         result = self.seen(a) - self.seen(b) if rule.divides else self.seen(a) + self.seen(b)
         target = self.plan.wanted.get(node, 0)
         if result != target and self.free_refold(node, target - result):
             result = target
-        bias = _argument(node, rule.bias)
+        bias = argument(node, rule.bias)
         if isinstance(bias, Node) and self.seen(bias) != result:
             delta = result - self.seen(bias)
             if not self.refold(bias, delta, added=delta < 0):
@@ -295,7 +247,7 @@ class _Walk:
         rule = scale_rule(node.target)
         if rule.kind is not Kind.PRODUCT:
             return False
-        a, b = (_argument(node, p) for p in rule.tensors)
+        a, b = (argument(node, p) for p in rule.tensors)
         for position, operand, sign in (
             (rule.tensors[1], b, -1 if rule.divides else 1),
             (rule.tensors[0], a, 1),
@@ -324,7 +276,7 @@ class _Walk:
 
     def norm(self, node: Node, rule: ScaleRule) -> Any:
         def arg(position):
-            return _argument(node, position)
+            return argument(node, position)
 
         if arg(rule.training):
             return self.opaque(node)
@@ -346,7 +298,7 @@ class _Walk:
 
     def scale_free(self, node: Node, rule: ScaleRule) -> int:
         operands = self._float_operands(node, rule.tensors)
-        target = self.seen(_largest(operands)) if operands else 0
+        target = self.seen(largest_operand(operands)) if operands else 0
         for _, operand in operands:
             self.settle(operand, node, target)
         for position in rule.scalars:
@@ -371,7 +323,7 @@ class _Walk:
 
     def log2(self, node: Node, rule: ScaleRule) -> int:
         x = node.args[0]
-        if self.seen(x) and _only_feeds_powers(node):
+        if self.seen(x) and only_feeds_powers(node):
             self.shifts[node] = self.seen(x)
             return 0
         return self.opaque(node)
@@ -391,60 +343,7 @@ class _Walk:
         base, exponent = node.args[:2]
         if exponent not in self.shifts:
             return self.opaque(node)
-        power = _log2_exact(Fraction(base) if is_number(base) and base > 0 else None)
+        power = log2_exact(Fraction(base) if is_number(base) and base > 0 else None)
         if power is None:
             return self.opaque(node)
         return power * self.shifts[exponent]
-
-
-# A fold never takes a state tensor's largest magnitude below this (nor below where it
-# was): its small elements would leave the 16-bit normal range.
-_SMALLEST_FOLDED = 2.0**-8
-
-
-def _argument(node: Node, position: int | None) -> Any:
-    """``node.args[position]``, None where the position is None or not passed."""
-    return node.args[position] if position is not None and position < len(node.args) else None
-
-
-def _log2_exact(value: Fraction | None) -> int | None:
-    """k where ``value`` is 2**k exactly, else None."""
-    if value is None or value.numerator & (value.numerator - 1):
-        return None
-    if value.denominator & (value.denominator - 1):
-        return None
-    return value.numerator.bit_length() - value.denominator.bit_length()
-
-
-def _only_feeds_powers(node: Node) -> bool:
-    """Every use of ``node`` (a log2) ends in ``pow(2**b, .)``, through floors by 1: the
-    chain a stabilized norm computes its scale with, where a scale on the log2's
-    argument comes back out of the power."""
-    for user in node.users:
-        kind = scale_rule(user.target).kind if user.op == "call_function" else None
-        if kind is Kind.FLOOR and user.args[0] is node:
-            if not _only_feeds_powers(user):
-                return False
-        elif not (kind is Kind.POWER_OF_BASE and user.args[1] is node):
-            return False
-    return True
-
-
-def _largest(operands: list[tuple[int, Node]]) -> Node | None:
-    """The operand with the largest observed magnitude (the first when none was seen)."""
-    if not operands:
-        return None
-    return max(operands, key=lambda pair: observed_max_abs(pair[1]) or 0.0)[1]
-
-
-def _node_leaves(value: Any) -> list[Node]:
-    found: list[Node] = []
-    if isinstance(value, Node):
-        found.append(value)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            found += _node_leaves(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            found += _node_leaves(item)
-    return found

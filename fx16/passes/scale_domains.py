@@ -8,7 +8,7 @@ from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.facts import Facts
 from fx16.analysis.scale_domains import ScaleDomainsAnalysis
-from fx16.analysis.scale_exponents import ScalePlan
+from fx16.analysis.scale_plan import ScalePlan
 from fx16.contracts import require
 from fx16.program import Program
 from fx16.program.casts import copy_provenance

@@ -1,0 +1,111 @@
+"""A scale plan as data (``ScalePlan``), the state tensors a plan may fold into
+(``StateTensors``), and the small questions ``fx16.analysis.scale_exponents`` asks of
+nodes while it makes one."""
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from torch.fx import Node
+
+from fx16.meta import observed_max_abs
+from fx16.ops.scaling import Kind, scale_rule
+from fx16.program.nodes import Location
+
+
+@dataclass
+class ScalePlan:
+    """What applying a set of scale domains changes (``fx16.passes.scale_domains``)."""
+
+    exponents: dict[Node, Any] = field(default_factory=dict)  # int, or a tuple per leaf
+    folds: dict[int, int] = field(default_factory=dict)  # id(state tensor) -> exponent
+    scalars: dict[tuple[Node, Location], float] = field(default_factory=dict)
+    after: dict[Node, int] = field(default_factory=dict)  # value -> delta, for every reader
+    edges: dict[tuple[Node, int], list[Node]] = field(default_factory=dict)  # (value, delta)
+    wanted: dict[Node, int] = field(default_factory=dict)  # the domains' members
+    # each member's domain's largest calibrated magnitude: what a member may hold on
+    # other inputs (a where or a max picks any member's values), unscaled
+    bounds: dict[Node, float] = field(default_factory=dict)
+
+
+class StateTensors:
+    """The state placeholders a plan may fold a scale into: one exponent per tensor
+    (a tensor stored under several names is one), and which of them a scale may be
+    moved into late (read by one op, through one name)."""
+
+    def __init__(self, tensors: dict[Node, Any], magnitudes: dict, limit: float) -> None:
+        self.tensor_of = {node: id(tensor) for node, tensor in tensors.items()}
+        self.magnitudes, self.limit = magnitudes, limit
+        names: dict[int, list[Node]] = {}
+        for node, key in self.tensor_of.items():
+            names.setdefault(key, []).append(node)
+        self.names = names
+
+    def key(self, node: Node) -> int | None:
+        return self.tensor_of.get(node)
+
+    def movable(self, node: Node, exponent: int = 0, added: bool = False) -> bool:
+        """A scale may be moved into ``node`` late, and at ``exponent`` it fits (a
+        weight's elements stay normal; ``added``: a bias, which the product it is added
+        to absorbs, may shrink further)."""
+        key = self.tensor_of.get(node)
+        if key is None or len(self.names[key]) != 1 or len(node.users) != 1:
+            return False
+        magnitude = self.magnitudes.get(node, 0.0)
+        scaled = magnitude * 2.0**exponent
+        if not magnitude or added:
+            return scaled <= self.limit
+        return min(magnitude, SMALLEST_FOLDED) <= scaled <= self.limit
+
+
+# A fold never takes a state tensor's largest magnitude below this (nor below where it
+# was): its small elements would leave the 16-bit normal range.
+SMALLEST_FOLDED = 2.0**-8
+
+
+def argument(node: Node, position: int | None) -> Any:
+    """``node.args[position]``, None where the position is None or not passed."""
+    return node.args[position] if position is not None and position < len(node.args) else None
+
+
+def log2_exact(value: Fraction | None) -> int | None:
+    """k where ``value`` is 2**k exactly, else None."""
+    if value is None or value.numerator & (value.numerator - 1):
+        return None
+    if value.denominator & (value.denominator - 1):
+        return None
+    return value.numerator.bit_length() - value.denominator.bit_length()
+
+
+def only_feeds_powers(node: Node) -> bool:
+    """Every use of ``node`` (a log2) ends in ``pow(2**b, .)``, through floors by 1: the
+    chain a stabilized norm computes its scale with, where a scale on the log2's
+    argument comes back out of the power."""
+    for user in node.users:
+        kind = scale_rule(user.target).kind if user.op == "call_function" else None
+        if kind is Kind.FLOOR and user.args[0] is node:
+            if not only_feeds_powers(user):
+                return False
+        elif not (kind is Kind.POWER_OF_BASE and user.args[1] is node):
+            return False
+    return True
+
+
+def largest_operand(operands: list[tuple[int, Node]]) -> Node | None:
+    """The operand with the largest observed magnitude (the first when none was seen)."""
+    if not operands:
+        return None
+    return max(operands, key=lambda pair: observed_max_abs(pair[1]) or 0.0)[1]
+
+
+def node_leaves(value: Any) -> list[Node]:
+    found: list[Node] = []
+    if isinstance(value, Node):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            found += node_leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            found += node_leaves(item)
+    return found
