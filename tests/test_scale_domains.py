@@ -3,6 +3,9 @@ power-of-two scale instead of in fp32, on small exported programs and on the ran
 benchmark's models; errors bounded against fp64."""
 
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fx16
@@ -13,6 +16,7 @@ from fx16.analysis.scale_domains import scale_domains
 from fx16.policy import PrecisionPolicy
 from fx16.program.stats import program_stats
 from fx16.report import report_of
+from fx16.testing import programs
 from helpers import check_program, export, fp64_reference, max_error, run
 
 NO_SCALING = PrecisionPolicy(scale_range=False)
@@ -164,3 +168,28 @@ def test_bf16_and_the_autocast_preset_do_not_scale():
     for policy in ("auto_mixed_bf16", "autocast"):
         ep = fx16.cast_fp32_to_fp16(export(model, x), policy=policy)
         assert not scale_domains(ep.graph_module)
+
+
+@settings(max_examples=examples(15), deadline=None)
+@given(programs(), st.sampled_from([1.0, 1e3, 1e5]))
+def test_property_the_scaled_fp32_program_is_the_same_function(case, input_scale):
+    """Random programs from the fuzzer's full menu, their inputs scaled so that values
+    leave fp16's range: every plan applies whole (none taken back: each op's rule in
+    ``fx16.ops.scaling`` held), and the scaled fp32 program gives the original's outputs
+    up to fp32's rounding."""
+    from fx16.passes.scale_domains import REVERTED, same_outputs
+    from fx16.pipelines import run_passes
+
+    ep = case.export()
+    args = tuple(a * input_scale if a.is_floating_point() else a for a in case.args)
+    with torch.no_grad():
+        reference = [list(torch.utils._pytree.tree_leaves(ep.module()(*args)))]
+    passes = fx16.fp16_passes(ep, calibration=[args])
+    stages = [type(p).__name__ for p in passes]
+    if "ScaleDomainsPass" not in stages:
+        return
+    run_passes(passes[: stages.index("ScaleDomainsPass") + 1], ep.graph_module)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta[REVERTED]
+    with torch.no_grad():
+        outputs = [list(torch.utils._pytree.tree_leaves(ep.module()(*args)))]
+    assert same_outputs(reference, outputs)

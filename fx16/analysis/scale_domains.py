@@ -41,7 +41,7 @@ from fx16.contracts import Analysis
 from fx16.decisions import PRECISION
 from fx16.meta import observed_max_abs
 from fx16.ops.numerics import INF_LIKE
-from fx16.ops.scaling import Kind, scale_rule
+from fx16.ops.scaling import Kind, rule_of
 from fx16.program import Program
 from fx16.program.nodes import is_float_tensor, node_val, tensor_leaves
 from fx16.program.tensor_subclasses import is_subclass
@@ -157,11 +157,11 @@ def _small(node: Node) -> bool:
     if node.op == "placeholder":
         return any(
             user.op == "call_function"
-            and scale_rule(user.target).kind is Kind.PRODUCT
-            and node in _operands(user, scale_rule(user.target).tensors)
+            and rule_of(user).kind is Kind.PRODUCT
+            and node in _operands(user, rule_of(user).tensors)
             for user in node.users
         )
-    return node.op == "call_function" and scale_rule(node.target).kind is Kind.PRODUCT
+    return node.op == "call_function" and rule_of(node).kind is Kind.PRODUCT
 
 
 def _worth_scaling(members: list[Node], tensors: dict) -> bool:
@@ -244,7 +244,7 @@ def _pulled(node: Node, member: dict, tensors: dict) -> list[Node]:
     folded) and a bias; an operand of a product already in a domain (the two merge)."""
     if node.op != "call_function" or not _is_float(node):
         return []
-    rule = scale_rule(node.target)
+    rule = rule_of(node)
     if rule.kind is Kind.SAME:
         return _operands(node, rule.tensors)
     bias = _operands(node, (rule.bias,)) if rule.bias is not None else []
@@ -266,7 +266,7 @@ def _pulled(node: Node, member: dict, tensors: dict) -> list[Node]:
 def _logarithm_argument(node) -> list[Node]:
     """m for ``floor(log2(m))`` (or ``log2(m)``): ``2**floor(log2(m))`` scales as m does."""
     while isinstance(node, Node) and node.op == "call_function":
-        kind = scale_rule(node.target).kind
+        kind = rule_of(node).kind
         if kind is Kind.LOG2:
             return [node.args[0]] if isinstance(node.args[0], Node) else []
         if kind is not Kind.FLOOR:
@@ -279,7 +279,7 @@ def _joins(user: Node, node: Node) -> bool:
     """``user`` commutes with a scale on ``node``: it joins ``node``'s domain."""
     if user.op != "call_function" or not _is_float(user):
         return False
-    rule = scale_rule(user.target)
+    rule = rule_of(user)
     return rule.kind is Kind.SAME and node in _operands(user, rule.tensors)
 
 

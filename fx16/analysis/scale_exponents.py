@@ -27,7 +27,7 @@ from fx16.analysis.scale_plan import (
     only_feeds_powers,
 )
 from fx16.meta import bounded_below
-from fx16.ops.scaling import Kind, ScaleRule, scale_rule
+from fx16.ops.scaling import Kind, ScaleRule, rule_of
 from fx16.program.nodes import is_float_tensor, is_number, named_argument, node_val, tensor_leaves
 
 
@@ -110,9 +110,9 @@ class _Walk:
             self.plan.folds[key] = self.plan.folds.get(key, 0) + delta
             self.plan.exponents[value] = self.plan.exponents.get(value, 0) + delta
             return True
-        if value.op != "call_function" or scale_rule(value.target).kind is not Kind.PRODUCT:
+        if value.op != "call_function" or rule_of(value).kind is not Kind.PRODUCT:
             return False
-        rule = scale_rule(value.target)
+        rule = rule_of(value)
         a, b = (value.args[p] for p in rule.tensors)
         if not self._refold_product(value, rule, a, b, delta):
             return False
@@ -176,7 +176,7 @@ class _Walk:
             if isinstance(exponent, tuple):
                 return exponent[index] if index < len(exponent) else 0
             return exponent
-        rule = scale_rule(node.target)
+        rule = rule_of(node)
         if rule.kind is Kind.SCALE_FREE:
             return self.scale_free(node, rule)
         if not any(leaf.is_floating_point() for leaf in tensor_leaves(val)):
@@ -244,7 +244,7 @@ class _Walk:
     def free_refold(self, node: Node, delta: int) -> bool:
         """Move ``2**delta`` into the product ``node``'s scalar factor or a state tensor
         it alone reads (never into another value's exponent)."""
-        rule = scale_rule(node.target)
+        rule = rule_of(node)
         if rule.kind is not Kind.PRODUCT:
             return False
         a, b = (argument(node, p) for p in rule.tensors)

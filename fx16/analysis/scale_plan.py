@@ -9,7 +9,7 @@ from typing import Any
 from torch.fx import Node
 
 from fx16.meta import observed_max_abs
-from fx16.ops.scaling import Kind, scale_rule
+from fx16.ops.scaling import Kind, rule_of
 from fx16.program.nodes import Location
 
 
@@ -82,7 +82,7 @@ def only_feeds_powers(node: Node) -> bool:
     chain a stabilized norm computes its scale with, where a scale on the log2's
     argument comes back out of the power."""
     for user in node.users:
-        kind = scale_rule(user.target).kind if user.op == "call_function" else None
+        kind = rule_of(user).kind if user.op == "call_function" else None
         if kind is Kind.FLOOR and user.args[0] is node:
             if not only_feeds_powers(user):
                 return False

@@ -36,7 +36,9 @@ import enum
 from dataclasses import dataclass
 from fractions import Fraction
 
-from fx16.ops.tables import CREATION_OPS, VALUE_PRESERVING_OPS, overloads, per_op
+import torch
+
+from fx16.ops.tables import CAST_OPS, CREATION_OPS, VALUE_PRESERVING_OPS, overloads, per_op
 
 
 class Kind(enum.Enum):
@@ -232,3 +234,18 @@ RULES: dict = {
 def scale_rule(target) -> ScaleRule:
     """The rule of the op ``target`` (``OPAQUE`` for any op without one)."""
     return RULES.get(target, OPAQUE)
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def rule_of(node) -> ScaleRule:
+    """The rule of the call ``node``: its op's, except that a cast to a 16-bit dtype
+    (the model's own ``x.half()``) is opaque, for it overflows and flushes at fixed
+    magnitudes; a cast to fp32 or fp64 is exact at any scale."""
+    rule = scale_rule(node.target)
+    if node.target in CAST_OPS:
+        val = node.meta.get("val")
+        if getattr(val, "dtype", None) not in _WIDE:
+            return OPAQUE
+    return rule
