@@ -225,3 +225,34 @@ def test_random_programs_are_planned_without_a_change_and_applied_as_planned(cas
     plan = _planned_then_applied(ep)
     _applied_as_planned(plan)
     check_program(ep)
+
+
+class HalfRoundTrip(torch.nn.Module):
+    """The model's own ``x.half().float()``, read by a kept fp32 region (amax) and by a
+    Linear: the autocast preset keeps the region and its weights fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = x.half().float()
+        return h.amax(-1, keepdim=True) - h, self.linear(h)
+
+
+def test_an_fp32_op_past_a_kept_region_reads_the_fp32_value_not_its_16_bit_source():
+    """Consumers outside a kept region read the 16-bit source the region's opening cast
+    up, as exported; one that computes in fp32 after all (here: its weights stay fp32)
+    reads the opening's fp32 value. Found by the long fuzz: the Linear read the fp16
+    source beside fp32 weights and failed when run ("mat1 and mat2 must have the same
+    dtype")."""
+    torch.manual_seed(0)
+    model, x = HalfRoundTrip().eval(), torch.randn(3, 4)
+    ep = fx16.cast_fp32_to_fp16(export(model, x), policy="autocast")
+    check_program(ep)
+    linear = next(n for n in ep.graph.nodes if n.target is torch.ops.aten.linear.default)
+    dtypes = {arg.meta["val"].dtype for arg in linear.args if isinstance(arg, torch.fx.Node)}
+    assert len(dtypes) == 1
+    with torch.no_grad():
+        outputs = ep.module()(*fx16.inputs_for(ep, x)[0])
+    torch.testing.assert_close(outputs[1].float(), model(x)[1], rtol=1e-2, atol=1e-2)

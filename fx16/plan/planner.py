@@ -152,6 +152,11 @@ class Planner:
     def compute(self, node: Node) -> Step:
         view = self.view(node)
         choice = choose(COMPUTE_RULES, view)
+        if choice.reason is Reason.MIXED_FLOAT_DTYPES and self._drop_redirects(node):
+            # it reads the model's fp32 values after all: a 16-bit source read in their
+            # place (a region's opening bypassed) would give it mixed dtypes
+            view = self.view(node)
+            choice = choose(COMPUTE_RULES, view)
         action, val = choice.action, node_val(node)
         if action == Action.LEAVE:
             made = decision(FP32, choice.reason) if choice.reason is not None else None
@@ -169,6 +174,13 @@ class Planner:
         if action == Action.LOW:
             return self.in_low(node, choice, view)
         raise _unplanned(choice, node)
+
+    def _drop_redirects(self, node: Node) -> bool:
+        """Forget that ``node`` reads a 16-bit source in place of an fp32 cast of it."""
+        dropped = [key for key in self.plan.redirects if key[0] is node]
+        for key in dropped:
+            del self.plan.redirects[key]
+        return bool(dropped)
 
     def cast_to_fp32(self, node: Node) -> Step:
         choice = choose(CAST_TO_FP32_RULES, self.view(node))
