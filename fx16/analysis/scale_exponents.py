@@ -1,15 +1,12 @@
 """The exponents a scale plan gives every value, and the multiplies that keep it exact.
 
-``propagate`` walks the graph once, in order, and gives each value the power-of-two
-exponent it is carried at once the plan is applied, by each op's rule
-(``fx16.ops.scaling``). Where a domain wants a value at its exponent, or an op needs
-its operands at one exponent (an add of two values, a softmax of unscaled logits),
-it first moves a scale into something free (a scalar, a state tensor read by that op
-alone: both folded at cast time); only where nothing is free does it plan a runtime
-multiply by a power of two (a "break"): on one edge, or after a value for all its
-readers. Multiplying by a power of two is exact, so the planned program computes the
-same function as the original, up to values that leave fp32's range.
-"""
+``propagate`` walks the graph once, in order, giving each value the power-of-two exponent
+it is carried at by its op's rule (``fx16.ops.scaling``). Where a domain wants a value at
+its exponent, or an op needs its operands at one (an add, a softmax of unscaled logits),
+it first moves the scale into something free (a scalar, a state tensor that op alone
+reads: folded at cast time); only where nothing is free does it plan a runtime multiply
+by a power of two, on one edge or after a value for every reader. Powers of two are
+exact: the planned program computes the same function, up to fp32's own range."""
 
 import operator
 from fractions import Fraction
@@ -24,6 +21,7 @@ from fx16.analysis.scale_plan import (
     largest_operand,
     log2_exact,
     node_leaves,
+    numbers_by_keyword,
     only_feeds_powers,
 )
 from fx16.meta import bounded_below
@@ -120,21 +118,24 @@ class _Walk:
         return True
 
     def _refold_product(self, value: Node, rule: ScaleRule, a, b, delta: int) -> bool:
-        if rule.bias is not None and rule.bias < len(value.args) and value.args[rule.bias]:
+        if argument(value, rule.bias) is not None:
             return False
-        for position, operand, sign in (
-            (rule.tensors[1], b, -1 if rule.divides else 1),
-            (rule.tensors[0], a, 1),
-        ):
-            if is_number(operand):
-                self.scale_scalar(value, position, 2.0 ** (sign * delta))
-                return True
+        if self._fold_number(value, rule, delta):
+            return True
         if a is b and not rule.divides:
             return delta % 2 == 0 and self.refold(a, delta // 2)
         return any(
             isinstance(operand, Node) and self.refold(operand, sign * delta)
             for operand, sign in ((b, -1 if rule.divides else 1), (a, 1))
         )
+
+    def _fold_number(self, node: Node, rule: ScaleRule, delta: int) -> bool:
+        """Move ``2**delta`` into the product ``node``'s number operand, if it has one."""
+        for position, sign in ((rule.tensors[1], -1 if rule.divides else 1), (rule.tensors[0], 1)):
+            if is_number(argument(node, position)):
+                self.scale_scalar(node, position, 2.0 ** (sign * delta))
+                return True
+        return False
 
     def settle(self, operand: Node, reader: Node, target: int) -> None:
         """Bring ``operand`` to ``target`` for ``reader``: fold it, else a break."""
@@ -178,9 +179,13 @@ class _Walk:
             return exponent
         rule = rule_of(node)
         if rule.kind is Kind.SCALE_FREE:
+            if rule.scalars and numbers_by_keyword(node):
+                return self.opaque(node)
             return self.scale_free(node, rule)
         if not any(leaf.is_floating_point() for leaf in tensor_leaves(val)):
             return self.opaque(node)
+        if rule.scalars and numbers_by_keyword(node):
+            return self.opaque(node)  # a bound or fill passed by name: not in the table
         handler = {
             Kind.SAME: self.same,
             Kind.PRODUCT: self.product,
@@ -247,14 +252,9 @@ class _Walk:
         rule = rule_of(node)
         if rule.kind is not Kind.PRODUCT:
             return False
+        if self._fold_number(node, rule, delta):
+            return True
         a, b = (argument(node, p) for p in rule.tensors)
-        for position, operand, sign in (
-            (rule.tensors[1], b, -1 if rule.divides else 1),
-            (rule.tensors[0], a, 1),
-        ):
-            if is_number(operand):
-                self.scale_scalar(node, position, 2.0 ** (sign * delta))
-                return True
         for operand, sign in ((b, -1 if rule.divides else 1), (a, 1)):
             if isinstance(operand, Node) and operand.op == "placeholder":
                 if self.refold(operand, sign * delta):

@@ -10,7 +10,7 @@ from torch.fx import Node
 
 from fx16.meta import observed_max_abs
 from fx16.ops.scaling import Kind, rule_of
-from fx16.program.nodes import Location
+from fx16.program.nodes import Location, is_number
 
 
 @dataclass
@@ -109,3 +109,9 @@ def node_leaves(value: Any) -> list[Node]:
         for item in value.values():
             found += node_leaves(item)
     return found
+
+
+def numbers_by_keyword(node: Node) -> bool:
+    """``node`` passes a number by keyword (``clamp(x, max=6.0)``): the rule tables name
+    scalars by position, so such a number would not be scaled."""
+    return any(is_number(value) for value in node.kwargs.values())
