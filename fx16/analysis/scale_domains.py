@@ -62,12 +62,14 @@ class Domain:
     folded: tuple[str, ...]  # the state tensors its scale is folded into
     largest: float  # the largest calibrated magnitude of a value in it (unscaled)
     reach: float  # how many times larger its values may grow before 2**-k overflows
+    doors: tuple[str, ...] = ()  # user inputs it scales at the door (fp32, then one mul)
 
     def describe(self) -> str:
         folded = f"folded into {len(self.folded)} tensor(s)" if self.folded else "no fold"
+        doors = f"; input(s) {', '.join(self.doors)} scaled at the door" if self.doors else ""
         return (
             f"{len(self.values)} value(s) up to {self.largest:.3g} carried at 2**{-self.k} "
-            f"({folded}); holds to {self.reach:.3g}x the calibrated magnitudes"
+            f"({folded}{doors}); holds to {self.reach:.3g}x the calibrated magnitudes"
         )
 
 
@@ -128,7 +130,8 @@ class ScaleDomainsAnalysis(Analysis):
             folded = tuple(node.name for node in members if node in tensors)
             reach = self.limit / (largest * 2.0**exponent)
             names = tuple(node.name for node in members)
-            domains.append(Domain(-exponent, names, folded, largest, reach))
+            doors = tuple(n.name for n in members if n.op == "placeholder" and n not in tensors)
+            domains.append(Domain(-exponent, names, folded, largest, reach, doors))
         graph_module.meta[PLAN_KEY] = plan
         graph_module.meta[DOMAINS_KEY] = domains
         return PassResult(graph_module, False)
