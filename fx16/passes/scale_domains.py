@@ -162,8 +162,11 @@ def same_outputs(reference: list, outputs: list | None) -> bool:
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     a, b = a.double(), b.double()
-    finite = torch.isfinite(a)
-    if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(a[~finite], b[~finite]):
+    finite, nan = torch.isfinite(a), torch.isnan(a)
+    if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(nan, torch.isnan(b)):
+        return False
+    infinite = ~finite & ~nan
+    if not torch.equal(a[infinite], b[infinite]):
         return False
     if not finite.any():
         return True
