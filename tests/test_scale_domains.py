@@ -45,6 +45,14 @@ class Residual(nn.Module):
         return self.norm(h)
 
 
+def _scale(ep, **options) -> None:
+    """Run the fp16 pipeline on ``ep`` up to and including ``ScaleDomainsPass``: the
+    scaled program, still fp32."""
+    passes = fx16.fp16_passes(ep, **options)
+    stages = [type(p).__name__ for p in passes]
+    fx16.pipelines.run_passes(passes[: stages.index("ScaleDomainsPass") + 1], ep.graph_module)
+
+
 def _fp32_ops(ep) -> int:
     return program_stats(ep).ops_in(torch.float32)
 
@@ -74,9 +82,7 @@ def test_the_scaled_program_computes_the_same_function_in_fp32():
     torch.manual_seed(0)
     model, x = Residual().eval(), torch.randn(4, 16)
     ep = export(model, x)
-    passes = fx16.fp16_passes(ep)
-    stages = [type(p).__name__ for p in passes]
-    fx16.pipelines.run_passes(passes[: stages.index("ScaleDomainsPass") + 1], ep.graph_module)
+    _scale(ep)
     assert scale_domains(ep.graph_module)
     with torch.no_grad():
         assert torch.equal(ep.module()(x), model(x))
@@ -93,9 +99,7 @@ def test_a_norms_eps_is_scaled_with_its_input():
     torch.manual_seed(0)
     model, x = LayerNormResidual().eval(), torch.randn(4, 16)
     ep = export(model, x)
-    passes = fx16.fp16_passes(ep)
-    stages = [type(p).__name__ for p in passes]
-    fx16.pipelines.run_passes(passes[: stages.index("ScaleDomainsPass") + 1], ep.graph_module)
+    _scale(ep)
     (domain,) = scale_domains(ep.graph_module)
     eps = {
         node.args[4]
@@ -180,17 +184,12 @@ def test_property_the_scaled_fp32_program_is_the_same_function(case, input_scale
     ``fx16.ops.scaling`` held), and the scaled fp32 program gives the original's outputs
     up to fp32's rounding."""
     from fx16.passes.scale_domains import REVERTED, same_outputs
-    from fx16.pipelines import run_passes
 
     ep = case.export()
     args = tuple(a * input_scale if a.is_floating_point() else a for a in case.args)
     with torch.no_grad():
         reference = [list(torch.utils._pytree.tree_leaves(ep.module()(*args)))]
-    passes = fx16.fp16_passes(ep, calibration=[args])
-    stages = [type(p).__name__ for p in passes]
-    if "ScaleDomainsPass" not in stages:
-        return
-    run_passes(passes[: stages.index("ScaleDomainsPass") + 1], ep.graph_module)
+    _scale(ep, calibration=[args])
     assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta[REVERTED]
     with torch.no_grad():
         outputs = [list(torch.utils._pytree.tree_leaves(ep.module()(*args)))]
