@@ -194,3 +194,31 @@ def test_property_the_scaled_fp32_program_is_the_same_function(case, input_scale
     with torch.no_grad():
         outputs = [list(torch.utils._pytree.tree_leaves(ep.module()(*args)))]
     assert same_outputs(reference, outputs)
+
+
+class ResidualIntoAutocastOff(Residual):
+    """The scaled stream read inside the model's own ``autocast(enabled=False)`` body."""
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(self.norm(h))
+        with torch.autocast("cpu", enabled=False):
+            kept = h * 0.5
+        return self.norm(h), kept
+
+
+def test_a_body_reads_the_scaled_value_unscaled():
+    """A higher-order op's body reads its operands unscaled: the value that enters the
+    user's fp32 region is the original one (the region's output is the fp32 value, not
+    2**-k of it)."""
+    torch.manual_seed(0)
+    model, x = ResidualIntoAutocastOff().eval(), torch.randn(4, 16)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    assert scale_domains(ep.graph_module)
+    reference = fp64_reference(model, x)
+    outputs = run(ep, x)
+    assert max_error(reference, outputs) < 1e-2
+    ratio = (outputs[1].double() / reference[1].double()).median()
+    assert abs(float(ratio) - 1.0) < 1e-2  # not a power of two off
