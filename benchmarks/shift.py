@@ -6,11 +6,12 @@ Each float-input model (the benchmark zoo's and the trap models of
 ``benchmarks.shift_traps`` and ``benchmarks.precision_zoo``) is exported and cast on
 one draw of its data (the calibration inputs: torch.export's example), then run on
 another draw, shifted: scaled x2, x3 and x0.01, half its rows near-silent (x1e-3), a
-third of its rows constant, one outlier row (x10), an offset per column. Error: max
-|fp64 - tool| / max |fp64| over the outputs fp32 and fp64 hold finite ("non-finite"
-where a tool gives inf or nan where fp32 and fp64 do not), for fx16's default cast,
-eager ``.half()``, eager ``torch.autocast`` (CPU, fp16) and coreai-opt 0.3.0's
-``cast_fp32_to_fp16``, with fx16's 16-bit share of matmul/conv/attention FLOPs beside it.
+third of its rows constant, the middle third of each row held at its first value (a
+stalled sensor, a constant stretch of audio), one outlier row (x10), an offset per
+column. Error: max |fp64 - tool| / max |fp64| over the outputs fp32 and fp64 hold
+finite ("non-finite" where a tool gives inf or nan where fp32 and fp64 do not), for
+fx16's default cast, eager ``.half()``, eager ``torch.autocast`` (CPU, fp16) and
+coreai-opt 0.3.0's ``cast_fp32_to_fp16``, with fx16's 16-bit share of matmul/conv/attention FLOPs beside it.
 
 Envelope: whether the shifted input stays inside what fx16's decisions assumed. fx16's
 analyses and safety rules are run again with the shifted input as the calibration;
@@ -75,6 +76,7 @@ def models():
         _frames,
     )
     yield "STFT magnitude of audio frames", shift_traps.StftMagnitude, _frames
+    yield "voice activity (waveform)", shift_traps.VoiceActivity, _waveforms
     yield "peak-normalized audio frames", shift_traps.PeakNormalized, _frames
     yield (
         "standardized mixed columns",
@@ -85,6 +87,10 @@ def models():
 
 def _frames(seed: int) -> torch.Tensor:
     return shift_traps.audio_frames(32, seed)
+
+
+def _waveforms(seed: int) -> torch.Tensor:
+    return shift_traps.speech(4, seed)
 
 
 def _rows(x: torch.Tensor, share: float) -> slice:
@@ -124,6 +130,7 @@ SHIFTS = {
     "x0.01": lambda x: 0.01 * x,
     "quiet rows": _quiet_rows,
     "constant rows": _constant_rows,
+    "constant stretches": shift_traps.constant_stretches,
     "outlier row": _outlier_row,
     "column offsets": _column_offsets,
 }

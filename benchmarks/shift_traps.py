@@ -132,3 +132,68 @@ class PeakNormalized(nn.Module):
 
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
         return self.project(frames / frames.abs().amax(-1, keepdim=True))
+
+
+class VoiceActivity(nn.Module):
+    """A voice-activity detector's shape (Silero VAD's): a short-time Fourier transform
+    of the waveform by a strided convolution with a windowed cosine and sine basis, the
+    magnitude ``sqrt(re^2 + im^2)``, a convolutional encoder, an LSTM over the frames
+    and a linear head per frame. A constant stretch of audio (DC) leaves every bin but
+    the lowest empty, where 16-bit products of the rounded basis leave signed noise that
+    a magnitude turns into a positive bias."""
+
+    def __init__(self, window: int = 128, hop: int = 64, channels: int = 32) -> None:
+        super().__init__()
+        self.bins = window // 2 + 1
+        time = torch.arange(window, dtype=torch.float32)
+        angles = 2 * math.pi * torch.arange(self.bins, dtype=torch.float32)[:, None] * time
+        angles = angles / window
+        hann = torch.hann_window(window)
+        basis = torch.cat([torch.cos(angles) * hann, -torch.sin(angles) * hann])
+        self.register_buffer("basis", basis[:, None, :].contiguous())
+        self.hop = hop
+        self.encoder = nn.Sequential(
+            nn.Conv1d(self.bins, channels, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv1d(channels, channels, 3, padding=1),
+            nn.ReLU(),
+        )
+        self.lstm = nn.LSTM(channels, channels, batch_first=True)
+        self.head = nn.Linear(channels, 1)
+
+    def spectrum(self, audio: torch.Tensor) -> torch.Tensor:
+        """The magnitude of each frame's bins: (batch, bins, frames)."""
+        parts = nn.functional.conv1d(audio[:, None, :], self.basis, stride=self.hop)
+        real, imaginary = parts[:, : self.bins], parts[:, self.bins :]
+        return torch.sqrt(real * real + imaginary * imaginary)
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        features = self.encoder(self.spectrum(audio)).transpose(1, 2)
+        return self.head(self.lstm(features)[0])
+
+
+class Spectrum(VoiceActivity):
+    """VoiceActivity's front end alone: the magnitudes of the frames' bins."""
+
+    def forward(self, audio: torch.Tensor) -> torch.Tensor:
+        return self.spectrum(audio)
+
+
+def speech(clips: int, seed: int, samples: int = 2048, loudness: float = 0.3) -> torch.Tensor:
+    """Speech-like waveforms (16 kHz): a pitch of 100-300 Hz with two harmonics, and
+    noise; peak about ``loudness``."""
+    generator = torch.Generator().manual_seed(seed)
+    time = torch.arange(samples, dtype=torch.float32) / 16000
+    pitch = 100 + 200 * torch.rand(clips, 1, generator=generator)
+    tone = sum(torch.sin(2 * math.pi * k * pitch * time) / k for k in (1, 2, 3))
+    noise = 0.1 * torch.randn(clips, samples, generator=generator)
+    return loudness * (tone + noise) / 2
+
+
+def constant_stretches(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with the middle third of each row (along the last dim) held at its first
+    value, as a stalled sensor or a padded recording holds it: a constant (DC) stretch."""
+    x = x.clone()
+    start, stop = x.shape[-1] // 3, 2 * x.shape[-1] // 3
+    x[..., start:stop] = x[..., start : start + 1]
+    return x

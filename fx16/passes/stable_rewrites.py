@@ -195,9 +195,12 @@ def _reduction(node) -> tuple[Node, list, bool, object] | None:
     return None if found is None else (*found, node.target)
 
 
-def _power_of_two_below(make: _Builder, largest: Node, parts, why: str) -> tuple[Node, Node]:
-    """(k, 2**k) for ``k = floor(log2(largest))``: a power of two (dividing by it is exact
-    in 16-bit) within 2x below ``largest``, which the caller keeps at least 16-bit's
+def _power_of_two_below(
+    make: _Builder, largest: Node, parts, why: str, exponent_of=None
+) -> tuple[Node, Node]:
+    """(k, 2**k) for ``k = floor(log2(largest))`` (or ``exponent_of(make, k)``, a chain of
+    nodes that makes another integer of it): a power of two (dividing by it is exact in
+    16-bit) within 2x below ``largest``, which the caller keeps at least 16-bit's
     smallest normal (so k is finite where ``largest`` is). Its nodes and ``parts`` (what
     ``largest`` is computed from) say ``why`` their rounding cancels.
 
@@ -209,30 +212,53 @@ def _power_of_two_below(make: _Builder, largest: Node, parts, why: str) -> tuple
     fails to run there)."""
     logarithm = make(aten.log2.default, largest)
     exponent = make(aten.div.Tensor_mode, logarithm, 1.0, rounding_mode="floor")
+    chain = [logarithm, exponent]
+    if exponent_of is not None:
+        exponent = exponent_of(make, exponent)
+        chain.extend(_made_since(make, exponent, chain[-1]))
     power = make(aten.pow.Scalar, 2.0, exponent)
-    for part in (*parts, logarithm, exponent, power):
+    for part in (*parts, *chain, power):
         part.meta[ROUNDING_CANCELS] = why
     for bounded in (largest, power):
         bounded.meta[BOUNDED_BELOW] = _AT_LEAST_NORMAL
     return exponent, power
 
 
+def _made_since(make: _Builder, last: Node, first: Node) -> list[Node]:
+    """The nodes ``make`` put in its graph after ``first``, up to and with ``last``."""
+    nodes, node = [], last
+    while node is not first:
+        nodes.append(node)
+        node = node.prev
+    return nodes
+
+
 _AT_LEAST_NORMAL = "at least 2**-14, 16-bit's smallest normal"
 
 
 class MagnitudeScaling:
-    """A complex magnitude computed from its parts, divided through by a power of two.
+    """A complex magnitude computed from its parts, divided through by a power of two
+    where its largest part squares out of 16-bit's range.
 
     Before: ``sqrt(a**2 + b**2)`` (an STFT's magnitude from its real and imaginary
-    parts) - parts above 256 square past 65504, and a quiet signal's parts below 2.4e-4
-    square to 16-bit's subnormals or zero. After: ``s = 2**floor(log2(max(|a|, |b|,
-    2**-14))); sqrt((a/s)**2 + (b/s)**2) * s``, elementwise: the same value in exact
-    arithmetic for any s > 0 (the scaling of ``hypot``); the larger part over s lies in
-    [1, 2), so its square is normal and below 4, and a smaller part that flushes is
-    below 2**-12 of the larger, where its square no longer moves the sum.
+    parts) - parts above 181 square past 65504, and a quiet signal's parts below 2.4e-4
+    square to 16-bit's subnormals or zero. After: ``P = amax(max(|a|, |b|, 2**-14))``
+    over the whole tensor, ``e = floor(log2(P))``, ``s = 2**e`` where e < 0, ``2**(e - 6)``
+    where e > 6, else 1; ``sqrt((a/s)**2 + (b/s)**2) * s``: the same value in exact
+    arithmetic for any s > 0 (the scaling of ``hypot``). The largest part over s lies
+    below 128, so no square passes 16384; a quiet tensor's largest lies in [1, 2).
 
-    Costs: a largest magnitude of the two operands and two divisions, in 16-bit; no
-    fp32."""
+    One scale for the whole tensor, and none where its largest part is in [1, 128):
+    there the result is the plain form's, bit for bit. An elementwise scale would
+    compute every bin exactly, the 16-bit rounding noise of a product in a bin that is
+    empty too (an STFT of a constant stretch of audio): the magnitude turns that signed
+    noise into a positive bias, which the next layer sums. The plain form flushes the
+    squares of noise that far below the tensor's largest part, and so does this one at
+    every loudness. A batch whose samples differ in loudness takes its loudest sample's
+    scale.
+
+    Costs: a largest magnitude of the two operands, one reduction over the tensor and
+    two divisions, in 16-bit; no fp32."""
 
     name = "magnitude_scaling"
     roots = (aten.sqrt.default,)  # the ops a match starts from
@@ -258,15 +284,29 @@ class MagnitudeScaling:
         make = _Builder(graph, rewrite.result)
         magnitudes = (make(aten.abs.default, a), make(aten.abs.default, b))
         lifted = make(aten.clamp.default, make(aten.maximum.default, *magnitudes), 2.0**-14)
+        dims = list(range(node_val(lifted).dim()))
+        largest = make(aten.amax.default, lifted, dims, True)
         parts = (*magnitudes, lifted.args[0], lifted)
-        _, scale = _power_of_two_below(make, lifted, parts, _ANY_PART_SCALE)
+        _, scale = _power_of_two_below(
+            make, largest, parts, _ANY_PART_SCALE, exponent_of=_outside_plain_range
+        )
         scaled = [make(aten.div.Tensor, part, scale) for part in (a, b)]
         squares = [make(aten.mul.Tensor, part, part) for part in scaled]
         total = make(aten.add.Tensor, *squares)
         root = make(aten.sqrt.default, total)
         for part in (*scaled, *squares, total, root):
-            part.meta[SCALED] = "a scaled magnitude's: each part below 2 and its square below 4"
+            part.meta[SCALED] = "a scaled magnitude's: each part below 128, its square below 16384"
         return make(aten.mul.Tensor, root, scale)
+
+
+def _outside_plain_range(make: _Builder, exponent: Node) -> Node:
+    """The exponent of a magnitude's scale from its largest part's ``e``: ``e`` below 0,
+    ``e - 6`` above 6, else 0 (in ops outside XNNPACK's delegate: comparisons, where)."""
+    below = make(aten.lt.Scalar, exponent, 0)
+    above = make(aten.gt.Scalar, exponent, 6)
+    lowered = make(aten.sub.Scalar, exponent, 6)
+    plain = make(aten.mul.Scalar, exponent, 0.0)
+    return make(aten.where.self, below, exponent, make(aten.where.self, above, lowered, plain))
 
 
 # Why a magnitude's scale's rounding does not matter: any s > 0 gives the same result.
