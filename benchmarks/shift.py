@@ -11,7 +11,8 @@ stalled sensor, a constant stretch of audio), one outlier row (x10), an offset p
 column. Error: max |fp64 - tool| / max |fp64| over the outputs fp32 and fp64 hold
 finite ("non-finite" where a tool gives inf or nan where fp32 and fp64 do not), for
 fx16's default cast, eager ``.half()``, eager ``torch.autocast`` (CPU, fp16) and
-coreai-opt 0.3.0's ``cast_fp32_to_fp16``, with fx16's 16-bit share of matmul/conv/attention FLOPs beside it.
+coreai-opt 0.3.0's ``cast_fp32_to_fp16``, with fx16's 16-bit share of
+matmul/conv/attention FLOPs beside it.
 
 Envelope: whether the shifted input stays inside what fx16's decisions assumed. fx16's
 analyses and safety rules are run again with the shifted input as the calibration;
