@@ -641,3 +641,30 @@ def test_a_magnitude_in_range_is_the_plain_form_and_keeps_a_constant_stretch_emp
     empty_want, empty_got = want[:, 3:, inside], got[:, 3:, inside]  # past DC's leakage
     assert 1 <= float(want.abs().max()) < 128
     assert float((empty_got - empty_want).abs().max()) <= 4 * float(empty_want.abs().max())
+
+
+def test_log_sigmoid_is_the_model_own_form_from_minus_8_and_rewritten_below():
+    """From -8 up ``log(sigmoid(x))`` rounds twice in 16-bit, fewer times than any
+    rewritten form (min(x, 0) - log1p(exp(-|x|)) was 2.5x the model's own error on
+    logits near 0): the rewrite keeps it there, bit for bit, and takes over below,
+    where sigmoid leaves the normal range."""
+    x = torch.cat([torch.linspace(-8, 12, 4001), torch.linspace(-60, -8.01, 500)])[None]
+    _, after = _stabilized(LogSigmoid(), x)
+    got = after(x.half())[0]
+    kept = x[0] >= -8
+    assert torch.equal(got[0, kept], torch.log(torch.sigmoid(x.half()))[0, kept])
+    want = torch.nn.functional.logsigmoid(x[0, ~kept].double())
+    assert torch.isfinite(got).all()
+    assert float(((got[0, ~kept].double() - want) / want).abs().max()) <= 2**-11
+    again = export(after, x)  # its own result, exported anew, is not matched again
+    assert not StabilizePass()(again.graph_module).modified
+
+
+def test_a_divided_norm_stays_divided():
+    """``x / sqrt(mean(x**2) + eps)`` rewritten keeps its division: a power of two scales
+    every value it computes, so in range each rounds as the model's own form does (as
+    ``y * rsqrt(...)`` its result was 1.16x the model's own error on audio frames)."""
+    _, after = _stabilized(RmsNormDivided(), torch.randn(3, 8))
+    output = next(n for n in after.graph.nodes if n.op == "output").args[0][0]
+    assert output.target is torch.ops.aten.div.Tensor
+    assert output.args[1].target is torch.ops.aten.sqrt.default

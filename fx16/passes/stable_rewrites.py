@@ -87,8 +87,10 @@ class RmsNormScaling:
     x**2 passes 65504 (why models compute it in an fp32 region); on a quiet input (a
     near-silent audio frame) it flushes to zero.
     After: ``k = floor(log2(amax(max(|x|, 2**-14 / f), dims))); s = 2**k * f; y = x / s;
-    y * rsqrt(mean(y**2, dims) + (2**-k * sqrt(eps) / f)**2)``: the same value in exact
-    arithmetic for any s > 0, and s a power of two makes ``x / s`` exact in 16-bit too.
+    y * rsqrt(mean(y**2, dims) + (2**-k * sqrt(eps) / f)**2)`` (``y / sqrt(...)`` for the
+    divided form: a power of two scales every value it computes, so in range each rounds
+    as the model's own form does): the same value in exact arithmetic for any s > 0, and
+    s a power of two makes ``x / s`` exact in 16-bit too.
     For a mean, f = 1/64: the row's largest |y| lies in [64, 128), so every y**2 is below
     16384, and elements 1/2000 of the largest still square to a normal 16-bit number
     (scaling the largest to 1 would leave their squares subnormal, with a few bits). For
@@ -168,6 +170,8 @@ class RmsNormScaling:
             power_sum = make(aten.add.Tensor, power_sum, eps_term)
             power_sum.meta[SCALED] = why  # eps_term below 2**28 eps
         power_sum.meta[BOUNDED_BELOW] = _SCALED_POWER
+        if rewrite.result.target is aten.div.Tensor:  # the model's own form, rounding alike
+            return make(aten.div.Tensor, y, make(aten.sqrt.default, power_sum))
         return make(aten.mul.Tensor, y, make(aten.rsqrt.default, power_sum))
 
 
@@ -364,30 +368,48 @@ class LogSoftmax:
 
 
 class LogSigmoid:
-    """Before: ``log(sigmoid(x))`` - sigmoid of x below -17 is 0 in fp16, its log -inf.
-    After: ``min(x, 0) - log1p(exp(-|x|))``, the same function: exp never overflows
-    and log1p keeps the small term, so it is finite and accurate wherever x is.
+    """Before: ``log(sigmoid(x))`` - sigmoid of x below -17 is 0 in fp16, its log -inf,
+    and below -9.7 it is subnormal, with few bits. After: ``where(x < -8, x -
+    log1p(exp(min(x, 0))), log(sigmoid(x)))``, the same function: from -8 up the model's
+    own form, bit for bit (two roundings: fewer than any rewritten form there); below, a
+    form whose exp cannot overflow and whose log1p keeps the small term, finite and
+    accurate however negative x is.
 
-    Costs: a few more elementwise ops (min, abs, exp, log1p), in 16-bit; no fp32."""
+    Costs: a comparison, a select and the rewritten form's clamp, exp, log1p and
+    subtraction beside the model's two ops, elementwise in 16-bit; no fp32."""
 
     name = "log_sigmoid"
     roots = (aten.log.default,)  # the ops a match starts from
 
     def match(self, node: Node) -> Rewrite | None:
         inner = node.args[0] if _is(node, aten.log.default) else None
-        if _is(inner, aten.sigmoid.default) and _only_user(inner, node):
-            return Rewrite(node, (node, inner))
-        return None
+        if not (_is(inner, aten.sigmoid.default) and _only_user(inner, node)):
+            return None
+        if any(_kept_from_minus_8(user, node, inner.args[0]) for user in node.users):
+            return None  # the kept form in this rule's own result
+        return Rewrite(node, (node, inner))
 
     def build(self, graph: Graph, rewrite: Rewrite) -> Node:
         make = _Builder(graph, rewrite.result)
         x = rewrite.result.args[0].args[0]
-        small = make(aten.exp.default, make(aten.neg.default, make(aten.abs.default, x)))
-        return make(
-            aten.sub.Tensor,
-            make(aten.clamp.default, x, None, 0.0),
-            make(aten.log1p.default, small),
-        )
+        tail = make(aten.exp.default, make(aten.clamp.default, x, None, 0.0))
+        steep = make(aten.sub.Tensor, x, make(aten.log1p.default, tail))
+        probability = make(aten.sigmoid.default, x)
+        probability.meta[BOUNDED_BELOW] = _SELECTED_FROM_MINUS_8
+        own = make(aten.log.default, probability)
+        return make(aten.where.self, make(aten.lt.Scalar, x, -8.0), steep, own)
+
+
+# Why the kept form's sigmoid cannot flush where its result is used.
+_SELECTED_FROM_MINUS_8 = "read only where x >= -8, where sigmoid(x) is at least 3.3e-4"
+
+
+def _kept_from_minus_8(select: Node, kept: Node, x) -> bool:
+    """Whether ``select`` is ``where(x < -8, ..., kept)``: a rewritten log-sigmoid."""
+    if not (_is(select, aten.where.self) and select.args[2] is kept):
+        return False
+    test = select.args[0]
+    return _is(test, aten.lt.Scalar) and test.args[0] is x and _scalar(test.args[1], -8.0)
 
 
 class Log1p:
