@@ -62,10 +62,12 @@ def cast_fp32_to_fp16(
             default: everything in fp16 where safe (coreai-opt's behaviour, made safe).
         explicit_fp32: what becomes of the fp32 regions the model opens itself
             (``x.float()``, ``dtype=torch.float32``), such as the variance in an
-            RMSNorm: "calibrated" keeps one only where the calibration inputs (with the
-            margin), a proven range or the lack of any observation show 16-bit would
-            spoil it; "keep" keeps them all; "retarget" casts them to fp16, as
-            coreai-opt does. None: the policy's setting ("calibrated" by default).
+            RMSNorm: "keep" keeps them all, as ``.half()`` does; "calibrated" keeps one
+            only where the calibration inputs (with the margin), a proven range or the
+            lack of any observation show 16-bit would spoil it (fewer fp32 ops, for the
+            Neural Engine, at some accuracy: a norm's row statistic rounds in 16-bit);
+            "retarget" casts them to fp16, as coreai-opt does. None: the policy's
+            setting ("keep" by default).
         stabilize: rewrite patterns 16-bit spoils into forms exact in real arithmetic
             first (RMSNorm's variance scaled, log(softmax) as log_softmax, ...;
             ``fx16.passes.stabilize``), so they need no fp32 and hold on inputs the

@@ -107,7 +107,12 @@ def fp16_stages(ep, options: Fp16Options) -> tuple[list[PassBase], list[PassBase
 
 def _analyses(program: Program, options: Fp16Options, policy: PrecisionPolicy) -> list[PassBase]:
     rewrites = policy.stabilize or policy.eps_clamp
-    stabilize = [StabilizePass(policy.low, policy.stabilize, policy.eps_clamp)] if rewrites else []
+    keep_model_fp32 = policy.explicit_fp32 == "keep"
+    stabilize = (
+        [StabilizePass(policy.low, policy.stabilize, policy.eps_clamp, None, keep_model_fp32)]
+        if rewrites
+        else []
+    )
     limit = overflow_limit(policy, options.overflow_margin)
     scaling = (
         [ScaleDomainsAnalysis(program, limit), ScaleDomainsPass(program, options.calibration)]

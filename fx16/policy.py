@@ -86,12 +86,17 @@ class PrecisionPolicy:
         boundary); True for all, or a collection of input/output node names.
     explicit_fp32: what becomes of the fp32 regions the model opens itself
         (``x.float()`` before a variance, ``softmax(dtype=torch.float32)``), when a
-        precision-sensitive op follows (``fx16.analysis.explicit_fp32``):
-        "calibrated" keeps one only on evidence that 16-bit would spoil it (a value in
-        it beyond the 16-bit range or below its normal range on the calibration
-        inputs, with the margin; an ill-conditioned op in it; a proven range; or no
-        calibration input reaching it), "keep" keeps them all, "retarget" casts them
-        all to 16-bit as coreai-opt does (the safety rules still apply op by op).
+        precision-sensitive op follows (``fx16.analysis.explicit_fp32``): "keep" (the
+        default) keeps them all, as ``.half()`` and eager autocast do, and the stable
+        rewrites leave the patterns in them alone - such a region in 16-bit rounds what it
+        computes once per row for the whole row (an RMSNorm's mean of squares and its
+        rsqrt), which measured 1.5x ``.half()``'s error on a T5 v1.1 encoder with ATen's
+        AVX-512 kernels (``benchmarks/REWRITES.md``); "calibrated" keeps one only on
+        evidence that 16-bit would spoil it (a value in it beyond the 16-bit range or below
+        its normal range on the calibration inputs, with the margin; an ill-conditioned op
+        in it; a proven range; or no calibration input reaching it), for targets where each
+        fp32 op costs more than that error (the Neural Engine); "retarget" casts them all to
+        16-bit as coreai-opt does (the safety rules still apply op by op).
     routing: where the ops that choose a route compute - a mixture-of-experts router
         (the gate's product, its softmax, the top-k), a greedy decoder's argmax: "fp32"
         keeps the selection and the ops between it and the product that scores the
@@ -132,7 +137,7 @@ class PrecisionPolicy:
     predicate: Callable[[Node], Precision | None] | None = None
     op_table: Mapping[str, Precision] = field(default_factory=dict)
     keep_io_types: bool | frozenset[str] = False
-    explicit_fp32: str = "calibrated"
+    explicit_fp32: str = "keep"
     routing: str = "fp32"
     cast_back: bool = True
     widen_model_16bit: bool = False

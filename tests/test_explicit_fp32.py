@@ -25,6 +25,7 @@ from fx16.analysis.explicit_fp32 import island_verdict, islands
 from fx16.analysis.fp32_rules import ObservedBelowRangeRule, UnderflowRule
 from fx16.decisions import PRECISION, Reason
 from fx16.errors import InvalidOptionError
+from fx16.meta import stabilized
 from fx16.pipelines import run_passes, without_rules
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
@@ -206,7 +207,7 @@ def test_kept_island_ends_where_the_model_casts_back(decompose):
     x = torch.randn(3, 16) * 300
     model = NormWithResidual()
     ep = export(model, x, decompose=decompose)
-    fx16.cast_fp32_to_fp16(ep, stabilize=False)
+    fx16.cast_fp32_to_fp16(ep, explicit_fp32="calibrated", stabilize=False)
     check_program(ep)
     nodes = {n.name: n for n in ep.graph_module.graph.nodes}
     for name in ("pow_1", "mean", "rsqrt"):
@@ -224,7 +225,7 @@ def test_every_verdict_is_a_row_of_the_report(decompose):
     """Retargeted casts are removed by cleanup, and decomposed ones are only checks: the
     report still lists each opening with its rule and evidence."""
     _, _, ep = _rmsnorm(1.0, decompose=decompose)
-    fx16.cast_fp32_to_fp16(ep)
+    fx16.cast_fp32_to_fp16(ep, explicit_fp32="calibrated")
     (row,) = [r for r in decision_rows(ep) if r.rule == "explicit_fp32_retargeted"]
     assert row.dtype == "float16" and row.narrowed and "largest" in row.detail
 
@@ -242,9 +243,9 @@ def test_unknown_setting_is_an_invalid_option():
 @pytest.mark.parametrize(
     "preset, setting",
     [
-        ("default", "calibrated"),
-        ("auto_mixed", "calibrated"),
-        ("auto_mixed_bf16", "calibrated"),
+        ("default", "keep"),
+        ("auto_mixed", "keep"),
+        ("auto_mixed_bf16", "keep"),
         ("always_fp16", "retarget"),
         ("auto_mixed_conservative", "keep"),
         ("autocast", "keep"),
@@ -264,3 +265,34 @@ def test_default_cast_of_an_rmsnorm_is_accurate_at_every_scale(exponent, decompo
     (got,) = run(ep, x)
     assert torch.isfinite(got).all()
     assert max_error(fp64_reference(model, x), [got]) < 2e-3
+
+
+def test_the_default_keeps_the_model_fp32_regions_as_half_does():
+    """A T5 v1.1 encoder inside fp16's range: retargeting its RMSNorms' fp32 regions
+    (``explicit_fp32="calibrated"``, the default before) rounds each row's mean of
+    squares and rsqrt in 16-bit, and measured 1.5x ``.half()``'s error with ATen's AVX-512
+    kernels (0.9x with its default ones). The default keeps them as ``.half()`` does, with
+    no stable rewrite inside, and is within 20% of ``.half()``'s error on every kernel
+    path (means over six token draws, each against fp64; the GELU's rewrite moves single
+    draws either way)."""
+    from benchmarks import zoo
+
+    torch.manual_seed(0)
+    model = zoo.massive_t5_encoder(2e3).eval()
+
+    def ids(seed):
+        return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+    ep = fx16.cast_fp32_to_fp16(torch.export.export(model, (ids(1),)))
+    verdicts = [v for m in ep.graph_module.modules() for v in islands(m)]
+    assert verdicts and all(v.keep for v in verdicts)
+    rewritten = [stabilized(n) for n in ep.graph_module.graph.nodes if stabilized(n)]
+    assert "rms_norm_scaling" not in {rule for rule, _ in rewritten}
+    half, wide = copy.deepcopy(model).half(), copy.deepcopy(model).double()
+    errors = {"fx16": 0.0, ".half()": 0.0}
+    with torch.no_grad():
+        for seed in range(2, 8):
+            want = [wide(ids(seed))]
+            errors["fx16"] += max_error(want, run(ep, ids(seed)))
+            errors[".half()"] += max_error(want, [half(ids(seed))])
+    assert errors["fx16"] <= 1.2 * errors[".half()"], errors

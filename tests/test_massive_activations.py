@@ -57,7 +57,7 @@ def _has_coreai() -> bool:
 def test_unstabilized_cast_keeps_exactly_the_islands_that_need_fp32(name, decompose):
     build, kept, retargeted = MODELS[name]
     _, ids, expected, ep = _exported(build, decompose)
-    fx16.cast_fp32_to_fp16(ep, stabilize=False)
+    fx16.cast_fp32_to_fp16(ep, explicit_fp32="calibrated", stabilize=False)
     check_program(ep)
     verdicts = islands(ep.graph_module)
     assert sum(island.keep for island in verdicts) == kept
@@ -75,12 +75,12 @@ def test_unstabilized_cast_keeps_exactly_the_islands_that_need_fp32(name, decomp
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_default_cast_rewrites_every_norm_and_keeps_no_float_op_fp32(name):
+def test_calibrated_cast_rewrites_every_norm_and_keeps_no_float_op_fp32(name):
     """The stable rewrite scales each norm's squares into range: every island's ops in
     16-bit, and the result as close to fp32 as the islands kept in fp32 were."""
     build, _, _ = MODELS[name]
     _, ids, expected, ep = _exported(build, decompose=False)
-    fx16.cast_fp32_to_fp16(ep)
+    fx16.cast_fp32_to_fp16(ep, explicit_fp32="calibrated")
     check_program(ep)
     rows = report_of(ep).rows
     assert sum(r.stabilized.startswith("rms_norm_scaling") for r in rows) == sum(MODELS[name][1:])

@@ -23,7 +23,7 @@ from models import (
 )
 
 # a weight past fp16 on the fp32 path (scale domains would fold it into fp16)
-NO_SCALING = PrecisionPolicy(scale_range=False)
+NO_SCALING = PrecisionPolicy(scale_range=False, explicit_fp32="calibrated")
 
 
 def test_rows_name_every_decision_with_its_reason():
@@ -193,9 +193,9 @@ def test_a_second_cast_keeps_the_first_casts_figures():
     1.00x) and keeps the accuracy search the first cast ran."""
     torch.manual_seed(0)
     ep = export(RMSNormMLP(), torch.randn(2, 16))
-    fx16.cast_fp32_to_fp16(ep, max_rel_error=0.05)
+    fx16.cast_fp32_to_fp16(ep, max_rel_error=0.05, explicit_fp32="calibrated")
     first = report_of(ep)
-    fx16.cast_fp32_to_fp16(ep)
+    fx16.cast_fp32_to_fp16(ep, explicit_fp32="calibrated")
     second = report_of(ep)
     assert second.totals == first.totals
     assert [_decision(row) for row in second.rows] == [_decision(row) for row in first.rows]

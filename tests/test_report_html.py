@@ -59,7 +59,7 @@ def _kept_island_program():
 
 
 def test_one_cell_per_float_value_and_a_reason_on_every_fp32_cell():
-    ep = fx16.cast_fp32_to_fp16(_kept_island_program(), stabilize=False)
+    ep = fx16.cast_fp32_to_fp16(_kept_island_program(), explicit_fp32="calibrated", stabilize=False)
     report = report_of(ep)
     page = _cells(report_html(report, "norm.pt2"))
     floats = [row for row in report.rows if row.kind == "float"]

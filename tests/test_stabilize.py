@@ -354,8 +354,8 @@ class NormMLP(torch.nn.Module):
 def test_stabilize_lets_the_norm_run_in_16_bit_and_says_so():
     torch.manual_seed(0)
     x, model = torch.randn(4, 16) * 30, NormMLP()
-    plain = fx16.cast_fp32_to_fp16(export(model, x), stabilize=False)
-    stable = fx16.cast_fp32_to_fp16(export(model, x))
+    plain = fx16.cast_fp32_to_fp16(export(model, x), explicit_fp32="calibrated", stabilize=False)
+    stable = fx16.cast_fp32_to_fp16(export(model, x), explicit_fp32="calibrated")
     wide = [r for r in report_of(plain).rows if r.kind == "float" and r.dtype == "float32"]
     assert wide  # without it, the squares overflow: fp32
     rows = report_of(stable).rows
@@ -376,7 +376,7 @@ def test_the_command_line_stabilizes_unless_told_not_to(tmp_path):
     code, plain, err = command("inspect", tmp_path / "norm.pt2", "--no-stabilize")
     assert code == 0, err
     assert "stabilized" not in plain and "explicit_fp32" in plain
-    code, stable, err = command("inspect", tmp_path / "norm.pt2")
+    code, stable, err = command("inspect", tmp_path / "norm.pt2", "--explicit-fp32", "calibrated")
     assert code == 0, err
     assert "stabilized (rewritten for 16-bit): rms_norm_scaling x1" in stable
 

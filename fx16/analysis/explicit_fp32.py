@@ -93,14 +93,12 @@ class ExplicitFp32Analysis(Analysis):
         boundaries = Facts.of(graph_module).boundaries
         ranges = Facts.of(graph_module).float_ranges(self.program)
         for submodule in boundaries.graph_modules:
-            order = {node: index for index, node in enumerate(submodule.graph.nodes)}
-            verdicts = []
             for node in submodule.graph.nodes:
                 node.meta.pop(self.META_KEY, None)
-                region = _opened_region(node, order, boundaries)
-                if region and any(is_sensitive(member) for member in region):
-                    node.meta[self.META_KEY] = self.verdict(node, region, ranges)
-                    verdicts.append(node.meta[self.META_KEY])
+            verdicts = []
+            for node, region in _regions(submodule, boundaries):
+                node.meta[self.META_KEY] = self.verdict(node, region, ranges)
+                verdicts.append(node.meta[self.META_KEY])
             # an earlier cast's verdicts on casts its cleanup removed stay in the report
             names = {node.name for node in submodule.graph.nodes}
             earlier = [v for v in submodule.meta.get(self.META_KEY, []) if v.opening not in names]
@@ -160,6 +158,27 @@ class ExplicitFp32Analysis(Analysis):
             f"its values fit 16-bit on the calibration inputs (largest {widest[1]:.4g}, in "
             f"{widest[0]}; limit {self.limit:.4g})"
         )
+
+
+def model_fp32_regions(graph_module: GraphModule) -> set[Node]:
+    """The ops of every fp32 region the model opens, in every graph of the program: what
+    ``explicit_fp32="keep"`` keeps fp32."""
+    boundaries = Facts.of(graph_module).boundaries
+    held: set[Node] = set()
+    for submodule in boundaries.graph_modules:
+        for _, region in _regions(submodule, boundaries):
+            held.update(region)
+    return held
+
+
+def _regions(graph_module: GraphModule, boundaries: Boundaries):
+    """(opening, its region's ops) for each region the graph opens that holds a
+    precision-sensitive op."""
+    order = {node: index for index, node in enumerate(graph_module.graph.nodes)}
+    for node in graph_module.graph.nodes:
+        region = _opened_region(node, order, boundaries)
+        if region and any(is_sensitive(member) for member in region):
+            yield node, region
 
 
 def _opened_region(node: Node, order: dict[Node, int], boundaries: Boundaries) -> list[Node] | None:

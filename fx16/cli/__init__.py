@@ -158,8 +158,8 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
         "--explicit-fp32",
         choices=EXPLICIT_FP32_CHOICES,
         default=None,
-        help="the model's own fp32 regions: kept on evidence (calibrated, the policy's "
-        "default), always (keep) or never (retarget)",
+        help="the model's own fp32 regions: always kept (keep, the policy's default), kept "
+        "on evidence (calibrated: fewer fp32 ops, for the Neural Engine) or never (retarget)",
     )
     parser.add_argument(
         "--routing",

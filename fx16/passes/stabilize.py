@@ -23,6 +23,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from fx16.analysis.explicit_fp32 import model_fp32_regions
 from fx16.analysis.facts import Facts
 from fx16.meta import STABILIZED
 from fx16.passes.stable_rewrites import (
@@ -73,13 +74,20 @@ class StabilizePass(PassBase):
         exact: bool = True,
         eps_clamp: bool = False,
         rules: list | None = None,
+        keep_model_fp32: bool = False,
     ) -> None:
+        """``keep_model_fp32``: leave alone a pattern inside an fp32 region the model opens
+        itself (``x.float()`` before an RMSNorm's variance), as the policy keeps those
+        regions fp32 (``explicit_fp32="keep"``): fp32 has the range, and the rewrite's ops
+        would only add fp32 work (22 ops in the demo block's two norms)."""
         self.rules = standard_rules(low, exact, eps_clamp) if rules is None else list(rules)
+        self.keep_model_fp32 = keep_model_fp32
 
     def call(self, graph_module: GraphModule) -> PassResult:
         modified = False
+        kept = model_fp32_regions(graph_module) if self.keep_model_fp32 else set()
         for module in Facts.of(graph_module).graph_modules:  # the bodies of cond, loops, too
-            if self.rewrite(module.graph):
+            if self.rewrite(module.graph, kept):
                 if module is not graph_module:
                     module.recompile()  # the root is recompiled by whoever runs the pipeline
                 modified = True
@@ -88,15 +96,16 @@ class StabilizePass(PassBase):
             assign_ids(graph_module)  # the nodes it made: fx16.diagnose compares them too
         return PassResult(graph_module, modified)
 
-    def rewrite(self, graph: Graph) -> bool:
-        """Apply every rule to one graph; whether any pattern was rewritten."""
+    def rewrite(self, graph: Graph, kept: set[Node] = frozenset()) -> bool:
+        """Apply every rule to one graph, but not to a pattern whose result is in ``kept``;
+        whether any pattern was rewritten."""
         modified = False
         for rule in self.rules:
             for node in _offered(graph, getattr(rule, "roots", None)):
                 if node.graph is not graph:  # removed by an earlier rewrite
                     continue
                 rewrite = rule.match(node)
-                if rewrite is None:
+                if rewrite is None or rewrite.result in kept:
                     continue
                 made = rule.build(graph, rewrite)
                 made.meta[STABILIZED] = (rule.name, rewrite.detail)
