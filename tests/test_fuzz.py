@@ -314,3 +314,16 @@ def test_found_a_write_into_the_source_of_a_tiny_fp64_region():
     while the written value's consumers read a 16-bit copy made before the write; they
     read the value itself now."""
     _write_into_the_source_of_an_fp64_region(1e-09)
+
+
+def test_6_found_a_body_reading_a_conversion_through_an_identity_op():
+    """Long-fuzz finding: ``map`` read ``to_1 * 1.0``, where ``to_1`` is the model's
+    conversion out of an fp64 region; cleanup removed the ``* 1.0``, and the next cast's
+    PreserveCopiesPass pinned ``to_1`` as a ``_to_copy`` (a body reads it): a second cast
+    changed the program. Cleanup keeps such an op now."""
+    case = _shrunk([("fp64_region", 0, 0, 1e-9), ("abs", 0, 0, 1e-9), ("map", 1, 0, 1e-9)])
+    for entry in ("cast_int32_to_int16", "auto_mixed_bf16", "cast_fp32_to_fp16"):
+        ep = _cast(case, entry)
+        once = state_snapshot(ep)
+        ENTRY_POINTS[entry](ep, case)
+        assert_same_state(once, state_snapshot(ep))

@@ -222,3 +222,26 @@ def test_a_body_reads_the_scaled_value_unscaled():
     assert max_error(reference, outputs) < 1e-2
     ratio = (outputs[1].double() / reference[1].double()).median()
     assert abs(float(ratio) - 1.0) < 1e-2  # not a power of two off
+
+
+def test_a_program_that_writes_a_float_in_place_is_not_scaled():
+    """Long-fuzz finding: ``h.float().view(-1)[:1].mul_(0.5)`` (an export that was not
+    functionalized keeps the write through the alias) at inputs of 1e5: a scale on the
+    way took the write away from ``h``, and the plan was taken back. Such a graph is not
+    planned, and the cast is the same function."""
+    from fx16.passes.scale_domains import REVERTED
+    from fx16.testing.random_programs import RandomProgram
+
+    torch.manual_seed(0)
+    steps = [("abs", 0, 0, 1e-9), ("write_through_alias", 0, 0, 1e-9)]
+    model = RandomProgram(2, steps, []).eval()
+    x, ids = torch.randn(3, 2) * 1e5, torch.tensor([[9, 10], [10, 15], [8, 1]])
+    ep = torch.export.export(model, (x, ids))
+    assert any(n.target is torch.ops.aten.mul_.Tensor for n in ep.graph_module.graph.nodes)
+    with torch.no_grad():
+        want = list(torch.utils._pytree.tree_leaves(ep.module()(x, ids)))
+    _scale(ep, calibration=[(x, ids)])
+    assert REVERTED not in ep.graph_module.meta and not scale_domains(ep.graph_module)
+    with torch.no_grad():
+        got = list(torch.utils._pytree.tree_leaves(ep.module()(x, ids)))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

@@ -43,7 +43,7 @@ from fx16.meta import observed_max_abs
 from fx16.ops.numerics import INF_LIKE
 from fx16.ops.scaling import Kind, rule_of
 from fx16.program import Program
-from fx16.program.nodes import is_float_tensor, node_val, tensor_leaves
+from fx16.program.nodes import is_float_tensor, mutated_argument, node_val, tensor_leaves
 from fx16.program.tensor_subclasses import is_subclass
 
 # Below this largest magnitude every element of a value is subnormal or zero in fp16.
@@ -79,7 +79,9 @@ class ScaleDomainsAnalysis(Analysis):
     ``limit``: the largest magnitude taken to fit (fp16's largest over the overflow
     margin). Plans nothing where calibration did not run or nothing passes it, nor in
     a program fx16 cast before (its domains were planned then: a second cast is a
-    no-op)."""
+    no-op), nor in one that writes a float value in place (``h.view(-1)[:1].mul_(0.5)``
+    left by an export that was not functionalized: a scale or an unscaled copy on the
+    way would take the write away from the value it aliases)."""
 
     needs = (CalibrationAnalysis,)
 
@@ -92,6 +94,8 @@ class ScaleDomainsAnalysis(Analysis):
         if meta.cast_by_fx16(graph_module, PRECISION):
             return PassResult(graph_module, False)  # its domains were planned then
         graph_module.meta[DOMAINS_KEY] = []
+        if _writes_floats_in_place(graph_module):
+            return PassResult(graph_module, False)
         tensors = self._foldable_state()
         magnitudes = _magnitudes(graph_module)
         groups = _domains(graph_module, magnitudes, self.limit, tensors)
@@ -284,6 +288,15 @@ def _joins(user: Node, node: Node) -> bool:
         return False
     rule = rule_of(user)
     return rule.kind is Kind.SAME and node in _operands(user, rule.tensors)
+
+
+def _writes_floats_in_place(graph_module: GraphModule) -> bool:
+    """Whether an op of the graph writes a float tensor in place."""
+    for node in graph_module.graph.nodes:
+        written = mutated_argument(node) if node.op == "call_function" else None
+        if written is not None and is_float_tensor(node_val(written)):
+            return True
+    return False
 
 
 def scale_domains(graph_module: GraphModule) -> list[Domain]:

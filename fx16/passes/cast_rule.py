@@ -7,6 +7,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.analysis.facts import Facts
 from fx16.ops.tables import ASSERT_METADATA_OPS
+from fx16.passes.preserve_copies import pinned_across_a_boundary
 from fx16.program import Program
 from fx16.program.aliases import alias_group, written_in_place
 from fx16.program.casts import (
@@ -92,14 +93,24 @@ def copy_refusal(cast: Node) -> str | None:
 def replacement_refusal(node: Node, in_body: bool) -> str | None:
     """Why ``node`` may not be replaced by its first argument, whose value it copies, or
     None: a write in place reaches either (``copy_refusal``); the program would return
-    an input as an output; or, where torch forbids it, a tensor would alias another: a
-    higher-order op handed one tensor as two operands, a body (``in_body``) returning
-    a view of its input or one tensor as two outputs."""
+    an input as an output; a body would read or return a conversion of the model's that
+    may alias (``PreserveCopiesPass`` pins those on the next cast); or, where torch
+    forbids it, a tensor would alias another: a higher-order op handed one tensor as two
+    operands, a body (``in_body``) returning a view of its input or one tensor as two
+    outputs."""
     written = copy_refusal(node)
     if written is not None:
         return written
     source = node.args[0]
     group = alias_group([source]) - {node}  # a cast to its own dtype may alias
+    if pinned_across_a_boundary(source) and any(
+        isinstance(user.target, HigherOrderOperator) or (in_body and user.op == "output")
+        for user in node.users
+    ):
+        return (
+            "removing it would hand a body the model's conversion itself, which a later "
+            "cast pins as a copy (a second cast would change the program)"
+        )
     for user in node.users:
         if user.op == "output":
             inputs = group if in_body else {source}

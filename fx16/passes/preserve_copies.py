@@ -62,6 +62,12 @@ def _pin_conversions(module: GraphModule, top: Graph) -> bool:
     return changed
 
 
+def pinned_across_a_boundary(node: Node) -> bool:
+    """Whether this pass pins ``node`` (as ``_to_copy``) once a higher-order op reads it
+    or a body returns it: a dtype conversion that may alias."""
+    return node.target in _MAY_ALIAS and _converts_dtype_only(node)
+
+
 def _copy_across_a_boundary(node: Node, top: Graph) -> bool:
     """``node`` copies (it changes the dtype), and a higher-order op reads its result or
     a body returns it (``boundary_readers``; ``top``: the program's graph). A
