@@ -182,7 +182,10 @@ def test_property_the_scaled_fp32_program_is_the_same_function(case, input_scale
     """Random programs from the fuzzer's full menu, their inputs scaled so that values
     leave fp16's range: every plan applies whole (none taken back: each op's rule in
     ``fx16.ops.scaling`` held), and the scaled fp32 program gives the original's outputs
-    up to fp32's rounding."""
+    up to fp32's rounding. One exception, where fp32's own outputs are not finite: a
+    value in fp32's subnormals scaled down to 0 and then multiplied by inf (a scalar of
+    the menu's) gives nan for inf, so the plan may be taken back there (long-fuzz
+    finding: exp of -93, then ``(x.double() * inf).float()``)."""
     from fx16.passes.scale_domains import REVERTED, same_outputs
 
     ep = case.export()
@@ -190,7 +193,8 @@ def test_property_the_scaled_fp32_program_is_the_same_function(case, input_scale
     with torch.no_grad():
         reference = [list(torch.utils._pytree.tree_leaves(ep.module()(*args)))]
     _scale(ep, calibration=[args])
-    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta[REVERTED]
+    finite = all(bool(torch.isfinite(v).all()) for v in reference[0] if v.is_floating_point())
+    assert not finite or REVERTED not in ep.graph_module.meta, ep.graph_module.meta[REVERTED]
     with torch.no_grad():
         outputs = [list(torch.utils._pytree.tree_leaves(ep.module()(*args)))]
     assert same_outputs(reference, outputs)
