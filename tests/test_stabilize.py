@@ -668,3 +668,69 @@ def test_a_divided_norm_stays_divided():
     output = next(n for n in after.graph.nodes if n.op == "output").args[0][0]
     assert output.target is torch.ops.aten.div.Tensor
     assert output.args[1].target is torch.ops.aten.sqrt.default
+
+
+def _upcast_norm(a):
+    h = a.to(torch.float32)  # the model's own fp32 region: what "keep" keeps
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(a.dtype) + a
+
+
+class BranchUpcastNorm(torch.nn.Module):
+    """An RMSNorm in an fp32 region the model opens, inside both branches of a cond."""
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, _upcast_norm, lambda a: _upcast_norm(a * 2), (x,))
+
+
+def test_a_norm_in_a_kept_region_inside_a_cond_is_left_as_written():
+    """With the model's regions kept (the default), the branches' norms stay the model's
+    own fp32 ops: the region is found inside the bodies too; ``calibrated`` rewrites
+    them there."""
+    x = torch.randn(3, 8)
+    kept = fx16.cast_fp32_to_fp16(export(BranchUpcastNorm(), x))
+    retargeted = fx16.cast_fp32_to_fp16(export(BranchUpcastNorm(), x), explicit_fp32="calibrated")
+
+    def rewrites(ep):
+        return [
+            stabilized(n)[0]
+            for module in ep.graph_module.modules()
+            if isinstance(module, torch.fx.GraphModule)
+            for n in module.graph.nodes
+            if stabilized(n)
+        ]
+
+    assert rewrites(kept) == []
+    assert rewrites(retargeted) == ["rms_norm_scaling", "rms_norm_scaling"]
+    for sign in (1.0, -1.0):
+        x = sign * torch.rand(3, 8) + sign
+        want = BranchUpcastNorm().double()(x.double())
+        got = run(kept, x)[0].double()
+        assert float((got - want).abs().max() / want.abs().max()) < 2e-3
+
+
+def _magnitude(a):
+    half = a * 0.5  # real and imaginary parts: a and a / 2
+    return torch.sqrt(a * a + half * half)
+
+
+class BranchMagnitude(torch.nn.Module):
+    """A complex magnitude inside both branches of a cond."""
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, _magnitude, lambda a: _magnitude(a - 1), (x,))
+
+
+@pytest.mark.parametrize("loudness", [1.0, 1e-4, 1e3])
+def test_a_magnitude_inside_a_cond_branch_is_scaled_only_out_of_range(loudness):
+    """In each branch: the plain form's value bit for bit at loudness 1, and within a few
+    16-bit ulps of fp64 where the plain form flushes (1e-4) or overflows (1e3)."""
+    calibration = torch.rand(3, 8) + 0.5
+    ep = fx16.cast_fp32_to_fp16(export(BranchMagnitude(), calibration))
+    for sign in (1.0, -1.0):
+        x = sign * (torch.rand(3, 8) + 0.5) * loudness
+        got = run(ep, x)[0].double()
+        want = BranchMagnitude().double()(x.double())
+        assert torch.isfinite(got).all()
+        assert float(((got - want) / want).abs().max()) < 3 * 2**-11
+        if loudness == 1.0:
+            assert torch.equal(got, BranchMagnitude()(x.half()).double())
