@@ -73,6 +73,23 @@ class GrowingCnn(nn.Module):
         return self.head(self.features(x).mean((2, 3)))
 
 
+class LoudAttention(nn.Module):
+    """Self-attention whose logits reach ~3e5 (query and key weights x150): the softmax
+    must read them unscaled, so no power-of-two scale carries them through fp16."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.out = nn.Linear(width, width)
+        with torch.no_grad():
+            self.q.weight.mul_(150)
+            self.k.weight.mul_(150)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return self.out(scores.softmax(-1) @ self.v(x))
+
+
 def models():
     """(name, build, inputs, twin): twin is the in-range model's name, or None."""
 
@@ -99,6 +116,12 @@ def models():
         ("tiny weights (1e-9)", TinyWeights, lambda: (torch.randn(4, 32),), None),
         ("raw-unit inputs (~1e6)", RawUnits, lambda: (torch.rand(8, 16) * 1e6,), None),
         ("bf16 Llama cast to fp16", lambda: zoo.llama(2).to(torch.bfloat16), ids, None),
+        (
+            "attention logits ~3e5, read unscaled by softmax",
+            LoudAttention,
+            lambda: (torch.randn(2, 16, 64),),
+            None,
+        ),
         (
             "growing CNN (x8 a block)",
             lambda: GrowingCnn().eval(),
@@ -164,9 +187,15 @@ def _retargeting(ep) -> None:
     fx16.cast_fp32_to_fp16(ep, explicit_fp32="calibrated")
 
 
+def _bf16_fallback(ep) -> None:
+    """fx16 for a target with both 16-bit dtypes: what no scale carries in bf16."""
+    fx16.cast_fp32_to_fp16(ep, range_fallback="bf16")
+
+
 def tools() -> dict:
     found = {"fx16": lambda *a: _program_row(fx16.cast_fp32_to_fp16, *a)}
     found['fx16, explicit_fp32="calibrated"'] = lambda *a: _program_row(_retargeting, *a)
+    found['fx16, range_fallback="bf16"'] = lambda *a: _program_row(_bf16_fallback, *a)
     found["eager .half()"] = lambda *a: _eager_row(_half, *a)
     found["eager autocast bf16"] = lambda *a: _eager_row(_autocast, *a)
     try:
@@ -211,7 +240,9 @@ def main(argv=None) -> None:
         "the model's own fp32 regions (T5's and Llama's RMSNorm variances, Llama's fp32 "
         "softmax) as `.half()` does, so they count as fp32 ops; "
         '`explicit_fp32="calibrated"` (for the Neural Engine) retargets them to 16-bit '
-        "where calibration shows they fit."
+        "where calibration shows they fit. "
+        '`range_fallback="bf16"` (for targets with both 16-bit dtypes) computes in bf16 '
+        "what no power-of-two scale carries, where the default keeps it fp32."
     )
     write_results(options.output, "Range: values beyond fp16 at either end", COMMAND, notes, lines)
 

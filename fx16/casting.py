@@ -35,6 +35,7 @@ def cast_fp32_to_fp16(
     stabilize: bool | None = None,
     eps_clamp: bool | None = None,
     routing: str | None = None,
+    range_fallback: str | None = None,
     keep_io_types: bool | Collection[str] | None = None,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
@@ -79,6 +80,11 @@ def cast_fp32_to_fp16(
         routing: where the ops that choose a route compute (a mixture-of-experts
             router's top-k): "fp32" keeps them, "16-bit" casts them like the rest.
             None: the policy's setting ("fp32").
+        range_fallback: where values fp16's range cannot carry compute, when no
+            power-of-two scale carries them (logits a softmax reads unscaled): "fp32",
+            or "bf16" for targets with both 16-bit dtypes (its range is fp32's; the
+            report names each such op, its cause and "computed in bf16"). None: the
+            policy's setting ("fp32").
         keep_io_types: keep user inputs and outputs in their original dtypes, with
             casts at the boundary (onnxconverter-common's option): True, or the names
             of the inputs and outputs to keep. None: the policy's setting (False).
@@ -198,6 +204,7 @@ def cast_to_16_bit_precision(
     stabilize: bool | None = None,
     eps_clamp: bool | None = None,
     routing: str | None = None,
+    range_fallback: str | None = None,
     keep_io_types: bool | Collection[str] | None = None,
     calibration: list | None = None,
     overflow_margin: float = 2.0,
@@ -217,7 +224,8 @@ def cast_to_16_bit_precision(
     Args:
         ep: the program, changed in place.
         policy: as in ``cast_fp32_to_fp16``; so are ``explicit_fp32``, ``stabilize``,
-            ``eps_clamp``, ``routing``, ``keep_io_types``, ``overflow_margin``,
+            ``eps_clamp``, ``routing``, ``range_fallback``, ``keep_io_types``,
+            ``overflow_margin``,
             ``force_fp32``, ``scalars``, ``max_rel_error``, ``target_share``,
             ``metric``, ``validation`` and ``progress``. The accuracy budget applies to
             the fp16 stage (int16 narrowing is exact).
@@ -225,6 +233,7 @@ def cast_to_16_bit_precision(
         stabilize: see ``cast_fp32_to_fp16``.
         eps_clamp: see ``cast_fp32_to_fp16``.
         routing: see ``cast_fp32_to_fp16``.
+        range_fallback: see ``cast_fp32_to_fp16``.
         keep_io_types: see ``cast_fp32_to_fp16``.
         calibration: inputs for both stages: the fp16 stage's calibration, and the
             int16 stage's ``int16="observed"``.

@@ -9,6 +9,8 @@ the same tuples.
 EXPLICIT_FP32_CHOICES = ("calibrated", "keep", "retarget")
 # Where routers compute (see PrecisionPolicy.routing).
 ROUTING_CHOICES = ("fp32", "16-bit")
+# Where values whose range fp16 cannot carry compute (see PrecisionPolicy.range_fallback).
+RANGE_FALLBACK_CHOICES = ("fp32", "bf16")
 # Which Python numbers of 16-bit ops become 16-bit constants (ScalarsAsConstantsPass).
 SCALARS_CHOICES = ("exact", "rounded", "keep")
 # int16= modes: "proven" narrows only values whose proven or declared range fits;

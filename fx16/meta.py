@@ -176,6 +176,12 @@ def scale_exponent(node: Any) -> int:
     return _meta(node).get(SCALE_EXPONENT, 0)
 
 
+def range_scaled(node: Any) -> str | None:
+    """Why ScaleDomainsPass inserted this power-of-two multiply ("x 2**-5: starts a
+    scale domain"); None for any other node."""
+    return _meta(node).get(RANGE_SCALE)
+
+
 def stabilized(node: Any) -> tuple[str, str] | None:
     """(rule name, detail) where StabilizePass rewrote a pattern into this node's value."""
     return _meta(node).get(STABILIZED)

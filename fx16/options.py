@@ -21,6 +21,7 @@ class Fp16Options:
     stabilize: bool | None = None  # None: the policy's setting
     eps_clamp: bool | None = None  # None: the policy's setting
     routing: str | None = None  # None: the policy's setting
+    range_fallback: str | None = None  # None: the policy's setting
     keep_io_types: bool | Collection[str] | None = None
     calibration: list | None = None
     overflow_margin: float = 2.0

@@ -45,6 +45,7 @@ from fx16.passes import (
     InsertFP16CastsPass,
     InsertInt16CastsPass,
     PreserveCopiesPass,
+    RangeFallbackPass,
     RecastAfterWritesPass,
     RecordStatsPass,
     ScalarsAsConstantsPass,
@@ -145,10 +146,16 @@ def _rewrites(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
         ConvertUserInputsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
         InsertFP16CastsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
         StoreAsReadPass(program),
+        *([RangeFallbackPass(program)] if _falls_back_to_bf16(policy) else []),
         RecastAfterWritesPass(),
         CleanupCastsPass(program),
         ScalarsAsConstantsPass(program, options.scalars, SIXTEEN_BIT_DTYPES),
     ]
+
+
+def _falls_back_to_bf16(policy: PrecisionPolicy) -> bool:
+    """The policy computes in fp16 and asks for bf16 where fp16's range falls short."""
+    return policy.low == torch.float16 and policy.range_fallback == "bf16"
 
 
 def _checked(program: Program, options: Fp16Options) -> tuple[Fp16Options, PrecisionPolicy]:
@@ -165,6 +172,7 @@ def _checked(program: Program, options: Fp16Options) -> tuple[Fp16Options, Preci
         stabilize=options.stabilize,
         eps_clamp=options.eps_clamp,
         routing=options.routing,
+        range_fallback=options.range_fallback,
     )
     options = replace(options, force_fp32=as_names(options.force_fp32))
     check_names(program, policy, options.force_fp32)

@@ -22,6 +22,7 @@ from fx16.choices import (
     EXPLICIT_FP32_CHOICES,
     POLICY_PRESETS,
     PRECISION_NAMES,
+    RANGE_FALLBACK_CHOICES,
     ROUTING_CHOICES,
 )
 from fx16.errors import InvalidOptionError, require_number
@@ -122,6 +123,12 @@ class PrecisionPolicy:
     scale_range: carry fp16 values beyond its range at power-of-two scales folded into
         weights and constants (``fx16.analysis.scale_domains``) rather than in fp32. On
         by default for fp16 (bf16 has fp32's range); off in the ``autocast`` preset.
+    range_fallback: where an fp16 program computes the values kept out of fp16 for range
+        alone, beyond its range or below its normal range where no power-of-two scale
+        carries them (logits a softmax needs unscaled), and the ops that read only such
+        values: "fp32" (the default) or "bf16", which has fp32's exponent range at 8
+        significant bits, for targets that compute in both 16-bit dtypes
+        (``fx16.passes.RangeFallbackPass``). Without effect on a bf16 policy.
     precision_tolerance: the relative output error 16-bit rounding of an op's input
         may cause through the op's condition number before the op stays fp32
         (``fx16.analysis.conditioning``); None: two roundings of ``low`` (its eps:
@@ -145,6 +152,7 @@ class PrecisionPolicy:
     stabilize: bool = True
     eps_clamp: bool = False
     scale_range: bool = True
+    range_fallback: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.low not in SIXTEEN_BIT_DTYPES:
@@ -165,6 +173,11 @@ class PrecisionPolicy:
             raise InvalidOptionError(
                 f"routing must be one of {', '.join(map(repr, ROUTING_CHOICES))}, "
                 f"not {self.routing!r}"
+            )
+        if self.range_fallback not in RANGE_FALLBACK_CHOICES:
+            raise InvalidOptionError(
+                "range_fallback must be one of "
+                f"{', '.join(map(repr, RANGE_FALLBACK_CHOICES))}, not {self.range_fallback!r}"
             )
         if self.precision_tolerance is not None:
             require_number(

@@ -172,7 +172,7 @@ def test_a_narrowed_read_rounds_a_wide_value_into_that_reader_only():
     program, calls, wide = Program(ep), [((x,), {})], {placeholder, add}
     plain = Emulation(program, calls, torch.float16)
     narrowed = Emulation(
-        program, calls, torch.float16, narrowed_reads={add: frozenset({placeholder})}
+        program, calls, torch.float16, narrowed_reads={add: {placeholder: torch.float16}}
     )
     assert torch.equal(plain.outputs(calls[0], wide)[0], x + 1)
     assert torch.equal(narrowed.outputs(calls[0], wide)[0], x.half().float() + 1)

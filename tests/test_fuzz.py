@@ -45,6 +45,7 @@ ENTRY_POINTS = {
     "auto_mixed_bf16": _policy("auto_mixed_bf16"),
     "always_fp16": _policy("always_fp16"),
     "autocast": _policy("autocast"),
+    "range_fallback_bf16": lambda ep, case: fx16.cast_fp32_to_fp16(ep, range_fallback="bf16"),
 }
 entry_points = st.sampled_from(sorted(ENTRY_POINTS))
 
@@ -136,7 +137,7 @@ def test_6_casting_twice_equals_casting_once(case, entry):
 
 
 def _stages(ep, entry):
-    passes = fx16.fp16_passes(ep) + fx16.int16_passes(ep)
+    passes = fx16.fp16_passes(ep, range_fallback="bf16") + fx16.int16_passes(ep)
     return sorted({type(p) for p in passes} | set(CLEANUP_RULES), key=lambda c: c.__name__)
 
 

@@ -47,7 +47,8 @@ class _Emulator(BodyInterpreter):
         env, rounded = self.env, self.emulation.rounded
 
         def value_of(value: Node):
-            return rounded(value, env[value]) if value in narrowed else env[value]
+            dtype = narrowed.get(value)
+            return rounded(value, env[value], dtype) if dtype is not None else env[value]
 
         return map_arg(node.args, value_of), map_arg(node.kwargs, value_of)
 
@@ -115,7 +116,8 @@ class Emulation:
         round_weights: bool = False,
         reference: list[list] | None = None,
         run_in_low: frozenset[Node] = frozenset(),
-        narrowed_reads: dict[Node, frozenset[Node]] | None = None,
+        narrowed_reads: dict[Node, dict[Node, torch.dtype]] | None = None,
+        rounded_as: dict[Node, torch.dtype] | None = None,
     ):
         """``round_weights``: round the state tensors too, for the error of the whole
         16-bit program rather than a comparison of verdicts. ``reference``: the fp32
@@ -125,10 +127,14 @@ class Emulation:
         computes in its inputs' dtype: ``(x / scale).round()`` rounds the quotient
         before it rounds to an integer), where the caller knows the cast feeds them
         16-bit (whatever they return: ``wide`` does not keep them fp32).
-        ``narrowed_reads``: for an op, the values it reads rounded though they are kept
-        wide (a cast program that keeps x fp32 for one reader and feeds another a 16-bit
-        copy: rounding only what ops produce would hand that one x itself)."""
+        ``narrowed_reads``: for an op, the values it reads rounded (to the 16-bit dtype
+        given) though they are kept wide (a cast program that keeps x fp32 for one reader
+        and feeds another a 16-bit copy: rounding only what ops produce would hand that
+        one x itself).
+        ``rounded_as``: nodes rounded to another 16-bit dtype than ``low`` (the ops an
+        fp16 cast computes in bf16)."""
         self.program, self.low, self.calls = program, low, calls
+        self.rounded_as = rounded_as or {}
         self.run_in_low = run_in_low
         self.narrowed_reads = narrowed_reads or {}
         rounded_inputs = set(program.user_input_placeholders())
@@ -212,7 +218,9 @@ class Emulation:
         args, kwargs = pytree.tree_map(narrowed, (args, kwargs))
         return pytree.tree_map(widened, node.target(*args, **kwargs))
 
-    def rounded(self, node: Node, value):
-        """``value``, computed by ``node``, as the emulation rounds it to the 16-bit dtype."""
+    def rounded(self, node: Node, value, low: torch.dtype | None = None):
+        """``value``, computed by ``node``, as the emulation rounds it to the 16-bit dtype
+        (``low``: that dtype, where not the node's own)."""
         sentinels = self.sentinels
-        return _rounded(value, self.low, sentinels is None or node in sentinels)
+        low = low or self.rounded_as.get(node, self.low)
+        return _rounded(value, low, sentinels is None or node in sentinels)

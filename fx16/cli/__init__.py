@@ -23,6 +23,7 @@ from fx16.choices import (
     METRIC_PRESETS,
     POLICY_PRESETS,
     PRECISION_NAMES,
+    RANGE_FALLBACK_CHOICES,
     ROUTING_CHOICES,
     SCALARS_CHOICES,
 )
@@ -166,6 +167,13 @@ def _add_cast_options(parser: argparse.ArgumentParser) -> None:
         choices=ROUTING_CHOICES,
         default=None,
         help="where routers (an MoE's top-k gate) compute: fp32 (the policy's default) or 16-bit",
+    )
+    parser.add_argument(
+        "--range-fallback",
+        choices=RANGE_FALLBACK_CHOICES,
+        default=None,
+        help="where values fp16's range cannot carry (no power-of-two scale does) compute: "
+        "fp32 (the policy's default) or bf16, for targets with both 16-bit dtypes",
     )
     parser.add_argument(
         "--scalars",

@@ -274,6 +274,7 @@ def _policy(args) -> PrecisionPolicy:
         stabilize=args.stabilize,
         eps_clamp=args.eps_clamp,
         routing=args.routing,
+        range_fallback=args.range_fallback,
     )
     overrides = {
         table: {**getattr(policy, table), **dict(getattr(args, table))}

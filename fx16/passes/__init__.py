@@ -10,6 +10,7 @@ from fx16.passes.fuse_cast_chains import FuseCastChainsPass
 from fx16.passes.insert_fp16_casts import InsertFP16CastsPass
 from fx16.passes.insert_int16_casts import InsertInt16CastsPass
 from fx16.passes.preserve_copies import PreserveCopiesPass
+from fx16.passes.range_fallback import RangeFallbackPass
 from fx16.passes.recast_after_writes import RecastAfterWritesPass
 from fx16.passes.record_stats import RecordStatsPass
 from fx16.passes.remove_identity_arithmetic import RemoveIdentityArithmeticPass
@@ -32,6 +33,7 @@ __all__ = [
     "InsertFP16CastsPass",
     "InsertInt16CastsPass",
     "PreserveCopiesPass",
+    "RangeFallbackPass",
     "RecastAfterWritesPass",
     "RecordStatsPass",
     "RemoveIdentityArithmeticPass",

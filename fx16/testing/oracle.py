@@ -93,6 +93,20 @@ def kept_wide(original: ExportedProgram, cast: ExportedProgram) -> set[Node]:
     return wide
 
 
+def other_sixteen_bit(
+    original: ExportedProgram, cast: ExportedProgram, low: torch.dtype
+) -> dict[Node, torch.dtype]:
+    """The nodes of ``original`` whose namesakes in ``cast`` compute in a 16-bit float
+    dtype other than ``low`` (an fp16 cast's bf16 ops), with that dtype."""
+    found = {}
+    for node, namesake in _with_namesakes(original, cast):
+        leaves = tensor_leaves(node_val(namesake)) if namesake is not None else []
+        dtypes = {leaf.dtype for leaf in leaves}
+        if len(dtypes) == 1 and dtypes <= set(SIXTEEN_BIT_DTYPES) - {low}:
+            found[node] = dtypes.pop()
+    return found
+
+
 def custom_ops_fed_16_bit(original: ExportedProgram, cast: ExportedProgram) -> frozenset[Node]:
     """The custom ops (outside aten and prims) of ``original`` whose namesakes in
     ``cast`` read a 16-bit float tensor: their kernels compute in it, and only running
@@ -108,10 +122,13 @@ def custom_ops_fed_16_bit(original: ExportedProgram, cast: ExportedProgram) -> f
     return frozenset(fed)
 
 
-def narrowed_reads(original: ExportedProgram, cast: ExportedProgram) -> dict[Node, frozenset[Node]]:
+def narrowed_reads(
+    original: ExportedProgram, cast: ExportedProgram
+) -> dict[Node, dict[Node, torch.dtype]]:
     """For each node of ``original``, the fp32 values it reads whose places in its
-    namesake's arguments in ``cast`` hold a 16-bit float: the cast rounds them on the
-    way in (an input kept fp32 for one reader, a 16-bit copy of it for another)."""
+    namesake's arguments in ``cast`` hold a 16-bit float, with that dtype: the cast
+    rounds them on the way in (an input kept fp32 for one reader, a 16-bit copy of it
+    for another)."""
     reads = {}
     for node, namesake in _with_namesakes(original, cast):
         if namesake is None or namesake.target != node.target:
@@ -120,14 +137,15 @@ def narrowed_reads(original: ExportedProgram, cast: ExportedProgram) -> dict[Nod
         theirs = pytree.tree_leaves((namesake.args, namesake.kwargs))
         if len(ours) != len(theirs):  # arguments that do not line up: nothing to say
             continue
-        narrowed = frozenset(
-            value
+        narrowed = {
+            value: node_val(read).dtype
             for value, read in zip(ours, theirs)
             if isinstance(value, Node)
             and isinstance(read, Node)
             and _holds(value, (torch.float32,))
             and _holds(read, SIXTEEN_BIT_DTYPES)
-        )
+            and isinstance(node_val(read), torch.Tensor)
+        }
         if narrowed:
             reads[node] = narrowed
     return reads
@@ -151,6 +169,7 @@ def emulated_outputs(
         round_weights=True,
         run_in_low=custom_ops_fed_16_bit(original, cast),
         narrowed_reads=narrowed_reads(original, cast),
+        rounded_as=other_sixteen_bit(original, cast, low),
     )
     leaves = emulation.outputs(emulation.calls[0], kept_wide(original, cast))
     specs = original.graph_signature.output_specs

@@ -1,0 +1,205 @@
+"""RangeFallbackPass: ops kept fp32 for range alone compute in bf16 instead (opt-in)."""
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16 import meta
+from fx16.analysis.facts import Facts
+from fx16.decisions import PRECISION, Decision, Reason, decision_of
+from fx16.plan.planner import role
+from fx16.plan.view import DOWNCASTABLE
+from fx16.program import Program
+from fx16.program.aliases import written_in_place
+from fx16.program.casts import (
+    WHY_UPCAST,
+    CastInserter,
+    cast_dtype,
+    is_cast,
+    is_inserted,
+    retype_val,
+)
+from fx16.program.nodes import dtype_arguments, mutated_argument, node_val
+from fx16.program.snapshot import PENDING
+
+FP32, BF16 = torch.float32, torch.bfloat16
+
+# The causes of an fp32 decision that are about range alone: bf16 has fp32's exponents.
+RANGE_REASONS = frozenset(
+    {
+        Reason.VALUE_OVERFLOW,
+        Reason.SCALAR_OVERFLOW,
+        Reason.ACTIVATION_OVERFLOW,
+        Reason.VALUE_BELOW_RANGE,
+        Reason.ACTIVATION_BELOW_RANGE,
+        Reason.UNDERFLOW,
+    }
+)
+
+SAID = "computed in bf16 (range_fallback='bf16')"
+STORED = "stored in bf16: every reader computes in bf16 (range_fallback='bf16')"
+
+
+class RangeFallbackPass(PassBase):
+    """Compute in bf16, rather than fp32, every op of an fp16 program that the cast
+    kept in fp32 for range alone: a value beyond fp16's range or below its normal range
+    that no power-of-two scale could carry (logits a softmax reads unscaled), and the
+    ops that are fp32 only because they read such a value. bf16 has fp32's exponent
+    range and 8 significant bits: for targets that compute in both 16-bit dtypes (the
+    policy's ``range_fallback="bf16"``), it keeps those products 16-bit at bf16's
+    rounding instead of paying fp32.
+
+    Input graph:  h (fp16) -> up = to(h, f32) -> mm(up, w) [activation_overflow] -> exp
+    Output graph: h (fp16) -> b = to(h, bf16) -> mm(b, w) [bf16]                -> exp [bf16]
+
+    An op joins when its decision's reason is a range cause (``RANGE_REASONS``), or
+    ``fp32_input`` where every fp32 input it reads is such an op, a value kept fp32
+    for range, or one kept fp32 for precision that a 16-bit op may read
+    (``DOWNCASTABLE``). Ops of several results, with dtype arguments, written in
+    place, in a body, and higher-order ops stay fp32. Its inputs are read through casts
+    to bf16 (an inserted upcast of a 16-bit value is pointed at bf16 instead); its
+    consumers that are not bf16 ops read it through a cast to fp32 (the program's
+    outputs and a body's operands keep their dtypes), and a cast-back to fp16 after it
+    stays. A state tensor kept fp32 that only such ops read is stored in bf16.
+
+    Reads: ``meta["fx16.precision"]`` and the casts the inserter placed. Writes: the
+    ops' ``meta["val"]`` and decisions (dtype bf16, the cause kept, the detail saying
+    so), the casts, the pending state conversions.
+    """
+
+    def __init__(self, program: Program) -> None:
+        self.program = program
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        graph = graph_module.graph
+        moved = _moved_to_bf16(graph_module)
+        if not moved:
+            return PassResult(graph_module, False)
+        inserter = CastInserter(graph)
+        for node in moved:
+            for arg in node.all_input_nodes:
+                if arg not in moved and _is_float(arg):
+                    node.replace_input_with(arg, _bf16_source(arg, inserter))
+        for node in moved:
+            node.meta["val"] = retype_val(node.meta["val"], BF16)
+            made = decision_of(node)
+            node.meta[PRECISION] = Decision(BF16, made.reason, _with(made.detail, SAID))
+            for user in list(node.users):
+                if user not in moved and not (is_inserted(user) and is_cast(user)):
+                    user.replace_input_with(node, inserter.cast(node, FP32, WHY_UPCAST))
+        for cast in [n for n in graph.nodes if is_inserted(n) and is_cast(n) and not n.users]:
+            graph.erase_node(cast)  # upcasts the moved ops no longer read
+        self._store_state_in_bf16(graph_module)
+        self.program.sync_output_specs()  # an output now returns through a cast
+        Facts.invalidate(graph_module)
+        return PassResult(graph_module, True)
+
+    def _store_state_in_bf16(self, graph_module: GraphModule) -> None:
+        """Store in bf16 each fp32 state tensor read only through this pass's casts to
+        bf16 (every name of a tied one), dropping those casts."""
+        pending = graph_module.meta.setdefault(PENDING, {})
+        slots_of: dict[int, list] = {}
+        for slot in self.program.state_slots():
+            if self.program.state_dtype(slot.target) == FP32:
+                tensor = self.program.state_tensor(slot.target)
+                slots_of.setdefault(id(tensor), []).append(slot)
+        for slots in slots_of.values():
+            if not all(_read_only_as_bf16(slot.placeholder) for slot in slots):
+                continue
+            for slot in slots:
+                placeholder = slot.placeholder
+                pending[slot.target] = (BF16, True)  # an fp32 subnormal may lie below bf16's
+                placeholder.meta["val"] = retype_val(placeholder.meta["val"], BF16)
+                made = decision_of(placeholder)
+                reason = made.reason if made is not None else Reason.READERS_FP32
+                detail = _with(made.detail if made is not None else "", STORED)
+                placeholder.meta[PRECISION] = Decision(BF16, reason, detail)
+                for cast in list(placeholder.users):
+                    cast.replace_all_uses_with(placeholder)
+                    graph_module.graph.erase_node(cast)
+        if not pending:
+            del graph_module.meta[PENDING]
+        elif not self.program.defers_state:
+            self.program.commit_state()
+
+
+def _moved_to_bf16(graph_module: GraphModule) -> set[Node]:
+    """The ops to compute in bf16, found in one walk in graph order (an op's inputs are
+    settled before it)."""
+    moved: set[Node] = set()
+    for node in graph_module.graph.nodes:
+        if _fp32_op(node) and _kept_for_range(node, moved):
+            moved.add(node)
+    return moved
+
+
+def _fp32_op(node: Node) -> bool:
+    """An op the cast computes in fp32 whose one result is an fp32 tensor, which bf16
+    can compute as it is: no dtype argument, no write in place; not a higher-order op,
+    a getitem, a cast or a creation op (``role``)."""
+    if node.op != "call_function" or role(node.target) != "op" or is_cast(node):
+        return False
+    made = decision_of(node)
+    val = node_val(node)
+    return (
+        made is not None
+        and made.dtype == FP32
+        and isinstance(val, torch.Tensor)
+        and val.dtype == FP32
+        and not dtype_arguments(node)
+        and mutated_argument(node) is None
+        and not written_in_place(node)
+    )
+
+
+def _kept_for_range(node: Node, moved: set[Node]) -> bool:
+    if meta.range_scaled(node):
+        # a scale domain's power-of-two multiply, exact in fp32; in bf16 only on a value
+        # that is bf16 already (else it would round what it scales to 8 bits)
+        return all(arg in moved for arg in node.all_input_nodes if _is_float(arg))
+    reason = decision_of(node).reason
+    if reason in RANGE_REASONS:
+        return True
+    if reason is not Reason.FP32_INPUT:
+        return False
+    return all(_bf16_may_read(arg, moved) for arg in node.all_input_nodes if _is_fp32(arg))
+
+
+def _bf16_may_read(arg: Node, moved: set[Node]) -> bool:
+    """A bf16 op may read the fp32 ``arg``: it is bf16 already, an upcast fx16 made of a
+    16-bit value, or fp32 for range or for a precision a 16-bit op may give up."""
+    if arg in moved or (is_inserted(arg) and is_cast(arg)):
+        return True
+    made = decision_of(arg)
+    return made is not None and (made.reason in RANGE_REASONS or made.reason in DOWNCASTABLE)
+
+
+def _bf16_source(arg: Node, inserter: CastInserter) -> Node:
+    """What a bf16 op reads in place of its float input ``arg``: a bf16 cast of the
+    16-bit value an inserted upcast widened, else of ``arg`` itself."""
+    if is_inserted(arg) and is_cast(arg) and cast_dtype(arg) == FP32:
+        arg = arg.args[0]
+    if node_val(arg).dtype == BF16:
+        return arg
+    return inserter.cast(arg, BF16, WHY_UPCAST)
+
+
+def _read_only_as_bf16(placeholder: Node) -> bool:
+    users = list(placeholder.users)
+    return bool(users) and all(
+        is_inserted(user) and is_cast(user) and cast_dtype(user) == BF16 for user in users
+    )
+
+
+def _is_float(node: Node) -> bool:
+    val = node_val(node)
+    return isinstance(val, torch.Tensor) and val.dtype.is_floating_point
+
+
+def _is_fp32(node: Node) -> bool:
+    val = node_val(node)
+    return isinstance(val, torch.Tensor) and val.dtype == FP32
+
+
+def _with(detail: str, said: str) -> str:
+    return f"{detail}; {said}" if detail else said

@@ -1,0 +1,190 @@
+"""RangeFallbackPass (``range_fallback="bf16"``): what no power-of-two scale carries
+computes in bf16 instead of fp32, with the cause kept in the report."""
+
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import fx16
+from fx16.passes import RangeFallbackPass
+from fx16.program.casts import cast_dtype, is_cast
+from fx16.report import report_of
+from helpers import (
+    assert_same_state,
+    check_program,
+    export,
+    fp64_reference,
+    max_error,
+    run,
+    run_fx16,
+    state_snapshot,
+)
+
+BF16_EPS = torch.finfo(torch.bfloat16).eps
+
+
+class LoudAttention(nn.Module):
+    """Self-attention whose logits reach ~3e5 (query and key weights x300): a softmax
+    must read them unscaled, so no scale domain carries them through fp16."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.out = nn.Linear(width, 4)
+        with torch.no_grad():
+            self.q.weight.mul_(300)
+            self.k.weight.mul_(300)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        return self.out(scores.softmax(-1) @ self.v(x)), scores
+
+
+class WideWeight(nn.Module):
+    """A product whose weight holds 1e6: beyond fp16, well inside bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+        with torch.no_grad():
+            self.weight[0, 0] = 1e6
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight * 1e-6)
+
+
+def _attention():
+    torch.manual_seed(0)
+    return LoudAttention().eval(), torch.randn(2, 8, 16)
+
+
+def _rows(ep) -> dict:
+    return {row.node: row for row in report_of(ep).rows}
+
+
+def _fp32_ops(ep) -> list[str]:
+    """The ops (not casts) that compute an fp32 result."""
+    return [
+        node.name
+        for node in ep.graph.nodes
+        if node.op == "call_function"
+        and not is_cast(node)
+        and getattr(node.meta.get("val"), "dtype", None) == torch.float32
+    ]
+
+
+def test_logits_a_softmax_reads_unscaled_compute_in_bf16_with_their_cause():
+    model, x = _attention()
+    default = fx16.cast_fp32_to_fp16(export(model, x))
+    fallback = fx16.cast_fp32_to_fp16(export(model, x), range_fallback="bf16")
+
+    before, after = _rows(default)["matmul"], _rows(fallback)["matmul"]
+    assert (before.dtype, before.rule) == ("float32", "activation_overflow")
+    assert (after.dtype, after.rule) == ("bfloat16", "activation_overflow")
+    assert "computed in bf16 (range_fallback='bf16')" in after.detail
+    assert before.detail in after.detail  # the evidence stays: "observed 3.5e+05"
+    assert _rows(fallback)["softmax"].dtype == "bfloat16"
+    assert report_of(default).totals.flop_share_16bit < 1.0
+    assert report_of(fallback).totals.flop_share_16bit == 1.0
+    assert _fp32_ops(default) and not _fp32_ops(fallback)
+    check_program(fallback)
+
+
+def test_the_bf16_result_is_within_bf16_rounding_of_fp64_where_half_is_not_finite():
+    model, x = _attention()
+    reference = fp64_reference(model, x)
+    got = run(fx16.cast_fp32_to_fp16(export(model, x), range_fallback="bf16"), x)
+    assert all(torch.isfinite(value).all() for value in got)
+    # the attention output reads logits rounded to 8 bits, the logits are one product
+    assert max_error(reference[:1], got[:1]) <= 8 * BF16_EPS
+    assert max_error(reference[1:], got[1:]) <= 4 * BF16_EPS
+    half = copy.deepcopy(model).half()
+    with torch.no_grad():
+        assert not torch.isfinite(half(x.half())[0]).all()  # why it cannot be plain fp16
+
+
+def test_outputs_keep_the_dtype_the_default_gives_them():
+    model, x = _attention()
+    default = fx16.cast_fp32_to_fp16(export(model, x))
+    fallback = fx16.cast_fp32_to_fp16(export(model, x), range_fallback="bf16")
+    assert [v.dtype for v in run(fallback, x)] == [v.dtype for v in run(default, x)]
+    assert run(fallback, x)[1].dtype == torch.float32  # the bf16 logits, through a cast
+
+
+def test_an_op_fp32_for_another_cause_reads_the_bf16_value_through_a_cast_to_fp32():
+    model, x = _attention()
+    policy = fx16.PrecisionPolicy.custom(fx16.PrecisionPolicy.default(), ops={"softmax": "fp32"})
+    ep = fx16.cast_fp32_to_fp16(export(model, x), policy=policy, range_fallback="bf16")
+    rows = _rows(ep)
+    assert (rows["softmax"].dtype, rows["softmax"].rule) == ("float32", "policy")
+    assert rows["matmul"].dtype == "bfloat16"
+    (softmax,) = [n for n in ep.graph.nodes if n.name == "softmax"]
+    read = softmax.args[0]
+    assert is_cast(read) and cast_dtype(read) == torch.float32
+    assert read.args[0].meta["val"].dtype == torch.bfloat16
+    check_program(ep)
+
+
+def test_a_weight_only_bf16_ops_read_is_stored_in_bf16():
+    torch.manual_seed(0)
+    model, x = WideWeight(), torch.randn(4, 8)
+    policy = fx16.PrecisionPolicy.default(scale_range=False)  # the fp32 path, not a scale
+    default = fx16.cast_fp32_to_fp16(export(model, x), policy=policy)
+    fallback = fx16.cast_fp32_to_fp16(export(model, x), policy=policy, range_fallback="bf16")
+    assert default.state_dict["weight"].dtype == torch.float32
+    assert fallback.state_dict["weight"].dtype == torch.bfloat16
+    row = _rows(fallback)["p_weight"]
+    assert (row.dtype, row.rule) == ("bfloat16", "value_overflow")
+    assert "stored in bf16" in row.detail
+    assert report_of(fallback).totals.flop_share_16bit == 1.0
+    (weight,) = [n for n in fallback.graph.nodes if n.name == "p_weight"]
+    assert not any(is_cast(user) for user in weight.users)  # read as stored: no cast per call
+    assert max_error(fp64_reference(model, x), run(fallback, x)) <= 4 * BF16_EPS
+    check_program(fallback)
+
+
+def test_casting_twice_equals_casting_once():
+    model, x = _attention()
+    once = fx16.cast_fp32_to_fp16(export(model, x), range_fallback="bf16")
+    twice = fx16.cast_fp32_to_fp16(copy.deepcopy(once), range_fallback="bf16")
+    assert twice.graph_module.code == once.graph_module.code
+    assert {k: v.dtype for k, v in twice.state_dict.items()} == {
+        k: v.dtype for k, v in once.state_dict.items()
+    }
+
+
+def test_the_pass_runs_only_where_asked_and_only_for_fp16():
+    model, x = _attention()
+
+    def has_pass(**options):
+        return any(
+            isinstance(p, RangeFallbackPass) for p in fx16.fp16_passes(export(model, x), **options)
+        )
+
+    assert not has_pass()
+    assert has_pass(range_fallback="bf16")
+    assert not has_pass(range_fallback="bf16", policy="auto_mixed_bf16")  # bf16 has the range
+
+
+@pytest.mark.parametrize("bad", ["bfloat16", "fp16", 16])
+def test_a_bad_range_fallback_is_refused_and_changes_nothing(bad):
+    model, x = _attention()
+    ep = export(model, x)
+    before = state_snapshot(ep)
+    with pytest.raises(fx16.InvalidOptionError, match="range_fallback must be one of"):
+        fx16.cast_fp32_to_fp16(ep, range_fallback=bad)
+    assert_same_state(before, state_snapshot(ep))
+
+
+def test_the_command_line_takes_range_fallback(tmp_path):
+    model, x = _attention()
+    source, report = tmp_path / "attention.pt2", tmp_path / "report.json"
+    torch.export.save(export(model, x), source)
+    result = run_fx16(["cast", source, "--dry-run", "--range-fallback", "bf16", "--report", report])
+    assert result.returncode == 0, result.stderr
+    rows = {row["node"]: row for row in json.loads(report.read_text())["nodes"]}
+    assert rows["matmul"]["dtype"] == "bfloat16"
+    assert "computed in bf16" in rows["matmul"]["detail"]
