@@ -136,3 +136,94 @@ def decision_of(node: Node, key: str = PRECISION) -> Decision | None:
 def was_narrowed(node: Node, key: str = PRECISION) -> bool:
     decision = decision_of(node, key)
     return decision is not None and decision.narrowed
+
+
+# ---- what each reason means to the stages that read it -----------------------------------
+
+
+@dataclass(frozen=True)
+class ReasonSpec:
+    """How the stages treat a value decided for a reason, declared once per reason.
+
+    ``family``: what kind of cause it is - "fits" (16-bit), "range" (beyond 16-bit's
+    range or below its normal range: bf16's range holds it, ``range_fallback``),
+    "safety" (a kernel or an op's contract), "precision" (16-bit rounding would spoil
+    it), "model" (the model's own dtypes), "storage" (where a tensor is stored),
+    "choice" (the caller's or the policy's), "follows" (an input's decision), "integer".
+    ``downcastable``: an fp32 value so decided that fits 16-bit may be read by a 16-bit
+    op through a cast, as eager autocast casts weights (``fx16.plan.view.View``).
+    ``checked``: VerdictCheckAnalysis measures whether keeping it fp32 pays for its FLOPs.
+    """
+
+    family: str
+    downcastable: bool = False
+    checked: bool = False
+
+
+FAMILIES = ("fits", "range", "safety", "precision", "model", "storage", "choice", "follows")
+
+REASON_SPECS: dict[Reason, ReasonSpec] = {
+    Reason.FITS: ReasonSpec("fits"),
+    Reason.VALUE_OVERFLOW: ReasonSpec("range"),
+    Reason.SCALAR_OVERFLOW: ReasonSpec("range"),
+    Reason.ACTIVATION_OVERFLOW: ReasonSpec("range", checked=True),
+    Reason.VALUE_BELOW_RANGE: ReasonSpec("range"),
+    Reason.ACTIVATION_BELOW_RANGE: ReasonSpec("range"),
+    Reason.UNDERFLOW: ReasonSpec("range", downcastable=True),
+    Reason.FP32_INPUT: ReasonSpec("follows"),
+    Reason.EXPLICIT_FP32: ReasonSpec("model", checked=True),
+    Reason.EXPLICIT_FP32_RETARGETED: ReasonSpec("fits"),
+    Reason.MIXED_FLOAT_DTYPES: ReasonSpec("model"),
+    Reason.NO_FLOAT_INPUT: ReasonSpec("model"),
+    Reason.NO_FAKE_KERNEL: ReasonSpec("safety"),
+    Reason.NO_LOW_KERNEL: ReasonSpec("safety", downcastable=True),
+    Reason.FIXED_OUTPUT_DTYPE: ReasonSpec("safety", downcastable=True),
+    Reason.SUBCLASS_KEPT: ReasonSpec("safety"),
+    Reason.SHARED_FP32: ReasonSpec("storage"),
+    Reason.READERS_FP32: ReasonSpec("storage", downcastable=True),
+    Reason.OPAQUE_SUBGRAPH: ReasonSpec("model"),
+    Reason.LOOP_CARRIED: ReasonSpec("model", downcastable=True),
+    Reason.AUTOCAST_DISABLED: ReasonSpec("model"),
+    Reason.AUTOCAST_REGION: ReasonSpec("model"),
+    Reason.ILL_CONDITIONED: ReasonSpec("precision", downcastable=True, checked=True),
+    Reason.SCALAR_CLAMPED: ReasonSpec("fits"),
+    Reason.ROUTER: ReasonSpec("precision"),
+    Reason.NOT_WORTH_FP32: ReasonSpec("fits"),
+    Reason.ACCURACY_FALLBACK: ReasonSpec("choice", downcastable=True),
+    Reason.FORCED: ReasonSpec("choice", downcastable=True),
+    Reason.POLICY: ReasonSpec("choice", downcastable=True),
+    Reason.POLICY_FOLLOW: ReasonSpec("choice", downcastable=True),
+    Reason.KEEP_IO: ReasonSpec("choice"),
+    Reason.NOT_USER_REACHABLE: ReasonSpec("integer"),
+    Reason.UNSAFE_INDEX: ReasonSpec("safety", downcastable=True),  # floats and integers
+    Reason.SCALAR_OPERAND: ReasonSpec("integer"),
+    Reason.NOT_CASTABLE: ReasonSpec("integer"),
+    Reason.RANGE_UNKNOWN: ReasonSpec("integer"),
+    Reason.RANGE_EXCEEDS: ReasonSpec("integer"),
+    Reason.NOT_INT16_OP: ReasonSpec("integer"),
+    Reason.NO_INT16_CONSUMER: ReasonSpec("integer"),
+    Reason.IN_PLACE: ReasonSpec("integer"),
+    Reason.ASSUMED_SAFE: ReasonSpec("integer"),
+}
+
+
+def reasons(*, family: str | None = None, downcastable=None, checked=None) -> frozenset[Reason]:
+    """The reasons whose spec has the given ``family`` and flags (None: any)."""
+    wanted = {"family": family, "downcastable": downcastable, "checked": checked}
+    return frozenset(
+        reason
+        for reason, spec in REASON_SPECS.items()
+        if all(value is None or getattr(spec, name) == value for name, value in wanted.items())
+    )
+
+
+def _check_specs() -> None:
+    """Every reason has a spec, of a known family: a reason added without one would be
+    treated as nothing at all by every stage that reads the specs."""
+    missing = [reason.name for reason in Reason if reason not in REASON_SPECS]
+    unknown = [r.name for r, s in REASON_SPECS.items() if s.family not in (*FAMILIES, "integer")]
+    if missing or unknown:
+        raise AssertionError(f"reasons without a spec: {missing}; of no known family: {unknown}")
+
+
+_check_specs()

@@ -20,8 +20,16 @@ from benchmarks.shift_traps import (
     constant_stretches,
     speech,
 )
-from fx16.meta import stabilized
+from fx16.meta import (
+    BOUNDED_BELOW,
+    NEGLIGIBLE,
+    ROUNDING_CANCELS,
+    SCALAR_ROUNDS_EXACTLY,
+    SCALED,
+    stabilized,
+)
 from fx16.passes import StabilizePass
+from fx16.passes.stabilize import standard_rules
 from fx16.program import Program
 from fx16.program.nodes import op_label
 from fx16.report import report_of
@@ -160,6 +168,20 @@ def test_each_rewrite_equals_its_pattern_in_fp64(name, data):
     assert ((got - expected).abs() <= tolerance).all(), (expected, got)
     rule = [stabilized(n) for n in after.graph.nodes if stabilized(n)]
     assert [r[0] for r in rule] == [_rule(name)]
+
+
+MARKERS = (BOUNDED_BELOW, NEGLIGIBLE, ROUNDING_CANCELS, SCALAR_ROUNDS_EXACTLY, SCALED)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_each_rewrite_writes_only_the_markers_it_declares(name):
+    """A rule's ``marks`` say which meta markers its replacement writes (the rules page
+    lists them): the ones found on the rewritten graph are among them."""
+    model, (smallest, _), _ = CASES[name]
+    _, after = _stabilized(model(), torch.randn(3, 8) * max(smallest, 1.0))
+    (rule,) = [r for r in standard_rules(torch.float16, exact=True) if r.name == _rule(name)]
+    written = {key for n in after.graph.nodes for key in MARKERS if key in n.meta}
+    assert written <= set(rule.marks)
 
 
 # rule name -> inputs on which the pattern computed in 16-bit goes wrong

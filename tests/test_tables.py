@@ -4,6 +4,8 @@ rule that never fires."""
 import importlib
 import pkgutil
 
+import pytest
+
 import fx16
 from fx16.ops import tables
 
@@ -17,11 +19,19 @@ def test_every_name_the_tables_give_resolves_on_this_torch():
     assert tables.UNRESOLVED == []
 
 
-def test_a_name_the_installed_torch_lacks_is_recorded_not_raised():
+def test_a_name_that_does_not_resolve_raises_naming_it():
+    with pytest.raises(LookupError, match="'sofmax.int' names no ATen op"):
+        tables.overloads("softmax.int", "sofmax.int")
+    with pytest.raises(LookupError, match="'no_such_packet'"):
+        tables.every_overload("no_such_packet")
+
+
+def test_an_optional_name_the_installed_torch_lacks_is_recorded_not_raised():
     before = len(tables.UNRESOLVED)
     try:
-        assert tables.overloads("softmax.int", "sofmax.int") == {tables.aten.softmax.int}
-        assert tables.every_overload("no_such_packet") == frozenset()
-        assert tables.UNRESOLVED[before:] == ["sofmax.int", "no_such_packet"]
+        found = tables.overloads("softmax.int", optional=("newer_op.default",))
+        assert found == {tables.aten.softmax.int}
+        assert tables.every_overload(optional=("no_such_packet",)) == frozenset()
+        assert tables.UNRESOLVED[before:] == ["newer_op.default", "no_such_packet"]
     finally:
         del tables.UNRESOLVED[before:]

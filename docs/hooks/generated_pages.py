@@ -44,6 +44,9 @@ def _section(title: str, intro: str, rules) -> list[str]:
         reason = getattr(rule, "reason", None)
         if reason is not None:
             lines += [f"Reason in the report: `{reason.name.lower()}` ({reason.value}).", ""]
+        marks = getattr(rule, "marks", None)
+        if marks:
+            lines += ["Writes: " + ", ".join(f'`meta["{mark}"]`' for mark in marks) + ".", ""]
         lines += [inspect.cleandoc(kind.__doc__ or ""), ""]
     return lines
 

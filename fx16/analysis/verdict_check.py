@@ -51,7 +51,7 @@ from fx16.analysis.explicit_fp32 import ExplicitFp32Analysis, islands
 from fx16.analysis.facts import Facts
 from fx16.analysis.fp32_rules import Fp32RulesAnalysis, fp32_rule
 from fx16.contracts import Analysis
-from fx16.decisions import Reason
+from fx16.decisions import Reason, reasons
 from fx16.policy import Precision, PrecisionPolicy
 from fx16.program import Program
 from fx16.program.cost import flops, is_product
@@ -266,9 +266,7 @@ def _droppable(group: _Group, findings: list) -> set[Node]:
     }
 
 
-_CHECKED_REASONS = frozenset(
-    {Reason.ILL_CONDITIONED, Reason.ACTIVATION_OVERFLOW, Reason.EXPLICIT_FP32}
-)
+_CHECKED_REASONS = reasons(checked=True)  # declared per reason: REASON_SPECS
 
 
 def _pattern(node: Node) -> str:

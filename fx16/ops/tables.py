@@ -17,25 +17,36 @@ import torch
 aten = torch.ops.aten
 
 
-# Every name a table gave that the installed torch does not have: skipped, so that the
-# tables load on every supported torch, and listed, so that a typo cannot hide there
-# (tests/test_tables.py holds this list empty on the torch the project is tested with).
+# Every name a table declared optional (an op some supported torch lacks) that the
+# installed torch does not have: skipped, and listed (tests/test_tables.py holds this list
+# empty on the torch the project is tested with).
 UNRESOLVED: list[str] = []
 
 
-def overloads(*names: str) -> frozenset:
-    """Resolve "op.overload" names against torch.ops.aten; one the installed torch lacks
-    is skipped and recorded in ``UNRESOLVED``."""
+def overloads(*names: str, optional: tuple[str, ...] = ()) -> frozenset:
+    """Resolve "op.overload" names against torch.ops.aten. A name that does not resolve
+    raises ``LookupError`` (a typo would make a rule that never fires), unless it is
+    also in ``optional`` (an op some supported torch lacks): then it is skipped and
+    recorded in ``UNRESOLVED``."""
     found = set()
-    for name in names:
+    for name in (*names, *optional):
         op_name, _, overload = name.partition(".")
         packet = getattr(aten, op_name, None)
         op = getattr(packet, overload or "default", None) if packet is not None else None
-        if op is None:
-            UNRESOLVED.append(name)
-        else:
+        if op is not None:
             found.add(op)
+        else:
+            _unresolved(name, optional)
     return frozenset(found)
+
+
+def _unresolved(name: str, optional: tuple[str, ...]) -> None:
+    if name not in optional:
+        raise LookupError(
+            f"fx16.ops.tables: {name!r} names no ATen op of torch {torch.__version__} "
+            "(a typo, or an op some torch lacks: list it in optional=)"
+        )
+    UNRESOLVED.append(name)
 
 
 # Namespaces whose ops fx16 knows by their ATen semantics. Ops from any other
@@ -111,13 +122,14 @@ ASSERT_METADATA_OPS = overloads("_assert_tensor_metadata.default")
 # ---- ops without a 16-bit kernel --------------------------------------------------------
 
 
-def every_overload(*packets: str) -> frozenset:
-    """Every overload of each named op packet that the installed torch has."""
+def every_overload(*packets: str, optional: tuple[str, ...] = ()) -> frozenset:
+    """Every overload of each named op packet that the installed torch has; a packet it
+    lacks raises ``LookupError`` unless it is in ``optional`` (see ``overloads``)."""
     found = set()
-    for name in packets:
+    for name in (*packets, *optional):
         packet = getattr(aten, name, None)
         if packet is None:
-            UNRESOLVED.append(name)
+            _unresolved(name, optional)
         else:
             found.update(getattr(packet, overload) for overload in packet.overloads())
     return frozenset(found)

@@ -6,7 +6,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16 import meta
 from fx16.analysis.facts import Facts
-from fx16.decisions import PRECISION, Decision, Reason, decision_of
+from fx16.decisions import PRECISION, Decision, Reason, decision_of, reasons
 from fx16.plan.planner import role
 from fx16.plan.view import DOWNCASTABLE
 from fx16.program import Program
@@ -25,16 +25,7 @@ from fx16.program.snapshot import PENDING
 FP32, BF16 = torch.float32, torch.bfloat16
 
 # The causes of an fp32 decision that are about range alone: bf16 has fp32's exponents.
-RANGE_REASONS = frozenset(
-    {
-        Reason.VALUE_OVERFLOW,
-        Reason.SCALAR_OVERFLOW,
-        Reason.ACTIVATION_OVERFLOW,
-        Reason.VALUE_BELOW_RANGE,
-        Reason.ACTIVATION_BELOW_RANGE,
-        Reason.UNDERFLOW,
-    }
-)
+RANGE_REASONS = reasons(family="range")
 
 SAID = "computed in bf16 (range_fallback='bf16')"
 STORED = "stored in bf16: every reader computes in bf16 (range_fallback='bf16')"

@@ -9,7 +9,7 @@ import torch
 from torch.fx import Node
 
 from fx16 import meta
-from fx16.decisions import Reason
+from fx16.decisions import reasons
 from fx16.ops.numerics import scalar_overflows
 from fx16.plan.steps import Plan, Read, graph_read
 from fx16.policy import Precision, PrecisionPolicy
@@ -129,19 +129,6 @@ class View:
         )
 
 
-# Reasons an fp32 value may have that still let a 16-bit op read it through a cast.
-DOWNCASTABLE = frozenset(
-    {
-        Reason.POLICY,
-        Reason.POLICY_FOLLOW,
-        Reason.ACCURACY_FALLBACK,
-        Reason.FORCED,
-        Reason.LOOP_CARRIED,
-        Reason.FIXED_OUTPUT_DTYPE,
-        Reason.NO_LOW_KERNEL,
-        Reason.READERS_FP32,
-        Reason.ILL_CONDITIONED,
-        Reason.UNDERFLOW,
-        Reason.UNSAFE_INDEX,
-    }
-)
+# Reasons an fp32 value may have that still let a 16-bit op read it through a cast
+# (declared per reason: ``fx16.decisions.REASON_SPECS``).
+DOWNCASTABLE = reasons(downcastable=True)
