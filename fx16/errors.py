@@ -52,6 +52,13 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
+def require_choice(name: str, value, choices: tuple) -> None:
+    """``InvalidOptionError`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        said = ", ".join(map(repr, choices))
+        raise InvalidOptionError(f"{name} must be one of {said}, not {value!r}")
+
+
 def require_flag(name: str, value) -> None:
     """``InvalidOptionError`` unless ``value`` is True, False or None (the default)."""
     if value is not None and not isinstance(value, bool):

@@ -9,8 +9,6 @@ explicit fp32 region the model wrote, a float that decides an index, an integer
 range that does not fit - those stay wide whatever the policy says.
 """
 
-import difflib
-import enum
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -21,57 +19,14 @@ from torch.fx import Node
 from fx16.choices import (
     EXPLICIT_FP32_CHOICES,
     POLICY_PRESETS,
-    PRECISION_NAMES,
     RANGE_FALLBACK_CHOICES,
     ROUTING_CHOICES,
 )
-from fx16.errors import InvalidOptionError, require_number
+from fx16.errors import InvalidOptionError, require_choice, require_number
 from fx16.ops.autocast import AUTOCAST_CPU, AUTOCAST_CUDA
 from fx16.ops.kinds import OpKind, op_kind, op_name
+from fx16.precision import ALL_LOW, Precision, as_precision, op_kind_key, precisions
 from fx16.program.nodes import SIXTEEN_BIT_DTYPES, node_module_path
-
-
-class Precision(str, enum.Enum):
-    LOW = "16-bit"  # the policy's 16-bit dtype (fp16 or bf16)
-    FP32 = "fp32"
-    FOLLOW = "follow"  # run in the dtype the inputs have (autocast: ops in no list)
-    PROMOTE = "promote"  # cast float inputs to the widest of them, then follow
-
-
-def _as_precision(value) -> Precision:
-    aliases = {"fp16": Precision.LOW, "bf16": Precision.LOW, "16": Precision.LOW}
-    try:
-        return aliases.get(value) or Precision(value)
-    except ValueError:
-        raise InvalidOptionError(
-            f"unknown precision {value!r}; use one of {', '.join(PRECISION_NAMES)} (fp16 "
-            "and bf16 name the policy's 16-bit dtype)"
-        ) from None
-
-
-def _precisions(mapping: Mapping | None) -> dict:
-    """Values as Precision; ATen op keys (torch.ops.aten.softmax.int) as their names."""
-    return {
-        getattr(key, "_opname", key): _as_precision(value) for key, value in (mapping or {}).items()
-    }
-
-
-def _op_kind(key) -> OpKind:
-    """A ``kinds`` key as an OpKind: the member itself, its value ("reduction") or its
-    name ("REDUCTION"), in any case. Anything else is refused with the closest kind."""
-    if isinstance(key, OpKind):
-        return key
-    if isinstance(key, str):
-        for kind in OpKind:
-            if key.lower() in (kind.value, kind.name.lower()):
-                return kind
-    valid = [kind.value for kind in OpKind]
-    close = difflib.get_close_matches(str(key).lower(), valid, 2)
-    hint = f"closest: {', '.join(close)}" if close else f"kinds: {', '.join(valid)}"
-    raise InvalidOptionError(f"kinds names no op kind: {key!r}; {hint}")
-
-
-_ALL_LOW = {kind: Precision.LOW for kind in OpKind}
 
 
 @dataclass(frozen=True)
@@ -137,7 +92,7 @@ class PrecisionPolicy:
 
     name: str = "default"
     low: torch.dtype = torch.float16
-    kinds: Mapping[OpKind, Precision] = field(default_factory=lambda: dict(_ALL_LOW))
+    kinds: Mapping[OpKind, Precision] = field(default_factory=lambda: dict(ALL_LOW))
     ops: Mapping[str, Precision] = field(default_factory=dict)
     modules: Mapping[str, Precision] = field(default_factory=dict)
     nodes: Mapping[str, Precision] = field(default_factory=dict)
@@ -157,28 +112,16 @@ class PrecisionPolicy:
     def __post_init__(self) -> None:
         if self.low not in SIXTEEN_BIT_DTYPES:
             raise InvalidOptionError(f"low must be torch.float16 or torch.bfloat16, not {self.low}")
-        kinds = {_op_kind(key): value for key, value in _precisions(self.kinds).items()}
-        object.__setattr__(self, "kinds", {**_ALL_LOW, **kinds})
+        kinds = {op_kind_key(key): value for key, value in precisions(self.kinds).items()}
+        object.__setattr__(self, "kinds", {**ALL_LOW, **kinds})
         object.__setattr__(self, "_by_op", {})  # precision_for's answers, by op
         for name in ("ops", "modules", "nodes", "op_table"):
-            object.__setattr__(self, name, _precisions(getattr(self, name)))
+            object.__setattr__(self, name, precisions(getattr(self, name)))
         if not isinstance(self.keep_io_types, bool):
             object.__setattr__(self, "keep_io_types", as_names(self.keep_io_types))
-        if self.explicit_fp32 not in EXPLICIT_FP32_CHOICES:
-            raise InvalidOptionError(
-                f"explicit_fp32 must be one of {', '.join(map(repr, EXPLICIT_FP32_CHOICES))}, "
-                f"not {self.explicit_fp32!r}"
-            )
-        if self.routing not in ROUTING_CHOICES:
-            raise InvalidOptionError(
-                f"routing must be one of {', '.join(map(repr, ROUTING_CHOICES))}, "
-                f"not {self.routing!r}"
-            )
-        if self.range_fallback not in RANGE_FALLBACK_CHOICES:
-            raise InvalidOptionError(
-                "range_fallback must be one of "
-                f"{', '.join(map(repr, RANGE_FALLBACK_CHOICES))}, not {self.range_fallback!r}"
-            )
+        require_choice("explicit_fp32", self.explicit_fp32, EXPLICIT_FP32_CHOICES)
+        require_choice("routing", self.routing, ROUTING_CHOICES)
+        require_choice("range_fallback", self.range_fallback, RANGE_FALLBACK_CHOICES)
         if self.precision_tolerance is not None:
             require_number(
                 "precision_tolerance",
@@ -216,7 +159,7 @@ class PrecisionPolicy:
         return cls._preset(
             overrides,
             name="auto_mixed_conservative",
-            kinds={**_ALL_LOW, OpKind.REDUCTION: Precision.FP32},
+            kinds={**ALL_LOW, OpKind.REDUCTION: Precision.FP32},
             explicit_fp32="keep",
         )
 
@@ -332,7 +275,7 @@ class PrecisionPolicy:
         if self.predicate is not None:
             decided = self.predicate(node)
             if decided is not None:
-                precision = _as_precision(decided)
+                precision = as_precision(decided)
                 return precision, f"predicate = {precision.value}"
         path = (module_path or node_module_path(node)) if self.modules else None
         if path is not None:

@@ -61,3 +61,13 @@ def test_a_wrong_import_breaks_the_contract(tmp_path, module, line, broken):
     result = _lint(tmp_path)
     assert result.returncode != 0
     assert broken in result.stdout, result.stdout
+
+
+def test_no_module_is_over_350_lines():
+    """Small modules with one job: a module past 350 lines holds more than one."""
+    long = {
+        str(path.relative_to(ROOT)): count
+        for path in (ROOT / "fx16").rglob("*.py")
+        if (count := len(path.read_text().splitlines())) > 350
+    }
+    assert not long, long

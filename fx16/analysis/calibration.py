@@ -14,7 +14,8 @@ from fx16.analysis.facts import Facts
 from fx16.analysis.magnitudes import MagnitudeRecorder
 from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError, one_line
-from fx16.ops.tables import SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS, SINGULAR_AT_ZERO, per_op
+from fx16.ops.numeric_tables import SINGULAR_AT_ZERO
+from fx16.ops.tables import SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS, per_op
 from fx16.program import Program
 from fx16.program.boundaries import Boundaries
 

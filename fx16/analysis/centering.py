@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fx16.ops.tables import VARIANCE_OPS, overloads
+from fx16.ops.numeric_tables import VARIANCE_OPS
+from fx16.ops.tables import overloads
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,7 @@ from fx16.analysis.facts import Facts
 from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.upstream import elementwise_past
 from fx16.contracts import Analysis
-from fx16.ops.numerics import INF_LIKE
-from fx16.ops.tables import (
+from fx16.ops.numeric_tables import (
     EXPONENTIAL_OPS,
     LOGARITHM_OPS,
     PERIODIC_OPS,
@@ -67,6 +66,7 @@ from fx16.ops.tables import (
     POWER_OF_SCALAR_OPS,
     SUM_OPS,
 )
+from fx16.ops.numerics import INF_LIKE
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.program.nodes import node_val

@@ -56,8 +56,7 @@ from fx16.analysis.facts import Facts
 from fx16.analysis.float_range import FloatRanges
 from fx16.analysis.upstream import elementwise_past
 from fx16.contracts import Analysis
-from fx16.ops.numerics import smallest_normal
-from fx16.ops.tables import (
+from fx16.ops.numeric_tables import (
     EXPONENTIAL_TAIL_OPS,
     GUARD_OPS,
     POWER_OPS,
@@ -66,8 +65,9 @@ from fx16.ops.tables import (
     SOFTMAX_OPS,
     SQUARE_STATISTIC_OPS,
     SUMMING_OPS,
-    overloads,
 )
+from fx16.ops.numerics import smallest_normal
+from fx16.ops.tables import overloads
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
 from fx16.program.nodes import node_val

@@ -6,7 +6,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.choices import SCALARS_CHOICES as MODES
-from fx16.errors import InvalidOptionError
+from fx16.errors import require_choice
 from fx16.meta import scalar_rounds_exactly
 from fx16.ops.tables import per_op
 from fx16.program import Program
@@ -111,8 +111,7 @@ class ScalarsAsConstantsPass(PassBase):
 
     def __init__(self, program: Program, mode: str = "exact", dtypes=SIXTEEN_BIT) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise InvalidOptionError(f"scalars must be one of {list(MODES)}, not {mode!r}")
+        require_choice("scalars", mode, MODES)
         self.program, self.mode, self.dtypes = program, mode, tuple(dtypes)
 
     def call(self, graph_module: GraphModule) -> PassResult:

@@ -21,15 +21,9 @@ from torch.fx import GraphModule, Node
 from fx16 import meta
 from fx16.analysis.islands import island_decision
 from fx16.decisions import Reason, decision, decision_of
+from fx16.ops.numeric_tables import GUARDING_OPS
 from fx16.ops.numerics import flushes_to_zero, interval_below_normal
-from fx16.ops.tables import (
-    ASSERT_METADATA_OPS,
-    CAST_OPS,
-    CREATION_OPS,
-    GUARDING_OPS,
-    is_custom_op,
-    per_op,
-)
+from fx16.ops.tables import ASSERT_METADATA_OPS, CAST_OPS, CREATION_OPS, is_custom_op, per_op
 from fx16.plan.bodies import plan_autocast, plan_opaque, plan_shared, plan_subgraphs
 from fx16.plan.precedence import (
     CAST_TO_FP32_RULES,

@@ -13,13 +13,13 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from fx16.decisions import Reason, decision
+from fx16.ops.numeric_tables import GUARD_ARGUMENTS
 from fx16.ops.numerics import (
     largest,
     round_scalar_to_fp16,
     scalar_for_16_bit_op,
     smallest_subnormal,
 )
-from fx16.ops.tables import GUARD_ARGUMENTS
 from fx16.plan.precedence import Action, Choice
 from fx16.plan.steps import Read, Step
 from fx16.program.casts import retype_val

@@ -37,8 +37,8 @@ from fx16.ops.kinds import (
     GROWTH_MULTIPLYING_OPS,
     SCALE_BOUNDED_OPS,
 )
+from fx16.ops.numeric_tables import EXPONENTIAL_TAIL_OPS, SOFTMAX_OPS
 from fx16.ops.numerics import largest, smallest_normal
-from fx16.ops.tables import EXPONENTIAL_TAIL_OPS, SOFTMAX_OPS
 from fx16.program import Program
 from fx16.program.boundaries import Boundaries
 from fx16.program.casts import is_cast
