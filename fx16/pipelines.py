@@ -64,6 +64,7 @@ from fx16.program.lazy_code import compile_when_needed
 from fx16.program.names import check_names
 from fx16.program.nodes import SIXTEEN_BIT_DTYPES, dtype_name, node_val, tensor_leaves
 from fx16.program.subgraphs import nested_graph_modules
+from fx16.stages import Fp16Stages
 
 FP32 = torch.float32
 
@@ -91,22 +92,21 @@ def fp16_passes(ep, options: Fp16Options | None = None, **keywords) -> list[Pass
     ``fx16.cast_fp32_to_fp16``; ``force_fp32`` names nodes that must stay fp32.
     A policy that changes nothing (``always_fp32``) gives an empty list.
     """
-    analyses, rewrites = fp16_stages(ep, Fp16Options.of("fp16_passes", options, **keywords))
-    return analyses + rewrites
+    return fp16_stages(ep, Fp16Options.of("fp16_passes", options, **keywords)).passes()
 
 
-def fp16_stages(ep, options: Fp16Options) -> tuple[list[PassBase], list[PassBase]]:
-    """``fp16_passes`` in two parts: the analyses, which only read the program (and
-    calibrate it), and the stages from the safety rules on, the only ones
-    ``force_fp32`` changes: an accuracy search runs the first part once."""
+def fp16_stages(ep, options: Fp16Options) -> Fp16Stages:
+    """``fp16_passes`` by stage (``fx16.stages.Fp16Stages``): an accuracy search runs the
+    stages before the decisions once, and the rest for each fp32 set it tries (the only
+    ones ``force_fp32`` changes)."""
     program = Program.of(ep)
     options, policy = _checked(program, options)
     if policy.is_noop:
-        return [], []
-    return _analyses(program, options, policy), _rewrites(program, options, policy)
+        return Fp16Stages()
+    return Fp16Stages(**_preparing(program, options, policy), **_deciding(program, options, policy))
 
 
-def _analyses(program: Program, options: Fp16Options, policy: PrecisionPolicy) -> list[PassBase]:
+def _preparing(program: Program, options: Fp16Options, policy: PrecisionPolicy) -> dict:
     rewrites = policy.stabilize or policy.eps_clamp
     keep_model_fp32 = policy.explicit_fp32 == "keep"
     stabilize = (
@@ -120,37 +120,49 @@ def _analyses(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
         if policy.low == torch.float16 and policy.scale_range
         else []
     )
-    return [
-        RecordStatsPass(program),
-        WidenOtherSixteenBitPass(program, OTHER_SIXTEEN_BIT[policy.low]),
-        PreserveCopiesPass(),
-        *stabilize,
-        CalibrationAnalysis(program, options.calibration),
-        *scaling,
-        UnsafeIndexAnalysis(),
-        ValueRangeAnalysis(program, options.input_ranges),
-        ConditioningAnalysis(program, policy),
-        UnderflowAnalysis(program, policy, options.overflow_margin),
-        RoutingAnalysis(program, policy),
-        ExplicitFp32Analysis(program, policy, options.overflow_margin),
-    ]
+    return {
+        "prepare": [
+            RecordStatsPass(program),
+            WidenOtherSixteenBitPass(program, OTHER_SIXTEEN_BIT[policy.low]),
+            PreserveCopiesPass(),
+            *stabilize,
+        ],
+        "calibrate": [CalibrationAnalysis(program, options.calibration), *scaling],
+        "analyze": [
+            UnsafeIndexAnalysis(),
+            ValueRangeAnalysis(program, options.input_ranges),
+            ConditioningAnalysis(program, policy),
+            UnderflowAnalysis(program, policy, options.overflow_margin),
+            RoutingAnalysis(program, policy),
+            ExplicitFp32Analysis(program, policy, options.overflow_margin),
+        ],
+    }
 
 
-def _rewrites(program: Program, options: Fp16Options, policy: PrecisionPolicy) -> list[PassBase]:
+def _deciding(program: Program, options: Fp16Options, policy: PrecisionPolicy) -> dict:
     margin, forced = options.overflow_margin, options.force_fp32 | options.fallback
     limit = overflow_limit(policy, margin)
-    return [
-        Fp32RulesAnalysis.standard(policy.low, limit, options.force_fp32, options.fallback),
-        VerdictCheckAnalysis(program, policy, options.calibration),
-        ConvertParametersPass(program, policy=policy, force_fp32=forced),
-        ConvertUserInputsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
-        InsertFP16CastsPass(program, policy=policy, overflow_margin=margin, force_fp32=forced),
-        StoreAsReadPass(program),
-        *([RangeFallbackPass(program)] if _falls_back_to_bf16(policy) else []),
-        RecastAfterWritesPass(),
-        CleanupCastsPass(program),
-        ScalarsAsConstantsPass(program, options.scalars, SIXTEEN_BIT_DTYPES),
-    ]
+    shared = dict(policy=policy, force_fp32=forced)
+    return {
+        "decide": [
+            Fp32RulesAnalysis.standard(policy.low, limit, options.force_fp32, options.fallback),
+            VerdictCheckAnalysis(program, policy, options.calibration),
+        ],
+        "convert": [
+            ConvertParametersPass(program, **shared),
+            ConvertUserInputsPass(program, overflow_margin=margin, **shared),
+        ],
+        "insert": [
+            InsertFP16CastsPass(program, overflow_margin=margin, **shared),
+            StoreAsReadPass(program),
+            *([RangeFallbackPass(program)] if _falls_back_to_bf16(policy) else []),
+            RecastAfterWritesPass(),
+        ],
+        "cleanup": [
+            CleanupCastsPass(program),
+            ScalarsAsConstantsPass(program, options.scalars, SIXTEEN_BIT_DTYPES),
+        ],
+    }
 
 
 def _falls_back_to_bf16(policy: PrecisionPolicy) -> bool:

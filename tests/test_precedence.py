@@ -6,8 +6,10 @@ import pytest
 import torch
 
 import fx16
+from fx16.analysis import Fp32RulesAnalysis
 from fx16.decisions import Reason
 from fx16.options import Fp16Options
+from fx16.passes import ConvertParametersPass
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.plan.precedence import (
     CAST_TO_FP32_RULES,
@@ -35,9 +37,9 @@ class Ops(torch.nn.Module):
 def _ready(ep, policy):
     """The analyses, the safety rules and the input converters: what the inserter
     reads, with the inserter itself left out."""
-    analyses, rewrites = fp16_stages(ep, Fp16Options(policy=policy))
-    rules, _, parameters, inputs, *_ = rewrites
-    run_passes([*analyses, rules, parameters, inputs], ep.graph_module)
+    stages = fp16_stages(ep, Fp16Options(policy=policy))
+    rules = stages.find(Fp32RulesAnalysis)
+    run_passes([*stages.before_decisions, rules, *stages.convert], ep.graph_module)
 
 
 def test_choices_are_made_without_touching_the_graph():
@@ -123,9 +125,9 @@ def test_a_cast_of_an_fp32_value_no_pass_decided_on_is_kept_as_an_fp32_input():
     of its own: the model's copying cast of it is kept, said to read an fp32 input by
     name, with no reason to quote."""
     ep = export(CopyToFp32(), torch.randn(4, 8))
-    analyses, rewrites = fp16_stages(ep, Fp16Options())
-    rules, _, parameters, *_ = rewrites
-    run_passes([*analyses, rules, parameters], ep.graph_module)
+    stages = fp16_stages(ep, Fp16Options())
+    rules, parameters = stages.find(Fp32RulesAnalysis), stages.find(ConvertParametersPass)
+    run_passes([*stages.before_decisions, rules, parameters], ep.graph_module)
     cast = next(n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.to.dtype)
     choice = choose(CAST_TO_FP32_RULES, View(cast, PrecisionPolicy.default(), LIMIT))
     assert (choice.action, choice.rule) == (Action.KEEP, "fp32_source")

@@ -124,8 +124,8 @@ def cast_fp16_within_budget(
         if target_share > 1:
             raise InvalidOptionError(f"target_share must be at most 1, got {target_share!r}")
     options = replace(options or Fp16Options(), calibration=calibration)
-    analyses, _ = fp16_stages(ep, options)
-    run_passes(analyses, ep.graph_module)  # once: what they find does not depend on the fp32 set
+    # once: what they find does not depend on the fp32 set
+    run_passes(fp16_stages(ep, options).before_decisions, ep.graph_module)
     target = None if target_share is None else target_share * budget
     targets = (target, target)  # None: estimated from the calibration inputs
     metric_name, measure = resolve_metric(metric)
@@ -193,7 +193,7 @@ class _Search:
             self.pristine.restore()
             gc.collect()  # the last round's graph (the transaction pauses the collector)
         self.holds = set(forced)
-        _, passes = fp16_stages(ep, replace(self.options, fallback=frozenset(forced)))
+        passes = fp16_stages(ep, replace(self.options, fallback=frozenset(forced))).from_decisions
         for stage in passes:
             if isinstance(stage, VerdictCheckAnalysis):
                 stage.answers = self.answers  # each kind of verdict measured once
