@@ -26,6 +26,8 @@ from fx16.analysis import (
     ValueRangeAnalysis,
     VerdictCheckAnalysis,
 )
+from fx16.analysis.facts import Facts
+from fx16.contracts import forget_unpreserved
 from fx16.decisions import PRECISION
 from fx16.errors import (
     Fx16Error,
@@ -310,6 +312,9 @@ def run_passes(passes: list[PassBase], graph_module: GraphModule, recompile: boo
     Same effect as ``PassManager(passes)(graph_module)``, which recompiles after
     every pass. A pass that raises anything but an ``Fx16Error`` raises a
     ``PassFailedError`` naming it, from the original exception.
+    After each pass, the analyses it does not declare it preserves are forgotten
+    (``fx16.contracts.forget_unpreserved``): a later pass that reads one fails
+    ``requires`` rather than read what the rewrite made stale.
     ``recompile=False`` leaves that to the caller, who runs more passes first (none of
     fx16's runs the root's code: calibration interprets the graph).
     Returns whether any pass modified the graph.
@@ -322,6 +327,8 @@ def run_passes(passes: list[PassBase], graph_module: GraphModule, recompile: boo
             raise
         except Exception as error:
             raise PassFailedError(type(pass_).__name__, error, restored=False) from error
+        if forget_unpreserved(graph_module, pass_):
+            Facts.invalidate(graph_module)
         modified = modified or bool(result and result.modified)
     if recompile:
         compile_when_needed(graph_module)

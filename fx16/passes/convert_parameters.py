@@ -7,6 +7,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16 import meta
 from fx16.analysis.facts import Facts
 from fx16.analysis.product_operands import only_product_operands
+from fx16.contracts import ALL
 from fx16.decisions import PRECISION, Reason, decide
 from fx16.ops.numerics import (
     finite_interval,
@@ -62,6 +63,9 @@ class ConvertParametersPass(PolicyPass):
     (``shared_fp32``), and the 16-bit ops reading it get a cast, rather than the
     program holding the tensor in both dtypes.
     """
+
+    # it converts the state tensors; what the analyses found of the ops stays true
+    preserves = ALL
 
     def call(self, graph_module: GraphModule) -> PassResult:
         rebuilt: dict[int, torch.Tensor] = {}  # subclass tensors, converted once per object

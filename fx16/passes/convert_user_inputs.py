@@ -6,6 +6,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
 from fx16.analysis.facts import Facts
+from fx16.contracts import ALL
 from fx16.decisions import PRECISION, Reason, decide
 from fx16.passes.policy_pass import PolicyPass
 from fx16.policy import Precision
@@ -26,6 +27,9 @@ class ConvertUserInputsPass(PolicyPass):
     Writes: their ``meta["val"]`` and ``meta["fx16.precision"]``; the program's
     recorded example inputs, converted to match.
     """
+
+    # it converts the user inputs; what the analyses found of the ops stays true
+    preserves = ALL
 
     def call(self, graph_module: GraphModule) -> PassResult:
         casts = CastInserter(graph_module.graph)

@@ -4,6 +4,7 @@ every node's stable id, for the per-node diagnosis."""
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from fx16.contracts import ALL
 from fx16.program import Program
 from fx16.program.node_ids import assign_ids
 from fx16.program.stats import BEFORE_KEY, record_stats_before
@@ -20,6 +21,8 @@ class RecordStatsPass(PassBase):
     (``fx16.program.node_ids``) where it has none, so that ``fx16.diagnose`` aligns the cast
     program with the fp32 one whatever the cast rewrites.
     """
+
+    preserves = ALL  # it records the program's figures in meta
 
     def __init__(self, program: Program) -> None:
         self.program = Program.of(program)

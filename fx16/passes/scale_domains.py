@@ -30,6 +30,8 @@ class ScaleDomainsPass(PassBase):
     inputs), so the analyses after it observe the scaled values. Without a plan, or
     with an empty one, changes nothing."""
 
+    preserves = (CalibrationAnalysis,)  # it calibrates the rewritten program again
+
     def __init__(self, program: Program, calibration: list | None = None) -> None:
         self.program = Program.of(program)
         self.calibration = calibration
