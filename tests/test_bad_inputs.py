@@ -242,7 +242,8 @@ OPTION_ERRORS = [
         "cast_to_16_bit_precision: unknown option(s) ['input_range']; accepted: "
         "['calibration', 'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', "
         "'int16', 'keep_io_types', 'max_rel_error', 'metric', 'overflow_margin', 'policy', "
-        "'progress', 'routing', 'scalars', 'stabilize', 'target_share', 'validation']",
+        "'progress', 'range_fallback', 'routing', 'scalars', 'stabilize', 'target_share', "
+        "'validation']",
     ),
     (
         fx16.cast_fp32_to_fp16,
@@ -294,8 +295,8 @@ OPTION_ERRORS = [
         dict(keep_io=True),
         "cast_fp32_to_fp16: unknown option(s) ['keep_io']; accepted: ['calibration', "
         "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', "
-        "'max_rel_error', 'metric', 'overflow_margin', 'policy', 'progress', 'routing', "
-        "'scalars', 'stabilize', 'target_share', 'validation']",
+        "'max_rel_error', 'metric', 'overflow_margin', 'policy', 'progress', 'range_fallback', "
+        "'routing', 'scalars', 'stabilize', 'target_share', 'validation']",
     ),
     (
         fx16.cast_int32_to_int16,
@@ -308,7 +309,7 @@ OPTION_ERRORS = [
         dict(margin=2),
         "fp16_passes: unknown option(s) ['margin']; accepted: ['calibration', "
         "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', "
-        "'overflow_margin', 'policy', 'routing', 'scalars', 'stabilize']",
+        "'overflow_margin', 'policy', 'range_fallback', 'routing', 'scalars', 'stabilize']",
     ),
     (
         fx16.int16_passes,
@@ -356,7 +357,8 @@ def test_presets_take_overrides_of_any_field():
         fx16.InvalidOptionError,
         "unknown policy field(s) ['keep_io']; fields: name, low, kinds, ops, modules, nodes, "
         "predicate, op_table, keep_io_types, explicit_fp32, routing, cast_back, "
-        "widen_model_16bit, precision_tolerance, stabilize, eps_clamp, scale_range",
+        "widen_model_16bit, precision_tolerance, stabilize, eps_clamp, scale_range, "
+        "range_fallback",
         fx16.PrecisionPolicy.default,
         keep_io=True,
     )

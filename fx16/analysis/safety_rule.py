@@ -1,0 +1,48 @@
+"""What a safety rule is (``SafetyRule``) and what it may read beyond its node
+(``RuleContext``): the shape every rule of ``Fp32RulesAnalysis`` has."""
+
+from typing import Protocol
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fx16.decisions import Reason
+
+
+class RuleContext:
+    """What a rule reads beyond the node it is asked about: the program (``None`` for a
+    graph asked on its own), the graph module being asked, and the bounds of symbolic
+    sizes (the program's range constraints, as torch.export recorded them)."""
+
+    def __init__(self, program, graph_module: GraphModule) -> None:
+        self.program, self.graph_module = program, graph_module
+
+    @staticmethod
+    def largest(size) -> int | None:
+        """The largest value ``size`` (an int, or a symbolic size of a dynamic
+        dimension) takes on any input the program accepts; None where nothing bounds
+        it."""
+        if isinstance(size, int):
+            return size
+        if isinstance(size, torch.SymInt):
+            node = size.node
+            upper = node.shape_env.bound_sympy(node.expr).upper
+            return int(upper) if upper.is_finite else None
+        return None
+
+
+class SafetyRule(Protocol):
+    """A rule that keeps a node in fp32 whatever the policy asks.
+
+    ``reason``: the cause it states (its ``fx16.decisions.REASON_SPECS`` entry says how
+    the stages treat it); ``needs``: the analyses whose meta it reads (they must have
+    run: ``Fp32RulesAnalysis.requires``); ``applies``: None where the rule does not
+    apply, else the evidence (a detail for the report, "" for none). Its docstring
+    says what it guards, with a before and after, and what it costs: the rules page
+    (``reference/rules.md``) prints it.
+    """
+
+    reason: Reason
+    needs: tuple[type, ...]
+
+    def applies(self, node: Node, context: RuleContext) -> str | None: ...
