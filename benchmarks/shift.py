@@ -162,9 +162,8 @@ def fp32_needed(ep, x) -> set[str]:
     """The values fx16's analyses and safety rules keep fp32 when calibrated on ``x``
     (the rewrites applied first, so the names are the cast program's)."""
     probe = copy.deepcopy(ep)
-    analyses, rewrites = fp16_stages(probe, Fp16Options(calibration=[(x,)]))
-    rules = next(stage for stage in rewrites if isinstance(stage, Fp32RulesAnalysis))
-    for stage in (*analyses, rules):
+    stages = fp16_stages(probe, Fp16Options(calibration=[(x,)]))
+    for stage in (*stages.before_decisions, stages.find(Fp32RulesAnalysis)):
         stage(probe.graph_module)
     return {
         node.name

@@ -10,7 +10,8 @@ states it in ``needs``: torch's ``PassBase.__call__`` calls ``requires`` before
 What a pass rewrites may make an analysis's findings false, so a pass declares which
 analyses it leaves true (``preserves``: their classes, or ``ALL`` for a pass that writes
 meta only), and the default is none, as in MLIR and LLVM: after each pass the runner
-(``fx16.pipelines.run_passes``) forgets every other analysis (``forget_unpreserved``),
+(``fx16.pipelines.run_passes``) forgets every other analysis once a pass changed the
+graph (``forget_unpreserved``),
 and a later pass that reads one fails ``requires`` until it runs again.
 """
 

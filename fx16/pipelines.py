@@ -147,7 +147,9 @@ def _deciding(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
     shared = dict(policy=policy, force_fp32=forced)
     return {
         "decide": [
-            Fp32RulesAnalysis.standard(policy.low, limit, options.force_fp32, options.fallback),
+            Fp32RulesAnalysis.standard(
+                policy.low, limit, options.force_fp32, options.fallback, program
+            ),
             VerdictCheckAnalysis(program, policy, options.calibration),
         ],
         "convert": [
@@ -226,7 +228,9 @@ def without_rules(passes: list[PassBase], *rule_types: type) -> list[PassBase]:
     """``passes`` with the safety rules of the given types taken out of their
     ``Fp32RulesAnalysis`` stages: to measure what a rule buys, or to drop one."""
     return [
-        Fp32RulesAnalysis([rule for rule in stage.rules if not isinstance(rule, rule_types)])
+        Fp32RulesAnalysis(
+            [rule for rule in stage.rules if not isinstance(rule, rule_types)], stage.program
+        )
         if isinstance(stage, Fp32RulesAnalysis)
         else stage
         for stage in passes
@@ -312,7 +316,8 @@ def run_passes(passes: list[PassBase], graph_module: GraphModule, recompile: boo
     Same effect as ``PassManager(passes)(graph_module)``, which recompiles after
     every pass. A pass that raises anything but an ``Fx16Error`` raises a
     ``PassFailedError`` naming it, from the original exception.
-    After each pass, the analyses it does not declare it preserves are forgotten
+    After each pass that changed the graph, the analyses it does not declare it
+    preserves are forgotten
     (``fx16.contracts.forget_unpreserved``): a later pass that reads one fails
     ``requires`` rather than read what the rewrite made stale.
     ``recompile=False`` leaves that to the caller, who runs more passes first (none of
@@ -327,7 +332,8 @@ def run_passes(passes: list[PassBase], graph_module: GraphModule, recompile: boo
             raise
         except Exception as error:
             raise PassFailedError(type(pass_).__name__, error, restored=False) from error
-        if forget_unpreserved(graph_module, pass_):
+        changed = result is None or result.modified  # a pass that changed nothing keeps all
+        if changed and forget_unpreserved(graph_module, pass_):
             Facts.invalidate(graph_module)
         modified = modified or bool(result and result.modified)
     if recompile:

@@ -19,10 +19,10 @@ def test_the_analyses_share_one_table_and_a_rewrite_drops_it():
     assert Facts.of(graph_module) is facts
     assert facts.boundaries is facts.boundaries  # computed once
     assert len(facts.graph_modules) == 3  # the program and cond's two branches
-    analyses, rewrites = fp16_stages(ep, Fp16Options())
-    run_passes(analyses, graph_module)
+    stages = fp16_stages(ep, Fp16Options())
+    run_passes(stages.before_decisions, graph_module)
     assert Facts.of(graph_module) is facts  # analyses read and write meta only
-    run_passes(rewrites, graph_module)
+    run_passes(stages.from_decisions, graph_module)
     assert Facts.of(graph_module) is not facts  # the inserter added casts
     assert fx16.cast_fp32_to_fp16(ep) is ep  # and the next cast starts from the new graph
 

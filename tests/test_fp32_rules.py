@@ -26,6 +26,7 @@ from fx16.analysis.fp32_rules import (
     UnsafeIndexRule,
     fp32_rule,
 )
+from fx16.analysis.safety_rule import RuleContext
 from fx16.analysis.scale_domains import scale_domains
 from fx16.decisions import PRECISION, Reason
 from fx16.passes import ConvertParametersPass, ConvertUserInputsPass, InsertFP16CastsPass
@@ -102,7 +103,7 @@ class KeepRelu:
 
     reason = Reason.POLICY
 
-    def applies(self, node):
+    def applies(self, node, context):
         return "the user's rule" if getattr(node.target, "_opname", None) == "relu" else None
 
 
@@ -282,7 +283,7 @@ def test_a_value_that_reaches_the_normal_range_is_not_kept():
     node.meta["val"] = torch.zeros(2)
     for largest, kept in ((1e-4, False), (5e-5, True), (0.0, False)):
         node.meta[meta.OBSERVED_MAX_ABS] = largest
-        assert (analysis.applies(node) is not None) is kept, largest
+        assert (analysis.applies(node, RuleContext(None, None)) is not None) is kept, largest
 
 
 def test_a_callers_force_fp32_is_said_as_forced_not_as_an_accuracy_fallback():

@@ -34,10 +34,9 @@ class Mixed(torch.nn.Module):
 
 def _ready(ep, options=None):
     """Every stage before the inserter; returns the inserter."""
-    analyses, rewrites = fp16_stages(ep, options or Fp16Options())
-    inserter = next(stage for stage in rewrites if isinstance(stage, InsertFP16CastsPass))
-    run_passes([*analyses, *rewrites[: rewrites.index(inserter)]], ep.graph_module)
-    return inserter
+    stages = fp16_stages(ep, options or Fp16Options())
+    run_passes([*stages.before_decisions, *stages.decide, *stages.convert], ep.graph_module)
+    return stages.find(InsertFP16CastsPass)
 
 
 def _state(ep) -> list:

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 
 import fx16
 from benchmarks import zoo
-from fx16.analysis import VerdictCheckAnalysis
+from fx16.analysis import Fp32RulesAnalysis, VerdictCheckAnalysis
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.analysis.emulation import Emulation
 from fx16.options import Fp16Options
@@ -73,8 +73,8 @@ def test_property_identical_means_the_same_error(case):
     """Random programs: wherever the replay says rounding a kept node changes nothing,
     the whole emulated runs with and without it give exactly the same error."""
     ep = case.export()
-    analyses, (rules, verdicts, *_) = fp16_stages(ep, Fp16Options())
-    run_passes([*analyses, rules], ep.graph_module)
+    stages = fp16_stages(ep, Fp16Options())
+    run_passes([*stages.before_decisions, stages.find(Fp32RulesAnalysis)], ep.graph_module)
     program = Program.of(ep)
     calls = calibration_calls(program, None)
     if not calls:

@@ -185,8 +185,8 @@ def test_property_every_answer_follows_its_measurement_and_dropped_verdicts_are_
     @given(_programs_with_questions())
     def check(case):
         ep = case.export()
-        analyses, (rules, verdicts, *_) = fp16_stages(ep, Fp16Options())
-        run_passes([*analyses, rules, verdicts], ep.graph_module)
+        stages = fp16_stages(ep, Fp16Options())
+        run_passes([*stages.before_decisions, *stages.decide], ep.graph_module)
         nodes = {}
         for module in ep.graph_module.modules():
             if isinstance(module, torch.fx.GraphModule):

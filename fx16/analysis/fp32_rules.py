@@ -1,10 +1,12 @@
 """Fp32RulesAnalysis: the safety rules that keep a node in fp32, as data on the node.
 
-Each rule is a small object that looks at one node and its meta and says whether,
-and why, the node must stay fp32 whatever the policy asks. The analysis asks the
-rules in order and publishes the first answer; InsertFP16CastsPass and the
-parameter and input converters apply it. A new rule is a new object in the list
-(``Fp32RulesAnalysis.rules``), with no change to the pass that rewrites the graph.
+Each rule is a small object that looks at one node and its meta (and, through a
+``RuleContext``, the program: its symbolic sizes' bounds) and says whether, and why,
+the node must stay fp32 whatever the policy asks (``fx16.analysis.safety_rule``). The
+analysis asks the rules in order and publishes the first answer; InsertFP16CastsPass
+and the parameter and input converters apply it. A new rule is a new object in the
+list (``Fp32RulesAnalysis.standard``), with no change to the pass that rewrites the
+graph (docs/development.md walks through one).
 """
 
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.conditioning import ConditioningAnalysis
 from fx16.analysis.facts import Facts
 from fx16.analysis.routing import RoutingAnalysis
+from fx16.analysis.safety_rule import RuleContext
 from fx16.analysis.underflow import UnderflowAnalysis
 from fx16.analysis.unsafe_index import UnsafeIndexAnalysis
 from fx16.contracts import Analysis
@@ -46,7 +49,7 @@ class UnsafeIndexRule:
     needs = (UnsafeIndexAnalysis,)
     reason = Reason.UNSAFE_INDEX
 
-    def applies(self, node: Node) -> str | None:
+    def applies(self, node: Node, context: RuleContext) -> str | None:
         marked = meta.flows_into_index(node)
         return "" if marked and node.target not in SELECTION_OPS else None
 
@@ -63,7 +66,7 @@ class AccuracyBudgetRule:
     names: frozenset[str]
     reason = Reason.ACCURACY_FALLBACK
 
-    def applies(self, node: Node) -> str | None:
+    def applies(self, node: Node, context: RuleContext) -> str | None:
         return "" if node.name in self.names else None
 
 
@@ -78,7 +81,7 @@ class ForcedRule:
     names: frozenset[str]
     reason = Reason.FORCED
 
-    def applies(self, node: Node) -> str | None:
+    def applies(self, node: Node, context: RuleContext) -> str | None:
         return f"force_fp32={node.name!r}" if node.name in self.names else None
 
 
@@ -97,7 +100,7 @@ class ObservedOverflowRule:
     needs = (CalibrationAnalysis,)
     reason = Reason.ACTIVATION_OVERFLOW
 
-    def applies(self, node: Node) -> str | None:
+    def applies(self, node: Node, context: RuleContext) -> str | None:
         if node.op != "call_function":
             return None
         return (
@@ -139,7 +142,7 @@ class ObservedBelowRangeRule:
     needs = (CalibrationAnalysis,)
     reason = Reason.ACTIVATION_BELOW_RANGE
 
-    def applies(self, node: Node) -> str | None:
+    def applies(self, node: Node, context: RuleContext) -> str | None:
         if node.op != "call_function" or not is_float_tensor(node.meta.get("val")):
             return None
         if meta.negligible(node) or meta.rounding_cancels(node):
@@ -173,7 +176,7 @@ class FakeKernelRule:
     low: torch.dtype
     reason = Reason.NO_FAKE_KERNEL
 
-    def applies(self, node: Node) -> str | None:
+    def applies(self, node: Node, context: RuleContext) -> str | None:
         custom = node.op == "call_function" and is_custom_op(node.target)
         return "" if custom and not runs_narrowed(node, self.low) else None
 
@@ -190,7 +193,7 @@ class NoLowKernelRule:
 
     reason = Reason.NO_LOW_KERNEL
 
-    def applies(self, node: Node) -> str | None:
+    def applies(self, node: Node, context: RuleContext) -> str | None:
         return "" if node.op == "call_function" and node.target in NO_LOW_KERNEL_OPS else None
 
 
@@ -208,7 +211,7 @@ class ConditioningRule:
     needs = (ConditioningAnalysis,)
     reason = Reason.ILL_CONDITIONED
 
-    def applies(self, node: Node) -> str | None:
+    def applies(self, node: Node, context: RuleContext) -> str | None:
         return meta.ill_conditioned(node)
 
 
@@ -225,7 +228,7 @@ class UnderflowRule:
     needs = (UnderflowAnalysis,)
     reason = Reason.UNDERFLOW
 
-    def applies(self, node: Node) -> str | None:
+    def applies(self, node: Node, context: RuleContext) -> str | None:
         return meta.underflows(node)
 
 
@@ -242,7 +245,7 @@ class RouterRule:
     needs = (RoutingAnalysis,)
     reason = Reason.ROUTER
 
-    def applies(self, node: Node) -> str | None:
+    def applies(self, node: Node, context: RuleContext) -> str | None:
         return meta.routes(node)
 
 
@@ -260,8 +263,10 @@ class Fp32RulesAnalysis(Analysis):
     META_KEY = meta.FP32_RULE
     RAN_KEY = meta.FP32_RULES_RAN
 
-    def __init__(self, rules: list) -> None:
-        self.rules = list(rules)
+    def __init__(self, rules: list, program=None) -> None:
+        """``program``: what the rules' ``RuleContext`` gives them (None: a graph asked
+        on its own)."""
+        self.rules, self.program = list(rules), program
         # the analyses whose facts the rules read (a rule's ``needs``)
         needs = (analysis for rule in self.rules for analysis in getattr(rule, "needs", ()))
         self.needs = tuple(dict.fromkeys(needs))
@@ -287,6 +292,7 @@ class Fp32RulesAnalysis(Analysis):
         limit: float,
         force_fp32: frozenset[str] = frozenset(),
         fallback: frozenset[str] = frozenset(),
+        program=None,
     ) -> "Fp32RulesAnalysis":
         """fx16's rules, safety first: index, the caller's force_fp32, the accuracy
         budget's choices, observed overflow, custom
@@ -305,19 +311,21 @@ class Fp32RulesAnalysis(Analysis):
                 ConditioningRule(),
                 ObservedBelowRangeRule(low),
                 RouterRule(),
-            ]
+            ],
+            program,
         )
 
     def call(self, graph_module: GraphModule) -> PassResult:
         overflow = [rule for rule in self.rules if isinstance(rule, ObservedOverflowRule)]
         for submodule in Facts.of(graph_module).graph_modules:
             written = overflow[0].written_over(submodule.graph) if overflow else {}
+            context = RuleContext(self.program, submodule)
             for node in submodule.graph.nodes:
                 node.meta.pop(self.META_KEY, None)
                 if node.op not in ("placeholder", "call_function"):
                     continue
                 for rule in self.rules:
-                    detail = rule.applies(node)
+                    detail = rule.applies(node, context)
                     if detail is not None:
                         node.meta[self.META_KEY] = Decision(FP32, rule.reason, detail)
                         break
