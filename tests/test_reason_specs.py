@@ -1,6 +1,8 @@
 """Each Reason declares once how the stages treat it (``fx16.decisions.REASON_SPECS``);
 the sets the planner, the verdict check and the range fallback read derive from there."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -42,3 +44,15 @@ def test_the_sets_the_stages_read_are_derived_from_the_specs():
 def test_every_safety_rule_keeps_fp32_for_a_cause_not_a_fit():
     for rule in Fp32RulesAnalysis.standard(torch.float16, 65504 / 2).rules:
         assert REASON_SPECS[rule.reason].family not in ("fits", "integer"), type(rule).__name__
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md", "docs/guide/what-is-cast.md"])
+def test_every_safety_rule_has_a_row_in_each_what_stays_fp32_table(page):
+    """A rule added without its row in the tables users read fails here, not silently."""
+    text = (Path(__file__).resolve().parents[1] / page).read_text()
+    missing = [
+        rule.reason.name.lower()
+        for rule in Fp32RulesAnalysis.standard(torch.float16, 65504 / 2).rules
+        if f"`{rule.reason.name.lower()}`" not in text
+    ]
+    assert not missing, f"{page} has no row for {missing}"

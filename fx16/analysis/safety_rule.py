@@ -1,6 +1,7 @@
 """What a safety rule is (``SafetyRule``) and what it may read beyond its node
 (``RuleContext``): the shape every rule of ``Fp32RulesAnalysis`` has."""
 
+import math
 from typing import Protocol
 
 import torch
@@ -26,8 +27,8 @@ class RuleContext:
             return size
         if isinstance(size, torch.SymInt):
             node = size.node
-            upper = node.shape_env.bound_sympy(node.expr).upper
-            return int(upper) if upper.is_finite else None
+            upper = float(node.shape_env.bound_sympy(node.expr).upper)  # inf where unbounded
+            return int(upper) if math.isfinite(upper) else None
         return None
 
 

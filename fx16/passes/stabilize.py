@@ -26,17 +26,10 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from fx16.analysis.explicit_fp32 import model_fp32_regions
 from fx16.analysis.facts import Facts
 from fx16.meta import STABILIZED
-from fx16.passes.stable_rewrites import (
-    EpsClamp,
-    Expm1,
-    Log1p,
-    LogSigmoid,
-    LogSoftmax,
-    MagnitudeScaling,
-    RmsNormScaling,
-    TanhGelu,
-    TwoPassVariance,
-)
+from fx16.passes.stable_rewrites.gelu import TanhGelu
+from fx16.passes.stable_rewrites.logs import Expm1, Log1p, LogSigmoid, LogSoftmax
+from fx16.passes.stable_rewrites.magnitude import MagnitudeScaling
+from fx16.passes.stable_rewrites.norms import EpsClamp, RmsNormScaling, TwoPassVariance
 from fx16.program.node_ids import assign_ids
 
 
@@ -62,7 +55,8 @@ class StabilizePass(PassBase):
     in one sweep over the graph (a rule's pattern may hold a later rule's: RMSNorm's holds
     ``rsqrt(v + eps)``); see the module docstring for what it reads and writes.
 
-    A rule has a ``name``, ``match(node)`` (a ``Rewrite`` or None: its ``result``, the
+    A rule is a ``StableRewrite`` (``fx16.passes.stable_rewrites.matching``): a ``name``,
+    ``match(node)`` (a ``Rewrite`` or None: its ``result``, the
     node whose readers the replacement takes over, is ``node`` or one after it) and
     ``build(graph, rewrite)`` (the node giving the pattern's result); with ``roots``,
     the ops its matches start from, only the nodes calling one are offered to it (found

@@ -2,6 +2,7 @@
 power of two below a value that the scaled rewrites divide by."""
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.fx import Graph, Node
@@ -67,6 +68,23 @@ class Rewrite:
     replaced: tuple[Node, ...]
     detail: str = ""
     parts: tuple = ()  # what the rule's build reads, where the match found it
+
+
+class StableRewrite(Protocol):
+    """A rule of ``StabilizePass``: ``name`` (what the report's ``stabilized`` says),
+    ``roots`` (the ops its matches start from), ``marks`` (the meta markers its
+    replacement writes: what the later analyses may read of it), ``match`` (a
+    ``Rewrite``, or None where the pattern is not there) and ``build`` (the node giving
+    the pattern's result, made with a ``Builder``). Its docstring shows the pattern
+    before and after, and what it costs: the rules page prints it."""
+
+    name: str
+    roots: tuple
+    marks: tuple[str, ...]
+
+    def match(self, node: Node) -> Rewrite | None: ...
+
+    def build(self, graph: Graph, rewrite: Rewrite) -> Node: ...
 
 
 def reduction_of(node) -> tuple[Node, list, bool, object] | None:
