@@ -57,6 +57,7 @@ def rules_page() -> str:
     from fx16.analysis.fp32_rules import Fp32RulesAnalysis
     from fx16.passes.cleanup_casts import STANDARD_RULES
     from fx16.passes.stabilize import standard_rules
+    from fx16.plan.graph_inputs import STATE_RULES, USER_INPUT_RULES
     from fx16.plan.precedence import CAST_TO_FP32_RULES, COMPUTE_RULES, CREATION_RULES
 
     lines = [
@@ -88,6 +89,8 @@ def rules_page() -> str:
         ("compute ops", COMPUTE_RULES),
         ("the model's casts to fp32", CAST_TO_FP32_RULES),
         ("creation ops", CREATION_RULES),
+        ("state tensors (`fx16.plan.graph_inputs`)", STATE_RULES),
+        ("user inputs (`fx16.plan.graph_inputs`)", USER_INPUT_RULES),
     ):
         lines += [f"### For {name}", "", "| # | rule | what it decides |", "|---|---|---|"]
         for position, rule in enumerate(rules, 1):

@@ -8,7 +8,7 @@ from fx16 import meta
 from fx16.analysis.facts import Facts
 from fx16.analysis.product_operands import only_product_operands
 from fx16.contracts import ALL
-from fx16.decisions import PRECISION, Reason, decide
+from fx16.decisions import Reason, decide
 from fx16.ops.numerics import (
     finite_interval,
     interval_below_normal,
@@ -16,7 +16,8 @@ from fx16.ops.numerics import (
     interval_overflows,
 )
 from fx16.passes.policy_pass import PolicyPass
-from fx16.policy import Precision
+from fx16.plan.graph_inputs import InputView, plan_state, record_rule
+from fx16.plan.precedence import Action
 from fx16.program.tensor_subclasses import (
     is_subclass,
     narrowed_state,
@@ -69,34 +70,42 @@ class ConvertParametersPass(PolicyPass):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         rebuilt: dict[int, torch.Tensor] = {}  # subclass tensors, converted once per object
-        fits: dict[int, tuple[bool, bool]] = {}  # checked once per object (tied weights)
+        fits: dict[int, tuple[bool, bool, bool]] = {}  # checked once per object (tied weights)
         modified = False
         low = self.policy.low
-        narrowing, kept = [], {}  # kept: tensor id -> a name it stays fp32 under
+        slots = []
         for slot in self.program.state_slots():
             tensor = self.program.state_tensor(slot.target)
-            if tensor is None or tensor.dtype != torch.float32:
-                continue
-            rule = self.kept_fp32(slot.placeholder)
-            earlier = slot.placeholder.meta.get(PRECISION)
-            if rule is not None:
-                slot.placeholder.meta[PRECISION] = rule
-            elif earlier is not None and earlier.reason is Reason.READERS_FP32:
-                pass  # an earlier cast found every reader fp32 (StoreAsReadPass): as before
-            elif self.policy.precision_for(slot.placeholder, slot.target) != Precision.LOW:
-                entry = self.policy.matching_entry(slot.placeholder, slot.target)[1]
-                decide(slot.placeholder, torch.float32, Reason.POLICY, detail=entry)
-            else:
-                if id(tensor) not in fits:
-                    fits[id(tensor)] = _fit(slot.placeholder, tensor, low)
-                overflows, _, below = fits[id(tensor)]
-                if overflows or below:
-                    why = Reason.VALUE_OVERFLOW if overflows else Reason.VALUE_BELOW_RANGE
-                    decide(slot.placeholder, torch.float32, why)
-                else:
-                    narrowing.append((slot, tensor))
-                    continue
-            kept.setdefault(id(tensor), slot.target)
+            if tensor is not None and tensor.dtype == torch.float32:
+                slots.append((slot, tensor))
+
+        def fit(placeholder, tensor):
+            if id(tensor) not in fits:
+                fits[id(tensor)] = _fit(placeholder, tensor, low)
+            return fits[id(tensor)]
+
+        views = [
+            (
+                InputView(
+                    slot.placeholder,
+                    self.policy,
+                    self.limit,
+                    self.kept_fp32(slot.placeholder),
+                    slot.target,
+                    lambda placeholder=slot.placeholder, tensor=tensor: fit(placeholder, tensor),
+                ),
+                id(tensor),
+            )
+            for slot, tensor in slots
+        ]
+        narrowing = []
+        for (slot, tensor), choice in zip(slots, plan_state(views)):
+            record_rule(slot.placeholder, choice.rule)
+            if choice.action == Action.LOW:
+                narrowing.append((slot, tensor))
+            elif choice.action == Action.FP32:
+                decide(slot.placeholder, torch.float32, choice.reason, detail=choice.detail)
+            # Action.KEEP: stored fp32 by an earlier cast, as before
         boundaries = Facts.of(graph_module).boundaries
         product_operands = {}  # tensor id -> whether every name is read only by products
         for slot, tensor in narrowing:
@@ -105,10 +114,6 @@ class ConvertParametersPass(PolicyPass):
                 slot.placeholder, boundaries
             )
         for slot, tensor in narrowing:
-            if id(tensor) in kept:  # stored once: a second, 16-bit copy would add bytes
-                detail = f"{kept[id(tensor)]} stays fp32"
-                decide(slot.placeholder, torch.float32, Reason.SHARED_FP32, detail=detail)
-                continue
             may_flush = fits[id(tensor)][1] and not product_operands[id(tensor)]
             val = narrowed_val(slot.placeholder.meta["val"], low)
             if is_subclass(tensor):

@@ -4,12 +4,12 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.passes.infra.pass_base import PassResult
 
-from fx16 import meta
 from fx16.analysis.facts import Facts
 from fx16.contracts import ALL
-from fx16.decisions import PRECISION, Reason, decide
+from fx16.decisions import Reason, decide
 from fx16.passes.policy_pass import PolicyPass
-from fx16.policy import Precision
+from fx16.plan.graph_inputs import USER_INPUT_RULES, InputView, record_rule
+from fx16.plan.precedence import Action, choose
 from fx16.program.casts import WHY_NARROW, CastInserter, retype_val
 from fx16.program.nodes import node_dtype
 
@@ -21,7 +21,8 @@ class ConvertUserInputsPass(PolicyPass):
 
     An input whose calibration values exceed ``65504 / overflow_margin``, that is
     named in ``force_fp32``, or that a safety rule keeps in fp32
-    (``meta["fx16.fp32_rule"]``: a timestep feeding an ill-conditioned sin), stays fp32.
+    (``meta["fx16.fp32_rule"]``: a timestep feeding an ill-conditioned sin), stays fp32:
+    the choice is ``fx16.plan.graph_inputs.USER_INPUT_RULES``, which this pass applies.
 
     Reads: the user-input placeholders and their ``meta["fx16.observed_range"]``.
     Writes: their ``meta["val"]`` and ``meta["fx16.precision"]``; the program's
@@ -37,19 +38,14 @@ class ConvertUserInputsPass(PolicyPass):
         for placeholder in self.program.user_input_placeholders():
             if node_dtype(placeholder) != torch.float32:
                 continue
-            rule = self.kept_fp32(placeholder)
-            if rule is not None:
-                placeholder.meta[PRECISION] = rule
-                continue
-            if meta.overflows(placeholder, self.limit):
-                decide(placeholder, torch.float32, Reason.ACTIVATION_OVERFLOW)
-                continue
+            view = InputView(placeholder, self.policy, self.limit, self.kept_fp32(placeholder))
+            choice = choose(USER_INPUT_RULES, view)
+            record_rule(placeholder, choice.rule)
             low = self.policy.low
-            precision, entry = self.policy.matching_entry(placeholder)
-            if precision != Precision.LOW:
-                decide(placeholder, torch.float32, Reason.POLICY, detail=entry)
+            if choice.action == Action.FP32:
+                decide(placeholder, torch.float32, choice.reason, detail=choice.detail)
                 continue
-            if self.policy.keeps_io(placeholder.name):
+            if choice.action == Action.KEEP:  # keep_io_types: a cast after it feeds 16-bit
                 decide(placeholder, torch.float32, Reason.KEEP_IO)
                 decide(casts.cast_after(placeholder, low, WHY_NARROW), low, Reason.FITS)
                 modified = True

@@ -7,6 +7,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.analysis.facts import Facts
 from fx16.decisions import Reason, decide
+from fx16.plan.graph_inputs import record_rule
 from fx16.program import Program
 from fx16.program.casts import cast_dtype, is_cast, is_inserted, retype_val
 from fx16.program.snapshot import PENDING
@@ -52,6 +53,7 @@ class StoreAsReadPass(PassBase):
                 placeholder = slot.placeholder
                 placeholder.meta["val"] = retype_val(placeholder.meta["val"], FP32)
                 decide(placeholder, FP32, Reason.READERS_FP32)
+                record_rule(placeholder, "stored_as_read")
                 for cast in list(placeholder.users):
                     cast.replace_all_uses_with(placeholder)
                     cast.graph.erase_node(cast)
