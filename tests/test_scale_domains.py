@@ -10,7 +10,7 @@ from torch import nn
 
 import fx16
 from benchmarks import zoo
-from benchmarks.range import GrowingCnn, RawUnits
+from benchmarks.range import GrowingCnn, LoudAttention, RawUnits
 from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
 from fx16.policy import PrecisionPolicy
@@ -249,3 +249,17 @@ def test_a_program_that_writes_a_float_in_place_is_not_scaled():
     with torch.no_grad():
         got = list(torch.utils._pytree.tree_leaves(ep.module()(x, ids)))
     assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_domain_no_op_reads_scaled_is_not_planned():
+    """Attention logits at 3e5 come out of a product of in-range values and a softmax
+    reads them unscaled: a multiply by 2**-k after the product, undone before every
+    reader, would scale nothing; the plan leaves them to their fp32 rule alone."""
+    torch.manual_seed(0)
+    model, x = LoudAttention(), torch.randn(2, 16, 64)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    assert not scale_domains(ep.graph_module)
+    assert not [n for n in ep.graph.nodes if meta.range_scaled(n)]
+    fp32 = {row.node for row in report_of(ep).rows if row.dtype == "float32"}
+    assert fp32 == {"matmul", "softmax"}  # the product past the range, and its reader
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 4e-3

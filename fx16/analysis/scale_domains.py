@@ -120,9 +120,10 @@ class ScaleDomainsAnalysis(Analysis):
             started = {
                 i for i in exponents if exponents[i] > 0 and plan.after.keys() & set(groups[i])
             }
-            if not started:
+            idle = {i for i in exponents if _buys_nothing(groups[i], plan)}
+            if not started | idle:
                 break
-            for index in started:
+            for index in started | idle:
                 del exponents[index]
         if not exponents:
             return PassResult(graph_module, False)
@@ -178,6 +179,23 @@ def _worth_scaling(members: list[Node], tensors: dict) -> bool:
         return True
     inside = set(members)
     return any(user not in inside and user.op != "output" for n in members for user in n.users)
+
+
+def _buys_nothing(members: list[Node], plan) -> bool:
+    """Every member is computed as it was (exponent 0), and the runtime multiply after
+    one is undone for each of its readers: no op reads a scaled value (attention logits
+    whose product overflows, read unscaled by a softmax and an output, would only gain
+    two multiplies)."""
+    for node in members:
+        exponent = plan.exponents.get(node, 0)
+        if any(e != 0 for e in (exponent if isinstance(exponent, tuple) else (exponent,))):
+            return False
+        delta = plan.after.get(node)
+        if delta is not None:
+            undone = plan.edges.get((node, -delta), [])
+            if any(user not in undone for user in node.users):
+                return False
+    return True
 
 
 def _largest(members: list[Node], magnitudes: dict) -> float:
