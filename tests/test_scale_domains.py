@@ -168,6 +168,33 @@ def test_a_second_cast_changes_nothing():
     assert ep.graph_module.code == code
 
 
+def test_an_integer_operand_is_not_reached_by_the_scale():
+    """``x + offsets`` with int offsets (or a symbolic size): a scale on x would not reach
+    the integers, so the add reads x unscaled (long-fuzz finding: the scaled program's
+    outputs moved by the offsets' share and the whole plan was taken back)."""
+    from fx16.passes.scale_domains import REVERTED
+
+    class Offsets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("offsets", torch.arange(-6, 6, dtype=torch.int32).view(3, 4))
+
+        def forward(self, x):
+            return x.abs(), x + self.offsets, torch.maximum(x, self.offsets)
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4) * 1e5
+    ep = export(Offsets(), x)
+    with torch.no_grad():
+        reference = ep.module()(x)
+    _scale(ep, calibration=[(x,)])
+    assert REVERTED not in ep.graph_module.meta
+    assert scale_domains(ep.graph_module)  # x is still carried at a scale
+    with torch.no_grad():
+        for expected, got in zip(reference, ep.module()(x)):
+            assert torch.equal(expected, got)
+
+
 def test_bf16_and_the_autocast_preset_do_not_scale():
     torch.manual_seed(0)
     model, x = Residual().eval(), torch.randn(4, 16)

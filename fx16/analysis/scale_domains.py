@@ -36,7 +36,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.scale_exponents import propagate
-from fx16.analysis.scale_plan import StateTensors
+from fx16.analysis.scale_plan import StateTensors, reads_unscaled_numbers
 from fx16.contracts import Analysis
 from fx16.decisions import PRECISION
 from fx16.meta import observed_max_abs
@@ -271,7 +271,7 @@ def _pulled(node: Node, member: dict, tensors: dict) -> list[Node]:
         return []
     rule = rule_of(node)
     if rule.kind is Kind.SAME:
-        return _operands(node, rule.tensors)
+        return [] if reads_unscaled_numbers(node, rule) else _operands(node, rule.tensors)
     bias = _operands(node, (rule.bias,)) if rule.bias is not None else []
     if rule.kind is Kind.PRODUCT:
         operands = _operands(node, rule.tensors)
@@ -305,7 +305,11 @@ def _joins(user: Node, node: Node) -> bool:
     if user.op != "call_function" or not _is_float(user):
         return False
     rule = rule_of(user)
-    return rule.kind is Kind.SAME and node in _operands(user, rule.tensors)
+    return (
+        rule.kind is Kind.SAME
+        and node in _operands(user, rule.tensors)
+        and not reads_unscaled_numbers(user, rule)
+    )
 
 
 def _writes_floats_in_place(graph_module: GraphModule) -> bool:

@@ -23,6 +23,7 @@ from fx16.analysis.scale_plan import (
     node_leaves,
     numbers_by_keyword,
     only_feeds_powers,
+    reads_unscaled_numbers,
 )
 from fx16.meta import bounded_below
 from fx16.ops.scaling import Kind, ScaleRule, rule_of
@@ -208,7 +209,7 @@ class _Walk:
 
     def same(self, node: Node, rule: ScaleRule) -> int:
         operands = self._float_operands(node, rule.tensors)
-        if any(operand in self.shifts for _, operand in operands):
+        if reads_unscaled_numbers(node, rule) or any(o in self.shifts for _, o in operands):
             return self.opaque(node)
         target = self.plan.wanted.get(node) if operands else 0
         if target is None:
@@ -297,6 +298,8 @@ class _Walk:
         return result
 
     def scale_free(self, node: Node, rule: ScaleRule) -> int:
+        if reads_unscaled_numbers(node, rule):
+            return self.opaque(node)
         operands = self._float_operands(node, rule.tensors)
         target = self.seen(largest_operand(operands)) if operands else 0
         for _, operand in operands:

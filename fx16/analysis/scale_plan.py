@@ -9,8 +9,8 @@ from typing import Any
 from torch.fx import Node
 
 from fx16.meta import observed_max_abs
-from fx16.ops.scaling import Kind, rule_of
-from fx16.program.nodes import Location, is_number
+from fx16.ops.scaling import Kind, ScaleRule, rule_of
+from fx16.program.nodes import Location, is_float_tensor, is_number, node_val
 
 
 @dataclass
@@ -96,6 +96,18 @@ def largest_operand(operands: list[tuple[int, Node]]) -> Node | None:
     if not operands:
         return None
     return max(operands, key=lambda pair: observed_max_abs(pair[1]) or 0.0)[1]
+
+
+def reads_unscaled_numbers(node: Node, rule: ScaleRule) -> bool:
+    """``node`` reads, where its rule passes the scale through (``rule.tensors``,
+    ``rule.scalars``), a value that cannot carry one: an integer or bool tensor, or a
+    symbolic number (``x + offsets`` with int offsets). A scale on its float operands
+    would not reach it, so the op computes unscaled."""
+    for position in (*rule.tensors, *rule.scalars):
+        for item in node_leaves(argument(node, position)):
+            if not is_float_tensor(node_val(item)):
+                return True
+    return False
 
 
 def node_leaves(value: Any) -> list[Node]:
