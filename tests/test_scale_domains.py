@@ -195,6 +195,30 @@ def test_an_integer_operand_is_not_reached_by_the_scale():
             assert torch.equal(expected, got)
 
 
+def test_a_product_of_two_scaled_values_stays_in_fp32s_range():
+    """x * relu(x) over values from 1 to 1e18: the domain's scale is about 2**-105, and
+    the product of two operands at it, about 2**-210, would take the small elements
+    below fp32's subnormals. The product reads one operand unscaled instead (long-fuzz
+    finding: the plan moved the outputs and was taken back whole)."""
+    from fx16.passes.scale_domains import REVERTED
+
+    class Wide(nn.Module):
+        def forward(self, x):
+            product = x * x.relu()
+            return x.abs(), product, torch.sigmoid(product)
+
+    x = torch.tensor([[1.0, 3.0, 1e9, 1e18], [2.0, -5.0, 7e12, 1e17]])
+    ep = export(Wide(), x)
+    with torch.no_grad():
+        reference = ep.module()(x)
+    _scale(ep, calibration=[(x,)])
+    assert REVERTED not in ep.graph_module.meta
+    assert max(domain.k for domain in scale_domains(ep.graph_module)) > 75
+    with torch.no_grad():
+        for expected, got in zip(reference, ep.module()(x)):
+            assert torch.equal(expected, got)
+
+
 def test_bf16_and_the_autocast_preset_do_not_scale():
     torch.manual_seed(0)
     model, x = Residual().eval(), torch.randn(4, 16)

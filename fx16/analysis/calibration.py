@@ -15,6 +15,7 @@ from fx16.analysis.magnitudes import MagnitudeRecorder
 from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError, one_line
 from fx16.ops.numeric_tables import SINGULAR_AT_ZERO
+from fx16.ops.scaling import Kind, rule_of
 from fx16.ops.tables import SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS, per_op
 from fx16.program import Program
 from fx16.program.boundaries import Boundaries
@@ -44,7 +45,8 @@ class CalibrationAnalysis(Analysis):
     std), ``node.meta["fx16.observed_centering"]``: their input's cancellation ratio,
     max |x| / max |x - mean| over each group, the largest seen. For the values an op
     singular at zero reads there (a log's argument, a divisor:
-    ``fx16.ops.tables.SINGULAR_AT_ZERO``),
+    ``fx16.ops.tables.SINGULAR_AT_ZERO``), and for the products and powers of the
+    top-level graph (a scale domain adds their operands' exponents),
     ``node.meta["fx16.observed_smallest"]``: the smallest nonzero magnitude seen.
 
     Facts cross the boundaries of higher-order ops (``fx16.program.boundaries``): a body's
@@ -84,7 +86,7 @@ class CalibrationAnalysis(Analysis):
         recorder = MagnitudeRecorder(
             graph_module,
             constant={slot.placeholder for slot in self.program.state_slots()},
-            watched=_singular_arguments(boundaries),
+            watched=_singular_arguments(boundaries) | _exponents_add(graph_module),
         )
         outputs = []
         with torch.no_grad():
@@ -171,6 +173,16 @@ def _singular_arguments(boundaries: Boundaries) -> set[Node]:
             found.add(node)
             pending.extend(boundaries.crossing_sources(node))
     return found
+
+
+def _exponents_add(graph_module: GraphModule) -> set[Node]:
+    """The products and powers of the top-level graph: carried at a scale, their
+    exponent is their operands' added (or multiplied), which may leave fp32's range."""
+    return {
+        node
+        for node in graph_module.graph.nodes
+        if node.op == "call_function" and rule_of(node).kind in (Kind.PRODUCT, Kind.POWER)
+    }
 
 
 def _sentinels_fp16_cannot_carry(graph_module: GraphModule, sentinels: set[Node]) -> set[Node]:

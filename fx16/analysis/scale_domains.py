@@ -36,7 +36,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.scale_exponents import propagate
-from fx16.analysis.scale_plan import StateTensors, reads_unscaled_numbers
+from fx16.analysis.scale_plan import StateTensors, float_operands, reads_unscaled_numbers
 from fx16.contracts import Analysis
 from fx16.decisions import PRECISION
 from fx16.meta import observed_max_abs
@@ -166,7 +166,7 @@ def _small(node: Node) -> bool:
         return any(
             user.op == "call_function"
             and rule_of(user).kind is Kind.PRODUCT
-            and node in _operands(user, rule_of(user).tensors)
+            and node in float_operands(user, rule_of(user).tensors)
             for user in node.users
         )
     return node.op == "call_function" and rule_of(node).kind is Kind.PRODUCT
@@ -253,16 +253,6 @@ def _is_float(node) -> bool:
     )
 
 
-def _operands(node: Node, positions) -> list[Node]:
-    found = []
-    for position in positions:
-        value = node.args[position] if position < len(node.args) else None
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(item, Node) and is_float_tensor(node_val(item)):
-                found.append(item)
-    return found
-
-
 def _pulled(node: Node, member: dict, tensors: dict) -> list[Node]:
     """What joins ``node``'s domain from its producer's side: the operands of an op that
     commutes with the scale; the state a product or norm reads (where the scale is
@@ -271,10 +261,10 @@ def _pulled(node: Node, member: dict, tensors: dict) -> list[Node]:
         return []
     rule = rule_of(node)
     if rule.kind is Kind.SAME:
-        return [] if reads_unscaled_numbers(node, rule) else _operands(node, rule.tensors)
-    bias = _operands(node, (rule.bias,)) if rule.bias is not None else []
+        return [] if reads_unscaled_numbers(node, rule) else float_operands(node, rule.tensors)
+    bias = float_operands(node, (rule.bias,)) if rule.bias is not None else []
     if rule.kind is Kind.PRODUCT:
-        operands = _operands(node, rule.tensors)
+        operands = float_operands(node, rule.tensors)
         joined = [operand for operand in operands if operand in member]
         if joined:
             return joined[:1]
@@ -282,7 +272,7 @@ def _pulled(node: Node, member: dict, tensors: dict) -> list[Node]:
         state = [operand for operand in candidates if operand in tensors]
         return state[-1:] + bias if state else []
     if rule.kind is Kind.NORM and rule.weight is not None:
-        return _operands(node, (rule.weight, rule.norm_bias or rule.weight))
+        return float_operands(node, (rule.weight, rule.norm_bias or rule.weight))
     if rule.kind is Kind.POWER_OF_BASE and node.args[0] == 2:
         return _logarithm_argument(node.args[1])
     return []
@@ -307,7 +297,7 @@ def _joins(user: Node, node: Node) -> bool:
     rule = rule_of(user)
     return (
         rule.kind is Kind.SAME
-        and node in _operands(user, rule.tensors)
+        and node in float_operands(user, rule.tensors)
         and not reads_unscaled_numbers(user, rule)
     )
 

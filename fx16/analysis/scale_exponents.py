@@ -18,6 +18,8 @@ from fx16.analysis.scale_plan import (
     ScalePlan,
     StateTensors,
     argument,
+    float_operands,
+    holds_in_fp32,
     largest_operand,
     log2_exact,
     node_leaves,
@@ -60,17 +62,6 @@ class _Walk:
             return 0
         return exponent + self.plan.after.get(value, 0)
 
-    def _float_operands(self, node: Node, positions) -> list[tuple[int, Node]]:
-        found = []
-        for position in positions:
-            if position >= len(node.args):
-                continue
-            value = node.args[position]
-            for item in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(item, Node) and is_float_tensor(node_val(item)):
-                    found.append((position, item))
-        return found
-
     # ---- changing ------------------------------------------------------------------
 
     def brk(self, value: Node, reader: Node, delta: int) -> None:
@@ -82,6 +73,12 @@ class _Walk:
         key = (node, ("args", position))
         current = self.plan.scalars.get(key, node.args[position])
         self.plan.scalars[key] = current * factor
+
+    def scale_scalars(self, node: Node, rule: ScaleRule, exponent: int) -> None:
+        """Scale by ``2**exponent`` the numbers ``node`` passes at ``rule.scalars``."""
+        for position in rule.scalars:
+            if exponent and position < len(node.args) and is_number(node.args[position]):
+                self.scale_scalar(node, position, 2.0**exponent)
 
     def scale_eps(self, node: Node, rule: ScaleRule, factor: float) -> bool:
         """Scale a norm's eps, passed or left to its default; False where it has none."""
@@ -208,18 +205,16 @@ class _Walk:
         return 0
 
     def same(self, node: Node, rule: ScaleRule) -> int:
-        operands = self._float_operands(node, rule.tensors)
-        if reads_unscaled_numbers(node, rule) or any(o in self.shifts for _, o in operands):
+        operands = float_operands(node, rule.tensors)
+        if reads_unscaled_numbers(node, rule) or any(o in self.shifts for o in operands):
             return self.opaque(node)
         target = self.plan.wanted.get(node) if operands else 0
         if target is None:
             target = self.seen(largest_operand(operands))
-        for _, operand in operands:
+        for operand in operands:
             self.settle(operand, node, target)
-        if target and bounded_below(node) is None:
-            for position in rule.scalars:
-                if position < len(node.args) and is_number(node.args[position]):
-                    self.scale_scalar(node, position, 2.0**target)
+        if bounded_below(node) is None:
+            self.scale_scalars(node, rule, target)
         return target
 
     def product(self, node: Node, rule: ScaleRule) -> int:
@@ -233,6 +228,9 @@ class _Walk:
         result = self.seen(a) - self.seen(b) if rule.divides else self.seen(a) + self.seen(b)
         target = self.plan.wanted.get(node, 0)
         if result != target and self.free_refold(node, target - result):
+            result = target
+        elif not holds_in_fp32(node, result) and isinstance(a, Node) and a is not b:
+            self.settle(a, node, target + self.seen(b) if rule.divides else target - self.seen(b))
             result = target
         bias = argument(node, rule.bias)
         if isinstance(bias, Node) and self.seen(bias) != result:
@@ -270,7 +268,7 @@ class _Walk:
                 return self.opaque(node)
             exponent = Fraction(node.args[1])
         result = exponent * self.seen(x)
-        if result.denominator != 1:
+        if result.denominator != 1 or not holds_in_fp32(node, int(result)):
             self.settle(x, node, 0)
             return 0
         return int(result)
@@ -300,13 +298,11 @@ class _Walk:
     def scale_free(self, node: Node, rule: ScaleRule) -> int:
         if reads_unscaled_numbers(node, rule):
             return self.opaque(node)
-        operands = self._float_operands(node, rule.tensors)
+        operands = float_operands(node, rule.tensors)
         target = self.seen(largest_operand(operands)) if operands else 0
-        for _, operand in operands:
+        for operand in operands:
             self.settle(operand, node, target)
-        for position in rule.scalars:
-            if target and position < len(node.args) and is_number(node.args[position]):
-                self.scale_scalar(node, position, 2.0**target)
+        self.scale_scalars(node, rule, target)
         return 0
 
     def attention(self, node: Node, rule: ScaleRule) -> int:
@@ -319,9 +315,7 @@ class _Walk:
 
     def fill(self, node: Node, rule: ScaleRule) -> int:
         target = self.plan.wanted.get(node, 0)
-        for position in rule.scalars:
-            if target and position < len(node.args) and is_number(node.args[position]):
-                self.scale_scalar(node, position, 2.0**target)
+        self.scale_scalars(node, rule, target)
         return target
 
     def log2(self, node: Node, rule: ScaleRule) -> int:

@@ -2,12 +2,15 @@
 (``StateTensors``), and the small questions ``fx16.analysis.scale_exponents`` asks of
 nodes while it makes one."""
 
+import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+import torch
 from torch.fx import Node
 
+from fx16 import meta
 from fx16.meta import observed_max_abs
 from fx16.ops.scaling import Kind, ScaleRule, rule_of
 from fx16.program.nodes import Location, is_float_tensor, is_number, node_val
@@ -91,11 +94,35 @@ def only_feeds_powers(node: Node) -> bool:
     return True
 
 
-def largest_operand(operands: list[tuple[int, Node]]) -> Node | None:
+def largest_operand(operands: list[Node]) -> Node | None:
     """The operand with the largest observed magnitude (the first when none was seen)."""
     if not operands:
         return None
-    return max(operands, key=lambda pair: observed_max_abs(pair[1]) or 0.0)[1]
+    return max(operands, key=lambda operand: observed_max_abs(operand) or 0.0)
+
+
+def float_operands(node: Node, positions) -> list[Node]:
+    """The float tensors ``node`` passes at ``positions`` (a position may hold a list)."""
+    return [
+        item
+        for position in positions
+        for item in node_leaves(argument(node, position))
+        if is_float_tensor(node_val(item))
+    ]
+
+
+def holds_in_fp32(node: Node, exponent: int) -> bool:
+    """``node``'s calibrated values, times ``2**exponent``, stay in fp32's normal range:
+    the product of two scaled operands adds their exponents, and a wide domain's
+    exponent doubled can push its smallest elements into fp32's subnormals."""
+    smallest, largest = node.meta.get(meta.OBSERVED_SMALLEST), observed_max_abs(node)
+    if smallest and math.log2(smallest) + exponent < _FP32_SMALLEST_EXPONENT:
+        return False
+    return not largest or math.log2(largest) + exponent < _FP32_LARGEST_EXPONENT
+
+
+_FP32_SMALLEST_EXPONENT = math.log2(torch.finfo(torch.float32).tiny)
+_FP32_LARGEST_EXPONENT = math.log2(torch.finfo(torch.float32).max)
 
 
 def reads_unscaled_numbers(node: Node, rule: ScaleRule) -> bool:
