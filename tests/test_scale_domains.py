@@ -122,6 +122,26 @@ def test_a_cnn_whose_activations_grow_block_by_block_folds_into_batch_norm():
     assert _fp32_ops(ep) < _fp32_ops(fx16.cast_fp32_to_fp16(export(model, x), policy=NO_SCALING))
 
 
+def test_a_batch_norm_on_running_statistics_takes_the_scale_in_its_weight():
+    """Eval BatchNorm is a per-channel affine: its input's scale passes to its output
+    through the weight (folded), the mean is scaled alike, and the variance and eps stay
+    as they are (at 2**(2 * scale) a variance of 0.05 and eps 1e-5 flush in fp16).
+    No runtime multiply reads a running statistic, and every BatchNorm is 16-bit."""
+    torch.manual_seed(0)
+    model, x = GrowingCnn().eval(), torch.randn(2, 8, 8, 8)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    norms = [
+        n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.batch_norm.default
+    ]
+    assert len(norms) == 6
+    for norm in norms:
+        assert norm.args[4].op == "placeholder" and norm.args[7] == 1e-5
+        assert norm.meta["val"].dtype == torch.float16
+    assert max(domain.k for domain in scale_domains(ep.graph_module)) >= 7
+    error = max_error(fp64_reference(model, x), run(ep, x))
+    assert error < 2e-3
+
+
 def test_inputs_in_raw_units_are_scaled_at_the_door_and_the_first_layer_takes_it_back():
     torch.manual_seed(0)
     model, x = RawUnits().eval(), torch.rand(8, 16) * 1e6

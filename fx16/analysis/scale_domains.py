@@ -10,8 +10,9 @@ a product (linear, conv, matmul, mul) or a norm's affine reads (its bias too), a
 embedding table, a scalar; or, where nothing is free, at a runtime multiply by
 ``2**-k`` (after an activation, or at the door after a user input). It closes where
 the scale cancels (a norm: RMSNorm's ``x * rsqrt(mean(x**2) + eps)`` with eps scaled
-by ``2**-2k``, LayerNorm, GroupNorm, BatchNorm with eps and running statistics
-scaled) or at an output, where a multiply undoes it.
+by ``2**-2k``, LayerNorm, GroupNorm; a BatchNorm on running statistics, a per-channel
+affine, takes the scale back into its weight, its mean scaled alike, its variance and
+eps as they are) or at an output, where a multiply undoes it.
 
 Power-of-two scales move no mantissa bit: the planned program computes the same
 function as the original in fp32. A power of two is what makes the residual stream

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.fx import Node
 
+from fx16.analysis.scale_moves import PlanMoves
 from fx16.analysis.scale_plan import (
     ScalePlan,
     StateTensors,
@@ -29,7 +30,7 @@ from fx16.analysis.scale_plan import (
 )
 from fx16.meta import bounded_below
 from fx16.ops.scaling import Kind, ScaleRule, rule_of
-from fx16.program.nodes import is_float_tensor, is_number, named_argument, node_val, tensor_leaves
+from fx16.program.nodes import is_float_tensor, is_number, node_val, tensor_leaves
 
 
 def propagate(nodes: list[Node], wanted: dict[Node, int], state: StateTensors) -> ScalePlan:
@@ -46,102 +47,8 @@ def propagate(nodes: list[Node], wanted: dict[Node, int], state: StateTensors) -
     return plan
 
 
-class _Walk:
-    def __init__(self, plan: ScalePlan, state: StateTensors) -> None:
-        self.plan, self.state = plan, state
-        self.shifts: dict[Node, int] = {}  # log2 of a scaled value: shifted by its exponent
-
-    # ---- reading ------------------------------------------------------------------
-
-    def seen(self, value: Any) -> int:
-        """The exponent a reader of ``value`` sees (after a break for every reader)."""
-        if not isinstance(value, Node):
-            return 0
-        exponent = self.plan.exponents.get(value, 0)
-        if isinstance(exponent, tuple):
-            return 0
-        return exponent + self.plan.after.get(value, 0)
-
-    # ---- changing ------------------------------------------------------------------
-
-    def brk(self, value: Node, reader: Node, delta: int) -> None:
-        """Plan ``value * 2**delta`` for ``reader`` only."""
-        if delta:
-            self.plan.edges.setdefault((value, delta), []).append(reader)
-
-    def scale_scalar(self, node: Node, position: int, factor: float) -> None:
-        key = (node, ("args", position))
-        current = self.plan.scalars.get(key, node.args[position])
-        self.plan.scalars[key] = current * factor
-
-    def scale_scalars(self, node: Node, rule: ScaleRule, exponent: int) -> None:
-        """Scale by ``2**exponent`` the numbers ``node`` passes at ``rule.scalars``."""
-        for position in rule.scalars:
-            if exponent and position < len(node.args) and is_number(node.args[position]):
-                self.scale_scalar(node, position, 2.0**exponent)
-
-    def scale_eps(self, node: Node, rule: ScaleRule, factor: float) -> bool:
-        """Scale a norm's eps, passed or left to its default; False where it has none."""
-        if rule.eps < len(node.args):
-            location, value = ("args", rule.eps), node.args[rule.eps]
-        else:
-            location, value = ("kwargs", "eps"), named_argument(node, "eps")
-        value = self.plan.scalars.get((node, location), value)
-        if not is_number(value):
-            return False
-        self.plan.scalars[(node, location)] = value * factor
-        return True
-
-    def refold(self, value: Node, delta: int, added: bool = False) -> bool:
-        """Move ``2**delta`` into something free that only ``value``'s reader sees: a
-        state tensor read there alone, or a scalar factor of the product it is."""
-        if delta == 0:
-            return True
-        if len(value.users) != 1 or value in self.plan.after or value in self.shifts:
-            return False
-        if value.op == "placeholder":
-            key = self.state.key(value)
-            if not self.state.movable(value, self.plan.folds.get(key, 0) + delta, added):
-                return False
-            self.plan.folds[key] = self.plan.folds.get(key, 0) + delta
-            self.plan.exponents[value] = self.plan.exponents.get(value, 0) + delta
-            return True
-        if value.op != "call_function" or rule_of(value).kind is not Kind.PRODUCT:
-            return False
-        rule = rule_of(value)
-        a, b = (value.args[p] for p in rule.tensors)
-        if not self._refold_product(value, rule, a, b, delta):
-            return False
-        self.plan.exponents[value] = self.plan.exponents.get(value, 0) + delta
-        return True
-
-    def _refold_product(self, value: Node, rule: ScaleRule, a, b, delta: int) -> bool:
-        if argument(value, rule.bias) is not None:
-            return False
-        if self._fold_number(value, rule, delta):
-            return True
-        if a is b and not rule.divides:
-            return delta % 2 == 0 and self.refold(a, delta // 2)
-        return any(
-            isinstance(operand, Node) and self.refold(operand, sign * delta)
-            for operand, sign in ((b, -1 if rule.divides else 1), (a, 1))
-        )
-
-    def _fold_number(self, node: Node, rule: ScaleRule, delta: int) -> bool:
-        """Move ``2**delta`` into the product ``node``'s number operand, if it has one."""
-        for position, sign in ((rule.tensors[1], -1 if rule.divides else 1), (rule.tensors[0], 1)):
-            if is_number(argument(node, position)):
-                self.scale_scalar(node, position, 2.0 ** (sign * delta))
-                return True
-        return False
-
-    def settle(self, operand: Node, reader: Node, target: int) -> None:
-        """Bring ``operand`` to ``target`` for ``reader``: fold it, else a break."""
-        delta = target - self.seen(operand)
-        if delta and not self.refold(operand, delta):
-            self.brk(operand, reader, delta)
-
-    # ---- the walk ----------------------------------------------------------------------
+class _Walk(PlanMoves):
+    """One walk of a graph in order: each value's exponent by its op's rule."""
 
     def visit(self, node: Node) -> None:
         if node.op == "placeholder":
@@ -176,14 +83,12 @@ class _Walk:
                 return exponent[index] if index < len(exponent) else 0
             return exponent
         rule = rule_of(node)
+        if rule.scalars and numbers_by_keyword(node):
+            return self.opaque(node)  # a bound or fill passed by name: not in the table
         if rule.kind is Kind.SCALE_FREE:
-            if rule.scalars and numbers_by_keyword(node):
-                return self.opaque(node)
             return self.scale_free(node, rule)
         if not any(leaf.is_floating_point() for leaf in tensor_leaves(val)):
             return self.opaque(node)
-        if rule.scalars and numbers_by_keyword(node):
-            return self.opaque(node)  # a bound or fill passed by name: not in the table
         handler = {
             Kind.SAME: self.same,
             Kind.PRODUCT: self.product,
@@ -245,21 +150,6 @@ class _Walk:
                     self.brk(bias, node, delta)
         return result
 
-    def free_refold(self, node: Node, delta: int) -> bool:
-        """Move ``2**delta`` into the product ``node``'s scalar factor or a state tensor
-        it alone reads (never into another value's exponent)."""
-        rule = rule_of(node)
-        if rule.kind is not Kind.PRODUCT:
-            return False
-        if self._fold_number(node, rule, delta):
-            return True
-        a, b = (argument(node, p) for p in rule.tensors)
-        for operand, sign in ((b, -1 if rule.divides else 1), (a, 1)):
-            if isinstance(operand, Node) and operand.op == "placeholder":
-                if self.refold(operand, sign * delta):
-                    return True
-        return False
-
     def power(self, node: Node, rule: ScaleRule) -> int:
         x = node.args[0]
         exponent = rule.power
@@ -281,18 +171,31 @@ class _Walk:
             return self.opaque(node)
         x = node.args[0]
         scale = self.seen(x)
-        if scale and not self.scale_eps(node, rule, 2.0 ** (2 * scale)):
-            self.settle(x, node, 0)
-            scale = 0
-        for position, target in ((rule.mean, scale), (rule.variance, 2 * scale)):
+        weight = arg(rule.weight)
+        result = self.seen(weight) if isinstance(weight, Node) else 0
+        if (
+            scale
+            and isinstance(arg(rule.variance), Node)
+            and isinstance(weight, Node)
+            and self.refold(weight, -scale)
+        ):
+            # running statistics: a per-channel affine whose weight takes the scale back;
+            # the variance and eps stay as they are (at 2**(2 * scale) they would flush)
+            variance, rstd = 0, 0
+        else:
+            if scale and not self.scale_eps(node, rule, 2.0 ** (2 * scale)):
+                self.settle(x, node, 0)
+                scale = 0
+            variance, rstd = 2 * scale, -scale
+        for position, target in (
+            (rule.mean, scale),
+            (rule.variance, variance),
+            (rule.norm_bias, result),
+        ):
             if isinstance(arg(position), Node):
                 self.settle(arg(position), node, target)
-        weight, bias = arg(rule.weight), arg(rule.norm_bias)
-        result = self.seen(weight) if isinstance(weight, Node) else 0
-        if isinstance(bias, Node):
-            self.settle(bias, node, result)
         if isinstance(node_val(node), (tuple, list)):
-            return (result, scale, -scale)[: len(node_val(node))]
+            return (result, scale, rstd)[: len(node_val(node))]
         return result
 
     def scale_free(self, node: Node, rule: ScaleRule) -> int:

@@ -14,9 +14,10 @@ Kinds:
   the second operand divides (div). ``bias``: an operand added to the product, which
   must share the product's exponent.
 - ``POWER``: ``f(s x) = s**n f(x)`` (pow by a scalar, sqrt, rsqrt, reciprocal).
-- ``NORM``: the result is the weight's exponent whatever the input's, with eps (and a
-  BatchNorm's running statistics) scaled with the input (LayerNorm, GroupNorm,
-  BatchNorm in eval, RMSNorm).
+- ``NORM``: the result is the weight's exponent whatever the input's, with eps scaled
+  with the input (LayerNorm, GroupNorm, RMSNorm). A BatchNorm in eval reads running
+  statistics: its weight takes the input's scale back and its mean is scaled alike,
+  its variance and eps left as they are (or, where the weight cannot fold, scaled).
 - ``SCALE_FREE``: a result that does not depend on a positive scale (comparisons
   against a scalar scaled alike, sign, argmax).
 - ``ATTENTION``: scaled dot-product attention: its result scales as its values; the

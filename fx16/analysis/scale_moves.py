@@ -1,0 +1,124 @@
+"""How a scale plan moves a power of two: into something free (a scalar the op passes,
+a state tensor that op alone reads, folded at cast time), else into a runtime multiply on
+one edge. ``fx16.analysis.scale_exponents`` walks a graph with these moves."""
+
+from typing import Any
+
+from torch.fx import Node
+
+from fx16.analysis.scale_plan import ScalePlan, StateTensors, argument
+from fx16.ops.scaling import Kind, ScaleRule, rule_of
+from fx16.program.nodes import is_number, named_argument
+
+
+class PlanMoves:
+    """A plan being made, and the moves that keep it exact (``seen`` reads it)."""
+
+    def __init__(self, plan: ScalePlan, state: StateTensors) -> None:
+        self.plan, self.state = plan, state
+        self.shifts: dict[Node, int] = {}  # log2 of a scaled value: shifted by its exponent
+
+    # ---- reading ------------------------------------------------------------------
+
+    def seen(self, value: Any) -> int:
+        """The exponent a reader of ``value`` sees (after a break for every reader)."""
+        if not isinstance(value, Node):
+            return 0
+        exponent = self.plan.exponents.get(value, 0)
+        if isinstance(exponent, tuple):
+            return 0
+        return exponent + self.plan.after.get(value, 0)
+
+    # ---- changing ------------------------------------------------------------------
+
+    def brk(self, value: Node, reader: Node, delta: int) -> None:
+        """Plan ``value * 2**delta`` for ``reader`` only."""
+        if delta:
+            self.plan.edges.setdefault((value, delta), []).append(reader)
+
+    def scale_scalar(self, node: Node, position: int, factor: float) -> None:
+        key = (node, ("args", position))
+        current = self.plan.scalars.get(key, node.args[position])
+        self.plan.scalars[key] = current * factor
+
+    def scale_scalars(self, node: Node, rule: ScaleRule, exponent: int) -> None:
+        """Scale by ``2**exponent`` the numbers ``node`` passes at ``rule.scalars``."""
+        for position in rule.scalars:
+            if exponent and position < len(node.args) and is_number(node.args[position]):
+                self.scale_scalar(node, position, 2.0**exponent)
+
+    def scale_eps(self, node: Node, rule: ScaleRule, factor: float) -> bool:
+        """Scale a norm's eps, passed or left to its default; False where it has none."""
+        if rule.eps < len(node.args):
+            location, value = ("args", rule.eps), node.args[rule.eps]
+        else:
+            location, value = ("kwargs", "eps"), named_argument(node, "eps")
+        value = self.plan.scalars.get((node, location), value)
+        if not is_number(value):
+            return False
+        self.plan.scalars[(node, location)] = value * factor
+        return True
+
+    def refold(self, value: Node, delta: int, added: bool = False) -> bool:
+        """Move ``2**delta`` into something free that only ``value``'s reader sees: a
+        state tensor read there alone, or a scalar factor of the product it is."""
+        if delta == 0:
+            return True
+        if len(value.users) != 1 or value in self.plan.after or value in self.shifts:
+            return False
+        if value.op == "placeholder":
+            key = self.state.key(value)
+            if not self.state.movable(value, self.plan.folds.get(key, 0) + delta, added):
+                return False
+            self.plan.folds[key] = self.plan.folds.get(key, 0) + delta
+            self.plan.exponents[value] = self.plan.exponents.get(value, 0) + delta
+            return True
+        if value.op != "call_function" or rule_of(value).kind is not Kind.PRODUCT:
+            return False
+        rule = rule_of(value)
+        a, b = (value.args[p] for p in rule.tensors)
+        if not self._refold_product(value, rule, a, b, delta):
+            return False
+        self.plan.exponents[value] = self.plan.exponents.get(value, 0) + delta
+        return True
+
+    def _refold_product(self, value: Node, rule: ScaleRule, a, b, delta: int) -> bool:
+        if argument(value, rule.bias) is not None:
+            return False
+        if self._fold_number(value, rule, delta):
+            return True
+        if a is b and not rule.divides:
+            return delta % 2 == 0 and self.refold(a, delta // 2)
+        return any(
+            isinstance(operand, Node) and self.refold(operand, sign * delta)
+            for operand, sign in ((b, -1 if rule.divides else 1), (a, 1))
+        )
+
+    def _fold_number(self, node: Node, rule: ScaleRule, delta: int) -> bool:
+        """Move ``2**delta`` into the product ``node``'s number operand, if it has one."""
+        for position, sign in ((rule.tensors[1], -1 if rule.divides else 1), (rule.tensors[0], 1)):
+            if is_number(argument(node, position)):
+                self.scale_scalar(node, position, 2.0 ** (sign * delta))
+                return True
+        return False
+
+    def settle(self, operand: Node, reader: Node, target: int) -> None:
+        """Bring ``operand`` to ``target`` for ``reader``: fold it, else a break."""
+        delta = target - self.seen(operand)
+        if delta and not self.refold(operand, delta):
+            self.brk(operand, reader, delta)
+
+    def free_refold(self, node: Node, delta: int) -> bool:
+        """Move ``2**delta`` into the product ``node``'s scalar factor or a state tensor
+        it alone reads (never into another value's exponent)."""
+        rule = rule_of(node)
+        if rule.kind is not Kind.PRODUCT:
+            return False
+        if self._fold_number(node, rule, delta):
+            return True
+        a, b = (argument(node, p) for p in rule.tensors)
+        for operand, sign in ((b, -1 if rule.divides else 1), (a, 1)):
+            if isinstance(operand, Node) and operand.op == "placeholder":
+                if self.refold(operand, sign * delta):
+                    return True
+        return False
