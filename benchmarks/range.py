@@ -55,15 +55,16 @@ class RawUnits(nn.Module):
 
 class GrowingCnn(nn.Module):
     """conv -> BatchNorm (eval: a per-channel affine) -> ReLU, six times, each block
-    multiplying the activations by about 8 (inception-like growth past fp16's range)."""
+    multiplying the activations by about 8 (inception-like growth past fp16's range);
+    ``gain=1``, the BatchNorms' weights 8x smaller, keeps them inside it (the twin)."""
 
-    def __init__(self, blocks: int = 6) -> None:
+    def __init__(self, blocks: int = 6, gain: float = 8.0) -> None:
         super().__init__()
         layers = []
         for _ in range(blocks):
             conv, norm = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
             with torch.no_grad():
-                norm.weight.fill_(8.0)
+                norm.weight.fill_(gain)
                 norm.running_var.fill_(0.05)
             layers += [conv, norm, nn.ReLU()]
         self.features = nn.Sequential(*layers)
@@ -123,10 +124,16 @@ def models():
             None,
         ),
         (
+            "CNN, BatchNorm weights 1 (in range)",
+            lambda: GrowingCnn(gain=1.0).eval(),
+            lambda: (torch.randn(2, 8, 8, 8),),
+            None,
+        ),
+        (
             "growing CNN (x8 a block)",
             lambda: GrowingCnn().eval(),
             lambda: (torch.randn(2, 8, 8, 8),),
-            None,
+            "CNN",
         ),
     ]
 
@@ -242,7 +249,10 @@ def main(argv=None) -> None:
         '`explicit_fp32="calibrated"` (for the Neural Engine) retargets them to 16-bit '
         "where calibration shows they fit. "
         '`range_fallback="bf16"` (for targets with both 16-bit dtypes) computes in bf16 '
-        "what no power-of-two scale carries, where the default keeps it fp32."
+        "what no power-of-two scale carries, where the default keeps it fp32. The one "
+        "fp32 op of the tiny weights and of the growing CNN is the multiply that undoes "
+        "the scale at the output, whose values (1e10, 2.5e6) are the model's answer and "
+        "beyond fp16; that of the raw-unit inputs is the scale at the door."
     )
     write_results(options.output, "Range: values beyond fp16 at either end", COMMAND, notes, lines)
 
