@@ -32,6 +32,7 @@ import contextlib
 import copy
 import json
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -171,11 +172,17 @@ def better(row: dict) -> bool:
     )
 
 
-def _on_path(capability: str) -> list[dict]:
-    """``measure_here`` in a child process with ``ATEN_CPU_CAPABILITY=capability``."""
+def _on_path(capability: str) -> list[dict] | None:
+    """``measure_here`` in a child process with ``ATEN_CPU_CAPABILITY=capability``; None
+    where this CPU lacks the path (torch takes the setting as given, and the first
+    kernel that needs the missing instructions stops the child with SIGILL)."""
     environment = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
     command = [sys.executable, "-m", "benchmarks.rewrites", "--here"]
-    done = subprocess.run(command, env=environment, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, env=environment, capture_output=True, text=True)
+    if done.returncode == -signal.SIGILL:
+        return None
+    if done.returncode:
+        raise subprocess.CalledProcessError(done.returncode, command, done.stdout, done.stderr)
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -235,12 +242,17 @@ def main() -> None:
             rows = measure_here()
         print(json.dumps(rows))
         return
-    by_path = {capability: _on_path(capability) for capability in arguments.capabilities}
+    measured = {capability: _on_path(capability) for capability in arguments.capabilities}
+    by_path = {path: rows for path, rows in measured.items() if rows is not None}
+    missing = [path for path, rows in measured.items() if rows is None]
+    notes = NOTES + (
+        f" Not measured, this CPU lacks the path: {', '.join(missing)}." if missing else ""
+    )
     write_results(
         arguments.output,
         "Rewrites and retargets against the plain form",
         "python -m benchmarks.rewrites",
-        NOTES,
+        notes,
         tables(by_path),
     )
 
