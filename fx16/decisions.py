@@ -153,12 +153,22 @@ class ReasonSpec:
     ``downcastable``: an fp32 value so decided that fits 16-bit may be read by a 16-bit
     op through a cast, as eager autocast casts weights (``fx16.plan.view.View``).
     ``checked``: VerdictCheckAnalysis measures whether keeping it fp32 pays for its FLOPs.
+    ``cause`` and ``instead``: its row in the "what stays fp32" tables of the README and
+    the docs (written from these specs: ``python docs/hooks/generated_pages.py``);
+    reasons with the same cause share a row, and one without a cause has none.
     """
 
     family: str
     downcastable: bool = False
     checked: bool = False
+    cause: str = ""
+    instead: str = "-"
 
+
+_BELOW_RANGE = (
+    "a weight, or a value on the calibration inputs, wholly below 16-bit's normal range "
+    "(subnormal or zero in 16-bit)"
+)
 
 FAMILIES = ("fits", "range", "safety", "precision", "model", "storage", "choice", "follows")
 
@@ -166,17 +176,58 @@ REASON_SPECS: dict[Reason, ReasonSpec] = {
     Reason.FITS: ReasonSpec("fits"),
     Reason.VALUE_OVERFLOW: ReasonSpec("range"),
     Reason.SCALAR_OVERFLOW: ReasonSpec("range"),
-    Reason.ACTIVATION_OVERFLOW: ReasonSpec("range", checked=True),
-    Reason.VALUE_BELOW_RANGE: ReasonSpec("range"),
-    Reason.ACTIVATION_BELOW_RANGE: ReasonSpec("range"),
-    Reason.UNDERFLOW: ReasonSpec("range", downcastable=True),
+    Reason.ACTIVATION_OVERFLOW: ReasonSpec(
+        "range",
+        checked=True,
+        cause=(
+            "activations beyond 16-bit's range on the calibration inputs, with a 2x margin, "
+            "where no power-of-two scale can carry them"
+        ),
+        instead=(
+            "a scale domain (below), else a cast-back to 16-bit where the consumers' values fit"
+        ),
+    ),
+    Reason.VALUE_BELOW_RANGE: ReasonSpec(
+        "range",
+        cause=_BELOW_RANGE,
+    ),
+    Reason.ACTIVATION_BELOW_RANGE: ReasonSpec(
+        "range",
+        cause=_BELOW_RANGE,
+    ),
+    Reason.UNDERFLOW: ReasonSpec(
+        "range",
+        downcastable=True,
+        cause="a value that would flush to zero where an op is singular (log, reciprocal, rsqrt)",
+        instead="a stable rewrite (`log_sigmoid`, RMSNorm's scaling), on by default",
+    ),
     Reason.FP32_INPUT: ReasonSpec("follows"),
-    Reason.EXPLICIT_FP32: ReasonSpec("model", checked=True),
+    Reason.EXPLICIT_FP32: ReasonSpec(
+        "model",
+        checked=True,
+        cause="the model's own `torch.autocast(enabled=False)` or fp32 region",
+        instead=(
+            'kept as the model wrote it, as `.half()` does; with `explicit_fp32="calibrated"` '
+            "(for the Neural Engine) retargeted to 16-bit where calibration shows it fits"
+        ),
+    ),
     Reason.EXPLICIT_FP32_RETARGETED: ReasonSpec("fits"),
     Reason.MIXED_FLOAT_DTYPES: ReasonSpec("model"),
     Reason.NO_FLOAT_INPUT: ReasonSpec("model"),
-    Reason.NO_FAKE_KERNEL: ReasonSpec("safety"),
-    Reason.NO_LOW_KERNEL: ReasonSpec("safety", downcastable=True),
+    Reason.NO_FAKE_KERNEL: ReasonSpec(
+        "safety",
+        cause="a custom op whose fake kernel refuses 16-bit inputs (or that has none)",
+        instead="it reads its inputs cast up; its result is cast back",
+    ),
+    Reason.NO_LOW_KERNEL: ReasonSpec(
+        "safety",
+        downcastable=True,
+        cause=(
+            "an op with no 16-bit kernel (FFTs, factorizations, special functions), as eager "
+            "autocast keeps them"
+        ),
+        instead="its readers take a 16-bit copy of its result",
+    ),
     Reason.FIXED_OUTPUT_DTYPE: ReasonSpec("safety", downcastable=True),
     Reason.SUBCLASS_KEPT: ReasonSpec("safety"),
     Reason.SHARED_FP32: ReasonSpec("storage"),
@@ -185,17 +236,46 @@ REASON_SPECS: dict[Reason, ReasonSpec] = {
     Reason.LOOP_CARRIED: ReasonSpec("model", downcastable=True),
     Reason.AUTOCAST_DISABLED: ReasonSpec("model"),
     Reason.AUTOCAST_REGION: ReasonSpec("model"),
-    Reason.ILL_CONDITIONED: ReasonSpec("precision", downcastable=True, checked=True),
+    Reason.ILL_CONDITIONED: ReasonSpec(
+        "precision",
+        downcastable=True,
+        checked=True,
+        cause=(
+            "a subtraction or normalization that cancels (per slice: one narrow column is "
+            "judged apart)"
+        ),
+        instead="the short elementwise chain only; products stay 16-bit",
+    ),
     Reason.SCALAR_CLAMPED: ReasonSpec("fits"),
-    Reason.ROUTER: ReasonSpec("precision"),
+    Reason.ROUTER: ReasonSpec(
+        "precision",
+        cause=(
+            "a router's choice (an MoE gate's top-k, a greedy decoder's argmax), with "
+            '`routing="fp32"` (the default)'
+        ),
+        instead='`routing="16-bit"`; every index chosen is valid either way',
+    ),
     Reason.NOT_WORTH_FP32: ReasonSpec("fits"),
-    Reason.ACCURACY_FALLBACK: ReasonSpec("choice", downcastable=True),
-    Reason.FORCED: ReasonSpec("choice", downcastable=True),
+    Reason.ACCURACY_FALLBACK: ReasonSpec(
+        "choice",
+        downcastable=True,
+        cause="an accuracy budget (`max_rel_error=`) not met",
+        instead="the cheapest remedies first: rewrites, elementwise ops, then products",
+    ),
+    Reason.FORCED: ReasonSpec(
+        "choice",
+        downcastable=True,
+        cause="the caller's `force_fp32=[...]` names it",
+    ),
     Reason.POLICY: ReasonSpec("choice", downcastable=True),
     Reason.POLICY_FOLLOW: ReasonSpec("choice", downcastable=True),
     Reason.KEEP_IO: ReasonSpec("choice"),
     Reason.NOT_USER_REACHABLE: ReasonSpec("integer"),
-    Reason.UNSAFE_INDEX: ReasonSpec("safety", downcastable=True),  # floats and integers
+    Reason.UNSAFE_INDEX: ReasonSpec(
+        "safety",
+        downcastable=True,
+        cause="a float value that decides an index (bucket ids, positions)",
+    ),
     Reason.SCALAR_OPERAND: ReasonSpec("integer"),
     Reason.NOT_CASTABLE: ReasonSpec("integer"),
     Reason.RANGE_UNKNOWN: ReasonSpec("integer"),

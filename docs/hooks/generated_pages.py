@@ -6,6 +6,11 @@
   with its docstring (what it guards, before and after, what it costs);
 - ``reference/cli.md``: the ``fx16`` command's options, from its argparse parser;
 - in ``architecture.md``, the import-linter contracts as ``pyproject.toml`` states them.
+
+And, run as a script (``python docs/hooks/generated_pages.py``), the "what stays fp32"
+tables of ``README.md``, ``docs/index.md`` and the guide's what-is-cast page, from the
+reasons' specs (``fx16.decisions.REASON_SPECS``); ``tests/test_reason_specs.py`` fails
+while one is out of date.
 """
 
 import inspect
@@ -110,3 +115,39 @@ def cli_page() -> str:
     for name, subparser in subcommands.items():
         lines += [f"## fx16 {name}", "", "```", subparser.format_help().rstrip(), "```", ""]
     return "\n".join(lines)
+
+
+TABLE_PAGES = ("README.md", "docs/index.md", "docs/guide/what-is-cast.md")
+TABLE_START = "<!-- what stays fp32: written by python docs/hooks/generated_pages.py -->"
+TABLE_END = "<!-- end of the written table -->"
+# the order of the table's rows: causes of a kind together, the model's and the caller's last
+TABLE_FAMILIES = ("safety", "range", "precision", "model", "choice")
+
+
+def fp32_table() -> str:
+    """The "what stays fp32" table: a row per cause a reason's spec states (reasons with
+    the same cause share one), grouped by family."""
+    from fx16.decisions import REASON_SPECS
+
+    rows: dict[tuple[str, str], list[str]] = {}
+    for family in TABLE_FAMILIES:
+        for reason, spec in REASON_SPECS.items():
+            if spec.family == family and spec.cause:
+                rows.setdefault((spec.cause, spec.instead), []).append(reason.name.lower())
+    lines = ["| cause | the rule | instead, where it can |", "|---|---|---|"]
+    for (cause, instead), names in rows.items():
+        lines.append(f"| {cause} | {', '.join(f'`{name}`' for name in names)} | {instead} |")
+    return "\n".join(lines)
+
+
+def with_table(text: str) -> str:
+    """``text`` with the block between the table's markers written anew."""
+    start = text.index(TABLE_START) + len(TABLE_START)
+    end = text.index(TABLE_END, start)
+    return text[:start] + "\n" + fp32_table() + "\n" + text[end:]
+
+
+if __name__ == "__main__":
+    for page in TABLE_PAGES:
+        path = ROOT / page
+        path.write_text(with_table(path.read_text()))
