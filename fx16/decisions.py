@@ -153,6 +153,8 @@ class ReasonSpec:
     ``downcastable``: an fp32 value so decided that fits 16-bit may be read by a 16-bit
     op through a cast, as eager autocast casts weights (``fx16.plan.view.View``).
     ``checked``: VerdictCheckAnalysis measures whether keeping it fp32 pays for its FLOPs.
+    ``never_int16``: an integer so decided was never a candidate for int16 (outside the
+    castable set), so the report's explained rows leave it out.
     ``cause`` and ``instead``: its row in the "what stays fp32" tables of the README and
     the docs (written from these specs: ``python docs/hooks/generated_pages.py``);
     reasons with the same cause share a row, and one without a cause has none.
@@ -161,6 +163,7 @@ class ReasonSpec:
     family: str
     downcastable: bool = False
     checked: bool = False
+    never_int16: bool = False
     cause: str = ""
     instead: str = "-"
 
@@ -270,14 +273,15 @@ REASON_SPECS: dict[Reason, ReasonSpec] = {
     Reason.POLICY: ReasonSpec("choice", downcastable=True),
     Reason.POLICY_FOLLOW: ReasonSpec("choice", downcastable=True),
     Reason.KEEP_IO: ReasonSpec("choice"),
-    Reason.NOT_USER_REACHABLE: ReasonSpec("integer"),
-    Reason.UNSAFE_INDEX: ReasonSpec(
+    Reason.NOT_USER_REACHABLE: ReasonSpec("integer", never_int16=True),
+    Reason.UNSAFE_INDEX: ReasonSpec(  # floats and integers
         "safety",
         downcastable=True,
+        never_int16=True,
         cause="a float value that decides an index (bucket ids, positions)",
     ),
     Reason.SCALAR_OPERAND: ReasonSpec("integer"),
-    Reason.NOT_CASTABLE: ReasonSpec("integer"),
+    Reason.NOT_CASTABLE: ReasonSpec("integer", never_int16=True),
     Reason.RANGE_UNKNOWN: ReasonSpec("integer"),
     Reason.RANGE_EXCEEDS: ReasonSpec("integer"),
     Reason.NOT_INT16_OP: ReasonSpec("integer"),
@@ -287,9 +291,13 @@ REASON_SPECS: dict[Reason, ReasonSpec] = {
 }
 
 
-def reasons(*, family: str | None = None, downcastable=None, checked=None) -> frozenset[Reason]:
-    """The reasons whose spec has the given ``family`` and flags (None: any)."""
-    wanted = {"family": family, "downcastable": downcastable, "checked": checked}
+def reasons(*, family: str | None = None, **flags: bool) -> frozenset[Reason]:
+    """The reasons whose spec has the given ``family`` and flags (``downcastable``,
+    ``checked``, ``never_int16``; one not given: any)."""
+    wanted = {"family": family, **flags}
+    unknown = set(flags) - {"downcastable", "checked", "never_int16"}
+    if unknown:
+        raise TypeError(f"reasons() got flags no ReasonSpec has: {sorted(unknown)}")
     return frozenset(
         reason
         for reason, spec in REASON_SPECS.items()

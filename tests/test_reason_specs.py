@@ -76,3 +76,16 @@ def test_each_what_stays_fp32_table_is_written_from_the_specs(page):
     assert pages.with_table(text) == text, (
         f"{page} is out of date: python docs/hooks/generated_pages.py"
     )
+
+
+def test_the_reports_integer_groupings_come_from_the_specs():
+    from fx16.report.rows import NEVER_INT16_CANDIDATES
+
+    never = reasons(never_int16=True)
+    assert never == {Reason.NOT_USER_REACHABLE, Reason.NOT_CASTABLE, Reason.UNSAFE_INDEX}
+    assert {reason.name.lower() for reason in never} < NEVER_INT16_CANDIDATES
+
+
+def test_a_flag_no_spec_has_is_refused_by_name():
+    with pytest.raises(TypeError, match="downcastible"):
+        reasons(downcastible=True)

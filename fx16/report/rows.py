@@ -12,7 +12,7 @@ from fx16 import meta
 from fx16.analysis.explicit_fp32 import islands
 from fx16.analysis.intervals import ValueRange
 from fx16.analysis.scale_domains import scale_domains
-from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason
+from fx16.decisions import INT_PRECISION, PRECISION, Decision, Reason, reasons
 from fx16.ops.int_ops import WIDE_INT_DTYPES
 from fx16.program import Program
 from fx16.program.casts import INSERTED, WHY_RETARGETED, is_inserted
@@ -22,8 +22,9 @@ from fx16.program.stats import ProgramStats, program_stats
 from fx16.report.envelope import Envelope, envelope
 
 # Rules of integer rows outside the castable set (see CastReport.explained).
-_OUTSIDE_CASTABLE_SET = (Reason.NOT_USER_REACHABLE, Reason.NOT_CASTABLE, Reason.UNSAFE_INDEX)
-NEVER_INT16_CANDIDATES = frozenset({"left_as_is"} | {r.name.lower() for r in _OUTSIDE_CASTABLE_SET})
+NEVER_INT16_CANDIDATES = frozenset(
+    {"left_as_is"} | {r.name.lower() for r in reasons(never_int16=True)}
+)
 _SLOT_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer"}
 LEFT_AS_IS = "not fp32: left as the model computes it"
 
