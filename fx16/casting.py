@@ -24,7 +24,7 @@ from fx16.program.snapshot import collector_paused
 from fx16.program.stats import record_stats_before
 from fx16.report import REPORT_KEY, build_report, json_ready
 from fx16.report.provenance import provenance
-from fx16.report.saved import keep_decisions
+from fx16.report.saved import keep_decisions, restore_decisions
 
 
 def cast_fp32_to_fp16(
@@ -284,6 +284,7 @@ def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> Exp
         fp16_options = replace(fp16_options, force_fp32=as_names(fp16_options.force_fp32))
     fp16_keywords = fp16_options.as_keywords() if fp16_options is not None else {}
     made_by = provenance(entry_point, {**fp16_keywords, **(int16_options or {}), **budget})
+    restore_decisions(ep.graph_module)  # a cast program torch.export.load read: the first's
     before = record_stats_before(ep)
     assign_ids(ep.graph_module)  # before any change: fx16.diagnose aligns by them
     previous = ep.graph_module.meta.get(REPORT_KEY)
@@ -309,7 +310,7 @@ def _cast(ep, entry_point, fp16_options, int16_options, budget, progress) -> Exp
         accuracy = previous.accuracy
     margin = fp16_options.overflow_margin if fp16_options is not None else 2.0
     # they survive torch.export.save
-    keep_decisions(ep.graph_module, explained, json_ready(made_by), margin)
+    keep_decisions(ep.graph_module, explained, json_ready(made_by), margin, accuracy)
     ep.graph_module.meta[REPORT_KEY] = replace(
         build_report(ep, before, accuracy, margin), provenance=made_by
     )

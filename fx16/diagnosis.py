@@ -11,7 +11,9 @@ its worst over them). Autocast and ``set_grad_enabled`` regions run whole: their
 results are compared, not the values inside.
 
 For every value: its relative error against fp32 (max |cast - fp32| / max |fp32|,
-in fp64, its worst over the inputs), and its amplification: that error divided by
+in fp64, its worst over the inputs; a value a scale domain carries at ``2**e``
+(``fx16.meta.scale_exponent``) is compared with its fp32 counterpart times ``2**e``,
+exact in fp64, so a scale reads as no error), and its amplification: that error divided by
 the worst error of the values it reads (at least the 16-bit unit roundoff, so an op
 that only rounds its result has an amplification near 1).
 
@@ -34,6 +36,7 @@ from torch.fx import GraphModule, Node
 
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.errors import InvalidOptionError, InvalidProgramError, one_line, require_number
+from fx16.meta import scale_exponent
 from fx16.plan.steps import explained
 from fx16.program import Program
 from fx16.program.node_ids import graph_modules, has_ids, node_id
@@ -60,12 +63,17 @@ class ValueReport:
     error: float  # relative to fp32, its worst over the inputs (and iterations)
     amplification: float = 1.0
     decision: str = ""  # fx16's rule and reason for it in the cast program
+    scale_exponent: int = 0  # e where the cast program carries the value at 2**e
+
+    def carried(self) -> str:
+        """The dtype, with the scale the value is carried at ("float16 at 2**-3")."""
+        return self.dtype + (f" at 2**{self.scale_exponent}" if self.scale_exponent else "")
 
     def describe(self) -> str:
         where = " ".join(part for part in (self.module, self.source) if part)
         decided = f"; fx16: {self.decision}" if self.decision else ""
         return (
-            f"{self.id} ({self.op}, {self.dtype}) error {self.error:.3g}, amplifies "
+            f"{self.id} ({self.op}, {self.carried()}) error {self.error:.3g}, amplifies "
             f"{self.amplification:.3g}x{' at ' + where if where else ''}{decided}"
         )
 
@@ -96,7 +104,7 @@ class Diagnosis:
         rows = self.values if rows is None else rows
         header = ("id", "op", "dtype", "rel. error", "amplifies", "module", "source")
         cells = [
-            (v.id, v.op, v.dtype, f"{v.error:.3g}", f"{v.amplification:.3g}x", v.module, v.source)
+            (v.id, v.op, v.carried(), f"{v.error:.3g}", f"{v.amplification:.3g}x", v.module, v.source)
             for v in rows
         ]
         widths = [
@@ -173,6 +181,7 @@ class _Record:
     cast: Node
     error: float
     dtype: torch.dtype
+    scale_exponent: int = 0
 
 
 def _compare(reference: Program, cast: Program, args, kwargs, records: dict) -> None:
@@ -194,10 +203,13 @@ def _compare(reference: Program, cast: Program, args, kwargs, records: dict) -> 
         ref_node, ref_value = ahead.pop(key)
         if not (isinstance(value, torch.Tensor) and isinstance(ref_value, torch.Tensor)):
             continue
+        exponent = scale_exponent(node)
+        if exponent and ref_value.is_floating_point():
+            ref_value = ref_value.double() * 2.0**exponent  # as the cast program carries it
         error = value_error(ref_value, value)
         known = records.get(key[0])
         if known is None or error > known.error:
-            records[key[0]] = _Record(ref_node, node, error, value.dtype)
+            records[key[0]] = _Record(ref_node, node, error, value.dtype, exponent)
 
 
 def value_error(reference: torch.Tensor, value: torch.Tensor) -> float:
@@ -276,6 +288,7 @@ def _value(identity: str, record: _Record, worst_read: float, roundoff: float) -
         error=error,
         amplification=amplification,
         decision=said,
+        scale_exponent=record.scale_exponent,
     )
 
 

@@ -345,10 +345,10 @@ def test_a_deep_copy_of_a_cast_program_reports_the_copy():
 
 
 def test_the_report_survives_save_and_load(tmp_path):
-    """A saved cast program keeps each node's decision and the report's provenance:
-    ``report_of`` of the loaded program (by ``torch.export.load`` or ``fx16.load``)
-    gives the same rows' dtypes, rules and details, totals and provenance; the
-    calibration's observations are not kept."""
+    """A saved cast program keeps each node's decision, the facts its report reads
+    (what calibration observed, the figures before the cast) and the report's
+    provenance: ``report_of`` of the loaded program (by ``torch.export.load`` or
+    ``fx16.load``) gives the same report, to the letter of its JSON."""
     torch.manual_seed(0)
     x = torch.randn(4, 16)
     ep = fx16.cast_to_16_bit_precision(export(RMSNormMLP(), x), calibration=[(x,), (x * 2,)])
@@ -357,11 +357,8 @@ def test_the_report_survives_save_and_load(tmp_path):
     for loaded in (torch.export.load(tmp_path / "cast.pt2"), fx16.load(tmp_path / "cast.pt2")):
         after = report_of(loaded)
         assert after is not None and after.provenance == json.loads(json.dumps(before.provenance))
-        decided = {(r.node, r.dtype, r.rule, r.detail) for r in before.rows if r.op != "getitem"}
-        assert decided == {(r.node, r.dtype, r.rule, r.detail) for r in after.rows}
-        assert after.totals.flop_share_16bit == before.totals.flop_share_16bit
-        assert after.totals.float_ops_16bit == before.totals.float_ops_16bit
-        assert all(row.observed is None for row in after.rows)
+        assert after.to_json() == before.to_json()
+        assert any(row.observed is not None for row in after.rows)
     fp32 = tmp_path / "fp32.pt2"
     torch.export.save(export(RMSNormMLP(), x), fp32)
     assert report_of(torch.export.load(fp32)) is None and report_of(fx16.load(fp32)) is None

@@ -114,6 +114,8 @@ def test_any_cast_program_gives_one_escaped_cell_per_float_value(case):
 def _why(row) -> str:
     why = f"{row.node} ({row.op}): {row.dtype}, {row.rule}: {row.reason}"
     why += f": {row.detail}" if row.detail else ""
+    if row.scale_exponent:  # the value a scale domain carries says so
+        why += f", carried at 2**{row.scale_exponent} (a scale domain)"
     if row.chosen_by and row.chosen_by != row.rule:  # the plan's rule, where it says more
         why += f" [chosen by {row.chosen_by}]"
     return why + (f" (in fp32: {row.cost()})" if row.cost() else "")

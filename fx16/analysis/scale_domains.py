@@ -69,9 +69,15 @@ class Domain:
         folded = f"folded into {len(self.folded)} tensor(s)" if self.folded else "no fold"
         doors = f"; input(s) {', '.join(self.doors)} scaled at the door" if self.doors else ""
         return (
-            f"{len(self.values)} value(s) up to {self.largest:.3g} carried at 2**{-self.k} "
-            f"({folded}{doors}); holds to {self.reach:.3g}x the calibrated magnitudes"
+            f"{self.named()}: {len(self.values)} value(s) up to {self.largest:.3g} carried at "
+            f"2**{-self.k} ({folded}{doors}); holds to {self.reach:.3g}x the calibrated "
+            "magnitudes"
         )
+
+    def named(self) -> str:
+        """Its values by name: the first and the last in graph order ("linear .. add_3")."""
+        values = [name for name in self.values if name not in self.folded] or self.values
+        return values[0] if len(values) == 1 else f"{values[0]} .. {values[-1]}"
 
 
 class ScaleDomainsAnalysis(Analysis):
@@ -129,8 +135,9 @@ class ScaleDomainsAnalysis(Analysis):
         if not exponents:
             return PassResult(graph_module, False)
         domains = []
+        order = {node: position for position, node in enumerate(graph_module.graph.nodes)}
         for index, exponent in exponents.items():
-            members = groups[index]
+            members = sorted(groups[index], key=order.__getitem__)
             largest = _largest(members, magnitudes)
             plan.bounds.update(dict.fromkeys(members, largest))
             folded = tuple(node.name for node in members if node in tensors)

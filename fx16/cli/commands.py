@@ -7,7 +7,6 @@ vocabulary) is one line on stderr naming the input, never a traceback.
 
 import os
 import sys
-import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +27,7 @@ from fx16.cli.files import (
     writable_path,
     writable_program_path,
 )
+from fx16.cli.timings import Timings
 from fx16.demo import run_demo
 from fx16.errors import AccuracyBudgetError, Fx16Error
 from fx16.pipelines import resolve_policy
@@ -37,6 +37,7 @@ from fx16.program.nodes import dtype_name
 from fx16.program.stats import nonfinite_mismatches, relative_error
 from fx16.report import format_rows, report_of
 from fx16.report.html import report_html
+from fx16.report.saved import restore_decisions
 
 # Above this many values, inspect opens with a summary per layer.
 LAYER_SUMMARY_ROWS = 60
@@ -54,25 +55,6 @@ class AgainstFp32:
 
     error: float
     nonfinite_missed: int
-
-
-class Timings:
-    """Seconds per stage, printed on stderr with ``--timings``."""
-
-    def __init__(self, started: float, enabled: bool) -> None:
-        self.enabled, self.last = enabled, started
-        self.stages: list[tuple[str, float]] = []
-
-    def lap(self, stage: str) -> None:
-        now = time.perf_counter()
-        self.stages.append((stage, now - self.last))
-        self.last = now
-
-    def print(self) -> None:
-        if self.enabled:
-            total = sum(seconds for _, seconds in self.stages)
-            parts = ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in self.stages)
-            print(f"fx16 timings: {parts}; total {total:.2f} s", file=sys.stderr)
 
 
 def run(args, started: float) -> int:
@@ -104,7 +86,8 @@ def cast_command(args, timings: Timings) -> int:
     if args.output is not None:
         target = writable_program_path(args.output, source, args.force)
     writable_path(args.report, "--report", "REPORT.json")
-    ep, report, error = _cast(source, args, timings)
+    policy, ep = _load(source, args, timings)
+    report, error = _cast(ep, source, policy, args, timings)
     if not args.quiet:
         _summarise(report, error, out=sys.stdout)
     if args.report is not None:
@@ -122,9 +105,15 @@ def inspect_command(args, timings: Timings) -> int:
     writable_path(args.html, "--html", "OUT.html")
     writable_path(args.report, "--report", "REPORT.json")
     source = existing_program_path(args.input)
-    cast, report, error = _cast(source, args, timings)
+    policy, ep = _load(source, args, timings)
+    already_cast = restore_decisions(ep.graph_module)
+    if already_cast:  # what the cast that wrote it decided, not a cast of its 16-bit program
+        report, error = report_of(ep), None
+        print(f"{args.input} is a program fx16 cast: its report, as that cast made it\n")
+    else:
+        report, error = _cast(ep, source, policy, args, timings)
     if args.html is not None:
-        errors = _errors_against_fp32(source, cast, args)
+        errors = None if already_cast else _errors_against_fp32(source, ep, args)
         args.html.expanduser().write_text(report_html(report, args.input.name, errors))
         timings.lap("errors vs fp32, value by value, and the page")
     if args.report is not None:
@@ -286,12 +275,18 @@ def _policy(args) -> PrecisionPolicy:
     return PrecisionPolicy.custom(policy, name=f"{policy.name} with overrides", **overrides)
 
 
-def _cast(source: Path, args, timings: Timings):
-    """Load, check the inputs, keep the fp32 outputs of the first as the reference,
-    cast and report."""
-    policy = _policy(args)  # the overrides' names: before the program loads
+def _load(source: Path, args, timings: Timings):
+    """The policy the command line names (checked before the program loads), the program."""
+    policy = _policy(args)
     ep = load_with_imports(source, args)
     timings.lap("load")
+    return policy, ep
+
+
+def _cast(ep, source: Path, policy: PrecisionPolicy, args, timings: Timings):
+    """Check the inputs, keep the fp32 outputs of the first as the reference, cast
+    ``ep`` (loaded from ``source``) in place with ``policy``; returns the report and
+    the error against fp32."""
     label = str(args.calibrate or "example inputs")
     calls = read_inputs(args.calibrate) if args.calibrate else example_calls(ep)
     calls = calibration_calls(Program.of(ep), calls, label=label)  # count, shapes, dtypes
@@ -328,7 +323,7 @@ def _cast(source: Path, args, timings: Timings):
     report = report_of(ep)
     report = replace(report, provenance={**report.provenance, "input": str(source)})
     timings.lap("error check and report")
-    return ep, report, error
+    return report, error
 
 
 def _summarise(report, error, out) -> None:

@@ -2,10 +2,9 @@
 
 Every public cast function stores a ``CastReport`` in
 ``ep.graph_module.meta["fx16.report"]``. It lives with the program object; a ``.pt2``
-file keeps each node's decision and the report's provenance
+file keeps each node's decision, the facts the report reads and the report's provenance
 (``fx16.report.saved``), from which ``report_of`` rebuilds the report of a loaded
-program (without the calibration's observations or the accuracy search: write
-``to_json()`` where you need those kept).
+program, the same to the letter of its JSON.
 """
 
 import copy
@@ -30,7 +29,7 @@ from fx16.report.rows import (
     layer_of,
     totals,
 )
-from fx16.report.saved import kept_report, restore_decisions
+from fx16.report.saved import json_ready, kept_accuracy, kept_report, restore_decisions
 
 REPORT_KEY = "fx16.report"
 
@@ -182,20 +181,22 @@ class CastReport:
     def by_layer(self) -> list[str]:
         """One line per layer (module path up to its index: "model.layers.3"): the
         share of its matmul/conv/attention FLOPs in 16-bit, how many of its float
-        values are 16-bit and fp32, and the rules that kept values fp32."""
+        values are 16-bit, fp32, and carried at a scale, and the rules that kept values
+        fp32."""
         groups = self.layers()
         width = max((len(name) for name in groups), default=5)
         lines = [
-            f"{'layer':{width}} {'FLOPs 16-bit':>12} {'16-bit':>7} {'fp32':>5}  "
+            f"{'layer':{width}} {'FLOPs 16-bit':>12} {'16-bit':>7} {'fp32':>5} {'scaled':>6}  "
             "rules keeping float values fp32"
         ]
         for name, rows in groups.items():
             wide = [row for row in rows if not row.narrowed]
+            scaled = sum(bool(row.scale_exponent) for row in rows)
             rules = Counter(row.rule for row in wide)
             why = ", ".join(f"{rule} x{count}" for rule, count in rules.items()) or "-"
             lines.append(
                 f"{name:{width}} {layer_flop_share(rows):>12} {len(rows) - len(wide):>7} "
-                f"{len(wide):>5}  {why}"
+                f"{len(wide):>5} {scaled:>6}  {why}"
             )
         return lines
 
@@ -206,17 +207,6 @@ class CastReport:
             if row.kind == "float":
                 groups.setdefault(layer_of(row.module), []).append(row)
         return groups
-
-
-def json_ready(value):
-    """``value`` with non-finite floats as strings ("inf"), which JSON cannot hold."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: json_ready(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(item) for item in value]
-    return value
 
 
 def layer_flop_share(rows: list[Row]) -> str:
@@ -270,7 +260,12 @@ def report_of(ep: ExportedProgram) -> CastReport | None:
         if restore_decisions(ep.graph_module):  # a cast program, saved and loaded
             kept = kept_report(ep.graph_module)
             report = replace(
-                build_report(ep, None, margin=kept.get("margin", 2.0)),
+                build_report(
+                    ep,
+                    ep.graph_module.meta.get(BEFORE_KEY),
+                    kept_accuracy(ep.graph_module),
+                    kept.get("margin", 2.0),
+                ),
                 provenance=kept.get("provenance", {}),
             )
             ep.graph_module.meta[REPORT_KEY] = report

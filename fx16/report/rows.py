@@ -58,9 +58,11 @@ class Row:
     scale_exponent: int = 0
 
     def why(self) -> str:
-        """The reason with its detail, and the precedence rule where its name says more
-        ("... [chosen by policy_follow]")."""
+        """The reason with its detail, the scale the value is carried at, and the
+        precedence rule where its name says more ("... [chosen by policy_follow]")."""
         why = self.reason + (f": {self.detail}" if self.detail else "")
+        if self.scale_exponent:
+            why += f", carried at 2**{self.scale_exponent} (a scale domain)"
         if self.chosen_by and self.chosen_by != self.rule:
             why += f" [chosen by {self.chosen_by}]"
         return why
