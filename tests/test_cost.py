@@ -106,3 +106,88 @@ def test_property_any_programs_products_count_what_pytorchs_counter_counts(case)
     """Random straight-line programs: matmuls, convolutions, linears among the rest."""
     ep = case.export()
     assert _product_flops(ep) == _counted(case.model, *case.args)
+
+
+class Recurrent(nn.Module):
+    """An LSTM (two layers, both directions), a GRU and a plain RNN over one sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 8, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru = nn.GRU(16, 5, batch_first=True)
+        self.rnn = nn.RNN(5, 4, nonlinearity="relu", batch_first=True)
+
+    def forward(self, x):
+        h, _ = self.lstm(x)
+        g, _ = self.gru(h)
+        return self.rnn(g)[0]
+
+
+def test_recurrent_layers_count_their_gate_products():
+    """Input graph: lstm.input -> gru.input -> rnn_relu.input. Each counts 2 FLOPs per
+    weight-matrix element and (step, batch) row (PyTorch's counter sees none of it: the
+    CPU runs them in one oneDNN kernel), and is a product the 16-bit share counts."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 6)
+    model = Recurrent().eval()
+    ep = export(model, x)
+    recurrent = [n for n in ep.graph_module.graph.nodes if is_product(n)]
+    assert {n.target._opname for n in recurrent} == {"lstm", "gru", "rnn_relu"}
+    rows = 3 * 7
+    lstm = 2 * rows * (4 * 8 * 6 + 4 * 8 * 8) * 2 + 2 * rows * (4 * 8 * 16 + 4 * 8 * 8) * 2
+    gru = 2 * rows * (3 * 5 * 16 + 3 * 5 * 5)
+    rnn = 2 * rows * (4 * 5 + 4 * 4)
+    assert [flops(n) for n in recurrent] == [lstm, gru, rnn]
+
+
+# ATen ops whose names read like a product but which fx16 rightly does not count as one
+# (every other such op must be in COMPUTE_OPS, with its formula in fx16.program.cost).
+NOT_PRODUCTS = {
+    "addr": "an outer product added: one multiply per output element, no contraction",
+    "outer": "an outer product: one multiply per output element",
+    "kron": "a Kronecker product: one multiply per output element",
+    "_thnn_fused_lstm_cell": "the gates' pointwise part; its products are separate mm ops",
+    "_thnn_fused_gru_cell": "the gates' pointwise part; its products are separate mm ops",
+    "mkldnn_rnn_layer": "the oneDNN kernel aten.lstm lowers to at run time, never exported",
+    "_lstm_mps": "Apple's MPS kernel aten.lstm lowers to at run time, never exported",
+    "_trilinear": "bilinear's internal kernel, never exported (bilinear is)",
+    "_triton_multi_head_attention": "a CUDA Triton kernel, never exported",
+    "_triton_scaled_dot_attention": "a CUDA Triton kernel, never exported",
+    "_flash_attention_forward_no_dropout_inplace": "a CUDA kernel's in-place variant",
+    "_cudnn_attention_forward": "a cuDNN kernel, never exported",
+    "_compute_linear_combination": "a weighted sum of tensors (matrix functions)",
+    "_nested_get_jagged_dummy": "a nested-tensor helper",
+    "hamming_window": "a window function",
+}
+
+
+def test_every_aten_product_is_counted_or_named_as_not_one():
+    """Every ATen op whose name reads like a matrix product, convolution, attention or
+    recurrent layer (backward, in-place, out, sparse, vendor and quantized-engine kernels
+    aside) is a product with a FLOP formula, or named above with why it is not."""
+    import re
+
+    from fx16.ops.kinds import COMPUTE_OPS
+    from fx16.program.cost import _PRODUCTS
+
+    assert set(COMPUTE_OPS) == set(_PRODUCTS)
+    product = re.compile(
+        r"(mm|conv|lstm|gru|rnn|attention|linear|einsum|matmul|dot|tensordot|bilinear|"
+        r"^mv|_mv|kron|inner|^outer|addr|chain_matmul|multi_dot)"
+    )
+    aside = re.compile(
+        r"(backward|_$|_out$|^_foreach|upsample|gamma|cummax|cummin|^_convert_weight|"
+        r"overrideable$|^_nnpack|prepack|reorder|^_mps|_mps$|depthwise|miopen|cudnn_(?!attention)|"
+        r"^fbgemm|^quantized_|sparse|^_cslt|spaddmm|hspmm|^smm$|^_validate|^_to_|^_convert_indices)"
+    )
+    names = {
+        name.split("::")[1].split(".")[0]
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.startswith("aten::")
+    }
+    unknown = {
+        name
+        for name in names
+        if product.search(name) and not aside.search(name) and name not in COMPUTE_OPS
+    }
+    assert unknown <= set(NOT_PRODUCTS), sorted(unknown - set(NOT_PRODUCTS))

@@ -16,49 +16,106 @@ def packets(*names: str) -> frozenset[str]:
     return frozenset(names)
 
 
-# Matrix products and convolutions: where 16-bit pays off most.
-COMPUTE_OPS = packets(
-    "mm",
-    "bmm",
-    "addmm",
-    "addbmm",
-    "baddbmm",
-    "matmul",
-    "linear",
-    "einsum",
-    "conv1d",
-    "conv2d",
-    "conv3d",
-    "convolution",
-    "_convolution",
-    "conv_transpose1d",
-    "conv_transpose2d",
-    "conv_transpose3d",
+# Recurrent layers over a sequence or one step: a matrix product per gate and step.
+RECURRENT_OPS = packets(
+    "lstm",
+    "gru",
+    "rnn_tanh",
+    "rnn_relu",
+    "lstm_cell",
+    "gru_cell",
+    "rnn_tanh_cell",
+    "rnn_relu_cell",
+)
+
+# Attention kernels: a product of queries and keys, then of the weights and the values.
+ATTENTION_OPS = packets(
     "scaled_dot_product_attention",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention",
-    "addmv",
-    "mv",
-    "dot",
-    "vdot",
-    "_addmm_activation",
-    "_grouped_mm",
-    "grouped_mm_fallback",  # transformers' mixture-of-experts kernel, as exported
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",  # (batch, length, heads, features) layout
+    "_efficient_attention_forward",
+    "_native_multi_head_attention",  # with its input and output projections
+)
+
+# Matrix products and convolutions, in every form ATen has (the kernels a decomposition
+# or a backend lowers to, quantized and scaled products): where 16-bit pays off most.
+COMPUTE_OPS = (
+    RECURRENT_OPS
+    | ATTENTION_OPS
+    | packets(
+        "mm",
+        "bmm",
+        "addmm",
+        "addbmm",
+        "baddbmm",
+        "matmul",
+        "linalg_matmul",
+        "linear",
+        "bilinear",
+        "einsum",
+        "tensordot",
+        "inner",
+        "linalg_vecdot",
+        "chain_matmul",
+        "linalg_multi_dot",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "convolution",
+        "_convolution",
+        "_convolution_mode",
+        "conv_tbc",
+        "mkldnn_convolution",
+        "thnn_conv2d",
+        "_slow_conv2d_forward",
+        "slow_conv3d",
+        "slow_conv3d_forward",
+        "slow_conv_dilated2d",
+        "slow_conv_dilated3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "slow_conv_transpose2d",
+        "slow_conv_transpose3d",
+        "addmv",
+        "mv",
+        "dot",
+        "vdot",
+        "_addmm_activation",
+        "mkldnn_linear",
+        "_mixed_dtypes_linear",
+        "_int_mm",
+        "_weight_int8pack_mm",
+        "_weight_int4pack_mm",
+        "_weight_int4pack_mm_for_cpu",
+        "_weight_int4pack_mm_with_scales_and_zeros",
+        "_dyn_quant_matmul_4bit",
+        "_scaled_mm",
+        "_scaled_mm_v2",
+        "_grouped_mm",
+        "_scaled_grouped_mm",
+        "_scaled_grouped_mm_v2",
+        "grouped_mm_fallback",  # transformers' mixture-of-experts kernel, as exported
+    )
 )
 
 # How a value's magnitude grows when a program's float inputs are scaled by s, as s ** d
 # (fx16.report.envelope): attention grows as its values do; the other products (and mul)
 # multiply their operands' growth; these give values bounded whatever the scale (norms,
 # softmax, saturating functions, comparisons); these grow faster than any power.
-ATTENTION_OPS = packets(
-    "scaled_dot_product_attention",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention",
-)
-GROWTH_MULTIPLYING_OPS = (COMPUTE_OPS - ATTENTION_OPS) | packets("mul")
+GROWTH_MULTIPLYING_OPS = (COMPUTE_OPS - ATTENTION_OPS - RECURRENT_OPS) | packets("mul")
 SCALE_BOUNDED_OPS = packets(
+    "lstm",  # the outputs are tanh-bounded states (a cell state grows with the steps only)
+    "gru",
+    "rnn_tanh",
+    "lstm_cell",
+    "gru_cell",
+    "rnn_tanh_cell",
     "softmax",
     "_softmax",
     "_safe_softmax",

@@ -8,9 +8,10 @@ states every decision to keep something in fp32 in those terms.
 
 Products count two FLOPs per multiply-add, as ``torch.utils.flop_counter`` does
 (``mm``, ``bmm``, ``addmm``, ``linear``, ``matmul``, ``einsum``, convolutions and
-their transposes, ``scaled_dot_product_attention`` and its kernels, ``mv``,
-``dot``, grouped products of mixtures of experts; a bias added is not counted);
-any other op
+their transposes, ``scaled_dot_product_attention`` and its kernels, ``mv``, ``dot``,
+grouped products of mixtures of experts, quantized and scaled products, recurrent
+layers: lstm, gru, rnn_tanh, rnn_relu and their cells, where every weight matrix meets
+every step of the sequence; a bias added is not counted); any other op
 counts one FLOP per element it produces or reads, whichever is more. Symbolic
 sizes count at the size export traced them with; each body of a higher-order op counts
 once (a loop's body once, both branches of a cond).
@@ -23,7 +24,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import Node
 
-from fx16.ops.kinds import OpKind, op_kind, op_name
+from fx16.ops.kinds import RECURRENT_OPS, OpKind, op_kind, op_name
 from fx16.program.nodes import node_val
 
 
@@ -112,7 +113,7 @@ def _convolution(node: Node, shapes: list) -> int:
     weight = shapes[1]
     per_element = math.prod(weight[1:])
     transposed = node.args[6] if op_name(node) in ("convolution", "_convolution") else False
-    if transposed or op_name(node).startswith("conv_transpose"):
+    if transposed or "conv_transpose" in op_name(node):
         return 2 * math.prod(shapes[0]) * per_element
     return 2 * _out_numel(node) * per_element
 
@@ -123,6 +124,63 @@ def _attention(node: Node, shapes: list) -> int:
     batch = math.prod(query[:-2])
     length, source = query[-2], key[-2]
     return 2 * batch * length * source * (query[-1] + value[-1])
+
+
+def _attention_by_length(node: Node, shapes: list) -> int:
+    """The same, for kernels that take (batch, length, heads, features)."""
+    query, key, value = shapes[:3]
+    batch, length, heads = query[:3]
+    return 2 * batch * heads * length * key[1] * (query[-1] + value[-1])
+
+
+def _multi_head_attention(node: Node, shapes: list) -> int:
+    """The input projections of q, k and v, the attention, and the output projection:
+    (batch, length, embedding) in, ``num_head`` heads."""
+    query, key = shapes[:2]
+    rows, embedding = math.prod(query[:-1]), query[-1]
+    sources = math.prod(key[:-1])
+    return 2 * (rows + 2 * sources) * embedding * embedding + 2 * rows * embedding * (
+        2 * key[-2] + embedding
+    )
+
+
+def _conv_tbc(node: Node, shapes: list) -> int:  # (input[T, B, Cin], weight[K, Cin, Cout])
+    return 2 * _out_numel(node) * shapes[1][0] * shapes[1][1]
+
+
+def _bilinear(node: Node, shapes: list) -> int:  # (x1[.., I1], x2[.., I2], weight[O, I1, I2])
+    return 2 * _out_numel(node) * shapes[2][1] * shapes[2][2]
+
+
+def _tensordot(node: Node, shapes: list) -> int:
+    """2 per output element and contracted combination (``dims_self`` of a)."""
+    a, dims = shapes[0], node.args[2]
+    return 2 * _out_numel(node) * math.prod(a[d] for d in dims)
+
+
+def _vecdot(node: Node, shapes: list) -> int:  # (x, y, dim): a dot product per element
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    return 2 * _out_numel(node) * shapes[0][dim]
+
+
+def _chain(node: Node, shapes: list) -> int:
+    """Matrices multiplied left to right: 2 m k n for each product."""
+    matrices = [_shape(matrix) for matrix in node.args[0]]
+    total, rows = 0, matrices[0][0]
+    for left, right in zip(matrices, matrices[1:]):
+        total += 2 * rows * left[-1] * right[-1]
+    return total
+
+
+def _recurrent(node: Node, shapes: list) -> int:
+    """2 per weight element and step: every layer's (and direction's) input, hidden and
+    projection matrices meet each (step, batch) row of the input."""
+    rows = math.prod(shapes[0][:-1])
+    weights = node.args[2]  # the flat weight list of a sequence op
+    if not isinstance(weights, (list, tuple)):  # a cell: (input, hx, w_ih, w_hh, ...)
+        weights = node.args[2:4]
+    matrices = [_shape(weight) for weight in weights]
+    return 2 * rows * sum(math.prod(shape) for shape in matrices if shape and len(shape) == 2)
 
 
 def _einsum(node: Node, shapes: list) -> int:
@@ -140,6 +198,21 @@ _PRODUCTS = {
     "mm": _matmul,
     "bmm": _matmul,
     "matmul": _matmul,
+    "linalg_matmul": _matmul,
+    "inner": _matmul,
+    "_int_mm": _matmul,
+    "_scaled_mm": _matmul,
+    "_scaled_mm_v2": _matmul,
+    "_weight_int8pack_mm": _matmul,  # (x[M, K], weight, scales): 2 K per output element
+    "_weight_int4pack_mm": _matmul,
+    "_weight_int4pack_mm_for_cpu": _matmul,
+    "_weight_int4pack_mm_with_scales_and_zeros": _matmul,
+    "_dyn_quant_matmul_4bit": _matmul,
+    "tensordot": _tensordot,
+    "linalg_vecdot": _vecdot,
+    "chain_matmul": _chain,
+    "linalg_multi_dot": _chain,
+    "bilinear": _bilinear,
     "mv": _matmul,
     "dot": _matmul,
     "vdot": _matmul,
@@ -149,9 +222,22 @@ _PRODUCTS = {
     "baddbmm": _addmm,
     "addbmm": _addmm,
     "linear": _linear,
+    "mkldnn_linear": _linear,
+    "_mixed_dtypes_linear": _linear,
     "einsum": _einsum,
     "convolution": _convolution,
     "_convolution": _convolution,
+    "_convolution_mode": _convolution,
+    "mkldnn_convolution": _convolution,
+    "thnn_conv2d": _convolution,
+    "_slow_conv2d_forward": _convolution,
+    "slow_conv3d": _convolution,
+    "slow_conv3d_forward": _convolution,
+    "slow_conv_dilated2d": _convolution,
+    "slow_conv_dilated3d": _convolution,
+    "slow_conv_transpose2d": _convolution,
+    "slow_conv_transpose3d": _convolution,
+    "conv_tbc": _conv_tbc,
     "conv1d": _convolution,
     "conv2d": _convolution,
     "conv3d": _convolution,
@@ -159,9 +245,18 @@ _PRODUCTS = {
     "conv_transpose2d": _convolution,
     "conv_transpose3d": _convolution,
     "_grouped_mm": _matmul,  # each row meets one group's weight: 2 K per output element
+    "_scaled_grouped_mm": _matmul,
+    "_scaled_grouped_mm_v2": _matmul,
     "grouped_mm_fallback": _matmul,
+    **dict.fromkeys(RECURRENT_OPS, _recurrent),
     "scaled_dot_product_attention": _attention,
     "_scaled_dot_product_flash_attention": _attention,
     "_scaled_dot_product_flash_attention_for_cpu": _attention,
     "_scaled_dot_product_efficient_attention": _attention,
+    "_scaled_dot_product_attention_math": _attention,
+    "_scaled_dot_product_fused_attention_overrideable": _attention,
+    "_scaled_dot_product_cudnn_attention": _attention,
+    "_flash_attention_forward": _attention_by_length,
+    "_efficient_attention_forward": _attention_by_length,
+    "_native_multi_head_attention": _multi_head_attention,
 }

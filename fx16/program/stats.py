@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 
 from fx16.ops.kinds import OpKind, target_kind
@@ -79,12 +80,12 @@ def program_stats(ep: ExportedProgram) -> ProgramStats:
                 inserted += is_inserted(node) and node.meta[INSERTED] != WHY_RETARGETED
                 cast_bytes += bytes_moved(node)
                 continue
-            val = node.meta.get("val")
-            if not (isinstance(val, torch.Tensor) and val.dtype.is_floating_point):
+            dtype = _float_result_dtype(node.meta.get("val"))
+            if dtype is None:
                 continue
-            ops[val.dtype] += 1
+            ops[dtype] += 1
             if role == "product":
-                products[val.dtype] += flops(node)
+                products[dtype] += flops(node)
     return ProgramStats(
         weight_bytes,
         casts,
@@ -94,6 +95,16 @@ def program_stats(ep: ExportedProgram) -> ProgramStats:
         cast_bytes,
         fp32_weight_bytes,
     )
+
+
+def _float_result_dtype(val) -> torch.dtype | None:
+    """The dtype an op computes in: its float result's, the first float one's for an op
+    with several results (an LSTM's output and states, a layer norm's mean and rstd);
+    None for an op with no float result."""
+    for leaf in pytree.tree_leaves(val):
+        if isinstance(leaf, torch.Tensor) and leaf.dtype.is_floating_point:
+            return leaf.dtype
+    return None
 
 
 @per_op
