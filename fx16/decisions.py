@@ -24,6 +24,10 @@ class Reason(str, enum.Enum):
     VALUE_BELOW_RANGE = (
         "every tensor value lies below the 16-bit normal range: subnormal or zero in 16-bit"
     )
+    ACCUMULATING_STATE = (
+        "a state tensor the program writes from its own value each call: it grows with "
+        "the number of calls"
+    )
     ACTIVATION_BELOW_RANGE = (
         "its values lie below the 16-bit normal range on the calibration inputs: subnormal "
         "or zero in 16-bit"
@@ -203,6 +207,14 @@ REASON_SPECS: dict[Reason, ReasonSpec] = {
         downcastable=True,
         cause="a value that would flush to zero where an op is singular (log, reciprocal, rsqrt)",
         instead="a stable rewrite (`log_sigmoid`, RMSNorm's scaling), on by default",
+    ),
+    Reason.ACCUMULATING_STATE: ReasonSpec(
+        "precision",
+        cause=(
+            "a buffer the program accumulates into across calls (a running total): in "
+            "16-bit an update below 2**-11 of the total rounds away"
+        ),
+        instead="the update computes in 16-bit where it fits; only the running state is fp32",
     ),
     Reason.FP32_INPUT: ReasonSpec("follows"),
     Reason.EXPLICIT_FP32: ReasonSpec(

@@ -104,7 +104,15 @@ class Diagnosis:
         rows = self.values if rows is None else rows
         header = ("id", "op", "dtype", "rel. error", "amplifies", "module", "source")
         cells = [
-            (v.id, v.op, v.carried(), f"{v.error:.3g}", f"{v.amplification:.3g}x", v.module, v.source)
+            (
+                v.id,
+                v.op,
+                v.carried(),
+                f"{v.error:.3g}",
+                f"{v.amplification:.3g}x",
+                v.module,
+                v.source,
+            )
             for v in rows
         ]
         widths = [

@@ -36,6 +36,7 @@ SCALED = "fx16.scaled"  # StabilizePass: why this value stays in range for any i
 SCALAR_ROUNDS_EXACTLY = "fx16.scalar_rounds_exactly"  # StabilizePass: why its scalar may round
 SCALE_EXPONENT = "fx16.scale_exponent"  # ScaleDomainsPass: e, the value holds v * 2**e
 RANGE_SCALE = "fx16.range_scale"  # ScaleDomainsPass: why it inserted this multiply
+SENTINEL_FILL = "fx16.sentinel_fill"  # SentinelFillsPass: why this fill is a sentinel now
 
 # ---- graph_module.meta ---------------------------------------------------------------
 CALIBRATION_OUTPUTS = "fx16.calibration_outputs"  # CalibrationAnalysis: fp32 reference
@@ -180,6 +181,12 @@ def range_scaled(node: Any) -> str | None:
     """Why ScaleDomainsPass inserted this power-of-two multiply ("x 2**-5: starts a
     scale domain"); None for any other node."""
     return _meta(node).get(RANGE_SCALE)
+
+
+def sentinel_fill(node: Any) -> str | None:
+    """Why SentinelFillsPass carries this op's fill as an infinity-like sentinel (a
+    ``masked_fill(~mask, -1e9)`` far beyond the scores); None for any other node."""
+    return _meta(node).get(SENTINEL_FILL)
 
 
 def stabilized(node: Any) -> tuple[str, str] | None:

@@ -52,6 +52,7 @@ from fx16.passes import (
     RecordStatsPass,
     ScalarsAsConstantsPass,
     ScaleDomainsPass,
+    SentinelFillsPass,
     StabilizePass,
     StoreAsReadPass,
     WidenOtherSixteenBitPass,
@@ -118,7 +119,10 @@ def _preparing(program: Program, options: Fp16Options, policy: PrecisionPolicy) 
     )
     limit = overflow_limit(policy, options.overflow_margin)
     scaling = (
-        [ScaleDomainsAnalysis(program, limit), ScaleDomainsPass(program, options.calibration)]
+        [
+            ScaleDomainsAnalysis(program, limit, policy.explicit_fp32 != "retarget"),
+            ScaleDomainsPass(program, options.calibration),
+        ]
         if policy.low == torch.float16 and policy.scale_range
         else []
     )
@@ -129,7 +133,11 @@ def _preparing(program: Program, options: Fp16Options, policy: PrecisionPolicy) 
             PreserveCopiesPass(),
             *stabilize,
         ],
-        "calibrate": [CalibrationAnalysis(program, options.calibration), *scaling],
+        "calibrate": [
+            CalibrationAnalysis(program, options.calibration),
+            SentinelFillsPass(program, policy.low, options.calibration),
+            *scaling,
+        ],
         "analyze": [
             UnsafeIndexAnalysis(),
             ValueRangeAnalysis(program, options.input_ranges),

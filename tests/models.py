@@ -117,14 +117,19 @@ class CreationOps(nn.Module):
 
 
 class BufferUpdate(nn.Module):
-    """Updates a running buffer in place (BUFFER_MUTATION after run_decompositions)."""
+    """Updates a running buffer in place (BUFFER_MUTATION after run_decompositions):
+    accumulates into it (``accumulate``), or writes it over."""
 
-    def __init__(self, width=4, start=0.0):
+    def __init__(self, width=4, start=0.0, accumulate: bool = True):
         super().__init__()
         self.register_buffer("running", torch.full((width,), start))
+        self.accumulate = accumulate
 
     def forward(self, x):
-        self.running.add_(x.mean(0))
+        if self.accumulate:
+            self.running.add_(x.mean(0))
+        else:
+            self.running.copy_(x.mean(0))
         return x * 2 + self.running
 
 

@@ -53,17 +53,16 @@ def test_cnn_with_batchnorm(decompose):
 
 @pytest.mark.parametrize("fill", [-1e9, torch.finfo(torch.float32).min, float("-inf")])
 def test_attention_with_large_negative_mask(fill):
-    """-1e9 does not fit fp16: masked_fill runs in fp32; finfo.min and -inf saturate in fp16."""
+    """finfo.min and -inf saturate in fp16; -1e9, far beyond the scores a softmax reads,
+    is a sentinel as they are (SentinelFillsPass): all three masked_fills are 16-bit."""
     torch.manual_seed(0)
     keep = torch.tensor([[True, True, True, False], [True, False, False, False]])
     ep, _ = _cast_and_compare(MaskedAttention(fill=fill), (torch.randn(2, 4, 16), keep))
     masked_fill = next(
         n for n in ep.graph_module.graph.nodes if n.target == aten.masked_fill.Scalar
     )
-    expected = torch.float32 if fill == -1e9 else torch.float16
-    assert masked_fill.meta["val"].dtype == expected
-    if fill != -1e9:
-        assert masked_fill.args[2] in (-65504.0, float("-inf"))
+    assert masked_fill.meta["val"].dtype == torch.float16
+    assert masked_fill.args[2] in (-65504.0, float("-inf"))
 
 
 def test_embedding_layernorm_softmax():
@@ -143,14 +142,18 @@ def test_model_holding_fp16_int8_and_fp64_buffers(decompose):
 
 
 @pytest.mark.parametrize("decompose", [False, True])
-def test_buffer_updated_in_place(decompose):
+@pytest.mark.parametrize("accumulate", [False, True], ids=["written_over", "accumulated"])
+def test_buffer_updated_in_place(decompose, accumulate):
+    """A buffer written over each call is stored 16-bit; one accumulated into across
+    calls stays fp32 (it grows with the calls), its update computed from 16-bit values."""
     torch.manual_seed(0)
-    model = BufferUpdate()
+    model = BufferUpdate(accumulate=accumulate)
     x = torch.randn(3, 4)
     ep = export(model, x, decompose=decompose)
     fx16.cast_fp32_to_fp16(ep)
     check_program(ep)
-    assert ep.state_dict["running"].dtype == torch.float16
+    expected = torch.float32 if accumulate else torch.float16
+    assert ep.state_dict["running"].dtype == expected
     assert run(ep, x)[0].dtype == torch.float16
 
 

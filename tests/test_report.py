@@ -63,6 +63,7 @@ def test_integer_rows_carry_ranges_and_json_round_trips():
         "stabilized",
         "chosen_by",
         "scale_exponent",
+        "sentinel_fill",
     }
     assert add_row(report_of(ep))["proven"] == [0, 999999]  # numbers, not only text
     table = format_rows(rows)

@@ -2,6 +2,7 @@
 power-of-two scale instead of in fp32, on small exported programs and on the range
 benchmark's models; errors bounded against fp64."""
 
+import pytest
 import torch
 from fuzz_profile import examples
 from hypothesis import given, settings
@@ -366,3 +367,65 @@ def test_a_domain_no_op_reads_scaled_is_not_planned():
     fp32 = {row.node for row in report_of(ep).rows if row.dtype == "float32"}
     assert fp32 == {"matmul", "softmax"}  # the product past the range, and its reader
     assert max_error(fp64_reference(model, x), run(ep, x)) < 4e-3
+
+
+class RawReadings(nn.Module):
+    """A recurrent layer (two layers) over raw sensor readings (~1e5), trained for them:
+    its first layer's input weights are ~1e-6, below fp16's normal range."""
+
+    def __init__(self, kind=nn.LSTM, bidirectional: bool = False) -> None:
+        super().__init__()
+        self.rnn = kind(8, 16, num_layers=2, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(16 * (2 if bidirectional else 1), 4)
+        with torch.no_grad():
+            for name, weight in self.rnn.named_parameters():
+                if name.startswith("weight_ih_l0"):
+                    weight.mul_(1e-5)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU, nn.RNN])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_a_recurrent_layer_on_raw_readings_takes_the_door_scale_in_its_input_weights(
+    kind, bidirectional
+):
+    """Input graph: x (~1e5, fp32) -> lstm/gru/rnn_tanh (W_ih ~1e-6) -> linear. Output:
+    x * 2**-k at the door (the one fp32 op), the first layer's input weights stored at
+    2**k, in fp16's normal range, and the recurrent layer 16-bit: every matmul FLOP of
+    the program (the layer's gates counted) 16-bit, within 16-bit rounding of fp64."""
+    torch.manual_seed(0)
+    model, x = RawReadings(kind, bidirectional).eval(), torch.randn(4, 12, 8) * 1e5
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    stats = program_stats(ep)
+    assert stats.flop_share_16bit == 1.0 and stats.product_flops > 20_000
+    assert _fp32_ops(ep) == 1  # the door's multiply
+    state = dict(ep.state_dict)
+    for name in state:
+        if name.startswith("rnn.weight_ih_l0"):
+            stored = state[name]
+            assert stored.dtype == torch.float16
+            assert 2.0**-8 <= float(stored.abs().max()) <= 65504 / 2
+    error = max_error(fp64_reference(model, x), run(ep, x))
+    assert error < 8 * 2.0**-11
+    plain = fx16.cast_fp32_to_fp16(export(model, x), policy=NO_SCALING)
+    assert program_stats(plain).flop_share_16bit < 0.01  # the layer fp32, and counted so
+
+
+def test_no_domain_is_planned_inside_the_models_own_fp32_regions():
+    """Input graph: a Llama with massive activations, whose RMSNorms compute their mean
+    of squares in fp32 (``x.float().pow(2).mean()``, up to 4e10). Those regions stay
+    fp32 (``explicit_fp32="keep"``): no domain starts or grows in them, and no runtime
+    multiply is planned there (each norm had two, which changed nothing)."""
+    from fx16.analysis.explicit_fp32 import model_fp32_regions
+
+    torch.manual_seed(0)
+    ep = export(zoo.massive_llama(3, 2e5).eval(), zoo.massive_ids())
+    _scale(ep)
+    regions = {node.name for node in model_fp32_regions(ep.graph_module)}
+    assert regions
+    domains = scale_domains(ep.graph_module)
+    assert domains and not any(set(domain.values) & regions for domain in domains)
+    assert not any(meta.RANGE_SCALE in node.meta for node in ep.graph_module.graph.nodes)

@@ -7,6 +7,7 @@ import torch
 from fuzz_profile import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_scale_domains import Residual
 from torch import nn
 
 import fx16
@@ -17,7 +18,6 @@ from fx16.report import format_rows, report_of
 from fx16.report.html import report_html
 from fx16.testing import programs
 from helpers import export, run_fx16
-from test_scale_domains import Residual
 
 UNIT_ROUNDOFF = 2.0**-11
 
@@ -134,9 +134,7 @@ def _named(ep, name):
     return next(node for node in ep.graph_module.graph.nodes if node.name == name)
 
 
-@settings(
-    max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(), st.sampled_from([1e3, 1e5]))
 def test_property_scaled_values_diagnose_as_the_unscaled_cast(case, input_scale):
     """Random programs whose inputs push values past fp16's range: wherever the default
@@ -160,9 +158,7 @@ def test_property_scaled_values_diagnose_as_the_unscaled_cast(case, input_scale)
             assert value.error <= 16 * max(other.error, UNIT_ROUNDOFF), (identity, value, other)
 
 
-@settings(
-    max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(), st.sampled_from([1.0, 1e5]))
 def test_property_save_load_gives_the_same_report(tmp_path_factory, case, input_scale):
     """save -> load -> report_of gives the in-memory report's JSON, scaled or not."""

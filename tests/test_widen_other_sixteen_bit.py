@@ -6,6 +6,9 @@ import copy
 
 import pytest
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fx16
@@ -13,6 +16,7 @@ from benchmarks import zoo
 from fx16.passes import WidenOtherSixteenBitPass
 from fx16.program import Program
 from fx16.program.nodes import node_val, tensor_leaves
+from fx16.program.stats import program_stats
 from fx16.program.subgraphs import nested_graph_modules
 from helpers import (
     assert_same_state,
@@ -184,3 +188,73 @@ def test_the_widening_reaches_into_a_conds_branches():
     assert BF16 not in _dtypes(ep) and FP16 in _dtypes(ep)
     with torch.no_grad():
         assert max_error([model(x).float()], run(ep, x)) < 2e-2
+
+
+class TiedHead(nn.Module):
+    """An embedding tied to the LM head, and a second pair of tied projections: every
+    weight stored under two names, as trained language models ship."""
+
+    def __init__(self, gain: float = 1.0) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, 16), nn.Linear(16, 64, bias=False)
+        self.head.weight = self.embed.weight
+        self.up, self.down = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.down.weight = self.up.weight
+        with torch.no_grad():
+            self.up.weight.mul_(gain)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.head(h + self.down(torch.relu(self.up(h))))
+
+
+def _tied(ep) -> bool:
+    state = ep.state_dict
+    return state["embed.weight"] is state["head.weight"] and (
+        state["up.weight"] is state["down.weight"]
+    )
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_tied_weights_stay_one_tensor_through_the_widening(dtype):
+    """Input: a bf16 (or fp32) program whose embedding and LM head share one tensor.
+    Output: one fp16 tensor under both names, and as many weight bytes as the fp32
+    program's cast (the widening copied each name apart: 2x the embedding)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8))
+    ep = fx16.cast_fp32_to_fp16(export(TiedHead().to(dtype).eval(), ids))
+    assert _tied(ep) and ep.state_dict["embed.weight"].dtype == FP16
+    fp32 = fx16.cast_fp32_to_fp16(export(TiedHead().eval(), ids))
+    assert program_stats(ep).weight_bytes == program_stats(fp32).weight_bytes
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(
+    st.sampled_from([FP32, BF16, FP16, "mixed"]),
+    st.sampled_from([1.0, 3e4, 1e-6]),
+    st.sampled_from(["fp16", "bf16"]),
+)
+def test_property_tied_state_shares_storage_after_any_cast(dtype, gain, low):
+    """Tied weights in any dtype mix (fp32, bf16, fp16, bf16 embeddings beside fp32
+    projections), at gains that fold a scale into them (3e4) or leave them below
+    fp16's normal range (1e-6), cast to fp16 or bf16 (a program already in the target
+    dtype is refused, leaving it as it was): every name still shares one tensor, and
+    the program runs."""
+    torch.manual_seed(0)
+    model = TiedHead(gain).eval()
+    if dtype == "mixed":
+        model.embed.to(BF16)
+    elif dtype != FP32:
+        model.to(dtype)
+    ids = torch.randint(0, 64, (2, 8))
+    ep = export(model, ids)
+    same = {"fp16": FP16, "bf16": BF16}[low] == dtype
+    try:
+        if low == "fp16":
+            fx16.cast_fp32_to_fp16(ep)
+        else:
+            fx16.cast_to_16_bit_precision(ep, policy="auto_mixed_bf16", int16="off")
+    except fx16.errors.InvalidProgramError:
+        assert same  # nothing to cast: refused, the program as it was
+    assert _tied(ep)
+    run(ep, ids)

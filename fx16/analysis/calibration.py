@@ -185,16 +185,40 @@ def _exponents_add(graph_module: GraphModule) -> set[Node]:
     }
 
 
+def recalibrate(graph_module: GraphModule, program: Program, calibration: list | None) -> None:
+    """Forget what calibration observed of ``graph_module`` (and the facts derived from
+    it) and observe the rewritten program again on the same inputs."""
+    Facts.invalidate(graph_module)
+    for node in graph_module.graph.nodes:
+        for key in _RECALIBRATED:
+            node.meta.pop(key, None)
+    CalibrationAnalysis(program, calibration)(graph_module)
+
+
+_RECALIBRATED = (
+    meta.OBSERVED_MAX_ABS,
+    meta.OBSERVED_INTERVAL,
+    meta.OBSERVED_SENTINEL,
+    meta.OBSERVED_CENTERING,
+    meta.OBSERVED_SMALLEST,
+    meta.OBSERVED_INT_RANGE,
+)
+
+
 def _sentinels_fp16_cannot_carry(graph_module: GraphModule, sentinels: set[Node]) -> set[Node]:
-    """The sentinel-holding nodes some use of which would see a wrong value after saturation.
+    """The sentinel-holding nodes some use of which would see a wrong value after
+    saturation (nodes outside ``tolerating_sentinels``)."""
+    return sentinels - tolerating_sentinels(graph_module) if sentinels else set()
+
+
+def tolerating_sentinels(graph_module: GraphModule) -> set[Node]:
+    """The nodes whose every use sees the same result with a sentinel saturated.
 
     One walk in reverse order: a node is fine when each user absorbs the sentinel,
     or passes it on and is fine itself, or is the program output. Nodes that held
     no sentinel on the calibration inputs count too: a ``where`` that picked none
     of a mask's ``finfo.min`` on an all-ones mask still passes it on for others.
     """
-    if not sentinels:
-        return set()
     fine: set[Node] = set()
     for node in reversed(graph_module.graph.nodes):
         if all(
@@ -204,7 +228,7 @@ def _sentinels_fp16_cannot_carry(graph_module: GraphModule, sentinels: set[Node]
             for user in node.users
         ):
             fine.add(node)
-    return sentinels - fine
+    return fine
 
 
 @per_op

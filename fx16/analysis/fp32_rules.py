@@ -20,7 +20,11 @@ from fx16.analysis.safety_rule import RuleContext
 from fx16.analysis.safety_rules.choices import AccuracyBudgetRule, ForcedRule
 from fx16.analysis.safety_rules.index import UnsafeIndexRule
 from fx16.analysis.safety_rules.kernels import FakeKernelRule, NoLowKernelRule
-from fx16.analysis.safety_rules.precision import ConditioningRule, RouterRule
+from fx16.analysis.safety_rules.precision import (
+    AccumulatingStateRule,
+    ConditioningRule,
+    RouterRule,
+)
 from fx16.analysis.safety_rules.range import (
     ObservedBelowRangeRule,
     ObservedOverflowRule,
@@ -93,6 +97,7 @@ class Fp32RulesAnalysis(Analysis):
                 UnderflowRule(),
                 ConditioningRule(),
                 ObservedBelowRangeRule(low),
+                AccumulatingStateRule(),
                 RouterRule(),
             ],
             program,

@@ -36,19 +36,22 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.analysis.explicit_fp32 import model_fp32_regions
 from fx16.analysis.scale_exponents import propagate
-from fx16.analysis.scale_plan import StateTensors, float_operands, reads_unscaled_numbers
+from fx16.analysis.scale_members import SMALLEST_NORMAL, grow_domains
+from fx16.analysis.scale_plan import (
+    StateTensors,
+)
+from fx16.analysis.scale_upstream import upstream_fold
 from fx16.contracts import Analysis
 from fx16.decisions import PRECISION
 from fx16.meta import observed_max_abs
-from fx16.ops.numerics import INF_LIKE
 from fx16.ops.scaling import Kind, rule_of
 from fx16.program import Program
-from fx16.program.nodes import is_float_tensor, mutated_argument, node_val, tensor_leaves
+from fx16.program.nodes import is_float_tensor, mutated_argument, node_val
 from fx16.program.tensor_subclasses import is_subclass
 
-# Below this largest magnitude every element of a value is subnormal or zero in fp16.
-_SMALLEST_NORMAL = float(torch.finfo(torch.float16).tiny)
+FP16_LARGEST = float(torch.finfo(torch.float16).max)
 
 PLAN_KEY = meta.SCALE_PLAN
 DOMAINS_KEY = meta.SCALE_DOMAINS
@@ -62,7 +65,9 @@ class Domain:
     values: tuple[str, ...]  # the nodes in it
     folded: tuple[str, ...]  # the state tensors its scale is folded into
     largest: float  # the largest calibrated magnitude of a value in it (unscaled)
-    reach: float  # how many times larger its values may grow before 2**-k overflows
+    # how many times larger its values may grow before 2**-k passes fp16's largest (no
+    # margin: the unit of the envelope's figures; the overflow margin is stated there)
+    reach: float
     doors: tuple[str, ...] = ()  # user inputs it scales at the door (fp32, then one mul)
 
     def describe(self) -> str:
@@ -71,7 +76,7 @@ class Domain:
         return (
             f"{self.named()}: {len(self.values)} value(s) up to {self.largest:.3g} carried at "
             f"2**{-self.k} ({folded}{doors}); holds to {self.reach:.3g}x the calibrated "
-            "magnitudes"
+            "magnitudes before passing 65504"
         )
 
     def named(self) -> str:
@@ -84,17 +89,21 @@ class ScaleDomainsAnalysis(Analysis):
     """Plan the scale domains of a calibrated fp32 program (see the module docstring).
 
     ``limit``: the largest magnitude taken to fit (fp16's largest over the overflow
-    margin). Plans nothing where calibration did not run or nothing passes it, nor in
-    a program fx16 cast before (its domains were planned then: a second cast is a
-    no-op), nor in one that writes a float value in place (``h.view(-1)[:1].mul_(0.5)``
-    left by an export that was not functionalized: a scale or an unscaled copy on the
-    way would take the write away from the value it aliases)."""
+    margin). ``keep_model_fp32``: the model's own fp32 regions stay fp32 (the policy's
+    ``explicit_fp32`` is not "retarget"), so no domain starts or grows inside one: a
+    scale there would only add multiplies to values that never see fp16. Plans nothing
+    where calibration did not run or nothing passes it, nor in a program fx16 cast
+    before (its domains were planned then: a second cast is a no-op), nor in one that
+    writes a float value in place (``h.view(-1)[:1].mul_(0.5)`` left by an export that
+    was not functionalized: a scale or an unscaled copy on the way would take the write
+    away from the value it aliases)."""
 
     needs = (CalibrationAnalysis,)
 
-    def __init__(self, program: Program, limit: float) -> None:
+    def __init__(self, program: Program, limit: float, keep_model_fp32: bool = True) -> None:
         self.program = Program.of(program)
         self.limit = limit
+        self.keep_model_fp32 = keep_model_fp32
 
     def call(self, graph_module: GraphModule) -> PassResult:
         graph_module.meta.pop(PLAN_KEY, None)
@@ -105,7 +114,9 @@ class ScaleDomainsAnalysis(Analysis):
             return PassResult(graph_module, False)
         tensors = self._foldable_state()
         magnitudes = _magnitudes(graph_module)
-        groups = _domains(graph_module, magnitudes, self.limit, tensors)
+        # values the model computes in fp32 itself stay fp32: no domain there
+        fp32 = model_fp32_regions(graph_module) if self.keep_model_fp32 else set()
+        groups = grow_domains(graph_module, magnitudes, self.limit, tensors, fp32)
         if not groups:
             return PassResult(graph_module, False)
         state = StateTensors(tensors, magnitudes, self.limit)
@@ -116,7 +127,7 @@ class ScaleDomainsAnalysis(Analysis):
                 continue
             if largest > self.limit:
                 exponents[index] = -max(1, math.ceil(math.log2(largest / self.limit)))
-            elif largest < _SMALLEST_NORMAL:  # its largest magnitude brought to [1, 2)
+            elif largest < SMALLEST_NORMAL:  # its largest magnitude brought to [1, 2)
                 exponents[index] = -math.floor(math.log2(largest))
         plan = None
         while exponents:
@@ -129,6 +140,8 @@ class ScaleDomainsAnalysis(Analysis):
             }
             idle = {i for i in exponents if _buys_nothing(groups[i], plan)}
             if not started | idle:
+                if _fold_upstream(groups, exponents, plan, state):
+                    continue  # a product of activations takes its scale from weights
                 break
             for index in started | idle:
                 del exponents[index]
@@ -141,7 +154,7 @@ class ScaleDomainsAnalysis(Analysis):
             largest = _largest(members, magnitudes)
             plan.bounds.update(dict.fromkeys(members, largest))
             folded = tuple(node.name for node in members if node in tensors)
-            reach = self.limit / (largest * 2.0**exponent)
+            reach = FP16_LARGEST / (largest * 2.0**exponent)
             names = tuple(node.name for node in members)
             doors = tuple(n.name for n in members if n.op == "placeholder" and n not in tensors)
             domains.append(Domain(-exponent, names, folded, largest, reach, doors))
@@ -164,20 +177,6 @@ class ScaleDomainsAnalysis(Analysis):
             ):
                 found[slot.placeholder] = tensor
         return found
-
-
-def _small(node: Node) -> bool:
-    """A value below the normal range worth a domain of its own: a weight some product
-    multiplies by, or a product's result (a scale can fold into its factor); a tiny
-    bias or addend is absorbed by what it is added to."""
-    if node.op == "placeholder":
-        return any(
-            user.op == "call_function"
-            and rule_of(user).kind is Kind.PRODUCT
-            and node in float_operands(user, rule_of(user).tensors)
-            for user in node.users
-        )
-    return node.op == "call_function" and rule_of(node).kind is Kind.PRODUCT
 
 
 def _worth_scaling(members: list[Node], tensors: dict) -> bool:
@@ -206,6 +205,26 @@ def _buys_nothing(members: list[Node], plan) -> bool:
     return True
 
 
+def _fold_upstream(groups: list, exponents: dict, plan, state: StateTensors) -> bool:
+    """Add to each domain the weights upstream of one operand of each product of
+    activations the plan could only scale by a runtime multiply after it (logits
+    ``q kᵀ``: ``fx16.analysis.scale_upstream``); whether any were added."""
+    member = {node for index in exponents for node in groups[index]}
+    added = False
+    for index, exponent in exponents.items():
+        for node in list(groups[index]):
+            if node not in plan.after or plan.exponents.get(node) != 0:
+                continue
+            if rule_of(node).kind is not Kind.PRODUCT:
+                continue
+            found = upstream_fold(node, state, exponent)
+            if found and not set(found) & member:
+                groups[index] += found
+                member |= set(found)
+                added = True
+    return added
+
+
 def _largest(members: list[Node], magnitudes: dict) -> float:
     return max(magnitudes.get(node, 0.0) for node in members)
 
@@ -219,95 +238,6 @@ def _magnitudes(graph_module: GraphModule) -> dict:
         if seen is not None and is_float_tensor(node_val(node)):
             found[node] = seen
     return found
-
-
-def _domains(graph_module, magnitudes: dict, limit: float, tensors: dict) -> list[list[Node]]:
-    """The domains grown from every value past ``limit`` (a finite, non-sentinel one)."""
-    member: dict[Node, int] = {}
-    groups: list[list[Node]] = []
-    for seed, magnitude in magnitudes.items():
-        if seed in member or meta.RANGE_SCALE in seed.meta:
-            continue
-        if not (
-            limit < magnitude < INF_LIKE or (0 < magnitude < _SMALLEST_NORMAL and _small(seed))
-        ):
-            continue
-        index = len(groups)
-        groups.append([])
-        pending = [seed]
-        while pending:
-            node = pending.pop()
-            found = member.get(node)
-            if found == index:
-                continue
-            if magnitudes.get(node, 0.0) >= INF_LIKE or meta.RANGE_SCALE in node.meta:
-                continue  # a mask's sentinel, or where an earlier cast undid a scale
-            if found is not None:  # another domain: the two are one
-                for other in groups[found]:
-                    member[other] = index
-                groups[index] += groups[found]
-                groups[found] = []
-                continue
-            member[node] = index
-            groups[index].append(node)
-            pending += _pulled(node, member, tensors)
-            pending += [user for user in node.users if _joins(user, node)]
-    return [group for group in groups if group]
-
-
-def _is_float(node) -> bool:
-    return isinstance(node, Node) and any(
-        leaf.is_floating_point() for leaf in tensor_leaves(node_val(node))
-    )
-
-
-def _pulled(node: Node, member: dict, tensors: dict) -> list[Node]:
-    """What joins ``node``'s domain from its producer's side: the operands of an op that
-    commutes with the scale; the state a product or norm reads (where the scale is
-    folded) and a bias; an operand of a product already in a domain (the two merge)."""
-    if node.op != "call_function" or not _is_float(node):
-        return []
-    rule = rule_of(node)
-    if rule.kind is Kind.SAME:
-        return [] if reads_unscaled_numbers(node, rule) else float_operands(node, rule.tensors)
-    bias = float_operands(node, (rule.bias,)) if rule.bias is not None else []
-    if rule.kind is Kind.PRODUCT:
-        operands = float_operands(node, rule.tensors)
-        joined = [operand for operand in operands if operand in member]
-        if joined:
-            return joined[:1]
-        candidates = operands[:1] if rule.divides else operands
-        state = [operand for operand in candidates if operand in tensors]
-        return state[-1:] + bias if state else []
-    if rule.kind is Kind.NORM and rule.weight is not None:
-        return float_operands(node, (rule.weight, rule.norm_bias or rule.weight))
-    if rule.kind is Kind.POWER_OF_BASE and node.args[0] == 2:
-        return _logarithm_argument(node.args[1])
-    return []
-
-
-def _logarithm_argument(node) -> list[Node]:
-    """m for ``floor(log2(m))`` (or ``log2(m)``): ``2**floor(log2(m))`` scales as m does."""
-    while isinstance(node, Node) and node.op == "call_function":
-        kind = rule_of(node).kind
-        if kind is Kind.LOG2:
-            return [node.args[0]] if isinstance(node.args[0], Node) else []
-        if kind is not Kind.FLOOR:
-            return []
-        node = node.args[0]
-    return []
-
-
-def _joins(user: Node, node: Node) -> bool:
-    """``user`` commutes with a scale on ``node``: it joins ``node``'s domain."""
-    if user.op != "call_function" or not _is_float(user):
-        return False
-    rule = rule_of(user)
-    return (
-        rule.kind is Kind.SAME
-        and node in float_operands(user, rule.tensors)
-        and not reads_unscaled_numbers(user, rule)
-    )
 
 
 def _writes_floats_in_place(graph_module: GraphModule) -> bool:

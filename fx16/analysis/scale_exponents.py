@@ -19,6 +19,7 @@ from fx16.analysis.scale_plan import (
     ScalePlan,
     StateTensors,
     argument,
+    first_layer_input_weights,
     float_operands,
     holds_in_fp32,
     largest_operand,
@@ -95,6 +96,7 @@ class _Walk(PlanMoves):
             Kind.POWER: self.power,
             Kind.NORM: self.norm,
             Kind.ATTENTION: self.attention,
+            Kind.RECURRENT: self.recurrent,
             Kind.LOG2: self.log2,
             Kind.FLOOR: self.floor,
             Kind.POWER_OF_BASE: self.power_of_base,
@@ -215,6 +217,30 @@ class _Walk(PlanMoves):
             if isinstance(operand, Node) and is_float_tensor(node_val(operand)):
                 self.settle(operand, node, 0)
         return self.seen(value)
+
+    def recurrent(self, node: Node, rule: ScaleRule) -> int:
+        """An RNN's gates read ``x W_ih`` (the first layer's input weights, one per
+        direction), which must be unscaled: the input's scale folds into the weights,
+        or, where the weights carry a scale of their own (weights below fp16's normal
+        range, lifted), the input is brought to the inverse (at the door, in the same
+        multiply, where it is a door only this op reads). Its initial states are read
+        unscaled; its results are unscaled."""
+        x = node.args[0]
+        weights = first_layer_input_weights(node, rule)
+        lifted = {self.seen(weight) for weight in weights}
+        lift = next(iter(lifted), 0)
+        if len(lifted) > 1:  # directions at different exponents: all unscaled
+            lift = 0
+            for weight in weights:
+                self.settle(weight, node, 0)
+        delta = -lift - self.seen(x)  # what x (or the weights) must move by: x W unscaled
+        if delta and not (lift and self.lower_door(x, node, delta)):
+            if not self.refold_all(weights, delta):
+                self.settle(x, node, -lift)
+        for state in node_leaves(node.args[1]):
+            if is_float_tensor(node_val(state)):
+                self.settle(state, node, 0)
+        return 0
 
     def fill(self, node: Node, rule: ScaleRule) -> int:
         target = self.plan.wanted.get(node, 0)

@@ -6,7 +6,8 @@ from typing import Any
 
 from torch.fx import Node
 
-from fx16.analysis.scale_plan import ScalePlan, StateTensors, argument
+from fx16.analysis.scale_plan import SMALLEST_FOLDED, ScalePlan, StateTensors, argument
+from fx16.meta import observed_max_abs
 from fx16.ops.scaling import Kind, ScaleRule, rule_of
 from fx16.program.nodes import is_number, named_argument
 
@@ -101,6 +102,32 @@ class PlanMoves:
                 self.scale_scalar(node, position, 2.0 ** (sign * delta))
                 return True
         return False
+
+    def refold_all(self, values: list[Node], delta: int) -> bool:
+        """``refold`` every one of ``values`` by ``delta``, or none of them."""
+        done = []
+        for value in values:
+            if not self.refold(value, delta):
+                for moved in done:
+                    self.refold(moved, -delta)
+                return False
+            done.append(value)
+        return bool(values)
+
+    def lower_door(self, value: Node, reader: Node, delta: int) -> bool:
+        """Scale a user input that ``reader`` alone reads ``2**delta`` further down in
+        its door's multiply (or in a new one), where its largest magnitude stays at
+        least ``SMALLEST_FOLDED``: no second multiply, no value pushed out of range."""
+        if value.op != "placeholder" or self.state.key(value) is not None:
+            return False
+        if delta > 0 or list(value.users) != [reader]:
+            return False
+        largest = observed_max_abs(value) or 0.0
+        after = self.plan.after.get(value, 0) + delta
+        if largest * 2.0**after < SMALLEST_FOLDED:
+            return False
+        self.plan.after[value] = after
+        return True
 
     def settle(self, operand: Node, reader: Node, target: int) -> None:
         """Bring ``operand`` to ``target`` for ``reader``: fold it, else a break."""

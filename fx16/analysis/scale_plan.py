@@ -111,6 +111,22 @@ def float_operands(node: Node, positions) -> list[Node]:
     ]
 
 
+def first_layer_input_weights(node: Node, rule: ScaleRule) -> list[Node]:
+    """The input weights of an RNN's first layer, one per direction (the weight list
+    holds each layer's and direction's matrices and biases in turn); [] where the list
+    is not one of state tensors of the expected length."""
+    weights = argument(node, rule.params)
+    layers, bidirectional = argument(node, rule.layers), argument(node, rule.bidirectional)
+    if not isinstance(weights, (list, tuple)) or not isinstance(layers, int) or layers < 1:
+        return []
+    directions = 2 if bidirectional else 1
+    if len(weights) % (layers * directions):
+        return []
+    stride = len(weights) // (layers * directions)
+    found = [weights[direction * stride] for direction in range(directions)]
+    return found if all(isinstance(weight, Node) for weight in found) else []
+
+
 def holds_in_fp32(node: Node, exponent: int) -> bool:
     """``node``'s calibrated values, times ``2**exponent``, stay in fp32's normal range:
     the product of two scaled operands adds their exponents, and a wide domain's

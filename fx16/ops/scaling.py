@@ -22,6 +22,10 @@ Kinds:
   against a scalar scaled alike, sign, argmax).
 - ``ATTENTION``: scaled dot-product attention: its result scales as its values; the
   queries, keys and mask must be unscaled.
+- ``RECURRENT``: an RNN over a sequence (lstm, gru, rnn_tanh, rnn_relu): its gates read
+  the input only through the first layer's input weights (one per direction, in the
+  weight list at ``params``), which take the input's scale back, folded; its states
+  must be unscaled, and its results are unscaled.
 - ``FILL``: a tensor filled with the numbers at ``scalars`` (zeros: none), made at
   whatever exponent its readers need; ``CREATION``: any other new tensor (arange,
   ones, rand): it reads its operands' shapes only, and is unscaled.
@@ -49,6 +53,7 @@ class Kind(enum.Enum):
     NORM = "norm"
     SCALE_FREE = "scale_free"
     ATTENTION = "attention"
+    RECURRENT = "recurrent"
     LOG2 = "log2"
     FLOOR = "floor"
     POWER_OF_BASE = "power_of_base"
@@ -73,6 +78,10 @@ class ScaleRule:
     mean: int | None = None  # NORM (BatchNorm): running mean (s) and variance (s**2)
     variance: int | None = None
     training: int | None = None  # NORM (BatchNorm): a training flag, which must be False
+    # RECURRENT: the weight list, the number of layers and the bidirectional flag
+    params: int | None = None
+    layers: int | None = None
+    bidirectional: int | None = None
 
 
 OPAQUE = ScaleRule(Kind.OPAQUE)
@@ -225,6 +234,10 @@ RULES: dict = {
         ScaleRule(Kind.SCALE_FREE, (0,)),
     ),
     **_rules(("scaled_dot_product_attention.default",), ScaleRule(Kind.ATTENTION, (0, 1, 2))),
+    **_rules(
+        ("lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input"),
+        ScaleRule(Kind.RECURRENT, (0,), params=2, layers=4, bidirectional=7),
+    ),
     **_rules(("log2.default",), ScaleRule(Kind.LOG2, (0,))),
     **_rules(("floor.default", "div.Tensor_mode"), ScaleRule(Kind.FLOOR, (0,))),
     **_rules(("pow.Scalar",), ScaleRule(Kind.POWER_OF_BASE, (1,))),

@@ -18,6 +18,7 @@ from fx16.passes.remove_noop_casts import RemoveNoopCastsPass
 from fx16.passes.remove_unused_casts import RemoveUnusedCastsPass
 from fx16.passes.scalars_as_constants import ScalarsAsConstantsPass
 from fx16.passes.scale_domains import ScaleDomainsPass
+from fx16.passes.sentinel_fills import SentinelFillsPass
 from fx16.passes.stabilize import StabilizePass
 from fx16.passes.store_as_read import StoreAsReadPass
 from fx16.passes.widen_other_sixteen_bit import WidenOtherSixteenBitPass
@@ -41,6 +42,7 @@ __all__ = [
     "RemoveUnusedCastsPass",
     "ScalarsAsConstantsPass",
     "ScaleDomainsPass",
+    "SentinelFillsPass",
     "StabilizePass",
     "StoreAsReadPass",
     "WidenOtherSixteenBitPass",

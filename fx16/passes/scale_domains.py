@@ -5,8 +5,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16 import meta
-from fx16.analysis.calibration import CalibrationAnalysis
-from fx16.analysis.facts import Facts
+from fx16.analysis.calibration import CalibrationAnalysis, recalibrate
 from fx16.analysis.scale_domains import ScaleDomainsAnalysis
 from fx16.analysis.scale_plan import ScalePlan
 from fx16.contracts import require
@@ -14,6 +13,7 @@ from fx16.program import Program
 from fx16.program.casts import copy_provenance
 from fx16.program.nodes import set_argument
 from fx16.program.propagation import fresh_result
+from fx16.program.state_commit import convert_state_tensors
 
 aten = torch.ops.aten
 
@@ -58,11 +58,7 @@ class ScaleDomainsPass(PassBase):
         return PassResult(graph_module, False)
 
     def _calibrate(self, graph_module: GraphModule) -> None:
-        Facts.invalidate(graph_module)
-        for node in graph_module.graph.nodes:
-            for key in _OBSERVED:
-                node.meta.pop(key, None)
-        CalibrationAnalysis(self.program, self.calibration)(graph_module)
+        recalibrate(graph_module, self.program, self.calibration)
 
     def _apply(self, graph_module: GraphModule, plan: ScalePlan):
         """Apply ``plan``; returns the function that takes it back."""
@@ -112,21 +108,17 @@ class ScaleDomainsPass(PassBase):
     def _fold(self, plan: ScalePlan) -> dict[str, torch.Tensor]:
         """Multiply each folded state tensor by its power of two, once per tensor;
         returns the tensors replaced, by name."""
-        done: dict[int, torch.Tensor] = {}
-        stored = {}
+        targets = []
         for slot in self.program.state_slots():
             tensor = self.program.state_tensor(slot.target)
-            if tensor is None or not plan.folds.get(id(tensor)):
-                continue
-            key = id(tensor)
-            stored[slot.target] = tensor
-            if key not in done:
-                with torch.no_grad():
-                    scaled = tensor.detach() * 2.0 ** plan.folds[key]
-                done[key] = self.program.replace_state_tensor(slot.target, scaled)
-            else:
-                self.program.replace_state_tensor(slot.target, done[key])
-        return stored
+            if tensor is not None and plan.folds.get(id(tensor)):
+                targets.append(slot.target)
+
+        def folded(tensor: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return tensor.detach() * 2.0 ** plan.folds[id(tensor)]
+
+        return convert_state_tensors(self.program, targets, folded)
 
 
 def _bound(unscaled: dict[Node, Node], plan: ScalePlan) -> None:
@@ -192,13 +184,3 @@ def _multiply(graph, node: Node, delta: int, why: str) -> Node:
     copy_provenance(node, scaled)
     scaled.meta[meta.RANGE_SCALE] = f"x 2**{delta}: {why}"
     return scaled
-
-
-_OBSERVED = (
-    meta.OBSERVED_MAX_ABS,
-    meta.OBSERVED_INTERVAL,
-    meta.OBSERVED_SENTINEL,
-    meta.OBSERVED_CENTERING,
-    meta.OBSERVED_SMALLEST,
-    meta.OBSERVED_INT_RANGE,
-)

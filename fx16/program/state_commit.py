@@ -11,6 +11,24 @@ from tqdm import tqdm
 from fx16.ops.numerics import conversion_scratch, tensor_to_fp16
 
 
+def convert_state_tensors(program, targets, convert) -> dict[str, torch.Tensor]:
+    """Store ``convert(tensor)`` under each name in ``targets`` through ``program`` (a
+    ``fx16.program.Program``), computed once per tensor: names that shared a tensor
+    (tied weights) share its converted one. Returns the tensors replaced, by name."""
+    done: dict[int, torch.Tensor] = {}
+    replaced = {}
+    for target in targets:
+        tensor = program.state_tensor(target)
+        if tensor is None:
+            continue
+        replaced[target] = tensor
+        if id(tensor) not in done:
+            done[id(tensor)] = program.replace_state_tensor(target, convert(tensor))
+        else:
+            program.replace_state_tensor(target, done[id(tensor)])
+    return replaced
+
+
 def commit_pending(
     program, pending: dict[str, tuple[torch.dtype, bool]], progress: bool | None
 ) -> None:

@@ -9,7 +9,6 @@ program, the same to the letter of its JSON.
 
 import copy
 import json
-import math
 import weakref
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace

@@ -56,6 +56,8 @@ class Row:
     chosen_by: str = ""
     # e where a scale domain carries the value at 2**e (fx16.analysis.scale_domains), else 0
     scale_exponent: int = 0
+    # why its fill is carried as an infinity-like sentinel (fx16.passes.sentinel_fills)
+    sentinel_fill: str = ""
 
     def why(self) -> str:
         """The reason with its detail, the scale the value is carried at, and the
@@ -63,6 +65,8 @@ class Row:
         why = self.reason + (f": {self.detail}" if self.detail else "")
         if self.scale_exponent:
             why += f", carried at 2**{self.scale_exponent} (a scale domain)"
+        if self.sentinel_fill:
+            why += f"; {self.sentinel_fill}"
         if self.chosen_by and self.chosen_by != self.rule:
             why += f" [chosen by {self.chosen_by}]"
         return why
@@ -164,6 +168,8 @@ def _numbers(node: Node) -> dict:
         numbers["cast_back_skipped"] = planned.cast_back_skipped
     if meta.scale_exponent(node):
         numbers["scale_exponent"] = meta.scale_exponent(node)
+    if meta.sentinel_fill(node):
+        numbers["sentinel_fill"] = meta.sentinel_fill(node)
     if meta.stabilized(node):
         name, detail = meta.stabilized(node)
         numbers["stabilized"] = f"{name}: {detail}" if detail else name

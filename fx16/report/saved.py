@@ -115,6 +115,7 @@ def _floats(value, node):
 FACTS = {
     "scale": Fact(meta.SCALE_EXPONENT, int, _same),
     "range_scale": Fact(meta.RANGE_SCALE, str, _same),
+    "sentinel_fill": Fact(meta.SENTINEL_FILL, str, _same),
     "inserted": Fact(INSERTED, str, _same),
     "observed": Fact(meta.OBSERVED_INTERVAL, list, _floats),
     "max_abs": Fact(meta.OBSERVED_MAX_ABS, float, lambda value, node: float(value)),
@@ -184,8 +185,7 @@ def _restore_graph_facts(root: GraphModule, kept: dict) -> None:
         domains = kept.get("domains", {}).get(prefix)
         if domains and meta.SCALE_DOMAINS not in module.meta:
             module.meta[meta.SCALE_DOMAINS] = [
-                Domain(**{**domain, **{k: tuple(domain[k]) for k in _TUPLES}})
-                for domain in domains
+                Domain(**{**domain, **{k: tuple(domain[k]) for k in _TUPLES}}) for domain in domains
             ]
     if kept.get("before") and BEFORE_KEY not in root.meta:
         root.meta[BEFORE_KEY] = ProgramStats(**kept["before"])
