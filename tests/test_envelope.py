@@ -12,6 +12,9 @@ from torch import nn
 import fx16
 from benchmarks.precision_zoo import Entropy
 from benchmarks.shift_traps import FrameRmsNorm, audio_frames
+from fx16.analysis.scale_domains import scale_domains
+from fx16.program import Program
+from fx16.program.values import program_values
 from fx16.report import report_of
 from fx16.report.envelope import envelope
 from helpers import command, export
@@ -164,3 +167,84 @@ def test_a_program_of_token_ids_says_nothing_about_larger_inputs():
     ep = fx16.cast_fp32_to_fp16(export(TokensThroughANorm(), torch.randint(0, 32, (2, 6))))
     assert report_of(ep).totals.envelope.headroom is None
     assert not any("larger inputs" in line for line in report_of(ep).summary())
+
+
+class RawFeatures(nn.Module):
+    """A tabular MLP on raw features up to 2e5: carried at 2**-k from the door. No
+    biases: every value grows exactly as the inputs do, so the stated factor is exact
+    (a bias makes it a bound on the safe side)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = nn.Linear(8, 32, bias=False), nn.Linear(32, 1, bias=False)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(x)))
+
+
+class Exponential(nn.Module):
+    """Linear -> exp -> Linear: exp overflows where its largest argument reaches
+    log(65504), long before its argument's own overflow."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = nn.Linear(8, 16, bias=False), nn.Linear(16, 2, bias=False)
+
+    def forward(self, x):
+        return self.out(torch.exp(self.hidden(x)))
+
+
+def _outputs(ep, x):
+    args, kwargs = fx16.inputs_for(ep, x)
+    with torch.no_grad():
+        return ep.module()(*args, **kwargs)
+
+
+def _holds_to(model, x, factor: float) -> None:
+    """The cast program at 0.9x the stated factor: finite and within 16-bit rounding
+    of fp64; at 1.1x: the tightest value has left fp16's range (inf in the outputs)."""
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    inside, outside = x * 0.9 * factor, x * 1.1 * factor
+    with torch.no_grad():
+        expected = model.double()(inside.double())
+    model.float()
+    near = _outputs(ep, inside).double()
+    assert torch.isfinite(near).all()
+    assert float((near - expected).abs().max() / expected.abs().max()) < 1e-2
+    assert not torch.isfinite(_outputs(ep, outside)).all()
+
+
+def _largest_held(model, x, names) -> float:
+    """The largest magnitude the fp32 program's values ``names`` hold on ``x``."""
+    program = Program.of(export(model, x))
+    found = 0.0
+    with torch.no_grad():
+        for _, node, value in program_values(program, program.graph_inputs((x,), {})):
+            if node.name in names and isinstance(value, torch.Tensor):
+                found = max(found, float(value.abs().max()))
+    return found
+
+
+def test_inputs_scaled_at_the_door_are_held_to_what_the_door_holds():
+    """Input graph: x (~2e5, fp32) * 2**-k -> cast to fp16 -> linear -> relu -> linear.
+    The envelope's factor is where a 16-bit value, the door's cast among them, passes
+    65504; the domain's "holds to" figure is in the same unit, about its own values:
+    both checked by running at 0.9x and 1.1x."""
+    torch.manual_seed(0)
+    model, x = RawFeatures().eval(), torch.rand(16, 8) * 2e5
+    cast = fx16.cast_fp32_to_fp16(export(model, x))
+    _holds_to(model, x, report_of(cast).totals.envelope.headroom)
+    (domain,) = scale_domains(cast.graph_module)
+    for factor, inside in ((0.9, True), (1.1, False)):
+        held = _largest_held(model, x * factor * domain.reach, domain.values) * 2.0**-domain.k
+        assert (held <= 65504) == inside
+
+
+def test_an_exponential_bounds_the_inputs_by_its_argument():
+    """Input graph: linear -> exp -> linear, all 16-bit. The envelope names exp and
+    the factor at which its largest argument reaches log(65504)."""
+    torch.manual_seed(0)
+    model, x = Exponential().eval(), torch.randn(16, 8)
+    envelope_ = report_of(fx16.cast_fp32_to_fp16(export(model, x))).totals.envelope
+    assert envelope_.headroom_node == "exp"
+    _holds_to(model, x, envelope_.headroom)

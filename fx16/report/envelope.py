@@ -36,12 +36,13 @@ from fx16.ops.kinds import (
     EXPONENTIAL_GROWTH_OPS,
     GROWTH_MULTIPLYING_OPS,
     SCALE_BOUNDED_OPS,
+    op_name,
 )
 from fx16.ops.numeric_tables import EXPONENTIAL_TAIL_OPS, SOFTMAX_OPS
 from fx16.ops.numerics import largest, smallest_normal
 from fx16.program import Program
 from fx16.program.boundaries import Boundaries
-from fx16.program.casts import is_cast
+from fx16.program.casts import is_cast, is_inserted
 from fx16.program.cost import is_product
 from fx16.program.nodes import node_val, tensor_leaves
 from fx16.program.subgraphs import nested_graph_modules
@@ -127,15 +128,9 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
             if not (isinstance(val, torch.Tensor) and val.dtype in SIXTEEN_BIT):
                 proven += bool(_narrowed_on_proof(node))
                 continue
-            observed = meta.observed_max_abs(node)
-            bounded = meta.scaled(node) or meta.rounding_cancels(node)  # for any input
-            degree = degrees.get(node)
-            grows = degree is not None and degree > 0  # with the program's float inputs
-            if decision is not None and observed and math.isfinite(observed) and not bounded:
-                if grows:
-                    factor = (largest(val.dtype) / observed) ** (1.0 / degree)
-                    if headroom is None or factor < headroom[0]:
-                        headroom = (factor, node.name, degree)
+            found = _overflow_factor(node, val.dtype, degrees, decision)
+            if found is not None and (headroom is None or found[0] < headroom[0]):
+                headroom = (found[0], node.name, found[1])
             found = _quietest_argument(node, val.dtype)
             if found is not None and (quiet is None or found[0] < quiet[0]):
                 quiet = (*found, node.name)
@@ -159,6 +154,37 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
         logit_product=logits[1] if logits else "",
         logit_node=logits[2] if logits else "",
     )
+
+
+def _overflow_factor(node: Node, dtype, degrees: dict, decision) -> tuple[float, float] | None:
+    """(how many times larger the program's float inputs may grow before the 16-bit
+    ``node`` passes the 16-bit maximum, the power its values grow by) where calibration
+    observed it and it grows with them; None otherwise. A cast fx16 inserted to 16-bit
+    (a scaled input's at the door) holds what its source held; an exponential of a
+    value growing as the inputs ** d overflows where its largest argument reaches
+    log(maximum), at (log(maximum) / largest) ** (1 / d)."""
+    source = node.args[0] if is_inserted(node) and is_cast(node) else node
+    if source is node and decision is None:
+        return None
+    if meta.scaled(source) or meta.rounding_cancels(source):  # bounded for any input
+        return None
+    degree = degrees.get(source)
+    if degree is None and op_name(source) in EXPONENTIAL_GROWTH_OPS:
+        return _exponential_factor(source, dtype, degrees)
+    observed = meta.observed_max_abs(source)
+    if not (degree and degree > 0 and observed and math.isfinite(observed)):
+        return None
+    return (largest(dtype) / observed) ** (1.0 / degree), degree
+
+
+def _exponential_factor(node: Node, dtype, degrees: dict) -> tuple[float, float] | None:
+    argument = node.args[0] if node.args else None
+    degree = degrees.get(argument)
+    interval = meta.observed_interval(argument)
+    if not (degree and degree > 0 and interval and interval[1] > 0):
+        return None
+    base = 2.0 if op_name(node) == "exp2" else math.e
+    return (math.log(largest(dtype), base) / interval[1]) ** (1.0 / degree), degree
 
 
 def _narrowed_on_proof(node: Node) -> bool:
