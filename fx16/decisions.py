@@ -33,6 +33,7 @@ class Reason(str, enum.Enum):
         "or zero in 16-bit"
     )
     FP32_INPUT = "an input stays fp32"
+    BF16_INPUT = "an input is computed in bf16 for range"
     EXPLICIT_FP32 = "inside an fp32 region the model asks for explicitly"
     EXPLICIT_FP32_RETARGETED = (
         "the model's own fp32 cast, made 16-bit: nothing shows its region needs fp32"
@@ -217,6 +218,7 @@ REASON_SPECS: dict[Reason, ReasonSpec] = {
         instead="the update computes in 16-bit where it fits; only the running state is fp32",
     ),
     Reason.FP32_INPUT: ReasonSpec("follows"),
+    Reason.BF16_INPUT: ReasonSpec("follows"),
     Reason.EXPLICIT_FP32: ReasonSpec(
         "model",
         checked=True,

@@ -188,3 +188,23 @@ def test_the_command_line_takes_range_fallback(tmp_path):
     rows = {row["node"]: row for row in json.loads(report.read_text())["nodes"]}
     assert rows["matmul"]["dtype"] == "bfloat16"
     assert "computed in bf16" in rows["matmul"]["detail"]
+
+
+def test_inspect_lists_what_the_fallback_moved_with_its_true_cause(tmp_path):
+    """``fx16 inspect --range-fallback bf16`` (no ``--all``) lists the logits' product
+    and the softmax, computed in bf16 for range; the softmax reads a bf16 input and says
+    so (not "an input stays fp32")."""
+    model, x = _attention()
+    source = tmp_path / "attention.pt2"
+    torch.export.save(export(model, x), source)
+    result = run_fx16(["inspect", source, "--range-fallback", "bf16"])
+    assert result.returncode == 0, result.stderr
+    listed = {line.split()[0]: line for line in result.stdout.splitlines()[1:] if line.strip()}
+    assert "bfloat16" in listed["matmul"] and "activation_overflow" in listed["matmul"]
+    assert "bf16_input" in listed["softmax"]
+    assert "an input stays fp32" not in listed["softmax"]
+    fallback = fx16.cast_fp32_to_fp16(export(model, x), range_fallback="bf16")
+    assert {row.node for row in report_of(fallback).explained()} >= {"matmul", "softmax"}
+    assert not report_of(
+        fx16.cast_fp32_to_fp16(export(model, x), policy="auto_mixed_bf16")
+    ).explained()

@@ -74,7 +74,9 @@ class RangeFallbackPass(PassBase):
         for node in moved:
             node.meta["val"] = retype_val(node.meta["val"], BF16)
             made = decision_of(node)
-            node.meta[PRECISION] = Decision(BF16, made.reason, _with(made.detail, SAID))
+            # an op fp32 only for reading such values reads them in bf16 now
+            reason = Reason.BF16_INPUT if made.reason is Reason.FP32_INPUT else made.reason
+            node.meta[PRECISION] = Decision(BF16, reason, _with(made.detail, SAID))
             for user in list(node.users):
                 if user not in moved and not (is_inserted(user) and is_cast(user)):
                     user.replace_input_with(node, inserter.cast(node, FP32, WHY_UPCAST))

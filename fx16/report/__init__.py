@@ -17,7 +17,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
 from fx16.accuracy.search import AccuracySearch
-from fx16.decisions import INT_PRECISION, PRECISION
+from fx16.decisions import INT_PRECISION, PRECISION, Reason, reasons
 from fx16.program.stats import BEFORE_KEY, ProgramStats
 from fx16.report.rows import (
     NEVER_INT16_CANDIDATES,
@@ -111,14 +111,16 @@ class CastReport:
         return [row for row in self.rows if not row.narrowed]
 
     def explained(self) -> list[Row]:
-        """The rows a reader asks "why" about: values kept wide, except integers that
-        were never int16 candidates (outside the castable set: constant-foldable, not
-        integer arithmetic, index computations; or undecided). A model has many such
+        """The rows a reader asks "why" about: values kept wide, and those computed in
+        bf16 for range in an fp16 program (``range_fallback="bf16"``), except integers
+        that were never int16 candidates (outside the castable set: constant-foldable,
+        not integer arithmetic, index computations; or undecided). A model has many such
         integers (positions, masks, shapes) and they would bury the float rows."""
         return [
             row
-            for row in self.kept_wide()
-            if row.kind == "float" or row.rule not in NEVER_INT16_CANDIDATES
+            for row in self.rows
+            if (not row.narrowed or _fallen_back(row))
+            and (row.kind == "float" or row.rule not in NEVER_INT16_CANDIDATES)
         ]
 
     def to_json(self) -> str:
@@ -206,6 +208,19 @@ class CastReport:
             if row.kind == "float":
                 groups.setdefault(layer_of(row.module), []).append(row)
         return groups
+
+
+def _fallen_back(row: Row) -> bool:
+    """A value computed or stored in bf16 for range (``range_fallback="bf16"``), not
+    because it fits."""
+    return row.kind == "float" and row.dtype == "bfloat16" and row.rule in _FALLBACK_RULES
+
+
+# the causes a range fallback keeps on what it moves to bf16, as rows name them
+_FALLBACK_RULES = frozenset(
+    reason.name.lower()
+    for reason in (*reasons(family="range"), Reason.BF16_INPUT, Reason.READERS_FP32)
+)
 
 
 def layer_flop_share(rows: list[Row]) -> str:
