@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # what type checkers see of the names below, loaded lazily at
         PreconditionError,
     )
     from fx16.loading import load
+    from fx16.ops.declarations import declare_op
     from fx16.ops.kinds import OpKind
     from fx16.options import Fp16Options
     from fx16.pipelines import fp16_passes, int16_passes
@@ -45,6 +46,7 @@ _PUBLIC = {
     "cast_fp32_to_fp16": "fx16.casting",
     "cast_int32_to_int16": "fx16.casting",
     "cast_to_16_bit_precision": "fx16.casting",
+    "declare_op": "fx16.ops.declarations",
     "diagnose": "fx16.diagnosis",
     "fp16_passes": "fx16.pipelines",
     "inputs_for": "fx16.casting",

@@ -39,9 +39,7 @@ from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.explicit_fp32 import model_fp32_regions
 from fx16.analysis.scale_exponents import propagate
 from fx16.analysis.scale_members import SMALLEST_NORMAL, grow_domains
-from fx16.analysis.scale_plan import (
-    StateTensors,
-)
+from fx16.analysis.scale_plan import SMALLEST_FOLDED, StateTensors
 from fx16.analysis.scale_upstream import upstream_fold
 from fx16.contracts import Analysis
 from fx16.decisions import PRECISION
@@ -129,6 +127,8 @@ class ScaleDomainsAnalysis(Analysis):
                 exponents[index] = -max(1, math.ceil(math.log2(largest / self.limit)))
             elif largest < SMALLEST_NORMAL:  # its largest magnitude brought to [1, 2)
                 exponents[index] = -math.floor(math.log2(largest))
+            elif (lift := self._lift(members, tensors, magnitudes, largest)) is not None:
+                exponents[index] = lift
         plan = None
         while exponents:
             wanted = {n: exponents[i] for i in exponents for n in groups[i]}
@@ -161,6 +161,22 @@ class ScaleDomainsAnalysis(Analysis):
         graph_module.meta[PLAN_KEY] = plan
         graph_module.meta[DOMAINS_KEY] = domains
         return PassResult(graph_module, False)
+
+    def _lift(self, members, tensors: dict, magnitudes: dict, largest: float) -> int | None:
+        """The exponent that carries a domain's state tensors wholly below fp16's normal
+        range (a dequantize's block scales of 1e-6) at a power of two that brings their
+        largest magnitudes to at least ``SMALLEST_FOLDED``, where every other member stays
+        within ``limit`` at it; None where no member needs it or no exponent fits both."""
+        small = [
+            magnitudes[n]
+            for n in members
+            if n in tensors and 0 < magnitudes.get(n, 0) < SMALLEST_NORMAL
+        ]
+        if not small:
+            return None
+        needed = math.ceil(math.log2(SMALLEST_FOLDED / min(small)))
+        room = math.floor(math.log2(self.limit / largest))
+        return needed if 0 < needed <= room else None
 
     def _foldable_state(self) -> dict[Node, torch.Tensor]:
         """State placeholders whose float tensor a scale can be folded into: a plain

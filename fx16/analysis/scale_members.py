@@ -12,6 +12,7 @@ from fx16.analysis.scale_plan import (
     float_operands,
     reads_unscaled_numbers,
 )
+from fx16.ops.declarations import declaration
 from fx16.ops.numerics import INF_LIKE
 from fx16.ops.scaling import Kind, rule_of
 from fx16.program.nodes import node_val, tensor_leaves
@@ -114,9 +115,9 @@ def _joins(user: Node, node: Node) -> bool:
 
 def _small(node: Node) -> bool:
     """A value below the normal range worth a domain of its own: a weight some product
-    multiplies by (an RNN's first-layer input weights too), or a product's result (a
-    scale can fold into its factor); a tiny bias or addend is absorbed by what it is
-    added to."""
+    multiplies by (an RNN's first-layer input weights, a declared dequantize's scale
+    too), or a product's result (a scale can fold into its factor); a tiny bias or
+    addend is absorbed by what it is added to."""
     if node.op == "placeholder":
         return any(
             user.op == "call_function"
@@ -125,6 +126,8 @@ def _small(node: Node) -> bool:
                 and node in float_operands(user, rule_of(user).tensors)
                 or rule_of(user).kind is Kind.RECURRENT
                 and node in first_layer_input_weights(user, rule_of(user))
+                or declaration(user.target) is not None  # a dequantize's scale
+                and node in float_operands(user, rule_of(user).tensors)
             )
             for user in node.users
         )

@@ -43,6 +43,7 @@ from fractions import Fraction
 
 import torch
 
+from fx16.ops.declarations import declaration
 from fx16.ops.tables import CAST_OPS, CREATION_OPS, VALUE_PRESERVING_OPS, overloads, per_op
 
 
@@ -244,10 +245,26 @@ RULES: dict = {
 }
 
 
-@per_op
 def scale_rule(target) -> ScaleRule:
-    """The rule of the op ``target`` (``OPAQUE`` for any op without one)."""
-    return RULES.get(target, OPAQUE)
+    """The rule of the op ``target`` (``OPAQUE`` for any op without one): the table's,
+    or for an op declared linear in some arguments (``fx16.declare_op``: a dequantize's
+    scale; asked each time, for a declaration may come after a first cast), ``SAME``
+    in those."""
+    return _table_rule(target) or _declared_rule(target) or OPAQUE
+
+
+@per_op
+def _table_rule(target) -> ScaleRule | None:
+    return RULES.get(target)
+
+
+def _declared_rule(target) -> ScaleRule | None:
+    declared = declaration(target)
+    if declared is None or not declared.linear_in:
+        return None
+    names = [argument.name for argument in target._schema.arguments]
+    positions = tuple(names.index(name) for name in declared.linear_in if name in names)
+    return _same(*positions, scalars=positions) if positions else None
 
 
 _WIDE = (torch.float32, torch.float64)

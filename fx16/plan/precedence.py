@@ -26,6 +26,7 @@ from torch.fx import Node
 
 from fx16 import meta
 from fx16.decisions import Decision, Reason
+from fx16.ops.declarations import declares_output_dtype
 from fx16.ops.kinds import is_known_op
 from fx16.ops.tables import is_custom_op
 from fx16.plan.view import View
@@ -126,8 +127,12 @@ def _policy_widens_model_16bit(view: View) -> Choice | None:
 
 
 def _nothing_narrowed(view: View) -> Choice | None:
-    """No input was narrowed and none is fp32: nothing to decide, left as it is."""
+    """No input was narrowed and none is fp32: nothing to decide, left as it is; except
+    an op whose declared argument sets its output dtype (a PT2E dequantize of int8
+    values by a Python scale, ``fx16.ops.declarations``): its result is decided too."""
     if view.fp32_inputs or view.narrowed_input:
+        return None
+    if view.produces_fp32 and declares_output_dtype(view.node.target):
         return None
     if view.produces_fp32 and not view.float_inputs:
         return Choice(Action.LEAVE, Reason.NO_FLOAT_INPUT)

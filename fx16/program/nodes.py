@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.fx import Node
 
+from fx16.ops.declarations import declaration
 from fx16.ops.tables import is_custom_op, per_op
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -167,7 +168,9 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
 
     For a custom op, a dtype argument left to a float32 default counts too, as the
     keyword that would pass it (torchao's ``dequantize_affine(..., output_dtype=float32)``):
-    its dtype arguments name its output type, which follows the cast."""
+    its dtype arguments name its output type, which follows the cast; so does the one
+    its declaration names (``fx16.ops.declarations``: PT2E's ``dequantize_per_tensor``
+    returns fp32 for an ``out_dtype`` of None)."""
     custom = is_custom_op(node.target)
     if not custom and (not _takes_dtype(node.target) or not _passes_any(node, torch.dtype)):
         return []
@@ -177,7 +180,9 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
         if isinstance(value, torch.dtype)
     ]
     if custom:
-        passed = {argument.name for _, argument, _ in schema_arguments(node)}
+        passed = {
+            argument.name for _, argument, value in schema_arguments(node) if value is not None
+        }
         found += [
             (("kwargs", argument.name), torch.float32)
             for argument in op_arguments(node.target) or ()
@@ -186,6 +191,11 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
             and argument.default in (_FLOAT32_CODE, torch.float32)
             and argument.name not in passed
         ]
+        declared = declaration(node.target)  # an output dtype None or absent stands for one
+        if declared is not None and declared.output_dtype and declared.output_dtype not in passed:
+            location = ("kwargs", declared.output_dtype)
+            if all(at != location for at, _ in found):
+                found.append((location, declared.output_dtype_default))
     return found
 
 

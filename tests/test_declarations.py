@@ -1,0 +1,146 @@
+"""fx16.declare_op: how a custom op treats dtypes (the argument that sets its output
+dtype) and scales (the arguments its result is linear in), for PT2E's dequantize ops,
+torchao's and a user's own."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fx16
+from fx16.analysis.scale_domains import scale_domains
+from fx16.errors import InvalidOptionError
+from fx16.ops.declarations import declaration
+from fx16.program.stats import program_stats
+from fx16.report import report_of
+from fx16.testing.custom_ops import DefaultDtypeDequantize
+from helpers import check_program, export, run
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.out = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hidden(x)))
+
+
+def _pt2e_int8(model, x):
+    """``model`` quantized to int8 with torchao's PT2E flow (XNNPACK's symmetric
+    per-channel config), exported: dequantize ops return fp32 unless ``out_dtype``."""
+    pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
+    xnnpack = pytest.importorskip("torchao.testing.pt2e._xnnpack_quantizer")
+    quantizer = xnnpack.XNNPACKQuantizer().set_global(
+        xnnpack.get_symmetric_quantization_config(is_per_channel=True)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = pt2e.prepare_pt2e(torch.export.export(model, (x,)).module(), quantizer)
+        prepared(x)
+        return torch.export.export(pt2e.convert_pt2e(prepared), (x,))
+
+
+def test_a_pt2e_int8_program_runs_its_products_in_16_bit():
+    """Input graph: quantize -> dequantize_per_tensor (out_dtype None: fp32) -> linear
+    (int8 weights through dequantize_per_channel) -> ... Output: each dequantize given
+    out_dtype=float16, every matmul FLOP 16-bit, the biases stored fp16, the outputs
+    within 16-bit rounding of the int8 program's (the int8 values are unchanged)."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    ep = _pt2e_int8(Mlp().eval(), x)
+    with torch.no_grad():
+        expected = ep.module()(x)
+    fx16.cast_to_16_bit_precision(ep)
+    check_program(ep)
+    dequantizes = [
+        n
+        for n in ep.graph_module.graph.nodes
+        if n.op == "call_function" and "dequantize" in str(n.target)
+    ]
+    assert dequantizes and all(n.kwargs.get("out_dtype") == torch.float16 for n in dequantizes)
+    stats = program_stats(ep)
+    assert stats.flop_share_16bit == 1.0
+    assert stats.fp32_weight_bytes == 0
+    got = run(ep, x)[0].double()
+    assert float((got - expected.double()).abs().max() / expected.abs().max()) < 2e-2
+
+
+class BlockScaled(nn.Module):
+    """int8 weights with per-row scales of ~3e-6 (subnormal in fp16), dequantized by a
+    user's op declared linear in its scale, then a product and an output scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        weight = torch.randn(64, 32) * 1e-4
+        scale = weight.abs().amax(1, keepdim=True) / 127
+        self.register_buffer("qweight", torch.round(weight / scale).to(torch.int8))
+        self.register_buffer("scale", scale)
+
+    def forward(self, x):
+        weight = torch.ops.fx16_test.dequantize_to(self.qweight, self.scale)
+        return x @ weight.t() * 1e3
+
+
+@pytest.fixture
+def declared_dequantize():
+    op = torch.ops.fx16_test.dequantize_to
+    yield fx16.declare_op(op, output_dtype="output_dtype", linear_in=("scale",))
+    fx16.ops.declarations._DECLARED.pop("fx16_test::dequantize_to", None)
+
+
+def test_subnormal_block_scales_are_carried_at_a_power_of_two(declared_dequantize):
+    """Input graph: dequantize_to(int8, scale ~3e-6) -> t -> matmul -> mul 1e3. Output:
+    the scale stored fp16 at 2**k (its largest at least 2**-8), the dequantize and the
+    product 16-bit and carried at 2**k, taken back in the 1e3: no fp32 op, no cast."""
+    torch.manual_seed(0)
+    model, x = BlockScaled().eval(), torch.randn(8, 32)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    (domain,) = scale_domains(ep.graph_module)
+    assert domain.folded == ("b_scale",) and domain.k < 0
+    stored = ep.state_dict["scale"]
+    assert stored.dtype == torch.float16 and float(stored.abs().max()) >= 2.0**-8
+    stats = program_stats(ep)
+    assert stats.ops_in(torch.float32) == 0 and stats.casts == 0
+    with torch.no_grad():  # its custom op computes in the scale's dtype: fp32, not fp64
+        expected = model(x).double()
+    got = run(ep, x)[0].double()
+    assert float((got - expected).abs().max() / expected.abs().max()) < 4 * 2.0**-11
+
+
+def test_without_the_declaration_the_scales_stay_fp32():
+    """The same program with nothing declared: the subnormal scale stays fp32 and the
+    dequantize computes in fp32 (what a declaration saves)."""
+    torch.manual_seed(0)
+    model, x = BlockScaled().eval(), torch.randn(8, 32)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    rows = {row.node: row for row in report_of(ep).rows}
+    assert rows["b_scale"].dtype == "float32" and rows["dequantize_to"].dtype == "float32"
+
+
+def test_a_declared_output_dtype_is_passed_where_the_op_computes_16_bit(declared_dequantize):
+    """dequantize_to's output_dtype defaults to float32; declared, the cast passes
+    float16 there, and the product reading it is 16-bit."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    ep = fx16.cast_fp32_to_fp16(export(DefaultDtypeDequantize().eval(), x))
+    check_program(ep)
+    (node,) = [n for n in ep.graph_module.graph.nodes if "dequantize_to" in str(n.target)]
+    assert node.kwargs.get("output_dtype") == torch.float16
+    assert program_stats(ep).flop_share_16bit == 1.0
+
+
+@pytest.mark.parametrize(
+    ("op", "options", "match"),
+    [
+        (torch.ops.fx16_test.dequantize_to, {"linear_in": ("scales",)}, "has no argument scales"),
+        ("dequantize_to", {}, "namespace::op"),
+        (42, {}, "takes an op or its name"),
+    ],
+)
+def test_a_malformed_declaration_is_refused(op, options, match):
+    with pytest.raises(InvalidOptionError, match=match):
+        fx16.declare_op(op, **options)
+    assert declaration(torch.ops.fx16_test.dequantize_to.default) is None
