@@ -429,3 +429,97 @@ def test_no_domain_is_planned_inside_the_models_own_fp32_regions():
     domains = scale_domains(ep.graph_module)
     assert domains and not any(set(domain.values) & regions for domain in domains)
     assert not any(meta.RANGE_SCALE in node.meta for node in ep.graph_module.graph.nodes)
+
+
+def _fitted_cnn() -> GrowingCnn:
+    """The growing CNN with its BatchNorms' running statistics fitted to data, as a
+    trained model's are: nonzero running means (the inputs carry an offset), each
+    weight then set to 30 standard deviations so that the blocks still grow past
+    fp16's range."""
+    torch.manual_seed(0)
+    model = GrowingCnn()
+    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    for norm in norms:
+        norm.momentum = None  # a cumulative average over the fitting batches
+    model.train()
+    with torch.no_grad():
+        for _ in range(4):
+            model(torch.randn(4, 8, 8, 8) + 0.5)
+        for norm in norms:
+            norm.weight.copy_(30 * (norm.running_var + norm.eps).sqrt())
+    return model.eval()
+
+
+def test_a_batch_norm_with_fitted_running_statistics_scales_its_mean_with_its_input():
+    """Input graph: the growing CNN with nonzero running means. Output: the plan
+    applies whole (the scaled fp32 program computes the same function: a mean left
+    unscaled would move the outputs and take the plan back), every BatchNorm 16-bit,
+    within 16-bit rounding of fp64."""
+    model = _fitted_cnn()
+    means = [m.running_mean.abs().max() for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert min(means) > 1e-2  # fitted, not the zeros of a fresh model
+    x = torch.randn(2, 8, 8, 8) + 0.5
+    ep = export(model, x)
+    _scale(ep)
+    assert scale_domains(ep.graph_module)
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-5)
+    cast = fx16.cast_fp32_to_fp16(export(model, x))
+    assert max(domain.k for domain in scale_domains(cast.graph_module)) >= 7
+    assert program_stats(cast).flop_share_16bit == 1.0
+    assert max_error(fp64_reference(model, x), run(cast, x)) < 2e-3
+
+
+def test_no_fold_takes_a_stored_tensor_below_fp16s_normal_range():
+    """Every state tensor a cast stores in fp16 keeps its largest magnitude in fp16's
+    normal range, after its folds, on the range benchmark's models (a fold of 2**-13
+    into a conv bias of 0.08 would leave it subnormal)."""
+    tiny = torch.finfo(torch.float16).tiny
+    torch.manual_seed(0)
+    for model, x in (
+        (_fitted_cnn(), torch.randn(2, 8, 8, 8)),
+        (Residual(blocks=4, gain=3e5).eval(), torch.randn(4, 16)),
+        (RawUnits().eval(), torch.rand(8, 16) * 1e6),
+    ):
+        ep = fx16.cast_fp32_to_fp16(export(model, x))
+        assert scale_domains(ep.graph_module)
+        for name, tensor in ep.state_dict.items():
+            if tensor.dtype == torch.float16 and tensor.abs().max() > 0:
+                assert float(tensor.abs().max()) >= tiny, name
+
+
+class GrowingConvs(nn.Module):
+    """Convs with biases, each block growing about 8x past fp16's range (1e7 after ten
+    blocks), then a strided conv and a transposed one, a skip and a GroupNorm: the
+    domain reaches 2**-11, where the later convs' biases (|b| <= 0.2) fold below fp16's
+    normal range."""
+
+    def __init__(self, blocks: int = 10) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(blocks))
+        self.down, self.up = nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ConvTranspose2d(8, 8, 2, 2)
+        with torch.no_grad():
+            for conv in self.convs:
+                conv.weight.mul_(8 / conv.weight.std() / 72**0.5)
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = torch.relu(conv(x))
+        return nn.functional.group_norm(self.up(torch.relu(self.down(x))) + x, 2)
+
+
+def test_a_bias_folded_below_the_normal_range_stays_16_bit():
+    """Input graph: ten convs growing to 1e7, a down- and an upsampling conv. Output:
+    the biases folded by 2**-11 are stored fp16 (their rounding is absorbed by the
+    product they are added to; the row says they were folded), every conv 16-bit,
+    no fp32 op (each such bias kept every conv after it fp32: 49% of FLOPs)."""
+    torch.manual_seed(0)
+    model, x = GrowingConvs().eval(), torch.randn(2, 8, 16, 16)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    assert max(domain.k for domain in scale_domains(ep.graph_module)) >= 10
+    stats = program_stats(ep)
+    assert stats.flop_share_16bit == 1.0 and stats.ops_in(torch.float32) == 0
+    folded = [row for row in report_of(ep).rows if "a bias folded by 2**" in row.detail]
+    assert folded and all(row.dtype == "float16" for row in folded)
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 8 * 2.0**-11

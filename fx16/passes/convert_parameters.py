@@ -98,11 +98,12 @@ class ConvertParametersPass(PolicyPass):
             )
             for slot, tensor in slots
         ]
-        narrowing = []
+        narrowing, details = [], {}
         for (slot, tensor), choice in zip(slots, plan_state(views)):
             record_rule(slot.placeholder, choice.rule)
             if choice.action == Action.LOW:
                 narrowing.append((slot, tensor))
+                details[slot.target] = choice.detail  # a folded bias says so
             elif choice.action == Action.FP32:
                 decide(slot.placeholder, torch.float32, choice.reason, detail=choice.detail)
             # Action.KEEP: stored fp32 by an earlier cast, as before
@@ -127,7 +128,7 @@ class ConvertParametersPass(PolicyPass):
             else:
                 self.program.narrow_state(slot.target, low, may_flush)
             slot.placeholder.meta["val"] = val
-            decide(slot.placeholder, low, Reason.FITS)
+            decide(slot.placeholder, low, Reason.FITS, detail=details[slot.target])
             modified = True
         if not self.program.defers_state:
             self.program.commit_state()

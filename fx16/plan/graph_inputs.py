@@ -14,6 +14,7 @@ from torch.fx import Node
 
 from fx16 import meta
 from fx16.decisions import PRECISION, Decision, Reason
+from fx16.ops.scaling import Kind, rule_of
 from fx16.plan.precedence import Action, Choice, Rule, choose
 from fx16.plan.steps import Planned
 from fx16.policy import Precision, PrecisionPolicy
@@ -74,8 +75,30 @@ def _value_overflow(view: InputView) -> Choice | None:
 
 
 def _value_below_range(view: InputView) -> Choice | None:
-    """Every element below the 16-bit normal range (zeros or subnormals in 16-bit)."""
-    return Choice(Action.FP32, Reason.VALUE_BELOW_RANGE) if view.fitted[2] else None
+    """Every element below the 16-bit normal range (zeros or subnormals in 16-bit);
+    except a bias a scale domain folded there (a conv's bias of 0.08 at 2**-13): it is
+    added to a product carried at the same scale, whose values absorb its rounding, and
+    the user's tensor was in range."""
+    if not view.fitted[2]:
+        return None
+    if _folded_bias(view.node):
+        detail = f"a bias folded by 2**{meta.scale_exponent(view.node)} into its product's scale"
+        return Choice(Action.LOW, Reason.FITS, detail)
+    return Choice(Action.FP32, Reason.VALUE_BELOW_RANGE)
+
+
+def _folded_bias(node: Node) -> bool:
+    """``node`` is a state tensor a scale domain folded down, and every op that reads it
+    adds it to a product (its bias)."""
+    if meta.scale_exponent(node) >= 0 or not node.users:
+        return False
+    for user in node.users:
+        rule = rule_of(user) if user.op == "call_function" else None
+        if rule is None or rule.kind is not Kind.PRODUCT or rule.bias is None:
+            return False
+        if rule.bias >= len(user.args) or user.args[rule.bias] is not node:
+            return False
+    return True
 
 
 def _observed_overflow(view: InputView) -> Choice | None:
