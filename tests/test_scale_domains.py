@@ -523,3 +523,32 @@ def test_a_bias_folded_below_the_normal_range_stays_16_bit():
     folded = [row for row in report_of(ep).rows if "a bias folded by 2**" in row.detail]
     assert folded and all(row.dtype == "float16" for row in folded)
     assert max_error(fp64_reference(model, x), run(ep, x)) < 8 * 2.0**-11
+
+
+class SubnormalBandWeights(nn.Module):
+    """A product with weights of ~1e-6: below fp16's normal range (6.1e-5) but above its
+    smallest subnormal (6e-8), so fp16 would hold them with a few bits; then a scale back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(32, 32) * 1e-6)
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.head((x @ self.gain) * 1e5)
+
+
+def test_weights_in_the_subnormal_band_are_carried_at_a_power_of_two():
+    """Input graph: x @ gain (~1e-6) -> * 1e5 -> linear. Output: gain stored fp16 at
+    2**k with its largest normal, the product 16-bit, within 16-bit rounding of fp64
+    (stored as fp16 subnormals it would keep 4-6 bits: errors of a few percent)."""
+    torch.manual_seed(0)
+    model, x = SubnormalBandWeights().eval(), torch.randn(8, 32)
+    assert 6e-8 < model.gain.abs().max() < 6.1e-5
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    stored = ep.state_dict["gain"]
+    assert stored.dtype == torch.float16
+    assert float(stored.abs().max()) >= torch.finfo(torch.float16).tiny
+    assert program_stats(ep).flop_share_16bit == 1.0
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 8 * 2.0**-11

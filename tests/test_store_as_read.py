@@ -121,3 +121,28 @@ def test_property_no_weight_is_stored_16_bit_only_to_be_cast_up(case, margin):
             assert node.meta["val"].dtype == torch.float32 and not casts_up, node.name
         elif node.name.startswith(("p_", "b_", "c_")) and decided.narrowed:
             assert len(casts_up) < len(node.users), node.name
+
+
+class OneNameTwoReaders(nn.Module):
+    """One weight under one name, read by a product in 16-bit and by a scaling past
+    fp16's range that computes in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) * 0.1)
+
+    def forward(self, x):
+        return x @ self.weight, self.weight * 1e6
+
+
+def test_a_weight_one_reader_of_which_computes_16_bit_stays_16_bit():
+    """Input: w read by matmul (16-bit) and by w * 1e6 (fp32 for range). Output: w
+    stored fp16, cast up for the fp32 reader only; stored fp32 it would double its bytes
+    for the product's sake of nothing."""
+    torch.manual_seed(0)
+    ep = fx16.cast_fp32_to_fp16(export(OneNameTwoReaders(), torch.randn(4, 8)), policy=NO_SCALING)
+    check_program(ep)
+    assert ep.state_dict["weight"].dtype == torch.float16
+    assert _weights(ep)["p_weight"].reason is Reason.FITS
+    mul = next(n for n in ep.graph.nodes if n.target == torch.ops.aten.mul.Tensor)
+    assert mul.meta[PRECISION].dtype == torch.float32
