@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import fx16
+from fx16 import meta
 from fx16.passes import RangeFallbackPass
 from fx16.program.casts import cast_dtype, is_cast
 from fx16.report import report_of
@@ -208,3 +209,18 @@ def test_inspect_lists_what_the_fallback_moved_with_its_true_cause(tmp_path):
     assert not report_of(
         fx16.cast_fp32_to_fp16(export(model, x), policy="auto_mixed_bf16")
     ).explained()
+
+
+def test_the_doors_multiply_stays_fp32_under_the_fallback():
+    """Input graph: raw units (~1e6, fp32) * 2**-k at the door -> linear ... With
+    range_fallback="bf16" the door's multiply, exact in fp32 and reading an fp32 input
+    kept for range, stays fp32: in bf16 it would round every input to 8 bits."""
+    from benchmarks.range import RawUnits
+
+    torch.manual_seed(0)
+    model, x = RawUnits().eval(), torch.rand(8, 16) * 1e6
+    ep = fx16.cast_fp32_to_fp16(export(model, x), range_fallback="bf16")
+    check_program(ep)
+    doors = [n for n in ep.graph.nodes if meta.range_scaled(n)]
+    assert doors and all(n.meta["val"].dtype == torch.float32 for n in doors)
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 4 * 2.0**-11

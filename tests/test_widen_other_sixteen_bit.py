@@ -27,7 +27,7 @@ from helpers import (
     run,
     state_snapshot,
 )
-from models import MLP
+from models import MLP, AutocastRegions
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -258,3 +258,24 @@ def test_property_tied_state_shares_storage_after_any_cast(dtype, gain, low):
         assert same  # nothing to cast: refused, the program as it was
     assert _tied(ep)
     run(ep, ids)
+
+
+def test_an_autocast_region_the_model_wrote_keeps_its_dtypes():
+    """Input: a bf16 program (its weights bf16) with a bf16 autocast region around a
+    linear. Output, cast to fp16: the region's body computes in the dtype the region
+    sets (bf16), as the model wrote it: the values joined to it are not widened."""
+    from fx16.program.subgraphs import AUTOCAST
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, dtype=BF16)
+    ep = fx16.cast_fp32_to_fp16(export(AutocastRegions(BF16).to(BF16).eval(), x))
+    check_program(ep)
+    region = next(
+        n
+        for n in ep.graph_module.graph.find_nodes(op="call_function", target=AUTOCAST)
+        if n.args[1] == BF16 and n.args[2]  # the enabled bf16 region
+    )
+    body = getattr(ep.graph_module, region.args[4].target)
+    linears = [n for n in body.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert linears and all(node_val(n).dtype == BF16 for n in linears)
+    assert ep.state_dict["inner.weight"].dtype == BF16
