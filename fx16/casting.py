@@ -7,7 +7,7 @@ the program is restored and a ``PassFailedError`` names the stage.
 
 from collections.abc import Callable, Collection
 from dataclasses import replace
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from torch.export import ExportedProgram
 
@@ -28,7 +28,8 @@ from fx16.report.saved import keep_decisions, restore_decisions
 
 
 def cast_fp32_to_fp16(
-    ep: ExportedProgram,
+    exported_program: ExportedProgram,
+    ignored_ops: Any = None,
     *,
     policy: PrecisionPolicy | str | None = None,
     explicit_fp32: str | None = None,
@@ -49,7 +50,7 @@ def cast_fp32_to_fp16(
     progress: bool | None = None,
     **unknown: NoReturn,
 ) -> ExportedProgram:
-    """Rewrite ``ep`` in place to compute in fp16 where that is safe, and return it.
+    """Rewrite ``exported_program`` in place to compute in fp16 where that is safe, and return it.
 
     Parameters, buffers, constants and user inputs become fp16 unless a value
     exceeds the fp16 range; ops run in fp16 unless an input or scalar forces fp32.
@@ -58,7 +59,13 @@ def cast_fp32_to_fp16(
     same rules; one that computes in fp16 already, with nothing in fp32, is refused.
 
     Args:
-        ep: the program, changed in place.
+        exported_program: the program, changed in place (positional or by this name, as
+            in coreai-opt).
+        ignored_ops: coreai-opt's option, with its meaning: ops to keep in fp32, with
+            casts at their boundary - an op (``torch.ops.aten.exp`` for every overload, or
+            ``torch.ops.aten.exp.default``), a collection of them, or a predicate on a
+            ``torch.fx.Node`` (``lambda node: node.name == "exp_1"``). The report names
+            the cause (``ignored_op``), apart from ``force_fp32``.
         policy: a ``fx16.PrecisionPolicy`` or a preset name ("auto_mixed_bf16", ...);
             default: everything in fp16 where safe (coreai-opt's behaviour, made safe).
         explicit_fp32: what becomes of the fp32 regions the model opens itself
@@ -99,7 +106,7 @@ def cast_fp32_to_fp16(
             (``{"timestep": (0, 999)}``), as in ``cast_int32_to_int16``: floats made
             from them (``t.float()``) take their range from these, so the
             conditioning rule can tell a sin/cos of them is safe in fp16.
-        force_fp32: names of nodes (as in ``ep.graph``) that must stay fp32, whatever
+        force_fp32: names of nodes (as in ``exported_program.graph``) that must stay fp32, whatever
             the policy says; "output" returns outputs computed in fp32 as fp32.
         scalars: which Python numbers of 16-bit ops become 0-d 16-bit constants, so
             that ExecuTorch's ``to_edge`` casts no constant on every call: "exact"
@@ -133,10 +140,11 @@ def cast_fp32_to_fp16(
             (and a type checker flags it).
 
     Returns:
-        ``ep`` itself, cast; its report is ``fx16.report.report_of(ep)``.
+        ``exported_program`` itself, cast; its report is
+        ``fx16.report.report_of(exported_program)``.
 
     Raises:
-        fx16.InvalidProgramError: ``ep`` is not an ExportedProgram, or there is
+        fx16.InvalidProgramError: ``exported_program`` is not an ExportedProgram, or there is
             nothing to cast (it computes in fp16 already, with no fp32 value).
         fx16.InvalidOptionError: an unknown keyword, a malformed option, a name (in
             ``keep_io_types``, the policy's ``modules``/``nodes``/``ops``,
@@ -146,14 +154,14 @@ def cast_fp32_to_fp16(
             fx16 may return to fp32 in fp32.
         fx16.PassFailedError: a stage failed.
 
-    Each leaves ``ep`` exactly as it was.
+    Each leaves ``exported_program`` exactly as it was.
     """
     reject_unknown(cast_fp32_to_fp16, unknown)
     fp16_options = Fp16Options(**_fp16_fields(locals()))
     budget = dict(
         max_rel_error=max_rel_error, target_share=target_share, metric=metric, validation=validation
     )
-    return _cast(ep, "cast_fp32_to_fp16", fp16_options, None, budget, progress)
+    return _cast(exported_program, "cast_fp32_to_fp16", fp16_options, None, budget, progress)
 
 
 def _fp16_fields(arguments: dict) -> dict:
@@ -162,14 +170,15 @@ def _fp16_fields(arguments: dict) -> dict:
 
 
 def cast_int32_to_int16(
-    ep: ExportedProgram,
+    exported_program: ExportedProgram,
     *,
     input_ranges: dict | None = None,
     int16: str = "proven",
     calibration: list | None = None,
     **unknown,
 ) -> ExportedProgram:
-    """Rewrite ``ep`` in place so integer computations run in int16 where nothing can wrap.
+    """Rewrite ``exported_program`` in place so integer computations run in int16 where
+    nothing can wrap.
 
     Only the castable set is considered: integer values connected to an integer
     add/sub/mul on tensors, that depend on a user input and never flow into an
@@ -193,11 +202,12 @@ def cast_int32_to_int16(
     """
     reject_unknown(cast_int32_to_int16, unknown)
     options = dict(input_ranges=input_ranges, int16=int16, calibration=calibration)
-    return _cast(ep, "cast_int32_to_int16", None, options, {}, None)
+    return _cast(exported_program, "cast_int32_to_int16", None, options, {}, None)
 
 
 def cast_to_16_bit_precision(
-    ep: ExportedProgram,
+    exported_program: ExportedProgram,
+    ignored_ops: Any = None,
     *,
     policy: PrecisionPolicy | str | None = None,
     explicit_fp32: str | None = None,
@@ -222,7 +232,8 @@ def cast_to_16_bit_precision(
     """fp32 -> fp16, then int32/int64 -> int16, in place and as one transaction.
 
     Args:
-        ep: the program, changed in place.
+        exported_program: the program, changed in place (positional or by this name).
+        ignored_ops: coreai-opt's option, as in ``cast_fp32_to_fp16``.
         policy: as in ``cast_fp32_to_fp16``; so are ``explicit_fp32``, ``stabilize``,
             ``eps_clamp``, ``routing``, ``range_fallback``, ``keep_io_types``,
             ``overflow_margin``,
@@ -251,11 +262,11 @@ def cast_to_16_bit_precision(
         **unknown: none is accepted: an unknown keyword raises ``InvalidOptionError``.
 
     Returns:
-        ``ep`` itself, cast.
+        ``exported_program`` itself, cast.
 
     Raises:
         fx16.Fx16Error: as ``cast_fp32_to_fp16`` and ``cast_int32_to_int16`` raise,
-            leaving ``ep`` as it was.
+            leaving ``exported_program`` as it was.
     """
     reject_unknown(cast_to_16_bit_precision, unknown)
     fp16_options = Fp16Options(**_fp16_fields(locals()))
@@ -263,7 +274,9 @@ def cast_to_16_bit_precision(
     budget = dict(
         max_rel_error=max_rel_error, target_share=target_share, metric=metric, validation=validation
     )
-    return _cast(ep, "cast_to_16_bit_precision", fp16_options, int16_options, budget, progress)
+    return _cast(
+        exported_program, "cast_to_16_bit_precision", fp16_options, int16_options, budget, progress
+    )
 
 
 @collector_paused()

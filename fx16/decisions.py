@@ -83,6 +83,7 @@ class Reason(str, enum.Enum):
     )
     ACCURACY_FALLBACK = "returned to fp32 to meet the accuracy budget"
     FORCED = "the caller's force_fp32 names it"
+    IGNORED_OP = "the caller's ignored_ops names it"
     POLICY = "the precision policy asks for fp32"
     POLICY_FOLLOW = "follows its inputs' dtype (the policy's follow/promote rule)"
     KEEP_IO = "kept at its original dtype (keep_io_types)"
@@ -283,6 +284,11 @@ REASON_SPECS: dict[Reason, ReasonSpec] = {
         "choice",
         downcastable=True,
         cause="the caller's `force_fp32=[...]` names it",
+    ),
+    Reason.IGNORED_OP: ReasonSpec(
+        "choice",
+        downcastable=True,
+        cause="an op the caller's `ignored_ops` names (coreai-opt's option)",
     ),
     Reason.POLICY: ReasonSpec("choice", downcastable=True),
     Reason.POLICY_FOLLOW: ReasonSpec("choice", downcastable=True),

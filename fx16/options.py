@@ -7,9 +7,11 @@ declared, defaulted and checked for unknown names once. What each option means i
 documented on ``fx16.cast_fp32_to_fp16``.
 """
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields, replace
 from typing import Any
+
+import torch
 
 from fx16.errors import InvalidOptionError
 
@@ -27,6 +29,7 @@ class Fp16Options:
     overflow_margin: float = 2.0
     input_ranges: dict | None = None
     force_fp32: Collection[str] | str = frozenset()
+    ignored_ops: Any = None  # coreai-opt's: ops, a collection of them, or a node predicate
     scalars: str = "exact"  # which Python numbers become 16-bit constants
     # the nodes an accuracy-budget search returned to fp32 (set by the search, not by
     # callers: their own names go in force_fp32, and the report tells the two apart)
@@ -56,3 +59,61 @@ class Fp16Options:
 
     def as_keywords(self) -> dict:
         return {name: getattr(self, name) for name in sorted(self.names())}
+
+
+_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
+@dataclass(frozen=True)
+class IgnoredOps:
+    """coreai-opt's ``ignored_ops``, as fx16 reads it: the ops (overloads, or packets for
+    all their overloads) and the predicate on a ``torch.fx.Node`` whose nodes compute in
+    fp32, with casts at their boundary."""
+
+    ops: frozenset = frozenset()
+    predicate: Callable | None = None
+
+    @classmethod
+    def of(cls, value) -> "IgnoredOps":
+        """``value`` as coreai-opt takes it: None, one op, a collection of ops, or a
+        predicate; ``InvalidOptionError`` for anything else, naming it."""
+        if value is None or isinstance(value, IgnoredOps):
+            return value or cls()
+        if isinstance(value, _OPS):
+            return cls(frozenset([value]))
+        if callable(value):
+            return cls(predicate=value)
+        if isinstance(value, (str, bytes)) or not isinstance(value, Collection):
+            raise InvalidOptionError(_MALFORMED.format(value=value))
+        wrong = [item for item in value if not isinstance(item, _OPS)]
+        if wrong:
+            raise InvalidOptionError(_MALFORMED.format(value=wrong[0]))
+        return cls(frozenset(value))
+
+    def names(self, node) -> str | None:
+        """What names ``node`` (a call of an op this names, or one the predicate
+        accepts), as the report says it; None where nothing does."""
+        target = getattr(node, "target", None)
+        if isinstance(target, torch._ops.OpOverload):
+            for op in (target, target.overloadpacket):
+                if op in self.ops:
+                    return f"ignored_ops names {op}"
+        if self.predicate is not None and node.op == "call_function" and self.predicate(node):
+            name = getattr(self.predicate, "__qualname__", "the predicate")
+            return f"ignored_ops's predicate {name} accepts {node.name}"
+        return None
+
+    def __repr__(self) -> str:
+        named = sorted(map(str, self.ops))
+        if self.predicate is not None:
+            named.append(getattr(self.predicate, "__qualname__", "predicate"))
+        return f"IgnoredOps({named})"
+
+    def __bool__(self) -> bool:
+        return bool(self.ops) or self.predicate is not None
+
+
+_MALFORMED = (
+    "ignored_ops takes an op (torch.ops.aten.exp or torch.ops.aten.exp.default), a "
+    "collection of ops, or a function of a torch.fx.Node, as coreai-opt does; got {value!r}"
+)

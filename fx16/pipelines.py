@@ -117,15 +117,11 @@ def _preparing(program: Program, options: Fp16Options, policy: PrecisionPolicy) 
         if rewrites
         else []
     )
-    limit = overflow_limit(policy, options.overflow_margin)
-    scaling = (
-        [
-            ScaleDomainsAnalysis(program, limit, policy.explicit_fp32 != "retarget"),
-            ScaleDomainsPass(program, options.calibration),
-        ]
-        if policy.low == torch.float16 and policy.scale_range
-        else []
-    )
+    limit, calls = overflow_limit(policy, options.overflow_margin), options.calibration
+    scaling = []
+    if policy.low == torch.float16 and policy.scale_range:
+        keeps = policy.explicit_fp32 != "retarget"  # the model's fp32 regions stay fp32
+        scaling = [ScaleDomainsAnalysis(program, limit, keeps), ScaleDomainsPass(program, calls)]
     return {
         "prepare": [
             RecordStatsPass(program),
@@ -134,8 +130,8 @@ def _preparing(program: Program, options: Fp16Options, policy: PrecisionPolicy) 
             *stabilize,
         ],
         "calibrate": [
-            CalibrationAnalysis(program, options.calibration),
-            SentinelFillsPass(program, policy.low, options.calibration),
+            CalibrationAnalysis(program, calls),
+            SentinelFillsPass(program, policy.low, calls),
             *scaling,
         ],
         "analyze": [
@@ -155,9 +151,7 @@ def _deciding(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
     shared = dict(policy=policy, force_fp32=forced)
     return {
         "decide": [
-            Fp32RulesAnalysis.standard(
-                policy.low, limit, options.force_fp32, options.fallback, program
-            ),
+            Fp32RulesAnalysis.standard(policy.low, limit, program=program, options=options),
             VerdictCheckAnalysis(program, policy, options.calibration),
         ],
         "convert": [

@@ -42,7 +42,8 @@ from fx16.passes import (
 from fx16.pipelines import run_passes
 from fx16.policy import PrecisionPolicy
 from fx16.program.lazy_code import compile_when_needed
-from helpers import assert_same_state, check_program, export, state_snapshot
+from fx16.report import report_of
+from helpers import assert_same_state, check_program, export, run_fx16, state_snapshot
 from models import MLP, OverflowWeight, PositionsAndMask, RMSNormMLP
 
 INPUT_WIDTH = {MLP: 8, OverflowWeight: 4, RMSNormMLP: 16}
@@ -259,3 +260,81 @@ def test_bad_input_range_name_leaves_the_program_unchanged():
 def test_unknown_option_is_named():
     with pytest.raises(fx16.InvalidOptionError, match="input_range'.*accepted"):
         fx16.cast_to_16_bit_precision(_int_program(), input_range={"ids": (0, 9)})
+
+
+def test_the_three_functions_take_coreai_opts_parameters():
+    """coreai-opt 0.3.0: ``cast_fp32_to_fp16(exported_program, ignored_ops=None)``,
+    ``cast_to_16_bit_precision(exported_program, ignored_ops=None)``,
+    ``cast_int32_to_int16(exported_program)``: the same names, positions and defaults
+    (fx16's own options come after, by keyword)."""
+    import inspect
+
+    expected = {
+        "cast_fp32_to_fp16": ["exported_program", "ignored_ops"],
+        "cast_to_16_bit_precision": ["exported_program", "ignored_ops"],
+        "cast_int32_to_int16": ["exported_program"],
+    }
+    for name, names in expected.items():
+        parameters = list(inspect.signature(getattr(fx16, name)).parameters.values())
+        positional = [p for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD]
+        assert [p.name for p in positional] == names
+        assert all(p.default is None for p in positional[1:])
+    torch.manual_seed(0)
+    for function in (
+        fx16.cast_fp32_to_fp16,
+        fx16.cast_to_16_bit_precision,
+        fx16.cast_int32_to_int16,
+    ):
+        assert function(exported_program=_fresh(MLP)) is not None
+
+
+class TwoExps(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.exp(self.linear(x).tanh()) + torch.exp(-x.abs())
+
+
+@pytest.mark.parametrize(
+    ("ignored", "kept"),
+    [
+        ({torch.ops.aten.exp}, {"exp", "exp_1"}),  # a packet: every overload
+        (torch.ops.aten.exp.default, {"exp", "exp_1"}),  # one op, not in a collection
+        ([torch.ops.aten.exp.default], {"exp", "exp_1"}),
+        (lambda node: node.name == "exp_1", {"exp_1"}),  # a predicate on a node
+    ],
+    ids=["packet", "overload", "list", "predicate"],
+)
+def test_ignored_ops_keeps_what_it_names_fp32_with_its_own_cause(ignored, kept):
+    """As coreai-opt: the named ops compute in fp32 with casts at their boundary; the
+    report says ``ignored_op`` ("the caller's ignored_ops names it"), not force_fp32."""
+    x = torch.randn(4, 8)
+    for function in (fx16.cast_fp32_to_fp16, fx16.cast_to_16_bit_precision):
+        ep = function(export(TwoExps().eval(), x), ignored)  # positional, as coreai-opt
+        check_program(ep)
+        rows = {row.node: row for row in report_of(ep).rows}
+        assert {name for name in ("exp", "exp_1") if rows[name].rule == "ignored_op"} == kept
+        assert all(rows[name].dtype == "float32" for name in kept)
+        assert rows["linear"].dtype == "float16"
+
+
+@pytest.mark.parametrize("bad", ["exp", ["exp"], 3, [torch.ops.aten.exp, "exp"]])
+def test_a_malformed_ignored_ops_is_refused_and_changes_nothing(bad):
+    ep = export(TwoExps().eval(), torch.randn(4, 8))
+    before = ep.graph_module.code
+    with pytest.raises(fx16.InvalidOptionError, match="ignored_ops takes an op"):
+        fx16.cast_fp32_to_fp16(ep, ignored_ops=bad)
+    assert ep.graph_module.code == before
+
+
+def test_the_command_line_takes_ignore_op(tmp_path):
+    source = tmp_path / "exps.pt2"
+    torch.export.save(export(TwoExps().eval(), torch.randn(4, 8)), source)
+    result = run_fx16(["inspect", source, "--ignore-op", "exp", "--ignore-op", "aten.tanh.default"])
+    assert result.returncode == 0, result.stderr
+    kept = {line.split()[0] for line in result.stdout.splitlines() if " ignored_op " in line}
+    assert kept == {"exp", "exp_1", "tanh"}
+    bad = run_fx16(["inspect", source, "--ignore-op", "no_such_op"])
+    assert bad.returncode == 2 and "--ignore-op no_such_op: no such op" in bad.stderr

@@ -17,7 +17,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16 import meta
 from fx16.analysis.facts import Facts
 from fx16.analysis.safety_rule import RuleContext
-from fx16.analysis.safety_rules.choices import AccuracyBudgetRule, ForcedRule
+from fx16.analysis.safety_rules.choices import AccuracyBudgetRule, ForcedRule, IgnoredOpsRule
 from fx16.analysis.safety_rules.index import UnsafeIndexRule
 from fx16.analysis.safety_rules.kernels import FakeKernelRule, NoLowKernelRule
 from fx16.analysis.safety_rules.precision import (
@@ -32,6 +32,7 @@ from fx16.analysis.safety_rules.range import (
 )
 from fx16.contracts import Analysis
 from fx16.decisions import Decision, Reason
+from fx16.options import Fp16Options, IgnoredOps
 
 FP32 = torch.float32
 
@@ -80,16 +81,23 @@ class Fp32RulesAnalysis(Analysis):
         force_fp32: frozenset[str] = frozenset(),
         fallback: frozenset[str] = frozenset(),
         program=None,
+        options: Fp16Options | None = None,
     ) -> "Fp32RulesAnalysis":
-        """fx16's rules, safety first: index, the caller's force_fp32, the accuracy
-        budget's choices, observed overflow, custom
+        """fx16's rules, safety first: index, the caller's force_fp32 and ignored_ops,
+        the accuracy budget's choices, observed overflow, custom
         ops without a 16-bit fake kernel, ATen ops without a 16-bit kernel, underflow,
         conditioning, values observed below the normal range (the more specific causes
-        first); then the policy's routers."""
+        first); then the policy's routers. ``options``: the cast's, whose ``force_fp32``,
+        ``ignored_ops`` and ``fallback`` replace the arguments'."""
+        ignored = IgnoredOps()
+        if options is not None:
+            force_fp32, fallback = options.force_fp32, options.fallback
+            ignored = IgnoredOps.of(options.ignored_ops)
         return cls(
             [
                 UnsafeIndexRule(),
                 ForcedRule(frozenset(force_fp32)),
+                IgnoredOpsRule(ignored),
                 AccuracyBudgetRule(frozenset(fallback)),
                 ObservedOverflowRule(limit),
                 FakeKernelRule(low),

@@ -27,6 +27,7 @@ from fx16.cli.files import (
     writable_path,
     writable_program_path,
 )
+from fx16.cli.options import op_by_name
 from fx16.cli.timings import Timings
 from fx16.demo import run_demo
 from fx16.errors import AccuracyBudgetError, Fx16Error
@@ -303,6 +304,7 @@ def _cast(ep, source: Path, policy: PrecisionPolicy, args, timings: Timings):
         metric=args.metric,
         validation=_validation_calls(ep, args),
         scalars=args.scalars,
+        ignored_ops=[op_by_name(name) for name in args.ignored_ops] or None,
         overflow_margin=args.overflow_margin,
         progress=False if args.quiet else None,
     )

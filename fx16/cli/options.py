@@ -114,6 +114,15 @@ def add_cast_options(parser: argparse.ArgumentParser) -> None:
             f"precisions: {', '.join(PRECISION_NAMES)}); repeatable",
         )
     parser.add_argument(
+        "--ignore-op",
+        dest="ignored_ops",
+        action="append",
+        default=[],
+        metavar="OP",
+        help="keep every call of this op in fp32, as coreai-opt's ignored_ops (an op or "
+        "overload name: exp, aten.exp, aten.exp.default, mylib::dequant); repeatable",
+    )
+    parser.add_argument(
         "--int16",
         choices=INT16_MODES,
         default="proven",
@@ -212,3 +221,29 @@ def _input_range(text: str) -> tuple[str, tuple[int, int]]:
         return name, (int(low), int(high))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected NAME=LO:HI (integers), got {text!r}") from None
+
+
+def op_by_name(name: str):
+    """The op ``name`` names: "exp" (an ATen op, every overload), "aten.exp.default" or
+    "exp.default" (one overload), "mylib::dequant" or "mylib::dequant.default"; asked
+    after the program loads (which registers its custom ops)."""
+    import torch  # here: the parser is built without torch (``fx16 --version``)
+
+    from fx16.cli.files import CommandError
+
+    if "::" in name:
+        namespace, _, rest = name.partition("::")
+        candidates = [(namespace, *rest.split("."))]
+    else:
+        parts = name.split(".")
+        candidates = [("aten", *parts), tuple(parts)]  # "exp.default", or "aten.exp"
+    for namespace, packet, *overload in (c for c in candidates if len(c) >= 2):
+        try:
+            op = getattr(getattr(torch.ops, namespace), packet)
+            return getattr(op, overload[0]) if overload else op
+        except (AttributeError, RuntimeError, IndexError, ValueError):
+            continue
+    raise CommandError(
+        f"--ignore-op {name}: no such op (an op or overload: exp, aten.exp.default, "
+        "mylib::dequant; a custom op's library must be imported: --import)"
+    )

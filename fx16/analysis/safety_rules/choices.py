@@ -1,5 +1,5 @@
-"""The rules that carry the caller's choices: ``force_fp32`` names, and the accuracy
-budget search's fallbacks.
+"""The rules that carry the caller's choices: ``force_fp32`` names, coreai-opt's
+``ignored_ops``, and the accuracy budget search's fallbacks.
 ``fx16.analysis.fp32_rules`` runs them in order."""
 
 from dataclasses import dataclass
@@ -8,6 +8,7 @@ from torch.fx import Node
 
 from fx16.analysis.safety_rule import RuleContext
 from fx16.decisions import Reason
+from fx16.options import IgnoredOps
 
 
 @dataclass(frozen=True)
@@ -39,3 +40,20 @@ class ForcedRule:
 
     def applies(self, node: Node, context: RuleContext) -> str | None:
         return f"force_fp32={node.name!r}" if node.name in self.names else None
+
+
+@dataclass(frozen=True)
+class IgnoredOpsRule:
+    """The ops the caller's ``ignored_ops`` names (coreai-opt's option: ops, a collection
+    of them, or a predicate on a node), computed in fp32 with casts at their boundary.
+
+    Before: ``ignored_ops=`` raised ``unknown option(s)``, and a coreai-opt user had to
+    translate it into node names. After: ``ignored_ops={torch.ops.aten.exp}`` keeps every
+    exp fp32, reported as ``ignored_op``, apart from ``force_fp32``. Costs: what the
+    caller asked for."""
+
+    ops: IgnoredOps
+    reason = Reason.IGNORED_OP
+
+    def applies(self, node: Node, context: RuleContext) -> str | None:
+        return self.ops.names(node) if node.op == "call_function" and self.ops else None
