@@ -47,7 +47,9 @@ def test_the_site_builds_strict_with_the_generated_pages(tmp_path):
     assert "overflow_margin = 2.0" in cast and "**options" not in cast.replace(" ", "")
     assert "Parameters: Name Type Description Default" in cast
     assert "overflow_margin float a value counts as overflowing" in cast
-    raises = "Raises: Type Description InvalidProgramError exported_program is not an ExportedProgram"
+    raises = (
+        "Raises: Type Description InvalidProgramError exported_program is not an ExportedProgram"
+    )
     assert raises in cast
     shutil.copytree(ROOT / "docs", tmp_path / "broken" / "docs")
     shutil.copytree(ROOT / "fx16", tmp_path / "broken" / "fx16")
