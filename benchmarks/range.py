@@ -11,6 +11,7 @@ inside fp16's range) gives the error the range goal compares against. Writes
 
 import argparse
 import copy
+import math
 import warnings
 from pathlib import Path
 
@@ -91,6 +92,105 @@ class LoudAttention(nn.Module):
         return self.out(scores.softmax(-1) @ self.v(x))
 
 
+class RawReadings(nn.Module):
+    """A recurrent layer (two layers) over raw sensor readings (~1e5), trained for them:
+    its first layer's input weights are ~1e-6, below fp16's normal range."""
+
+    def __init__(self, kind=nn.LSTM, bidirectional: bool = False) -> None:
+        super().__init__()
+        self.rnn = kind(8, 16, num_layers=2, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(16 * (2 if bidirectional else 1), 4)
+        with torch.no_grad():
+            for name, weight in self.rnn.named_parameters():
+                if name.startswith("weight_ih_l0"):
+                    weight.mul_(1e-5)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+class GrowingConvs(nn.Module):
+    """Convs with biases, each block growing about 8x past fp16's range (1e7 after ten
+    blocks), then a strided conv and a transposed one, a skip and a GroupNorm: the
+    domain reaches 2**-11, where the later convs' biases (|b| <= 0.2) fold below fp16's
+    normal range."""
+
+    def __init__(self, blocks: int = 10) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(blocks))
+        self.down, self.up = nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ConvTranspose2d(8, 8, 2, 2)
+        with torch.no_grad():
+            for conv in self.convs:
+                conv.weight.mul_(8 / conv.weight.std() / 72**0.5)
+
+    def forward(self, x):
+        for conv in self.convs:
+            x = torch.relu(conv(x))
+        return nn.functional.group_norm(self.up(torch.relu(self.down(x))) + x, 2)
+
+
+class SinkAttention(nn.Module):
+    """Self-attention whose first token has a huge hidden state: every head attends to
+    it, with raw ``q kᵀ`` ~1e5 (past fp16 over the margin) and logits ~3e4 after the
+    ``1/sqrt(d)`` (inside). ``rope``: q and k rotated (``q cos + rotate_half(q) sin``);
+    ``by_multiply``: the logits scaled by a multiply rather than a division."""
+
+    def __init__(self, rope: bool = False, by_multiply: bool = False, width: int = 64) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.out, self.heads, self.rope, self.by_multiply = (
+            nn.Linear(width, width),
+            4,
+            rope,
+            by_multiply,
+        )
+        with torch.no_grad():
+            self.q.weight.mul_(8)
+            self.k.weight.mul_(8)
+
+    def forward(self, x):
+        batch, length, width = x.shape
+        size = width // self.heads
+
+        def heads(t):
+            return t.view(batch, length, self.heads, size).transpose(1, 2)
+
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        if self.rope:
+            angle = torch.arange(length)[:, None] * torch.arange(size // 2)[None] * 0.1
+            cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+
+            def rotated(t):
+                return t * cos + torch.cat([-t[..., size // 2 :], t[..., : size // 2]], -1) * sin
+
+            q, k = rotated(q), rotated(k)
+        scores = q @ k.transpose(-1, -2)
+        if self.by_multiply:
+            scores = scores * (1 / math.sqrt(size))
+        else:
+            scores = scores / math.sqrt(size)
+        weights = torch.softmax(scores, dim=-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(batch, length, width))
+
+
+class MaskedScores(nn.Module):
+    """A Linear gives scores, a mask fills some with ``fill`` (``how``), softmax."""
+
+    def __init__(self, fill: float = -1e9, how: str = "masked_fill", scale: float = 1.0) -> None:
+        super().__init__()
+        self.scores, self.fill, self.how, self.scale = nn.Linear(16, 12), fill, how, scale
+
+    def forward(self, x, mask):
+        scores = self.scores(x) * self.scale
+        if self.how == "masked_fill":
+            scores = scores.masked_fill(~mask, self.fill)
+        elif self.how == "where":
+            scores = torch.where(mask, scores, self.fill)
+        else:  # a mask tensor added to the scores
+            scores = scores + torch.full_like(scores, self.fill) * (~mask)
+        return torch.softmax(scores, dim=-1)
+
+
 def models():
     """(name, build, inputs, twin): twin is the in-range model's name, or None."""
 
@@ -135,7 +235,35 @@ def models():
             lambda: (torch.randn(2, 8, 8, 8),),
             "CNN",
         ),
+        (
+            "growing convs with biases (to 4e7), down/upsampler",
+            GrowingConvs,
+            lambda: (torch.randn(2, 8, 16, 16),),
+            None,
+        ),
+        ("LSTM on raw readings (~1e5)", RawReadings, lambda: (torch.randn(4, 12, 8) * 1e5,), None),
+        ("attention sink, BERT-like (q k^T ~1e5)", SinkAttention, _sink_input, None),
+        (
+            "attention sink, RoPE (q k^T ~1.6e5)",
+            lambda: SinkAttention(rope=True),
+            _sink_input,
+            None,
+        ),
+        ("scores.masked_fill(~mask, -1e9)", MaskedScores, _masked_input, None),
     ]
+
+
+def _sink_input() -> tuple:
+    """Hidden states whose first token is 40x the others: every head attends to it."""
+    x = torch.randn(2, 16, 64)
+    x[:, 0] *= 40
+    return (x,)
+
+
+def _masked_input() -> tuple:
+    mask = torch.rand(4, 12) > 0.3
+    mask[:, 0] = True  # every row keeps one score
+    return torch.randn(4, 16), mask
 
 
 def _floats64(args):

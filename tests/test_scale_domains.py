@@ -11,7 +11,7 @@ from torch import nn
 
 import fx16
 from benchmarks import zoo
-from benchmarks.range import GrowingCnn, LoudAttention, RawUnits
+from benchmarks.range import GrowingCnn, GrowingConvs, LoudAttention, RawReadings, RawUnits
 from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
 from fx16.policy import PrecisionPolicy
@@ -369,23 +369,6 @@ def test_a_domain_no_op_reads_scaled_is_not_planned():
     assert max_error(fp64_reference(model, x), run(ep, x)) < 4e-3
 
 
-class RawReadings(nn.Module):
-    """A recurrent layer (two layers) over raw sensor readings (~1e5), trained for them:
-    its first layer's input weights are ~1e-6, below fp16's normal range."""
-
-    def __init__(self, kind=nn.LSTM, bidirectional: bool = False) -> None:
-        super().__init__()
-        self.rnn = kind(8, 16, num_layers=2, batch_first=True, bidirectional=bidirectional)
-        self.head = nn.Linear(16 * (2 if bidirectional else 1), 4)
-        with torch.no_grad():
-            for name, weight in self.rnn.named_parameters():
-                if name.startswith("weight_ih_l0"):
-                    weight.mul_(1e-5)
-
-    def forward(self, x):
-        return self.head(self.rnn(x)[0][:, -1])
-
-
 @pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU, nn.RNN])
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_a_recurrent_layer_on_raw_readings_takes_the_door_scale_in_its_input_weights(
@@ -486,26 +469,6 @@ def test_no_fold_takes_a_stored_tensor_below_fp16s_normal_range():
         for name, tensor in ep.state_dict.items():
             if tensor.dtype == torch.float16 and tensor.abs().max() > 0:
                 assert float(tensor.abs().max()) >= tiny, name
-
-
-class GrowingConvs(nn.Module):
-    """Convs with biases, each block growing about 8x past fp16's range (1e7 after ten
-    blocks), then a strided conv and a transposed one, a skip and a GroupNorm: the
-    domain reaches 2**-11, where the later convs' biases (|b| <= 0.2) fold below fp16's
-    normal range."""
-
-    def __init__(self, blocks: int = 10) -> None:
-        super().__init__()
-        self.convs = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(blocks))
-        self.down, self.up = nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.ConvTranspose2d(8, 8, 2, 2)
-        with torch.no_grad():
-            for conv in self.convs:
-                conv.weight.mul_(8 / conv.weight.std() / 72**0.5)
-
-    def forward(self, x):
-        for conv in self.convs:
-            x = torch.relu(conv(x))
-        return nn.functional.group_norm(self.up(torch.relu(self.down(x))) + x, 2)
 
 
 def test_a_bias_folded_below_the_normal_range_stays_16_bit():

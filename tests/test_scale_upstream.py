@@ -2,62 +2,16 @@
 its scale from the projection upstream of one operand (``fx16.analysis.scale_upstream``):
 folded into that projection's weight and bias, undone in the ``1/sqrt(d)`` after it."""
 
-import math
-
 import pytest
 import torch
-from torch import nn
 
 import fx16
+from benchmarks.range import SinkAttention
 from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
 from fx16.policy import PrecisionPolicy
 from fx16.program.stats import program_stats
 from helpers import check_program, export, fp64_reference, max_error, run
-
-
-class SinkAttention(nn.Module):
-    """Self-attention whose first token has a huge hidden state: every head attends to
-    it, with raw ``q kᵀ`` ~1e5 (past fp16 over the margin) and logits ~3e4 after the
-    ``1/sqrt(d)`` (inside). ``rope``: q and k rotated (``q cos + rotate_half(q) sin``);
-    ``by_multiply``: the logits scaled by a multiply rather than a division."""
-
-    def __init__(self, rope: bool = False, by_multiply: bool = False, width: int = 64) -> None:
-        super().__init__()
-        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
-        self.out, self.heads, self.rope, self.by_multiply = (
-            nn.Linear(width, width),
-            4,
-            rope,
-            by_multiply,
-        )
-        with torch.no_grad():
-            self.q.weight.mul_(8)
-            self.k.weight.mul_(8)
-
-    def forward(self, x):
-        batch, length, width = x.shape
-        size = width // self.heads
-
-        def heads(t):
-            return t.view(batch, length, self.heads, size).transpose(1, 2)
-
-        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
-        if self.rope:
-            angle = torch.arange(length)[:, None] * torch.arange(size // 2)[None] * 0.1
-            cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
-
-            def rotated(t):
-                return t * cos + torch.cat([-t[..., size // 2 :], t[..., : size // 2]], -1) * sin
-
-            q, k = rotated(q), rotated(k)
-        scores = q @ k.transpose(-1, -2)
-        if self.by_multiply:
-            scores = scores * (1 / math.sqrt(size))
-        else:
-            scores = scores / math.sqrt(size)
-        weights = torch.softmax(scores, dim=-1)
-        return self.out((weights @ v).transpose(1, 2).reshape(batch, length, width))
 
 
 def _sink_input():

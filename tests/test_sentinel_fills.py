@@ -4,33 +4,15 @@ fills that are not sentinels stay as they are."""
 
 import pytest
 import torch
-from torch import nn
 
 import fx16
+from benchmarks.range import MaskedScores
 from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
 from fx16.pipelines import run_passes
 from fx16.program.stats import program_stats
 from fx16.report import report_of
 from helpers import check_program, export, fp64_reference, max_error, run
-
-
-class MaskedScores(nn.Module):
-    """A Linear gives scores, a mask fills some with ``fill`` (``how``), softmax."""
-
-    def __init__(self, fill: float = -1e9, how: str = "masked_fill", scale: float = 1.0) -> None:
-        super().__init__()
-        self.scores, self.fill, self.how, self.scale = nn.Linear(16, 12), fill, how, scale
-
-    def forward(self, x, mask):
-        scores = self.scores(x) * self.scale
-        if self.how == "masked_fill":
-            scores = scores.masked_fill(~mask, self.fill)
-        elif self.how == "where":
-            scores = torch.where(mask, scores, self.fill)
-        else:  # a mask tensor added to the scores
-            scores = scores + torch.full_like(scores, self.fill) * (~mask)
-        return torch.softmax(scores, dim=-1)
 
 
 def _inputs():
