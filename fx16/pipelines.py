@@ -120,7 +120,7 @@ def _preparing(program: Program, options: Fp16Options, policy: PrecisionPolicy) 
     limit, calls = overflow_limit(policy, options.overflow_margin), options.calibration
     scaling = []
     if policy.low == torch.float16 and policy.scale_range:
-        keeps = policy.explicit_fp32 != "retarget"  # the model's fp32 regions stay fp32
+        keeps = policy.explicit_fp32 == "keep"  # every fp32 region of the model stays fp32
         scaling = [ScaleDomainsAnalysis(program, limit, keeps), ScaleDomainsPass(program, calls)]
     return {
         "prepare": [

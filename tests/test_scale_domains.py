@@ -515,3 +515,16 @@ def test_weights_in_the_subnormal_band_are_carried_at_a_power_of_two():
     assert float(stored.abs().max()) >= torch.finfo(torch.float16).tiny
     assert program_stats(ep).flop_share_16bit == 1.0
     assert max_error(fp64_reference(model, x), run(ep, x)) < 8 * 2.0**-11
+
+
+def test_with_calibrated_regions_a_domain_may_let_a_region_fit():
+    """explicit_fp32="calibrated" keeps a region only on evidence; a domain through it
+    is what removes the evidence (the mean of squares of a residual of 2e5), so there
+    domains still cross the model's fp32 regions and they retarget to 16-bit: a few
+    fp32 ops, where "keep" keeps every region's ops."""
+    torch.manual_seed(0)
+    model, ids = zoo.massive_llama(3, 2e5).eval(), zoo.massive_ids()
+    kept = fx16.cast_fp32_to_fp16(export(model, ids))
+    calibrated = fx16.cast_fp32_to_fp16(export(model, ids), explicit_fp32="calibrated")
+    assert _fp32_ops(calibrated) <= 4 < _fp32_ops(kept)
+    assert program_stats(calibrated).flop_share_16bit == 1.0

@@ -87,10 +87,11 @@ class ScaleDomainsAnalysis(Analysis):
     """Plan the scale domains of a calibrated fp32 program (see the module docstring).
 
     ``limit``: the largest magnitude taken to fit (fp16's largest over the overflow
-    margin). ``keep_model_fp32``: the model's own fp32 regions stay fp32 (the policy's
-    ``explicit_fp32`` is not "retarget"), so no domain starts or grows inside one: a
-    scale there would only add multiplies to values that never see fp16. Plans nothing
-    where calibration did not run or nothing passes it, nor in a program fx16 cast
+    margin). ``keep_model_fp32``: the model's own fp32 regions stay fp32 whatever they
+    hold (the policy's ``explicit_fp32="keep"``), so no domain starts or grows inside
+    one: a scale there would only add multiplies to values that never see fp16 (with
+    "calibrated", a domain may be what lets a region fit, and retarget it to 16-bit).
+    Plans nothing where calibration did not run or nothing passes it, nor in a program fx16 cast
     before (its domains were planned then: a second cast is a no-op), nor in one that
     writes a float value in place (``h.view(-1)[:1].mul_(0.5)`` left by an export that
     was not functionalized: a scale or an unscaled copy on the way would take the write
