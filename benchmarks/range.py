@@ -242,10 +242,15 @@ def models():
             None,
         ),
         ("LSTM on raw readings (~1e5)", RawReadings, lambda: (torch.randn(4, 12, 8) * 1e5,), None),
-        ("attention sink, BERT-like (q k^T ~1e5)", SinkAttention, _sink_input, None),
         (
-            "attention sink, RoPE (q k^T ~1.6e5)",
-            lambda: SinkAttention(rope=True),
+            "attention sink, BERT-like (q k^T ~2e5, logits ~2e4)",
+            lambda: SinkAttention(width=256),
+            _sink_input,
+            None,
+        ),
+        (
+            "attention sink, RoPE (q k^T ~2e5, logits ~2e4)",
+            lambda: SinkAttention(rope=True, width=256),
             _sink_input,
             None,
         ),
@@ -254,9 +259,10 @@ def models():
 
 
 def _sink_input() -> tuple:
-    """Hidden states whose first token is 40x the others: every head attends to it."""
-    x = torch.randn(2, 16, 64)
-    x[:, 0] *= 40
+    """Hidden states whose first token is 20x the others: every head (of 64 features)
+    attends to it."""
+    x = torch.randn(2, 16, 256)
+    x[:, 0] *= 20
     return (x,)
 
 
@@ -380,7 +386,11 @@ def main(argv=None) -> None:
         "what no power-of-two scale carries, where the default keeps it fp32. The one "
         "fp32 op of the tiny weights and of the growing CNN is the multiply that undoes "
         "the scale at the output, whose values (1e10, 2.5e6) are the model's answer and "
-        "beyond fp16; that of the raw-unit inputs is the scale at the door."
+        "beyond fp16; that of the raw-unit inputs and of the LSTM on raw readings is the "
+        "scale at the door (the LSTM's first-layer input weights take it back, folded). "
+        "The attention sinks' q k^T takes its scale from q's projection (weight and bias "
+        "folded), undone in the 1/sqrt(d); the -1e9 mask fill is carried as a sentinel; "
+        "the growing convs' biases folded below fp16's normal range stay 16-bit."
     )
     write_results(options.output, "Range: values beyond fp16 at either end", COMMAND, notes, lines)
 

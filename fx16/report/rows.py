@@ -1,6 +1,7 @@
 """The report's rows and totals: one row per decision fx16 made (a node, a state
 tensor, a region of the model's), and the figures of the whole program."""
 
+import operator
 from dataclasses import dataclass, replace
 
 import torch
@@ -217,9 +218,10 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
     each in the program's graph first, then in the body of each higher-order op (rows
     named ``body.node``, e.g. ``true_graph_0.exp``).
 
-    Casts fx16 inserted are not listed (the totals count them); the model's own
-    casts it retargeted are, and so are the fp32 checks a decomposed program keeps of
-    the model's casts that open a region (``fx16.analysis.explicit_fp32``).
+    Casts fx16 inserted are not listed (the totals count them), nor a ``getitem`` of a
+    result no op reads; the model's own casts it retargeted are, and so are the fp32
+    checks a decomposed program keeps of the model's casts that open a region
+    (``fx16.analysis.explicit_fp32``).
     """
     graphs = [
         (name, module)
@@ -232,6 +234,7 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
         for n in module.graph.nodes
         if n.op in ("placeholder", "call_function")
         and (not is_inserted(n) or n.meta[INSERTED] == WHY_RETARGETED)
+        and not _unread_item(n)
     ]
     int16_ran = any(INT_PRECISION in n.meta for _, n in nodes)
     program = Program.of(ep)
@@ -256,6 +259,12 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
         if INT_PRECISION in n.meta or (int16_ran and node_dtype(n) in WIDE_INT_DTYPES)
     ]
     return rows
+
+
+def _unread_item(node: Node) -> bool:
+    """A ``getitem`` no op reads: ``torch.export.load`` makes one for each unused result
+    of an op with several (``..._unused_1``); it holds no value anyone sees."""
+    return node.target is operator.getitem and not node.users
 
 
 def totals(ep: ExportedProgram, before: ProgramStats | None, margin: float = 2.0) -> Totals:
