@@ -6,6 +6,7 @@ inputs, not against what the analyses recorded.
 
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -248,3 +249,41 @@ def test_an_exponential_bounds_the_inputs_by_its_argument():
     envelope_ = report_of(fx16.cast_fp32_to_fp16(export(model, x))).totals.envelope
     assert envelope_.headroom_node == "exp"
     _holds_to(model, x, envelope_.headroom)
+
+
+class FourierFeatures(nn.Module):
+    """Gaussian Fourier features: sin and cos of x @ B with B ~ N(0, 10**2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("frequencies", torch.randn(2, 64) * 10)
+        self.head = nn.Linear(128, 3)
+
+    def forward(self, x):
+        phase = x @ self.frequencies
+        return self.head(torch.cat([torch.sin(phase), torch.cos(phase)], -1))
+
+
+def test_an_ill_conditioned_op_reading_a_16_bit_product_is_named_with_the_remedy():
+    """Input graph: matmul (16-bit, phases up to ~30) -> sin, cos (kept fp32 as
+    ill-conditioned). The envelope says sin reads the product's rounding (|phase| *
+    2**-11, about 1.5e-2) and names the remedy; taking it (force_fp32 of the product)
+    removes the line and the error it stated."""
+    torch.manual_seed(0)
+    model, x = FourierFeatures().eval(), torch.rand(256, 2)
+    envelope_ = report_of(fx16.cast_fp32_to_fp16(export(model, x))).totals.envelope
+    assert envelope_.amplified_product == "matmul" and envelope_.amplified_node in ("sin", "cos")
+    with torch.no_grad():
+        phase = x.double() @ model.frequencies.double()
+    assert envelope_.amplified == pytest.approx(float(phase.abs().max()) * 2.0**-11, rel=0.05)
+    line = next(line for line in envelope_.lines() if "amplified rounding" in line)
+    assert "force_fp32=['matmul']" in line
+    with torch.no_grad():
+        expected = model.double()(x.double())
+    model.float()
+    default = fx16.cast_fp32_to_fp16(export(model, x))
+    forced = fx16.cast_fp32_to_fp16(export(model, x), force_fp32=["matmul"])
+    assert report_of(forced).totals.envelope.amplified is None
+    error = [float((_outputs(ep, x).double() - expected).abs().max()) for ep in (default, forced)]
+    assert error[1] < error[0] / 2  # the product's rounding was most of it
+    assert error[0] <= 2 * envelope_.amplified * float(model.head.weight.abs().sum(1).max())

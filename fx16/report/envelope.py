@@ -30,7 +30,7 @@ from torch.fx import Node
 from fx16 import meta
 from fx16.analysis.intervals import Source, ValueRange
 from fx16.analysis.underflow import singular_argument, small_end
-from fx16.decisions import PRECISION
+from fx16.decisions import PRECISION, Reason
 from fx16.ops.kinds import (
     ATTENTION_OPS,
     EXPONENTIAL_GROWTH_OPS,
@@ -77,6 +77,12 @@ class Envelope:
     logit_rounding: float | None = None
     logit_node: str = ""
     logit_product: str = ""
+    # the largest rounding a 16-bit product leaves in the argument of an op kept fp32
+    # as ill-conditioned (sin of Fourier features): kept fp32, the op still passes it
+    # on, amplified by its own sensitivity
+    amplified: float | None = None
+    amplified_node: str = ""
+    amplified_product: str = ""
 
     def lines(self) -> list[str]:
         """What the command line prints: what holds for every input, then what was observed."""
@@ -104,6 +110,14 @@ class Envelope:
                 f"{self.quietest:.3g} in 16-bit; inputs {self.quiet_factor:.3g}x quieter "
                 "leave 16-bit's normal range there and were never observed"
             )
+        if self.amplified is not None:
+            lines.append(
+                f"  amplified rounding: {self.amplified_node} is kept fp32 but reads the "
+                f"16-bit product {self.amplified_product}, rounded by up to "
+                f"{self.amplified:.3g}, which it passes on; keep the product fp32 "
+                f"(force_fp32=[{self.amplified_product!r}]) or give the cast a budget "
+                "(max_rel_error=1e-2)"
+            )
         if self.logit_rounding is not None:
             lines.append(
                 f"  sharper logits: {self.logit_node} exponentiates values the 16-bit product "
@@ -120,6 +134,7 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
     headroom: tuple[float, str, float] | None = None
     quiet: tuple[float, float, str] | None = None
     logits: tuple[float, str, str] | None = None
+    amplified: tuple[float, str, str] | None = None
     for module in nested_graph_modules(ep.graph_module):
         for node in module.graph.nodes:
             rewritten += bool(meta.stabilized(node))
@@ -138,6 +153,9 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
             found = _logit_rounding(node)
             if found is not None and (logits is None or found[0] > logits[0]):
                 logits = (*found, node.name)
+            found = _amplified_rounding(node)
+            if found is not None and (amplified is None or found[0] > amplified[0]):
+                amplified = (*found, node.name)
     status = ep.graph_module.meta.get(meta.CALIBRATION_STATUS, "skipped: not run")
     return Envelope(
         calibration=status,
@@ -153,6 +171,9 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
         logit_rounding=logits[0] if logits else None,
         logit_product=logits[1] if logits else "",
         logit_node=logits[2] if logits else "",
+        amplified=amplified[0] if amplified else None,
+        amplified_product=amplified[1] if amplified else "",
+        amplified_node=amplified[2] if amplified else "",
     )
 
 
@@ -219,7 +240,33 @@ def _logit_rounding(node: Node) -> tuple[float, str] | None:
     exponentiates (softmax, exp, sigmoid) what a 16-bit product computed."""
     if node.op != "call_function" or node.target not in EXPONENTIALS:
         return None
-    source = node.args[0] if node.args else None
+    return _product_read(node)
+
+
+EXPONENTIALS = EXPONENTIAL_TAIL_OPS | SOFTMAX_OPS
+
+# An argument's rounding below this (4 units of fp16's roundoff, relative to values of
+# order one) is what any 16-bit cast gives: not worth a line.
+_NOTICEABLE = 4 * 2.0**-11
+
+
+def _amplified_rounding(node: Node) -> tuple[float, str] | None:
+    """(half a 16-bit ulp of the largest value seen, the product) where ``node`` is kept
+    fp32 as ill-conditioned and reads what a 16-bit product computed, past what a
+    16-bit cast's own rounding gives."""
+    decision = node.meta.get(PRECISION)
+    if decision is None or decision.reason is not Reason.ILL_CONDITIONED:
+        return None
+    found = _product_read(node)
+    if found is None or found[0] <= _NOTICEABLE:
+        return None
+    return found
+
+
+def _product_read(node: Node) -> tuple[float, str] | None:
+    """(half a 16-bit ulp of the largest value seen, its name) of the 16-bit product
+    ``node`` reads as its first argument (through fx16's casts); None otherwise."""
+    source = node.args[0] if node.op == "call_function" and node.args else None
     while isinstance(source, Node) and is_cast(source):
         source = source.args[0]
     if not (isinstance(source, Node) and is_product(source)):
@@ -229,9 +276,6 @@ def _logit_rounding(node: Node) -> tuple[float, str] | None:
     if not (isinstance(val, torch.Tensor) and val.dtype in SIXTEEN_BIT and largest_seen):
         return None
     return largest_seen * torch.finfo(val.dtype).eps / 2, source.name
-
-
-EXPONENTIALS = EXPONENTIAL_TAIL_OPS | SOFTMAX_OPS
 
 
 def input_degrees(ep: ExportedProgram) -> dict[Node, float | None]:
