@@ -308,8 +308,9 @@ OPTION_ERRORS = [
         fx16.fp16_passes,
         dict(margin=2),
         "fp16_passes: unknown option(s) ['margin']; accepted: ['calibration', "
-        "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', "
-        "'overflow_margin', 'policy', 'range_fallback', 'routing', 'scalars', 'stabilize']",
+        "'eps_clamp', 'explicit_fp32', 'force_fp32', 'ignored_ops', 'input_ranges', "
+        "'keep_io_types', 'overflow_margin', 'policy', 'range_fallback', 'routing', "
+        "'scalars', 'stabilize']",
     ),
     (
         fx16.int16_passes,
