@@ -53,8 +53,9 @@ class Overflow(nn.Module):
 
 
 def test_overflow_happens_where_the_cast_has_it():
-    """x * 1e5 overflows fp16, and so does its sum: both must be wide."""
-    ep = export(Overflow(), torch.randn(4, 8))
+    """x * 1e5 overflows fp16, and so does its sum: both must be wide (positive inputs:
+    the sum of 32 of them cannot cancel below the range)."""
+    ep = export(Overflow(), torch.rand(4, 8) + 0.5)
     emulation = _emulation(ep)
     nodes = {n.name: n for n in ep.graph_module.graph.nodes}
     assert emulation.error(set()) == float("inf")
