@@ -161,6 +161,10 @@ class ReasonSpec:
     ``checked``: VerdictCheckAnalysis measures whether keeping it fp32 pays for its FLOPs.
     ``never_int16``: an integer so decided was never a candidate for int16 (outside the
     castable set), so the report's explained rows leave it out.
+    ``follows_bf16``: ``range_fallback="bf16"`` moves a value so decided to bf16 with the
+    range values it reads (an op reading them, a state tensor only they read);
+    ``bf16_fallback``, the property: that, or a range cause itself. The report explains
+    a bf16 value of an fp16 cast decided for such a reason.
     ``cause`` and ``instead``: its row in the "what stays fp32" tables of the README and
     the docs (written from these specs: ``python docs/hooks/generated_pages.py``);
     reasons with the same cause share a row, and one without a cause has none.
@@ -170,8 +174,13 @@ class ReasonSpec:
     downcastable: bool = False
     checked: bool = False
     never_int16: bool = False
+    follows_bf16: bool = False
     cause: str = ""
     instead: str = "-"
+
+    @property
+    def bf16_fallback(self) -> bool:
+        return self.family == "range" or self.follows_bf16
 
 
 _BELOW_RANGE = (
@@ -219,7 +228,7 @@ REASON_SPECS: dict[Reason, ReasonSpec] = {
         instead="the update computes in 16-bit where it fits; only the running state is fp32",
     ),
     Reason.FP32_INPUT: ReasonSpec("follows"),
-    Reason.BF16_INPUT: ReasonSpec("follows"),
+    Reason.BF16_INPUT: ReasonSpec("follows", follows_bf16=True),
     Reason.EXPLICIT_FP32: ReasonSpec(
         "model",
         checked=True,
@@ -249,7 +258,7 @@ REASON_SPECS: dict[Reason, ReasonSpec] = {
     Reason.FIXED_OUTPUT_DTYPE: ReasonSpec("safety", downcastable=True),
     Reason.SUBCLASS_KEPT: ReasonSpec("safety"),
     Reason.SHARED_FP32: ReasonSpec("storage"),
-    Reason.READERS_FP32: ReasonSpec("storage", downcastable=True),
+    Reason.READERS_FP32: ReasonSpec("storage", downcastable=True, follows_bf16=True),
     Reason.OPAQUE_SUBGRAPH: ReasonSpec("model"),
     Reason.LOOP_CARRIED: ReasonSpec("model", downcastable=True),
     Reason.AUTOCAST_DISABLED: ReasonSpec("model"),
@@ -313,9 +322,9 @@ REASON_SPECS: dict[Reason, ReasonSpec] = {
 
 def reasons(*, family: str | None = None, **flags: bool) -> frozenset[Reason]:
     """The reasons whose spec has the given ``family`` and flags (``downcastable``,
-    ``checked``, ``never_int16``; one not given: any)."""
+    ``checked``, ``never_int16``, ``bf16_fallback``; one not given: any)."""
     wanted = {"family": family, **flags}
-    unknown = set(flags) - {"downcastable", "checked", "never_int16"}
+    unknown = set(flags) - {"downcastable", "checked", "never_int16", "bf16_fallback"}
     if unknown:
         raise TypeError(f"reasons() got flags no ReasonSpec has: {sorted(unknown)}")
     return frozenset(

@@ -17,7 +17,7 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
 from fx16.accuracy.search import AccuracySearch
-from fx16.decisions import INT_PRECISION, PRECISION, Reason, reasons
+from fx16.decisions import INT_PRECISION, PRECISION, reasons
 from fx16.program.stats import BEFORE_KEY, ProgramStats
 from fx16.report.rows import (
     NEVER_INT16_CANDIDATES,
@@ -217,10 +217,7 @@ def _fallen_back(row: Row) -> bool:
 
 
 # the causes a range fallback keeps on what it moves to bf16, as rows name them
-_FALLBACK_RULES = frozenset(
-    reason.name.lower()
-    for reason in (*reasons(family="range"), Reason.BF16_INPUT, Reason.READERS_FP32)
-)
+_FALLBACK_RULES = frozenset(reason.name.lower() for reason in reasons(bf16_fallback=True))
 
 
 def layer_flop_share(rows: list[Row]) -> str:
