@@ -4,11 +4,15 @@ folded into that projection's weight and bias, undone in the ``1/sqrt(d)`` after
 
 import pytest
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fx16
 from benchmarks.range import SinkAttention
 from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
+from fx16.pipelines import run_passes
 from fx16.policy import PrecisionPolicy
 from fx16.program.stats import program_stats
 from helpers import check_program, export, fp64_reference, max_error, run
@@ -68,3 +72,29 @@ def test_a_projection_read_elsewhere_takes_no_fold():
     assert set(domain.folded) == {"p_k_weight", "p_k_bias"}
     reference = fp64_reference(model, x)
     assert max_error(reference[1:], run(ep, x)[1:]) < 4 * 2.0**-11
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(
+    st.sampled_from([{}, {"rope": True}, {"by_multiply": True}]),
+    st.sampled_from([10.0, 40.0, 80.0]),
+)
+def test_property_the_folded_program_is_the_same_function_and_16_bit(options, loudness):
+    """Attention with a sink of any loudness, with or without RoPE, the logits scaled by
+    a division or a multiply: the planned fp32 program gives the original's outputs up to
+    fp32 rounding (powers of two are exact), and the cast keeps every product 16-bit
+    where ``scale_range=False`` keeps no more of them."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 64)
+    x[:, 0] *= loudness
+    model = SinkAttention(**options).eval()
+    ep = export(model, x)
+    passes = fx16.fp16_passes(ep)
+    stages = [type(p).__name__ for p in passes]
+    run_passes(passes[: stages.index("ScaleDomainsPass") + 1], ep.graph_module)
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-5)
+    cast = fx16.cast_fp32_to_fp16(export(model, x))
+    plain = fx16.cast_fp32_to_fp16(export(model, x), policy=PrecisionPolicy(scale_range=False))
+    assert program_stats(cast).flop_share_16bit >= program_stats(plain).flop_share_16bit
+    assert program_stats(cast).flop_share_16bit == 1.0

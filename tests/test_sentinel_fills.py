@@ -4,6 +4,9 @@ fills that are not sentinels stay as they are."""
 
 import pytest
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fx16
 from benchmarks.range import MaskedScores
@@ -87,3 +90,27 @@ def test_a_fill_a_sum_reads_is_not_a_sentinel():
     ep = fx16.cast_fp32_to_fp16(export(model, x, mask))
     assert not _fills(ep)
     assert max_error(fp64_reference(model, x, mask), run(ep, x, mask)) < 1e-3
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(
+    st.sampled_from([-1e5, -1e7, -1e9, -1e12, 1e9]),
+    st.sampled_from([0.1, 1.0, 30.0, 3e3]),
+    st.sampled_from(["masked_fill", "where"]),
+)
+def test_property_a_fill_is_a_sentinel_exactly_when_far_beyond_and_changes_nothing(
+    fill, scale, how
+):
+    """Fills beyond fp16 of either sign, scores of any size: the fill is rewritten
+    exactly when it lies 2**20 beyond the scores, and the rewritten fp32 program gives
+    the original's softmax bit for bit (every masked element was already exp's zero)."""
+    x, mask = _inputs()
+    model = MaskedScores(fill, how, scale).eval()
+    ep = export(model, x, mask)
+    passes = fx16.fp16_passes(ep)
+    stages = [type(p).__name__ for p in passes]
+    run_passes(passes[: stages.index("SentinelFillsPass") + 1], ep.graph_module)
+    with torch.no_grad():
+        scores = model.scores(x).abs().max() * scale
+        assert bool(_fills(ep)) == (abs(fill) >= scores * 2.0**20)
+        assert torch.equal(ep.module()(x, mask), model(x, mask))
