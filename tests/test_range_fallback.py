@@ -2,17 +2,26 @@
 computes in bf16 instead of fp32, with the cause kept in the report."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fx16
 from fx16 import meta
+from fx16.decisions import PRECISION, Reason
 from fx16.passes import RangeFallbackPass
+from fx16.passes.range_fallback import RANGE_REASONS
 from fx16.program.casts import cast_dtype, is_cast
+from fx16.program.subgraphs import nested_graph_modules
 from fx16.report import report_of
+from fx16.testing import programs
+from fx16.testing.checks import check_cast
 from helpers import (
     assert_same_state,
     check_program,
@@ -25,6 +34,7 @@ from helpers import (
 )
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps
+FP16 = torch.float16
 
 
 class LoudAttention(nn.Module):
@@ -224,3 +234,46 @@ def test_the_doors_multiply_stays_fp32_under_the_fallback():
     doors = [n for n in ep.graph.nodes if meta.range_scaled(n)]
     assert doors and all(n.meta["val"].dtype == torch.float32 for n in doors)
     assert max_error(fp64_reference(model, x), run(ep, x)) < 4 * 2.0**-11
+
+
+def _ops_by_dtype(ep) -> dict[str, torch.dtype]:
+    """Each top-level op (not a cast) of ``ep`` and the float dtype it computes."""
+    return {
+        node.name: node.meta["val"].dtype
+        for node in ep.graph.nodes
+        if node.op == "call_function"
+        and not is_cast(node)
+        and isinstance(node.meta.get("val"), torch.Tensor)
+        and node.meta["val"].is_floating_point()
+    }
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(programs(), st.sampled_from([1.0, 1e3, 1e5]), st.booleans())
+def test_property_the_fallback_moves_only_what_range_kept_fp32(case, input_scale, scale_range):
+    """Random programs from the fuzzer's menu, their inputs scaled past fp16's range,
+    cast with and without ``range_fallback="bf16"`` (scale domains on and off): the
+    fallback's program lints, runs and holds the float oracle's bound; every op it
+    turns bf16 (not one of the model's own bf16 regions) was fp32 in the default cast
+    and keeps a range cause (or reads a bf16 value: ``bf16_input``); every op the
+    default computes in fp16 stays fp16;
+    no op in a body turns bf16; the outputs keep the default's dtypes."""
+    args = tuple(a * input_scale if a.is_floating_point() else a for a in case.args)
+    case = dataclasses.replace(case, args=args)
+    policy = fx16.PrecisionPolicy.default(scale_range=scale_range)
+    default = check_cast(case, lambda ep: fx16.cast_fp32_to_fp16(ep, policy=policy))
+    fallback = check_cast(
+        case, lambda ep: fx16.cast_fp32_to_fp16(ep, policy=policy, range_fallback="bf16")
+    )
+    before, after = _ops_by_dtype(default), _ops_by_dtype(fallback)
+    allowed = RANGE_REASONS | {Reason.BF16_INPUT}
+    for node in fallback.graph.nodes:
+        if after.get(node.name) is torch.bfloat16 and before.get(node.name) is not torch.bfloat16:
+            assert before.get(node.name) is torch.float32, node.name
+            assert node.meta[PRECISION].reason in allowed, (node.name, node.meta[PRECISION])
+    assert all(after.get(name) is torch.float16 for name, d in before.items() if d is FP16)
+    for module in nested_graph_modules(fallback.graph_module)[1:]:
+        computed = [n.meta.get("val") for n in module.graph.nodes if n.op == "call_function"]
+        assert all(getattr(val, "dtype", None) is not torch.bfloat16 for val in computed)
+    with torch.no_grad():
+        assert [v.dtype for v in run(fallback, *args)] == [v.dtype for v in run(default, *args)]

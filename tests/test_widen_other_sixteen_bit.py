@@ -3,6 +3,7 @@ cast to fp16, an export of ``model.half()`` cast to bf16) is widened to fp32 exa
 then cast with the fp32 program's rules; a program with nothing to cast is refused."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from fx16.program import Program
 from fx16.program.nodes import node_val, tensor_leaves
 from fx16.program.stats import program_stats
 from fx16.program.subgraphs import nested_graph_modules
+from fx16.testing import programs
+from fx16.testing.checks import check_cast_program, quiet
 from helpers import (
     assert_same_state,
     check_program,
@@ -279,3 +282,28 @@ def test_an_autocast_region_the_model_wrote_keeps_its_dtypes():
     linears = [n for n in body.graph.nodes if n.target == torch.ops.aten.linear.default]
     assert linears and all(node_val(n).dtype == BF16 for n in linears)
     assert ep.state_dict["inner.weight"].dtype == BF16
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(programs())
+def test_property_a_bf16_program_widens_exactly_and_casts_within_the_bound(case):
+    """Random programs from the fuzzer's menu, made in bf16 (weights, buffers and float
+    inputs): the pass alone gives a program that lints and computes what the same
+    weights compute in fp32 (the oracle's fp32 tolerance, or one rounding where the
+    model's own cast back to bf16 is not joined to a bf16 weight); cast to fp16, the
+    bf16 program lints, runs and holds the float oracle's bound against the widened
+    one."""
+    bf16 = dataclasses.replace(
+        case,
+        model=copy.deepcopy(case.model).to(BF16),
+        args=tuple(a.to(BF16) if a.is_floating_point() else a for a in case.args),
+    )
+    fp32 = dataclasses.replace(case, model=copy.deepcopy(bf16.model).float())
+    with quiet():
+        source, reference = bf16.export(), fp32.export()
+    widened = copy.deepcopy(source)
+    WidenOtherSixteenBitPass(Program.of(widened), BF16)(widened.graph_module)
+    widened.graph_module.recompile()
+    check_program(widened)
+    check_cast_program(reference, widened, fp32.args)
+    check_cast_program(widened, fx16.cast_fp32_to_fp16(copy.deepcopy(source)), fp32.args)

@@ -1,0 +1,71 @@
+"""ObservedBelowRangeRule over random programs: no value calibration saw wholly below
+fp16's normal range is computed in fp16 as it is. Without scale domains it computes in
+fp32; with them (the default) it may compute in fp16 only carried at a power of two
+that lifts it into the normal range. The single-model tests are in test_fp32_rules.py."""
+
+import dataclasses
+
+import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fx16
+from fx16 import meta
+from fx16.analysis.safety_rules.range import TENSOR_SUMS
+from fx16.decisions import Reason, decision_of
+from fx16.ops.numerics import interval_below_normal
+from fx16.policy import PrecisionPolicy
+from fx16.program.casts import is_cast
+from fx16.testing import programs
+from fx16.testing.checks import check_cast
+
+FP16 = torch.float16
+TINY = torch.finfo(FP16).tiny
+NOT_WORTH = Reason.NOT_WORTH_FP32
+
+
+def _in_normal_range(node) -> bool:
+    largest = meta.observed_max_abs(node)
+    return bool(largest) and not interval_below_normal((-largest, largest), FP16)
+
+
+def _below_range(node) -> float | None:
+    """The largest magnitude calibration saw ``node`` hold, where it is nonzero and
+    below fp16's smallest normal and nothing excuses it (a stable rewrite's harmless
+    term, sums that reach the normal range reading it)."""
+    largest = meta.observed_max_abs(node)
+    if not largest or _in_normal_range(node) or meta.negligible(node):
+        return None
+    if meta.rounding_cancels(node):
+        return None
+    absorbed = node.users and all(
+        u.target in TENSOR_SUMS and _in_normal_range(u) for u in node.users
+    )
+    return None if absorbed else largest
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(programs(), st.sampled_from([1e-5, 1e-7]), st.booleans())
+def test_property_no_value_below_the_normal_range_computes_in_fp16_unlifted(
+    case, input_scale, scale_range
+):
+    """Random programs from the fuzzer's menu on inputs scaled down into fp16's
+    subnormals: the cast lints, runs and holds the float oracle's bound; each op whose
+    calibrated values lie below the normal range computes in fp32 or (scale domains
+    on) in fp16 at a scale 2**e that lifts its largest value to the normal range, or
+    the verdict check measured fp32 no better there (``not_worth_fp32``: a value the
+    program returns in fp16, whose output rounding loses it either way)."""
+    args = tuple(a * input_scale if a.is_floating_point() else a for a in case.args)
+    case = dataclasses.replace(case, args=args, input_scale=case.input_scale * input_scale)
+    policy = PrecisionPolicy.default(scale_range=scale_range)
+    ep = check_cast(case, lambda ep: fx16.cast_fp32_to_fp16(ep, policy=policy))
+    for node in ep.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "call_function" or is_cast(node) or not isinstance(val, torch.Tensor):
+            continue
+        largest = _below_range(node)
+        if largest is None or val.dtype != FP16 or decision_of(node).reason is NOT_WORTH:
+            continue  # the verdict check measured fp32 no better: a value returned in fp16
+        exponent = meta.scale_exponent(node)
+        assert scale_range and largest * 2.0**exponent >= TINY, (node.name, largest, exponent)
