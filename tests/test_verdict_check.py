@@ -12,10 +12,12 @@ from torch import nn
 import fx16
 from benchmarks import zoo
 from benchmarks.precision_zoo import TimestepEmbedding
+from fx16 import meta
 from fx16.analysis import Fp32RulesAnalysis, VerdictCheckAnalysis
 from fx16.analysis.explicit_fp32 import islands
-from fx16.analysis.fp32_rules import ConditioningRule
+from fx16.analysis.fp32_rules import ConditioningRule, fp32_rule
 from fx16.analysis.verdict_check import MEASURABLE
+from fx16.decisions import Reason
 from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes, without_rules
 from fx16.policy import PrecisionPolicy
@@ -177,8 +179,9 @@ def test_property_every_answer_follows_its_measurement_and_dropped_verdicts_are_
     """Random programs: a question held exactly when fp32 measurably lowered the error;
     the nodes of a dropped one carry no fp32 rule and say why (checked as the analysis
     leaves them: the cleanup after the inserter may remove a cast it named, and a body
-    may hold a node of the same name as the program's). Questions are asked in at least
-    half of the examples (counted)."""
+    may hold a node of the same name as the program's); a value kept in fp32 only to
+    feed ill-conditioned ops whose verdicts were dropped is dropped too, or its own
+    question held. Questions are asked in at least half of the examples (counted)."""
     asked = []
 
     @settings(max_examples=examples(10), deadline=None)
@@ -208,9 +211,52 @@ def test_property_every_answer_follows_its_measurement_and_dropped_verdicts_are_
                         and VerdictCheckAnalysis.META_KEY in node.meta
                         for node in nodes[name]
                     ), name
+        _assert_no_value_is_kept_for_a_dropped_verdict(ep)
 
     check()
     assert sum(asked) >= len(asked) / 2, f"questions asked in {sum(asked)} of {len(asked)}"
+
+
+def _assert_no_value_is_kept_for_a_dropped_verdict(ep) -> None:
+    modules = [m for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    findings = [
+        finding
+        for module in modules
+        for node in module.graph.nodes
+        if (finding := meta.conditioning_finding(node)) is not None
+    ]
+    live = [f for f in findings if fp32_rule(f.seed) is not None]
+    kept_for_live = {node for f in live for node in (f.seed, *f.chain)}
+    held = {name for question in _checks(ep) if question.held for name in question.nodes}
+    for finding in findings:
+        if finding in live:
+            continue
+        for node in finding.chain:
+            rule = fp32_rule(node)
+            if rule is not None and rule.reason is Reason.ILL_CONDITIONED:
+                assert node in kept_for_live or node.name in held, (node.name, finding.seed)
+
+
+def test_a_dropped_verdict_withdraws_the_values_kept_fp32_for_it():
+    """A static-shape Llama: the verdict check returns the rotary embedding's cos and
+    sin to fp16 (their consumers compute the same values either way). The angles
+    before them (inv_freq, its casts, the product with the positions, the cat) were
+    kept fp32 only to feed them, "feeds cos, kept in fp32"; they are asked once more,
+    as one question, and computed in fp16 where fp32 does not pay: no op is left fp32
+    for a reader that reads it through a cast to fp16."""
+    torch.manual_seed(0)
+    model, ids = zoo.llama(layers=2, vocab=64).eval(), torch.randint(0, 64, (2, 8))
+    ep = fx16.cast_fp32_to_fp16(export(model, ids))
+    check_program(ep)
+    rows = {row.node: row for row in report_of(ep).rows}
+    assert rows["cos"].dtype == rows["sin"].dtype == "float16"
+    assert not [r.node for r in rows.values() if r.rule == "ill_conditioned"]
+    (question,) = [q for q in _checks(ep) if q.label.startswith("ill_conditioned inputs of")]
+    assert not question.held and {"mul", "cat"} <= set(question.nodes)
+    assert "cos.default" in question.label and "sin.default" in question.label
+    assert rows["cat"].dtype == "float16" and rows["cat"].rule == "not_worth_fp32"
+    assert max_error(fp64_reference(model, ids), run(ep, ids)) < 1e-2
+    _assert_no_value_is_kept_for_a_dropped_verdict(ep)
 
 
 class NormedOuterProduct(nn.Module):

@@ -23,8 +23,11 @@ rounded by the op that reads them) is dropped without one. Verdicts of one kind 
 different layers (the same rule and op at the same module path up to the layer
 index) are measured together:
 twelve GELU cubes are one question, not twelve. The most expensive are asked first,
-and each answer is kept for the next question. With no calibration input there is
-nothing to measure with, and every verdict holds.
+and each answer is kept for the next question. A dropped conditioning verdict withdraws
+what was kept for it: the values kept in fp32 only to feed the ops whose verdicts were
+dropped (a rotary embedding's angles, once its cos and sin compute in 16-bit, read them
+rounded to 16-bit) are one last question. With no calibration input there is nothing
+to measure with, and every verdict holds.
 
 Reads: ``meta["fx16.fp32_rule"]`` (Fp32RulesAnalysis), the fp32 outputs calibration
 recorded (``graph_module.meta["fx16.calibration_outputs"]``), the island verdicts
@@ -122,47 +125,59 @@ class VerdictCheckAnalysis(Analysis):
         wide = self.wide_nodes(modules)
         findings = _findings(modules)
         groups = self.groups(modules, wide, findings)
+        dropped: set[Node] = set()
         for label, why in (self.answers or {}).items():
             group = groups.pop(label, None)
             if group is not None and why is not None:
                 droppable = _droppable(group, findings)
                 self.drop(group, droppable, why)
-                wide = wide - droppable
-        if not groups:
+                wide, dropped = wide - droppable, dropped | droppable
+        if not groups and not dropped:
             return PassResult(graph_module, False)
         reference = meta.calibration_outputs(graph_module)
         if reference is not None and len(reference) != len(calls):
             reference = None  # calibrated on other inputs
         emulation = Emulation(self.program, calls, self.policy.low, reference=reference)
-        error = None  # with every verdict still kept: run when first needed
+        asking = _Asking(graph_module, emulation, wide, dropped)
         for group in sorted(groups.values(), key=lambda g: g.cost, reverse=True):
-            droppable = _droppable(group, findings)
-            names = tuple(sorted(node.name for node in droppable))
-            if emulation.changes_nothing(wide, droppable):
-                why = (
-                    f"{group.label}: fp32 changes nothing: its consumers compute the same "
-                    "values either way on the calibration inputs"
-                )
-                check = Check(group.label, names, None, None, held=False, identical=True)
-            else:
-                error = emulation.error(wide) if error is None else error
-                without = emulation.error(wide - droppable)
-                held = not math.isfinite(without) or without > MEASURABLE * error
-                check = Check(group.label, names, error, without, held)
-                why = None
-                if not held:
-                    why = (
-                        f"{group.label}: fp32 does not measurably lower the output error on "
-                        f"the calibration inputs ({without:.3g} without it, {error:.3g} with it)"
-                    )
-                    error = without
-            graph_module.meta[self.CHECKS_KEY].append(check)
-            if why is not None:
-                self.drop(group, droppable, why)
-                wide = wide - droppable
-            if self.answers is not None:
-                self.answers[group.label] = why
+            self.answer(asking, group, _droppable(group, findings))
+        orphans = _orphaned_chains(findings, asking)
+        if orphans is not None and orphans.label in (self.answers or {}):
+            if self.answers[orphans.label] is not None:
+                self.drop(orphans, orphans.nodes, self.answers[orphans.label])
+        elif orphans is not None:
+            self.answer(asking, orphans, orphans.nodes)
         return PassResult(graph_module, False)
+
+    def answer(self, asking: "_Asking", group: _Group, droppable: set[Node]) -> None:
+        """Measure whether keeping ``droppable`` (``group``'s nodes only it keeps) in
+        fp32 lowers the output error; drop the verdict where it does not."""
+        names = tuple(sorted(node.name for node in droppable))
+        if asking.emulation.changes_nothing(asking.wide, droppable):
+            why = (
+                f"{group.label}: fp32 changes nothing: its consumers compute the same "
+                "values either way on the calibration inputs"
+            )
+            check = Check(group.label, names, None, None, held=False, identical=True)
+        else:
+            error = asking.error_with()
+            without = asking.emulation.error(asking.wide - droppable)
+            held = not math.isfinite(without) or without > MEASURABLE * error
+            check = Check(group.label, names, error, without, held)
+            why = None
+            if not held:
+                why = (
+                    f"{group.label}: fp32 does not measurably lower the output error on "
+                    f"the calibration inputs ({without:.3g} without it, {error:.3g} with it)"
+                )
+                asking.error = without
+        asking.graph_module.meta[self.CHECKS_KEY].append(check)
+        if why is not None:
+            self.drop(group, droppable, why)
+            asking.wide = asking.wide - droppable
+            asking.dropped |= droppable
+        if self.answers is not None:
+            self.answers[group.label] = why
 
     def wide_nodes(self, modules: list[GraphModule]) -> set[Node]:
         """The nodes a rule, a kept island or the policy keeps in fp32."""
@@ -237,6 +252,49 @@ class VerdictCheckAnalysis(Analysis):
             module.meta[ExplicitFp32Analysis.META_KEY] = [
                 verdict if island.opening == opening.name else island for island in islands(module)
             ]
+
+
+@dataclass
+class _Asking:
+    """What the questions of one run share: the nodes still kept in fp32 (``wide``),
+    those dropped so far, and the output error with ``wide`` kept (run when first
+    needed)."""
+
+    graph_module: GraphModule
+    emulation: Emulation
+    wide: set[Node]
+    dropped: set[Node]
+    error: float | None = None
+
+    def error_with(self) -> float:
+        if self.error is None:
+            self.error = self.emulation.error(self.wide)
+        return self.error
+
+
+def _orphaned_chains(findings: list, asking: _Asking) -> _Group | None:
+    """The values kept in fp32 only to feed ill-conditioned ops whose verdicts were
+    dropped (a rotary embedding's angles, once its cos and sin compute in 16-bit): what
+    they feed rounds them to 16-bit now, so one more question asks whether their fp32
+    still pays. None where there are none."""
+    dropped = [f for f in findings if f.seed in asking.dropped]
+    needed = {n for f in findings if f.seed not in asking.dropped for n in (f.seed, *f.chain)}
+    nodes = {
+        node
+        for finding in dropped
+        for node in finding.chain
+        if node in asking.wide
+        and node not in needed
+        and (rule := fp32_rule(node)) is not None
+        and rule.reason is Reason.ILL_CONDITIONED
+    }
+    if not nodes:
+        return None
+    fed = sorted(
+        {f"{op_label(f.seed)} at {_pattern(f.seed)}" for f in dropped if nodes & set(f.chain)}
+    )
+    label = f"ill_conditioned inputs of {', '.join(fed)}"
+    return _Group(label, frozenset({Reason.ILL_CONDITIONED}), nodes)
 
 
 def _live(module: GraphModule, by_name: dict[str, Node] | None = None) -> list:
