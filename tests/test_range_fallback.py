@@ -17,6 +17,7 @@ from fx16 import meta
 from fx16.decisions import PRECISION, Reason
 from fx16.passes import RangeFallbackPass
 from fx16.passes.range_fallback import RANGE_REASONS
+from fx16.plan.view import DOWNCASTABLE
 from fx16.program.casts import cast_dtype, is_cast
 from fx16.program.subgraphs import nested_graph_modules
 from fx16.report import report_of
@@ -236,6 +237,74 @@ def test_the_doors_multiply_stays_fp32_under_the_fallback():
     assert max_error(fp64_reference(model, x), run(ep, x)) < 4 * 2.0**-11
 
 
+class RangeBesideAutocastOff(nn.Module):
+    """A value past fp16's range (``a``, 1e6x a linear) read by an op whose result
+    fits (``tanh``) and, with the model's own fp32 value (an ``autocast(enabled=False)``
+    region's), by a division whose result fits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        a = self.lin(x) * 1e6
+        with torch.autocast("cpu", enabled=False):
+            k = torch.exp(x) * 3.0
+        return self.out(k / a), torch.tanh(a)
+
+
+def test_an_op_reading_the_models_own_fp32_beside_a_range_value_stays_fp32():
+    """Input: ``a`` (range) read by ``tanh`` and, with the autocast-off region's ``k``,
+    by ``k / a``; both are fp32 only for reading an fp32 value (``fp32_input``). Output
+    with the fallback: ``a`` and ``tanh`` compute in bf16 (``tanh``: ``bf16_input``);
+    the division still computes in fp32, reading ``k`` as the model made it and ``a``
+    through a cast back to fp32 (in bf16 it would round the model's fp32 value)."""
+    torch.manual_seed(0)
+    model, x = RangeBesideAutocastOff().eval(), torch.randn(4, 8)
+    policy = fx16.PrecisionPolicy.default(scale_range=False)  # the fp32 path, not a scale
+    ep = fx16.cast_fp32_to_fp16(export(model, x), policy=policy, range_fallback="bf16")
+    check_program(ep)
+    rows = _rows(ep)
+    assert (rows["mul"].dtype, rows["mul"].rule) == ("bfloat16", "activation_overflow")
+    assert (rows["tanh"].dtype, rows["tanh"].rule) == ("bfloat16", "bf16_input")
+    assert (rows["div"].dtype, rows["div"].rule) == ("float32", "fp32_input")
+    (div,) = [n for n in ep.graph.nodes if n.name == "div"]
+    region_value, range_value = div.args
+    assert region_value.meta["val"].dtype == torch.float32 and not is_cast(region_value)
+    assert is_cast(range_value) and range_value.args[0].meta["val"].dtype == torch.bfloat16
+    reference = fp64_reference(model, x)
+    assert max_error(reference, run(ep, x)) <= 4 * BF16_EPS
+
+
+def _bf16_in_bodies(ep) -> list[str]:
+    """The ops computing bf16 inside the program's bodies (the model's own bf16 regions)."""
+    return sorted(
+        node.name
+        for module in nested_graph_modules(ep.graph_module)[1:]
+        for node in module.graph.nodes
+        if node.op == "call_function"
+        and getattr(node.meta.get("val"), "dtype", None) is torch.bfloat16
+    )
+
+
+def _assert_reads_what_bf16_may_read(node) -> None:
+    """``node`` (moved to bf16 for reading a bf16 value) reads, through its casts, only
+    bf16 or fp16 values and fp32 values kept for range or for a precision a 16-bit op
+    may give up: never the model's own fp32."""
+    for arg in node.all_input_nodes:
+        while is_cast(arg):
+            arg = arg.args[0]
+        val = arg.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
+            continue
+        made = arg.meta.get(PRECISION)
+        assert made is not None and made.reason in RANGE_REASONS | DOWNCASTABLE, (
+            node.name,
+            arg.name,
+            made,
+        )
+
+
 def _ops_by_dtype(ep) -> dict[str, torch.dtype]:
     """Each top-level op (not a cast) of ``ep`` and the float dtype it computes."""
     return {
@@ -256,8 +325,9 @@ def test_property_the_fallback_moves_only_what_range_kept_fp32(case, input_scale
     fallback's program lints, runs and holds the float oracle's bound; every op it
     turns bf16 (not one of the model's own bf16 regions) was fp32 in the default cast
     and keeps a range cause (or reads a bf16 value: ``bf16_input``); every op the
-    default computes in fp16 stays fp16;
-    no op in a body turns bf16; the outputs keep the default's dtypes."""
+    default computes in fp16 stays fp16; no op in a body turns bf16 (the model's own
+    bf16 regions stay); the outputs keep the default's dtypes. An op moved for reading
+    a bf16 value reads no fp32 value the model kept for itself."""
     args = tuple(a * input_scale if a.is_floating_point() else a for a in case.args)
     case = dataclasses.replace(case, args=args)
     policy = fx16.PrecisionPolicy.default(scale_range=scale_range)
@@ -271,9 +341,9 @@ def test_property_the_fallback_moves_only_what_range_kept_fp32(case, input_scale
         if after.get(node.name) is torch.bfloat16 and before.get(node.name) is not torch.bfloat16:
             assert before.get(node.name) is torch.float32, node.name
             assert node.meta[PRECISION].reason in allowed, (node.name, node.meta[PRECISION])
+            if node.meta[PRECISION].reason is Reason.BF16_INPUT:
+                _assert_reads_what_bf16_may_read(node)
     assert all(after.get(name) is torch.float16 for name, d in before.items() if d is FP16)
-    for module in nested_graph_modules(fallback.graph_module)[1:]:
-        computed = [n.meta.get("val") for n in module.graph.nodes if n.op == "call_function"]
-        assert all(getattr(val, "dtype", None) is not torch.bfloat16 for val in computed)
+    assert _bf16_in_bodies(fallback) == _bf16_in_bodies(default)
     with torch.no_grad():
         assert [v.dtype for v in run(fallback, *args)] == [v.dtype for v in run(default, *args)]
