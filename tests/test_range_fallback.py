@@ -4,6 +4,7 @@ computes in bf16 instead of fp32, with the cause kept in the report."""
 import copy
 import dataclasses
 import json
+import operator
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from fx16 import meta
 from fx16.decisions import PRECISION, Reason
 from fx16.passes import RangeFallbackPass
 from fx16.passes.range_fallback import RANGE_REASONS
+from fx16.passes.range_fallback import SAID as SAID_BF16
 from fx16.plan.view import DOWNCASTABLE
 from fx16.program.casts import cast_dtype, is_cast
 from fx16.program.subgraphs import nested_graph_modules
@@ -347,3 +349,78 @@ def test_property_the_fallback_moves_only_what_range_kept_fp32(case, input_scale
     assert _bf16_in_bodies(fallback) == _bf16_in_bodies(default)
     with torch.no_grad():
         assert [v.dtype for v in run(fallback, *args)] == [v.dtype for v in run(default, *args)]
+
+
+def test_the_pass_alone_says_whether_it_changed_the_program_and_commits_its_state():
+    """RangeFallbackPass run by itself on a program cast with the fp32 path: it moves
+    the product, reports ``modified`` and hands back the module it was given, and (its
+    program not deferring state) stores the weight bf16 at once, as the decision says;
+    run again it finds nothing to move and says so. The casts it adds say why they
+    are there (an upcast for a wide op)."""
+    from fx16.program import Program
+    from fx16.program.casts import INSERTED, WHY_UPCAST
+
+    torch.manual_seed(0)
+    model, x = WideWeight(), torch.randn(4, 8)
+    policy = fx16.PrecisionPolicy.default(scale_range=False)
+    ep = fx16.cast_fp32_to_fp16(export(model, x), policy=policy)
+    before = {n.name for n in ep.graph.nodes if is_cast(n)}
+    result = RangeFallbackPass(Program.of(ep))(ep.graph_module)
+    assert result.modified is True and result.graph_module is ep.graph_module
+    ep.graph_module.recompile()
+    assert ep.state_dict["weight"].dtype == torch.bfloat16
+    added = [n for n in ep.graph.nodes if is_cast(n) and n.name not in before]
+    assert added and all(n.meta[INSERTED] == WHY_UPCAST for n in added)
+    assert _rows(ep)["matmul"].detail.endswith(SAID_BF16)
+    check_program(ep)
+    assert max_error(fp64_reference(model, x), run(ep, x)) <= 4 * BF16_EPS
+    again = RangeFallbackPass(Program.of(ep))(ep.graph_module)
+    assert again.modified is False and again.graph_module is ep.graph_module
+
+
+class SharedWideWeight(nn.Module):
+    """A weight holding 1e6 read by a product (fp32 for range: the fallback's) and by
+    ``sin`` (fp32 by the caller's policy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+        with torch.no_grad():
+            self.weight[0, 0] = 1e6
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight * 1e-6), torch.sin(self.weight * 1e-6).sum()
+
+
+def test_a_weight_an_fp32_op_also_reads_stays_fp32():
+    """The product computes in bf16 and reads the weight through a cast; ``sin``, fp32
+    for the caller, reads the fp32 weight as stored: the weight is not stored in bf16."""
+    torch.manual_seed(0)
+    model, x = SharedWideWeight(), torch.randn(4, 8)
+    policy = fx16.PrecisionPolicy.custom(
+        fx16.PrecisionPolicy.default(scale_range=False), ops={"sin": "fp32", "mul": "fp32"}
+    )
+    ep = fx16.cast_fp32_to_fp16(export(model, x), policy=policy, range_fallback="bf16")
+    check_program(ep)
+    assert ep.state_dict["weight"].dtype == torch.float32
+    assert _rows(ep)["matmul"].dtype == "bfloat16"
+    assert max_error(fp64_reference(model, x), run(ep, x)) <= 4 * BF16_EPS
+
+
+def test_a_conds_result_past_the_range_stays_as_its_body_returns_it():
+    """A cond whose branch returns 1e5x its input (fp32 for range) and an add reading
+    its result: the add computes in bf16 through a cast; the getitem of the cond's
+    result stays the dtype its body returns (fp32), and the program lints and runs."""
+    from models import Branches
+
+    torch.manual_seed(0)
+    model = Branches().eval()
+    x = -torch.rand(2, 4) - 4  # the negative branch: 1e5x
+    with torch.no_grad():
+        model.fc.weight.abs_()
+    policy = fx16.PrecisionPolicy.default(scale_range=False)
+    ep = fx16.cast_fp32_to_fp16(export(model, x), policy=policy, range_fallback="bf16")
+    check_program(ep)
+    getitems = [n for n in ep.graph.nodes if n.target is operator.getitem]
+    assert getitems and all(n.meta["val"].dtype == torch.float32 for n in getitems)
+    assert max_error(fp64_reference(model, x), run(ep, x)) <= 4 * BF16_EPS
