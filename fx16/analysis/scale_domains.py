@@ -4,7 +4,8 @@ A scale domain is a set of values connected by ops that commute with a positive
 scale (add and sub between members, views, cat, slicing, relu, pooling, sums and
 means, a gather of embedding rows; ``fx16.ops.scaling``), grown from each value whose
 calibrated magnitude, times the overflow margin, passes fp16's largest. Its values are
-carried at ``2**-k``, k the smallest that brings every member inside the limit. A
+carried at ``2**-k``, k centred between the least that brings every member inside the
+limit and the most its folded tensors allow (``fx16.analysis.scale_centre``). A
 domain starts where the scale can be folded at cast time: into the state tensor that
 a product (linear, conv, matmul, mul) or a norm's affine reads (its bias too), an
 embedding table, a scalar; or, where nothing is free, at a runtime multiply by
@@ -37,6 +38,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.explicit_fp32 import model_fp32_regions
+from fx16.analysis.scale_centre import centre
 from fx16.analysis.scale_exponents import propagate
 from fx16.analysis.scale_members import SMALLEST_NORMAL, grow_domains
 from fx16.analysis.scale_plan import SMALLEST_FOLDED, StateTensors
@@ -67,14 +69,16 @@ class Domain:
     # margin: the unit of the envelope's figures; the overflow margin is stated there)
     reach: float
     doors: tuple[str, ...] = ()  # user inputs it scales at the door (fp32, then one mul)
+    bounded: str = ""  # what bounded k at each end (``fx16.analysis.scale_centre``)
 
     def describe(self) -> str:
         folded = f"folded into {len(self.folded)} tensor(s)" if self.folded else "no fold"
         doors = f"; input(s) {', '.join(self.doors)} scaled at the door" if self.doors else ""
+        bounded = f"; {self.bounded}" if self.bounded else ""
         return (
             f"{self.named()}: {len(self.values)} value(s) up to {self.largest:.3g} carried at "
-            f"2**{-self.k} ({folded}{doors}); holds to {self.reach:.3g}x the calibrated "
-            "magnitudes before passing 65504"
+            f"2**{-self.k} ({folded}{doors}{bounded}); holds to {self.reach:.3g}x the "
+            "calibrated magnitudes before passing 65504"
         )
 
     def named(self) -> str:
@@ -148,6 +152,10 @@ class ScaleDomainsAnalysis(Analysis):
                 del exponents[index]
         if not exponents:
             return PassResult(graph_module, False)
+        nodes = list(graph_module.graph.nodes)
+        exponents, plan, centrings = centre(
+            nodes, groups, exponents, plan, state, magnitudes, self.limit
+        )
         domains = []
         order = {node: position for position, node in enumerate(graph_module.graph.nodes)}
         for index, exponent in exponents.items():
@@ -158,7 +166,9 @@ class ScaleDomainsAnalysis(Analysis):
             reach = FP16_LARGEST / (largest * 2.0**exponent)
             names = tuple(node.name for node in members)
             doors = tuple(n.name for n in members if n.op == "placeholder" and n not in tensors)
-            domains.append(Domain(-exponent, names, folded, largest, reach, doors))
+            centring = centrings.get(index)
+            bounded = centring.describe(-exponent) if centring is not None else ""
+            domains.append(Domain(-exponent, names, folded, largest, reach, doors, bounded))
         graph_module.meta[PLAN_KEY] = plan
         graph_module.meta[DOMAINS_KEY] = domains
         return PassResult(graph_module, False)
