@@ -296,3 +296,29 @@ def test_the_default_keeps_the_model_fp32_regions_as_half_does():
             errors["fx16"] += max_error(want, run(ep, ids(seed)))
             errors[".half()"] += max_error(want, [half(ids(seed))])
     assert errors["fx16"] <= 1.2 * errors[".half()"], errors
+
+
+class Bf16RoundTripThenFp32Norm(nn.Module):
+    """The model's own bf16 round trip, then its own fp32 RMSNorm of the result: after
+    decomposition one cast, bf16 -> fp32, is both the way back and the region's
+    opening."""
+
+    def forward(self, x):
+        h = x.to(torch.bfloat16).to(x.dtype)
+        g = h.to(torch.float32)
+        return h, (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+@pytest.mark.parametrize("decompose", [True, False])
+def test_a_region_opened_from_the_models_own_bf16_reads_it_widened(decompose):
+    """Once, the region's ops and the output read the bf16 value in the opening's
+    place (as they would read an fp16 one): the norm's product mixed bf16 with fp16
+    (computing fp32 where fp16 was recorded) and the program failed to run. They read
+    the widened value now: the program lints, runs, and holds fp16's rounding."""
+    torch.manual_seed(0)
+    model, x = Bf16RoundTripThenFp32Norm().eval(), torch.randn(3, 8)
+    ep = fx16.cast_fp32_to_fp16(export(model, x, decompose=decompose))
+    check_program(ep)
+    outputs = run(ep, x)
+    assert [out.dtype for out in outputs] != [torch.bfloat16] * 2
+    assert max_error(fp64_reference(model, x), outputs) < 4 * 2.0**-8  # bf16's rounding

@@ -177,9 +177,11 @@ class _Run(Rewriter):
             return
         self.record(node, step)
         if step.region is not None:  # export routes later uses of x through x.float()
+            source = node.args[0]
             for user in list(node.users):
-                if (user, node) in self.plan.redirects:  # those the plan reads the 16-bit x
-                    user.replace_input_with(node, node.args[0])
+                read = self.plan.redirects.get((user, node))
+                if read is not None and read.name == source.name:  # they read the 16-bit x
+                    user.replace_input_with(node, source)
                     self.modified = True
 
     def apply_creation(self, node: Node, step) -> None:

@@ -185,7 +185,10 @@ class Planner:
             verdict = meta.island_verdict(node)
             members = verdict.members if verdict is not None else frozenset()
             source = self.plan.read(node.args[0], node)
-            for user in node.users:  # they read the 16-bit x, as in the source
+            # they read the 16-bit x, as in the source: where x is in the cast's 16-bit
+            # dtype (a bf16 x in an fp16 cast, the model's own, is read widened)
+            redirected = [] if source.dtype != self.low else node.users
+            for user in redirected:
                 if user.name not in members and not _fed_as_exported(user):
                     if decision_of(user) is None:  # one decided on an earlier run keeps
                         self.plan.redirects[(user, node)] = source  # what it reads
