@@ -5,10 +5,12 @@ that lifts it into the normal range. The single-model tests are in test_fp32_rul
 
 import dataclasses
 
+import pytest
 import torch
 from fuzz_profile import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import fx16
 from fx16 import meta
@@ -19,6 +21,7 @@ from fx16.policy import PrecisionPolicy
 from fx16.program.casts import is_cast
 from fx16.testing import programs
 from fx16.testing.checks import check_cast
+from helpers import check_program, export, fp64_reference, max_error, run
 
 FP16 = torch.float16
 TINY = torch.finfo(FP16).tiny
@@ -69,3 +72,40 @@ def test_property_no_value_below_the_normal_range_computes_in_fp16_unlifted(
             continue  # the verdict check measured fp32 no better: a value returned in fp16
         exponent = meta.scale_exponent(node)
         assert scale_range and largest * 2.0**exponent >= TINY, (node.name, largest, exponent)
+
+
+class TinyAddend(nn.Module):
+    """A value below fp16's normal range (``lin(x) * 1e-7``) read by a sum that reaches
+    the normal range (``x + t``), by a sum that stays below it (``t + t``) or by
+    a product (``t * 1e4``), as ``reader`` says."""
+
+    def __init__(self, reader: str) -> None:
+        super().__init__()
+        self.lin, self.reader = nn.Linear(8, 8), reader
+
+    def forward(self, x):
+        tiny = self.lin(x) * 1e-7
+        if self.reader == "normal sum":
+            return x + tiny
+        if self.reader == "tiny sum":
+            return tiny + tiny
+        return tiny * 1e4
+
+
+@pytest.mark.parametrize(
+    ("reader", "kept"), [("normal sum", False), ("tiny sum", True), ("product", True)]
+)
+def test_a_value_below_the_range_is_kept_unless_a_sum_in_range_absorbs_it(reader, kept):
+    """Without scale domains: the tiny value computes in fp32 unless every reader adds it
+    to a tensor and reaches the normal range (its subnormal rounding, at most half the
+    smallest subnormal, is below the sum's); a sum that stays below the range, or a
+    product that scales it back up, reads it fp32."""
+    torch.manual_seed(0)
+    model, x = TinyAddend(reader).eval(), torch.randn(4, 8)
+    policy = PrecisionPolicy.default(scale_range=False)
+    ep = fx16.cast_fp32_to_fp16(export(model, x), policy=policy)
+    check_program(ep)
+    made = decision_of(next(n for n in ep.graph.nodes if n.name == "mul"))
+    assert (made.reason is Reason.ACTIVATION_BELOW_RANGE) is kept, made
+    assert (made.dtype == torch.float32) is kept
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 4 * 2.0**-11

@@ -146,3 +146,38 @@ def test_a_weight_one_reader_of_which_computes_16_bit_stays_16_bit():
     assert _weights(ep)["p_weight"].reason is Reason.FITS
     mul = next(n for n in ep.graph.nodes if n.target == torch.ops.aten.mul.Tensor)
     assert mul.meta[PRECISION].dtype == torch.float32
+
+
+def test_the_pass_alone_stores_the_weights_fp32_and_says_what_it_did():
+    """The pipeline up to the inserter, then StoreAsReadPass alone: it reports
+    ``modified`` and hands back the module it was given; each weight's placeholder is
+    fp32 (value and decision, ``readers_fp32``, chosen by ``stored_as_read``), its
+    pending 16-bit conversion dropped, no cast reads it; run again, it changes nothing
+    and says so."""
+    from fx16.passes import StoreAsReadPass
+    from fx16.program import Program
+    from fx16.program.casts import is_cast
+    from fx16.program.snapshot import PENDING
+
+    torch.manual_seed(0)
+    model, x = MLP().eval(), torch.randn(4, 8)
+    ep = export(model, x)
+    passes = fx16.fp16_passes(ep, overflow_margin=1e5, policy=NO_SCALING)
+    before = passes[: next(i for i, p in enumerate(passes) if isinstance(p, StoreAsReadPass))]
+    with Program.of(ep).transaction():  # the weights' conversions pending, as in a cast
+        for stage in before:
+            stage(ep.graph_module)
+        slots = Program.of(ep).state_slots()
+        assert set(ep.graph_module.meta[PENDING]) == {slot.target for slot in slots}
+        result = StoreAsReadPass(Program.of(ep))(ep.graph_module)
+        assert result.modified is True and result.graph_module is ep.graph_module
+        assert not ep.graph_module.meta.get(PENDING)  # every conversion dropped
+        for placeholder in (slot.placeholder for slot in slots):
+            made = placeholder.meta[PRECISION]
+            assert placeholder.meta["val"].dtype == torch.float32
+            assert (made.dtype, made.reason) == (torch.float32, Reason.READERS_FP32)
+            assert placeholder.meta["fx16.planned"].rule == "stored_as_read"
+            assert not any(is_cast(user) for user in placeholder.users)
+        again = StoreAsReadPass(Program.of(ep))(ep.graph_module)
+        assert again.modified is False and again.graph_module is ep.graph_module
+    assert {t.dtype for t in ep.state_dict.values()} == {torch.float32}
