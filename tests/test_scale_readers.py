@@ -3,6 +3,10 @@ at 2**e with its fp32 counterpart times 2**e, the report's rows, HTML and layers
 is scaled, the domain lines name their values, and a saved cast program keeps it all
 (its report to the letter, ``fx16 inspect`` of the written file)."""
 
+import contextlib
+import io
+import json
+
 import torch
 from fuzz_profile import examples
 from hypothesis import HealthCheck, given, settings
@@ -161,10 +165,22 @@ def test_property_scaled_values_diagnose_as_the_unscaled_cast(case, input_scale)
 @settings(max_examples=examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs(), st.sampled_from([1.0, 1e5]))
 def test_property_save_load_gives_the_same_report(tmp_path_factory, case, input_scale):
-    """save -> load -> report_of gives the in-memory report's JSON, scaled or not."""
+    """save -> load -> report_of gives the in-memory report's JSON, scaled or not, and
+    ``fx16 inspect`` of the saved file (run in-process) reports the same: its JSON
+    report equal, each summary line printed."""
+    from fx16.cli import main
+
     args = tuple(a * input_scale if a.is_floating_point() else a for a in case.args)
     cast = fx16.cast_fp32_to_fp16(case.export(), calibration=[args])
     expected = report_of(cast).to_json()
-    path = tmp_path_factory.mktemp("saved") / "cast.pt2"
+    folder = tmp_path_factory.mktemp("saved")
+    path, inspected = folder / "cast.pt2", folder / "report.json"
     torch.export.save(cast, path)
     assert report_of(fx16.load(path)).to_json() == expected
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["inspect", str(path), "--report", str(inspected)]) == 0
+    assert json.loads(inspected.read_text()) == json.loads(expected)
+    assert "is a program fx16 cast" in printed.getvalue()
+    for line in report_of(cast).summary():
+        assert line in printed.getvalue(), line
