@@ -451,3 +451,39 @@ def test_the_fp64_run_widens_inside_a_cond_branch_too():
     assert check_floats(original, cast, (loud,), [fp32], [exact]) == 1
     with pytest.raises(AssertionError, match="float output 0"):
         check_floats(original, cast, (loud,), [fp32], [exact * 3])
+
+
+class LinearInFp16(PassBase):
+    """A narrowing pass that ignores range: every linear computes in fp16 (its input,
+    weight and bias cast down; the node itself becomes the cast of that result back to
+    fp32). Inputs of 1e5 give inf."""
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        graph = graph_module.graph
+        for node in list(graph.nodes):
+            if node.target != aten.linear.default:
+                continue
+            with graph.inserting_before(node):
+                low = []
+                for arg in node.args:
+                    cast = graph.call_function(
+                        aten._to_copy.default, (arg,), {"dtype": torch.float16}
+                    )
+                    cast.meta["val"] = arg.meta["val"].to(torch.float16)
+                    low.append(cast)
+                product = graph.call_function(aten.linear.default, tuple(low))
+                product.meta["val"] = node.meta["val"].to(torch.float16)
+            node.target, node.args = aten._to_copy.default, (product,)
+            node.kwargs = {"dtype": torch.float32}
+        graph_module.recompile()
+        return PassResult(graph_module, True)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_default_fuzz_catches_a_pass_that_narrows_what_overflows(seed):
+    """Once, fuzz_pass with its defaults passed a pass that runs every linear in fp16
+    (on seeds 1 to 4): no program it drew held values past fp16's range at a linear.
+    The entries a pass changes are swept again on inputs of 1e5, which it breaks
+    whatever the seed (the sweep draws nothing at random)."""
+    with pytest.raises(fx16.testing.PassBroke, match="inf/nan"):
+        fx16.testing.fuzz_pass(LinearInFp16, seed=seed)

@@ -257,18 +257,21 @@ class ProgramCase:
         )
 
 
-def sweep_cases(menu=tuple(MENU), steps_each: int = 8, width: int = 4) -> list[ProgramCase]:
+def sweep_cases(
+    menu=tuple(MENU), steps_each: int = 8, width: int = 4, input_scale: float = 1.0
+) -> list[ProgramCase]:
     """Programs that hold every entry of ``menu`` between them, ``steps_each`` to a
-    program, each step reading the one before: the ops a pass touches show in the
-    programs it changes (``fx16.testing.fuzz_pass`` starts with them)."""
+    program, each step reading the one before, on inputs of ``input_scale``: the ops a
+    pass touches show in the programs it changes (``fx16.testing.fuzz_pass`` starts
+    with them)."""
     cases = []
     for start in range(0, len(menu), steps_each):
         chunk = menu[start : start + steps_each]
         steps = [(name, index, index, 0.5) for index, name in enumerate(chunk)]
         torch.manual_seed(start)
         model = RandomProgram(width, steps, []).eval()
-        args = (torch.randn(3, width), torch.randint(0, VOCAB, (3, width)))
-        cases.append(ProgramCase(model, args, False, False, 1.0))
+        args = (torch.randn(3, width) * input_scale, torch.randint(0, VOCAB, (3, width)))
+        cases.append(ProgramCase(model, args, False, False, input_scale))
     return cases
 
 
