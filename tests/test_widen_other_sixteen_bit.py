@@ -307,3 +307,28 @@ def test_property_a_bf16_program_widens_exactly_and_casts_within_the_bound(case)
     check_program(widened)
     check_cast_program(reference, widened, fp32.args)
     check_cast_program(widened, fx16.cast_fp32_to_fp16(copy.deepcopy(source)), fp32.args)
+
+
+class PartlyBf16(nn.Module):
+    """An fp32 linear (8x8 weight and bias) beside a bf16 table of ``rows`` x 8 it adds
+    a row of: the table is bf16 by the model's choice."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("table", torch.randn(rows, 8).to(BF16))
+
+    def forward(self, x):
+        return self.fc(x) + self.table[0].float()
+
+
+@pytest.mark.parametrize(("rows", "widened"), [(22, False), (40, True)])
+def test_a_program_is_made_in_bf16_when_most_of_its_float_bytes_are(rows, widened):
+    """Input bytes: the fp32 linear's 288 and the input's 64 against the bf16 table's 16
+    per row. At 22 rows (352 bytes, half of all) the program is fp32 with a bf16
+    table, which stays; at 40 (640 bytes, most) it was made in bf16 and is widened."""
+    torch.manual_seed(0)
+    ep = export(PartlyBf16(rows).eval(), torch.randn(2, 8))
+    result = WidenOtherSixteenBitPass(Program.of(ep), BF16)(ep.graph_module)
+    assert result.modified is widened
+    assert (ep.state_dict["table"].dtype == torch.float32) is widened
