@@ -109,3 +109,23 @@ def test_a_value_below_the_range_is_kept_unless_a_sum_in_range_absorbs_it(reader
     assert (made.reason is Reason.ACTIVATION_BELOW_RANGE) is kept, made
     assert (made.dtype == torch.float32) is kept
     assert max_error(fp64_reference(model, x), run(ep, x)) < 4 * 2.0**-11
+
+
+@pytest.mark.parametrize(
+    ("said", "kept"),
+    [({}, True), ({meta.NEGLIGIBLE: "why"}, False), ({meta.ROUNDING_CANCELS: "why"}, False)],
+)
+def test_a_stable_rewrites_harmless_term_below_the_range_is_not_kept(said, kept):
+    """A node observed at most 1e-6 (below fp16's normal range), read by a product: the
+    rule keeps it fp32, unless a stable rewrite proved its loss harmless (an eps term
+    flushing to zero loses nothing: ``negligible``; a power-of-two scale whose
+    rounding cancels: ``rounding_cancels``)."""
+    from fx16.analysis.safety_rule import RuleContext
+    from fx16.analysis.safety_rules.range import ObservedBelowRangeRule
+
+    graph = torch.fx.Graph()
+    node = graph.call_function(torch.ops.aten.mul.Tensor, (1.0, 2.0))
+    graph.call_function(torch.ops.aten.mul.Tensor, (node, 1e6))
+    node.meta.update({"val": torch.zeros(2), meta.OBSERVED_MAX_ABS: 1e-6, **said})
+    found = ObservedBelowRangeRule(FP16).applies(node, RuleContext(None, None))
+    assert (found is not None) is kept, found
