@@ -326,9 +326,10 @@ class PartlyBf16(nn.Module):
 def test_a_program_is_made_in_bf16_when_most_of_its_float_bytes_are(rows, widened):
     """Input bytes: the fp32 linear's 288 and the input's 64 against the bf16 table's 16
     per row. At 22 rows (352 bytes, half of all) the program is fp32 with a bf16
-    table, which stays; at 40 (640 bytes, most) it was made in bf16 and is widened."""
+    table, which stays; at 40 (640 bytes, most) it was made in bf16 and is widened.
+    Either way the pass hands back the module it was given."""
     torch.manual_seed(0)
     ep = export(PartlyBf16(rows).eval(), torch.randn(2, 8))
     result = WidenOtherSixteenBitPass(Program.of(ep), BF16)(ep.graph_module)
-    assert result.modified is widened
+    assert result.modified is widened and result.graph_module is ep.graph_module
     assert (ep.state_dict["table"].dtype == torch.float32) is widened
