@@ -44,6 +44,10 @@ _OPNAME_DEFAULT = "the `_opname` default: every conditioned op is an OpOverload,
 _CANDIDATE_AT_END = (
     "`<=` at the interval's end: the stationary point is then the end itself, already a candidate"
 )
+_MAGNITUDE = (
+    "`(+largest, largest)`: only the interval's largest magnitude is judged, and largest >= 0"
+)
+_DEFAULT_DTYPE = "a fake tensor retyped to None takes torch's default dtype, float32: the same"
 EQUIVALENT: dict[str, str] = {
     "fx16.ops.numerics.x_round_scalar_to_fp16__mutmut_19": (
         "`<= tiny`: at exactly the smallest subnormal, lifting to it and rounding give it"
@@ -224,6 +228,25 @@ EQUIVALENT: dict[str, str] = {
         "result, whose 16-bit inputs the rewrite widens as promote does) or refuses (follow "
         "then retries as promote); cat, mul, batch norm and a layer norm with an fp32 weight "
         "gave the same graph either way (observed, not proven for every op)"
+    ),
+    # run 8: the range code (the range rules, the bf16 fallback, widening, store-as-read)
+    "fx16.analysis.safety_rules.range.xǁObservedOverflowRuleǁwritten_over__mutmut_4": (
+        "every node asked: a placeholder's, output's or get_attr's target (a name) writes nothing"
+    ),
+    "fx16.analysis.safety_rules.range.xǁObservedBelowRangeRuleǁapplies__mutmut_22": _MAGNITUDE,
+    "fx16.analysis.safety_rules.range.xǁObservedBelowRangeRuleǁ_absorbed_by__mutmut_16": (
+        _MAGNITUDE
+    ),
+    "fx16.passes.store_as_read.xǁStoreAsReadPassǁcall__mutmut_7": (
+        "`pending[...][1] != FP32` (the may-flush flag, never a dtype): a slot pending fp32 "
+        "is read as fp32 already, so no cast up reads it and it is left as it was"
+    ),
+    "fx16.passes.store_as_read.xǁStoreAsReadPassǁcall__mutmut_28": _DEFAULT_DTYPE,
+    "fx16.passes.store_as_read.x__read_only_through_fp32_casts__mutmut_7": (
+        "`is_inserted(user) or ...`: only casts carry `fx16.inserted`"
+    ),
+    "fx16.passes.widen_other_sixteen_bit.xǁWidenOtherSixteenBitPassǁ_widened__mutmut_4": (
+        _DEFAULT_DTYPE
     ),
 }
 
