@@ -41,18 +41,21 @@ def test_a_rotary_embeddings_sin_and_cos_are_dropped_without_a_run(monkeypatch):
     runs = _count_runs(monkeypatch)
     ep = fx16.cast_fp32_to_fp16(export(model, IDS))
     check_program(ep)
-    checks = _checks(ep)
+    checks = [c for c in _checks(ep) if not c.label.startswith("ill_conditioned inputs of")]
     assert {check.label.split()[1] for check in checks} == {"cos.default", "sin.default"}
     assert all(check.identical and not check.held for check in checks)
-    assert runs == []
+    # the angles kept fp32 for them are asked once more, with two runs at most
+    assert len(runs) <= 2 and len(_checks(ep)) == 3
     dropped = [row for row in report_of(ep).rows if row.rule == "not_worth_fp32"]
-    assert dropped and all("changes nothing" in row.detail for row in dropped)
+    assert dropped and all(
+        "changes nothing" in row.detail or "inputs of cos" in row.detail for row in dropped
+    )
 
     monkeypatch.setattr(Emulation, "changes_nothing", lambda self, wide, dropped: False)
     measured = fx16.cast_fp32_to_fp16(export(model, IDS))
     assert runs  # measured this time
     assert ep.graph_module.code == measured.graph_module.code
-    assert [check.held for check in _checks(measured)] == [False, False]
+    assert [check.held for check in _checks(measured)] == [False, False, False]
 
 
 def test_gpt2s_cube_still_takes_its_runs(monkeypatch):

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 from fuzz_profile import examples
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -284,6 +284,12 @@ def test_an_autocast_region_the_model_wrote_keeps_its_dtypes():
     assert ep.state_dict["inner.weight"].dtype == BF16
 
 
+# steps whose rounding the model does itself (a no-op in a program made in that dtype),
+# and a write into the program's own input (widened, the program writes into the fp32
+# copy of the caller's bf16 input that fx16.inputs_for makes, not into the caller's)
+OWN_ROUNDING = ("to_bf16_and_back", "to_fp16_and_back", "write_into_source")
+
+
 @settings(max_examples=examples(10), deadline=None)
 @given(programs())
 def test_property_a_bf16_program_widens_exactly_and_casts_within_the_bound(case):
@@ -292,7 +298,11 @@ def test_property_a_bf16_program_widens_exactly_and_casts_within_the_bound(case)
     weights compute in fp32 (the oracle's fp32 tolerance, or one rounding where the
     model's own cast back to bf16 is not joined to a bf16 weight); cast to fp16, the
     bf16 program lints, runs and holds the float oracle's bound against the widened
-    one."""
+    one. The model's own rounding (``x.to(torch.bfloat16).to(x.dtype)``) is left out:
+    in the bf16 program it is a no-op the widening keeps one, where the same code in
+    the fp32 model rounds; so is a write into the program's own input (see
+    ``OWN_ROUNDING``)."""
+    assume(not any(step[0] in OWN_ROUNDING for step in case.model.steps))
     bf16 = dataclasses.replace(
         case,
         model=copy.deepcopy(case.model).to(BF16),

@@ -23,6 +23,7 @@ from fx16.program.nodes import dtype_arguments, mutated_argument, node_val
 from fx16.program.snapshot import PENDING
 
 FP32, BF16 = torch.float32, torch.bfloat16
+BF16_LARGEST = float(torch.finfo(BF16).max)
 
 # The causes of an fp32 decision that are about range alone: bf16 has fp32's exponents.
 RANGE_REASONS = reasons(family="range")
@@ -47,7 +48,8 @@ class RangeFallbackPass(PassBase):
     ``fp32_input`` where every fp32 input it reads is such an op, a value kept fp32
     for range, or one kept fp32 for precision that a 16-bit op may read
     (``DOWNCASTABLE``). Ops of several results, with dtype arguments, written in
-    place, in a body, and higher-order ops stay fp32. Its inputs are read through casts
+    place, in a body, and higher-order ops stay fp32, as does an op that holds or
+    reads a value observed past bf16's largest (3.39e38). Its inputs are read through casts
     to bf16 (an inserted upcast of a 16-bit value is pointed at bf16 instead); its
     consumers that are not bf16 ops read it through a cast to fp32 (the program's
     outputs and a body's operands keep their dtypes), and a cast-back to fp16 after it
@@ -121,9 +123,19 @@ def _moved_to_bf16(graph_module: GraphModule) -> set[Node]:
     settled before it)."""
     moved: set[Node] = set()
     for node in graph_module.graph.nodes:
-        if _fp32_op(node) and _kept_for_range(node, moved):
+        if _fp32_op(node) and _kept_for_range(node, moved) and _fits_bf16(node, moved):
             moved.add(node)
     return moved
+
+
+def _fits_bf16(node: Node, moved: set[Node]) -> bool:
+    """Neither ``node`` nor an fp32 input it would read through a cast to bf16 was
+    observed beyond bf16's largest value (3.39e38: fp32's last 0.4% of range, where a
+    value near fp32's largest, a ``-3.4e38`` fill, rounds to inf in bf16)."""
+    return all(
+        (meta.observed_max_abs(value) or 0.0) <= BF16_LARGEST
+        for value in (node, *(arg for arg in node.all_input_nodes if arg not in moved))
+    )
 
 
 def _fp32_op(node: Node) -> bool:
