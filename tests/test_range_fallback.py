@@ -418,3 +418,27 @@ def test_a_conds_result_past_the_range_stays_as_its_body_returns_it():
     getitems = [n for n in ep.graph.nodes if n.target is operator.getitem]
     assert getitems and all(n.meta["val"].dtype == torch.float32 for n in getitems)
     assert max_error(fp64_reference(model, x), run(ep, x)) <= 4 * BF16_EPS
+
+
+class NearFp32sLargest(nn.Module):
+    """A value near fp32's largest (0/1 ids times -3.4e38, the fill some models use)
+    scaled back down: past fp16's range and past bf16's (3.39e38) too."""
+
+    def forward(self, x, ids):
+        return x + (ids.float() * -3.4e38) * 1e-30
+
+
+def test_a_value_past_bf16s_largest_stays_fp32():
+    """The product of ids and -3.4e38 is kept fp32 for range; in bf16 it would round to
+    -inf. The fallback leaves it, and what reads it, in fp32: the output is finite."""
+    torch.manual_seed(0)
+    model, x, ids = NearFp32sLargest().eval(), torch.randn(3, 4), torch.randint(0, 2, (3, 4))
+    policy = fx16.PrecisionPolicy.default(scale_range=False)
+    ep = fx16.cast_fp32_to_fp16(export(model, x, ids), policy=policy, range_fallback="bf16")
+    check_program(ep)
+    (product,) = [n for n in ep.graph.nodes if n.name == "mul"]
+    assert product.meta["val"].dtype == torch.float32
+    (out,) = run(ep, x, ids)
+    assert bool(torch.isfinite(out).all())
+    with torch.no_grad():
+        assert max_error([model(x, ids)], [out]) < 1e-2
