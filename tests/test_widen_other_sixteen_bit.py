@@ -284,10 +284,14 @@ def test_an_autocast_region_the_model_wrote_keeps_its_dtypes():
     assert ep.state_dict["inner.weight"].dtype == BF16
 
 
-# steps whose rounding the model does itself (a no-op in a program made in that dtype),
-# and a write into the program's own input (widened, the program writes into the fp32
-# copy of the caller's bf16 input that fx16.inputs_for makes, not into the caller's)
-OWN_ROUNDING = ("to_bf16_and_back", "to_fp16_and_back", "write_into_source")
+# steps whose rounding the model does itself (a no-op in a program made in that dtype;
+# an autocast region, whose dtypes the region sets and whose inputs stay as the model
+# made them), and a write into the program's own input (widened, the program writes
+# into the fp32 copy of the caller's bf16 input that fx16.inputs_for makes)
+OWN_ROUNDING = (
+    *("to_bf16_and_back", "to_fp16_and_back", "autocast_bf16", "autocast_off"),
+    "write_into_source",
+)
 
 
 @settings(max_examples=examples(10), deadline=None)
