@@ -18,14 +18,12 @@ tried, and the report says what stopped the larger).
 import math
 from dataclasses import dataclass
 
-import torch
 from torch.fx import Node
 
 from fx16.analysis.scale_exponents import propagate
+from fx16.analysis.scale_members import SMALLEST_NORMAL
 from fx16.analysis.scale_plan import SMALLEST_FOLDED, ScalePlan, StateTensors, argument
 from fx16.ops.scaling import rule_of
-
-SMALLEST_NORMAL = float(torch.finfo(torch.float16).tiny)
 
 
 @dataclass(frozen=True)
