@@ -162,3 +162,64 @@ def test_kv_cache_decoder_keeps_its_cache_in_fp16_and_decodes_like_fp32():
         for step, token in enumerate([3, 7, 11, 5]):
             args = (torch.tensor([[token]]), torch.tensor([step]))
             assert relative_error(model(*args).double(), module(*args).double()) < 1e-2
+
+
+class _SmallWeightLinear(torch.nn.Module):
+    """A Linear whose weights are as small as a trained wide layer's (|w| <= 4e-4): its
+    int8 block scales (|w|max / 127, ~3e-6) lie below fp16's normal range."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(512, 64)
+        with torch.no_grad():
+            self.linear.weight.mul_(0.1)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+def test_core_ai_block_scales_below_fp16s_range_are_carried_not_kept_fp32():
+    """coreai-opt's int8 block quantization (Quantizer, finalize for Core AI, export,
+    decompose), then the combined cast. Input graph: constexpr_blockwise_shift_scale(
+    int8, scale ~3e-6) -> linear. Output: the scales stored fp16 in its normal range (at a
+    power of two), the dequantize and the product 16-bit, no fp32 op and no per-call cast
+    of the weight; the result within one step of the output's int8 quantization (a
+    rounding near a step's middle may take the other step), plus fp16's rounding, of the
+    fp32 program's."""
+    quantization = pytest.importorskip("coreai_opt.quantization")
+    from coreai_opt import ExportBackend
+
+    torch.manual_seed(0)
+    model, x = _SmallWeightLinear().eval(), torch.randn(4, 512)
+    quantizer = quantization.Quantizer(model, quantization.QuantizerConfig(execution_mode="eager"))
+    quantizer.prepare((x,))
+    finalized = quantizer.finalize(backend=ExportBackend.CoreAI)
+    ep = torch.export.export(finalized, (x,), strict=False).run_decompositions()
+    scales = [n for n, t in ep.state_dict.items() if n.endswith("weight.0.scale")]
+    assert scales and all(ep.state_dict[n].abs().max() < 2.0**-14 for n in scales)
+    output_step = float(ep.state_dict["linear.linear_quantize_output_0.dequantize.scale"])
+    with torch.no_grad():
+        expected = ep.module()(x).double()
+    fx16.cast_to_16_bit_precision(ep)
+    check_program(ep)
+    for name in scales:
+        stored = ep.state_dict[name]
+        assert stored.dtype == torch.float16 and stored.abs().min() >= 2.0**-14, name
+    float_ops = [
+        node
+        for node in ep.graph.nodes
+        if node.op == "call_function"
+        and getattr(node.meta.get("val"), "dtype", None) is not None
+        and node.meta["val"].is_floating_point()
+    ]
+    assert all(node.meta["val"].dtype == torch.float16 for node in float_ops)
+    weight_sized = 64 * 512
+    assert not [
+        node
+        for node in ep.graph.nodes
+        if node.target == torch.ops.aten._to_copy.default
+        and node.meta["val"].numel() >= weight_sized
+    ]
+    (got,) = run(ep, x.half())
+    rounding = 4 * 2.0**-11 * float(expected.abs().max())  # fp16's, on the step and result
+    assert float((got.double() - expected).abs().max()) <= output_step + rounding

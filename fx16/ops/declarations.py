@@ -50,6 +50,12 @@ _DECLARED: dict[str, OpDeclaration] = {
         "output_dtype", linear_in=("scales",)
     ),
     "torchao::dequantize_affine": OpDeclaration("output_dtype", linear_in=("scale",)),
+    # Core AI's (coreai_torch): the result takes the scale's (or the table's) dtype, so no
+    # argument needs setting; each is linear in its scale, lookup table or kept values.
+    "coreai::constexpr_blockwise_shift_scale": OpDeclaration(linear_in=("scale",)),
+    "coreai::dequantize": OpDeclaration(linear_in=("scale",)),
+    "coreai::lut_to_dense": OpDeclaration(linear_in=("lut",)),
+    "coreai::sparse_to_dense": OpDeclaration(linear_in=("nonzero_data",)),
 }
 
 
