@@ -239,6 +239,47 @@ def test_the_doors_multiply_stays_fp32_under_the_fallback():
     assert max_error(fp64_reference(model, x), run(ep, x)) < 4 * 2.0**-11
 
 
+class LoudIntoFp32Norm(nn.Module):
+    """A linear whose outputs pass fp16's range (~1e5) read by an RMSNorm the model
+    computes in fp32 itself (``x.float()``, then ``type_as``), then a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.gain = nn.Parameter(1.0 + 0.1 * torch.randn(64))
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        h = self.a(x)
+        wide = h.float()
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.b((normed * (1.0 + self.gain.float())).type_as(h))
+
+
+def test_the_models_own_fp32_region_and_type_as_stay_fp32_under_the_fallback():
+    """Input: linear (~1e5, kept fp32 for range with scale_range=False) -> the model's
+    fp32 RMSNorm (pow, mean, add, rsqrt, mul: the region it opens, kept) -> type_as ->
+    linear. With the fallback the linear computes in bf16; the region's ops stay fp32,
+    as the default computes them (their squares are past fp16's range, a range cause,
+    but the model asked for fp32 there), and so does ``type_as`` (a conversion to the
+    linear's dtype: in bf16 it would round the norm's fp16 result to 8 bits)."""
+    torch.manual_seed(0)
+    model, x = LoudIntoFp32Norm().eval(), torch.randn(8, 64)
+    policy = fx16.PrecisionPolicy.default(scale_range=False)
+    default = fx16.cast_fp32_to_fp16(export(model, x), policy=policy)
+    ep = fx16.cast_fp32_to_fp16(export(model, x), policy=policy, range_fallback="bf16")
+    check_program(ep)
+    rows = _rows(ep)
+    assert rows["linear"].dtype == "bfloat16"
+    region = ("pow_1", "mean", "add", "rsqrt", "mul", "type_as")
+    assert {name: rows[name].dtype for name in region} == dict.fromkeys(region, "float32")
+    assert {name: _rows(default)[name].dtype for name in region} == dict.fromkeys(region, "float32")
+    reference = fp64_reference(model, x)
+    # bf16's rounding of the linear alone (2**-9 a value, through the norm), not more
+    assert max_error(reference, run(ep, x)) < 4 * 2.0**-8
+
+
 class RangeBesideAutocastOff(nn.Module):
     """A value past fp16's range (``a``, 1e6x a linear) read by an op whose result
     fits (``tanh``) and, with the model's own fp32 value (an ``autocast(enabled=False)``

@@ -49,13 +49,15 @@ class RangeFallbackPass(PassBase):
     for range, or one kept fp32 for precision that a 16-bit op may read
     (``DOWNCASTABLE``). Ops of several results, with dtype arguments, written in
     place, in a body, and higher-order ops stay fp32, as does an op that holds or
-    reads a value observed past bf16's largest (3.39e38). Its inputs are read through casts
+    reads a value observed past bf16's largest (3.39e38), an op of a region the model
+    computes in fp32 itself that the cast keeps, and ``type_as``. Its inputs are read through casts
     to bf16 (an inserted upcast of a 16-bit value is pointed at bf16 instead); its
     consumers that are not bf16 ops read it through a cast to fp32 (the program's
     outputs and a body's operands keep their dtypes), and a cast-back to fp16 after it
     stays. A state tensor kept fp32 that only such ops read is stored in bf16.
 
-    Reads: ``meta["fx16.precision"]`` and the casts the inserter placed. Writes: the
+    Reads: ``meta["fx16.precision"]``, the casts the inserter placed, and the regions
+    kept fp32 (``graph_module.meta["fx16.explicit_fp32"]``). Writes: the
     ops' ``meta["val"]`` and decisions (dtype bf16, the cause kept, the detail saying
     so), the casts, the pending state conversions.
     """
@@ -122,10 +124,25 @@ def _moved_to_bf16(graph_module: GraphModule) -> set[Node]:
     """The ops to compute in bf16, found in one walk in graph order (an op's inputs are
     settled before it)."""
     moved: set[Node] = set()
+    regions = _kept_region_members(graph_module)
     for node in graph_module.graph.nodes:
-        if _fp32_op(node) and _kept_for_range(node, moved) and _fits_bf16(node, moved):
+        if (
+            node.name not in regions
+            and _fp32_op(node)
+            and _kept_for_range(node, moved)
+            and _fits_bf16(node, moved)
+        ):
             moved.add(node)
     return moved
+
+
+def _kept_region_members(graph_module: GraphModule) -> frozenset[str]:
+    """The ops of the model's own fp32 regions that the cast keeps (an RMSNorm's
+    variance after ``x.float()``): fp32 in the default whatever else holds them there,
+    so the fallback leaves them fp32 too (at bf16's 8 bits a norm's statistic would be
+    worse than the default's, not only cheaper)."""
+    islands = graph_module.meta.get(meta.ISLANDS) or ()
+    return frozenset(name for island in islands if island.keep for name in island.members)
 
 
 def _fits_bf16(node: Node, moved: set[Node]) -> bool:
@@ -141,8 +158,11 @@ def _fits_bf16(node: Node, moved: set[Node]) -> bool:
 def _fp32_op(node: Node) -> bool:
     """An op the cast computes in fp32 whose one result is an fp32 tensor, which bf16
     can compute as it is: no dtype argument, no write in place; not a higher-order op,
-    a getitem, a cast or a creation op (``role``)."""
+    a getitem, a cast or a creation op (``role``), nor ``type_as`` (a conversion to
+    another value's dtype: in bf16 it would round a 16-bit value to 8 bits)."""
     if node.op != "call_function" or role(node.target) != "op" or is_cast(node):
+        return False
+    if node.target is torch.ops.aten.type_as.default:
         return False
     made = decision_of(node)
     val = node_val(node)
