@@ -46,6 +46,10 @@ FP32_RULES_RAN = "fx16.fp32_rules"  # Fp32RulesAnalysis: the rules that ran
 VERDICT_CHECKS = "fx16.verdict_checks"  # VerdictCheckAnalysis: what each check measured
 SCALE_PLAN = "fx16.scale_plan"  # ScaleDomainsAnalysis: the plan ScaleDomainsPass applies
 SCALE_DOMAINS = "fx16.scale_domains"  # ScaleDomainsAnalysis: a Domain per scale domain
+# CalibrationAnalysis (fx16.analysis.size_growth): on a node, (factor, lengths) where it
+# is judged at the dynamic sizes' bounds; on the graph, the lengths every decision holds to
+SIZE_GROWTH = "fx16.size_growth"
+DYNAMIC_LENGTHS = "fx16.dynamic_lengths"
 # in graph_module.meta["custom"], which torch.export.save keeps: a cast's report (provenance,
 # margin, the placeholders' decisions; fx16.report.saved)
 SAVED_REPORT = "fx16_report"

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
-from fx16.pipelines import run_passes
+from fx16.pipelines import fp16_passes, run_passes
 from fx16.program import Program
 from fx16.program.casts import is_cast, is_inserted
 from fx16.program.stats import relative_error
@@ -101,6 +101,14 @@ def apply_passes_and_check(ep, passes, model, args, tolerance: float = 1e-2):
     error = max_error(fp64_reference(model, *args), run(ep, *args))
     assert error < tolerance, f"relative error {error:.3g} above {tolerance}"
     return ep
+
+
+def scale_only(ep, **options) -> None:
+    """Run the fp16 pipeline on ``ep`` up to and including ``ScaleDomainsPass``: the
+    scaled program, still fp32."""
+    passes = fp16_passes(ep, **options)
+    stages = [type(p).__name__ for p in passes]
+    run_passes(passes[: stages.index("ScaleDomainsPass") + 1], ep.graph_module)
 
 
 def state_snapshot(ep):

@@ -18,7 +18,7 @@ from fx16.policy import PrecisionPolicy
 from fx16.program.stats import program_stats
 from fx16.report import report_of
 from fx16.testing import programs
-from helpers import check_program, export, fp64_reference, max_error, run
+from helpers import check_program, export, fp64_reference, max_error, run, scale_only
 
 NO_SCALING = PrecisionPolicy(scale_range=False)
 
@@ -44,14 +44,6 @@ class Residual(nn.Module):
         for block in self.blocks:
             h = h + block(self.norm(h))
         return self.norm(h)
-
-
-def _scale(ep, **options) -> None:
-    """Run the fp16 pipeline on ``ep`` up to and including ``ScaleDomainsPass``: the
-    scaled program, still fp32."""
-    passes = fx16.fp16_passes(ep, **options)
-    stages = [type(p).__name__ for p in passes]
-    fx16.pipelines.run_passes(passes[: stages.index("ScaleDomainsPass") + 1], ep.graph_module)
 
 
 def _fp32_ops(ep) -> int:
@@ -83,7 +75,7 @@ def test_the_scaled_program_computes_the_same_function_in_fp32():
     torch.manual_seed(0)
     model, x = Residual().eval(), torch.randn(4, 16)
     ep = export(model, x)
-    _scale(ep)
+    scale_only(ep)
     assert scale_domains(ep.graph_module)
     with torch.no_grad():
         assert torch.equal(ep.module()(x), model(x))
@@ -100,7 +92,7 @@ def test_a_norms_eps_is_scaled_with_its_input():
     torch.manual_seed(0)
     model, x = LayerNormResidual().eval(), torch.randn(4, 16)
     ep = export(model, x)
-    _scale(ep)
+    scale_only(ep)
     (domain,) = scale_domains(ep.graph_module)
     eps = {
         node.args[4]
@@ -221,7 +213,7 @@ def test_a_second_cast_changes_nothing():
     assert ep.graph_module.code == code
 
 
-def test_an_integer_operand_is_not_reached_by_the_scale():
+def test_an_integer_operand_is_not_reached_by_thescale_only():
     """``x + offsets`` with int offsets (or a symbolic size): a scale on x would not reach
     the integers, so the add reads x unscaled (long-fuzz finding: the scaled program's
     outputs moved by the offsets' share and the whole plan was taken back)."""
@@ -240,7 +232,7 @@ def test_an_integer_operand_is_not_reached_by_the_scale():
     ep = export(Offsets(), x)
     with torch.no_grad():
         reference = ep.module()(x)
-    _scale(ep, calibration=[(x,)])
+    scale_only(ep, calibration=[(x,)])
     assert REVERTED not in ep.graph_module.meta
     assert scale_domains(ep.graph_module)  # x is still carried at a scale
     with torch.no_grad():
@@ -264,7 +256,7 @@ def test_a_product_of_two_scaled_values_stays_in_fp32s_range():
     ep = export(Wide(), x)
     with torch.no_grad():
         reference = ep.module()(x)
-    _scale(ep, calibration=[(x,)])
+    scale_only(ep, calibration=[(x,)])
     assert REVERTED not in ep.graph_module.meta
     assert max(domain.k for domain in scale_domains(ep.graph_module)) > 75
     with torch.no_grad():
@@ -272,7 +264,7 @@ def test_a_product_of_two_scaled_values_stays_in_fp32s_range():
             assert torch.equal(expected, got)
 
 
-def test_bf16_and_the_autocast_preset_do_not_scale():
+def test_bf16_and_the_autocast_preset_do_notscale_only():
     torch.manual_seed(0)
     model, x = Residual().eval(), torch.randn(4, 16)
     for policy in ("auto_mixed_bf16", "autocast"):
@@ -296,7 +288,7 @@ def test_property_the_scaled_fp32_program_is_the_same_function(case, input_scale
     args = tuple(a * input_scale if a.is_floating_point() else a for a in case.args)
     with torch.no_grad():
         reference = [list(torch.utils._pytree.tree_leaves(ep.module()(*args)))]
-    _scale(ep, calibration=[args])
+    scale_only(ep, calibration=[args])
     finite = all(bool(torch.isfinite(v).all()) for v in reference[0] if v.is_floating_point())
     assert not finite or REVERTED not in ep.graph_module.meta, ep.graph_module.meta[REVERTED]
     with torch.no_grad():
@@ -348,7 +340,7 @@ def test_a_program_that_writes_a_float_in_place_is_not_scaled():
     assert any(n.target is torch.ops.aten.mul_.Tensor for n in ep.graph_module.graph.nodes)
     with torch.no_grad():
         want = list(torch.utils._pytree.tree_leaves(ep.module()(x, ids)))
-    _scale(ep, calibration=[(x, ids)])
+    scale_only(ep, calibration=[(x, ids)])
     assert REVERTED not in ep.graph_module.meta and not scale_domains(ep.graph_module)
     with torch.no_grad():
         got = list(torch.utils._pytree.tree_leaves(ep.module()(x, ids)))
@@ -406,7 +398,7 @@ def test_no_domain_is_planned_inside_the_models_own_fp32_regions():
 
     torch.manual_seed(0)
     ep = export(zoo.massive_llama(3, 2e5).eval(), zoo.massive_ids())
-    _scale(ep)
+    scale_only(ep)
     regions = {node.name for node in model_fp32_regions(ep.graph_module)}
     assert regions
     domains = scale_domains(ep.graph_module)
@@ -443,7 +435,7 @@ def test_a_batch_norm_with_fitted_running_statistics_scales_its_mean_with_its_in
     assert min(means) > 1e-2  # fitted, not the zeros of a fresh model
     x = torch.randn(2, 8, 8, 8) + 0.5
     ep = export(model, x)
-    _scale(ep)
+    scale_only(ep)
     assert scale_domains(ep.graph_module)
     with torch.no_grad():
         torch.testing.assert_close(ep.module()(x), model(x), rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ from fx16 import meta
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.analysis.facts import Facts
 from fx16.analysis.magnitudes import MagnitudeRecorder
+from fx16.analysis.size_growth import calibrated_sizes, size_growth
 from fx16.contracts import Analysis
 from fx16.errors import InvalidOptionError, one_line
 from fx16.ops.numeric_tables import SINGULAR_AT_ZERO
@@ -48,6 +49,10 @@ class CalibrationAnalysis(Analysis):
     ``fx16.ops.tables.SINGULAR_AT_ZERO``), and for the products and powers of the
     top-level graph (a scale domain adds their operands' exponents),
     ``node.meta["fx16.observed_smallest"]``: the smallest nonzero magnitude seen.
+    A value that grows with a dynamic size (a sum over the tokens) is judged at the
+    size's bound (``fx16.analysis.size_growth``): its largest magnitude and interval are
+    what calibration saw times the growth, ``node.meta["fx16.size_growth"]`` says by how
+    much and why, ``graph_module.meta["fx16.dynamic_lengths"]`` names the lengths.
 
     Facts cross the boundaries of higher-order ops (``fx16.program.boundaries``): a body's
     nodes are observed where the body ran (cond's branch taken, every iteration of a
@@ -88,7 +93,7 @@ class CalibrationAnalysis(Analysis):
             constant={slot.placeholder for slot in self.program.state_slots()},
             watched=_singular_arguments(boundaries) | _exponents_add(graph_module),
         )
-        outputs = []
+        outputs, shapes = [], []
         with torch.no_grad():
             for index, (args, kwargs) in enumerate(calls):
                 try:
@@ -96,9 +101,11 @@ class CalibrationAnalysis(Analysis):
                     outputs.append(pytree.tree_leaves(recorder.run(*inputs)))
                 except Exception as error:
                     return self.failed(graph_module, index, error)
+                shapes.append([getattr(value, "shape", None) for value in inputs])
         graph_module.meta[self.OUTPUTS_KEY] = outputs
         for node, magnitude in recorder.magnitudes.items():
             node.meta[self.META_KEY] = magnitude
+        _judge_at_size_bounds(graph_module, recorder, shapes)
         for node in _sentinels_fp16_cannot_carry(graph_module, recorder.sentinels):
             node.meta[self.META_KEY] = math.inf
         for node, extremes in recorder.int_ranges.items():
@@ -126,6 +133,24 @@ class CalibrationAnalysis(Analysis):
         graph_module.meta[self.STATUS_KEY] = status
         warnings.warn(f"fx16 {status}", RuntimeWarning, stacklevel=3)
         return PassResult(graph_module, False)
+
+
+def _judge_at_size_bounds(graph_module: GraphModule, recorder, shapes: list) -> None:
+    """Scale what calibration saw of each value that grows with a dynamic size to the
+    size's bound (``fx16.analysis.size_growth``), so every rule judges it there; the
+    factor and the lengths go on the node, the lengths on the graph (the envelope)."""
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    growth = size_growth(graph_module.graph.nodes, calibrated_sizes(placeholders, shapes))
+    for node, (factor, lengths) in growth.items():
+        node.meta[meta.SIZE_GROWTH] = (factor, lengths)
+        if node in recorder.magnitudes:
+            recorder.magnitudes[node] *= factor
+            node.meta[CalibrationAnalysis.META_KEY] = recorder.magnitudes[node]
+        if node in recorder.intervals:
+            low, high = recorder.intervals[node]
+            recorder.intervals[node] = (min(low, low * factor), max(high, high * factor))
+    lengths = sorted({part for _, said in growth.values() for part in said.split("; ")})
+    graph_module.meta[meta.DYNAMIC_LENGTHS] = tuple(lengths)
 
 
 _OBSERVATIONS = (

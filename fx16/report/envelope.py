@@ -83,6 +83,8 @@ class Envelope:
     amplified: float | None = None
     amplified_node: str = ""
     amplified_product: str = ""
+    # the dynamic sizes the decisions were judged at (``fx16.analysis.size_growth``)
+    lengths: tuple[str, ...] = ()
 
     def lines(self) -> list[str]:
         """What the command line prints: what holds for every input, then what was observed."""
@@ -94,6 +96,10 @@ class Envelope:
             lines.append(f"calibration {self.calibration}: nothing else was observed")
             return lines
         lines.append(f"{self.calibration}, with an overflow margin of {self.margin:g}x")
+        if self.lengths:
+            lines.append(
+                "  dynamic sizes: values that grow with them judged at " + ", ".join(self.lengths)
+            )
         if self.headroom is not None:
             grows = (
                 ""
@@ -174,6 +180,7 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
         amplified=amplified[0] if amplified else None,
         amplified_product=amplified[1] if amplified else "",
         amplified_node=amplified[2] if amplified else "",
+        lengths=tuple(ep.graph_module.meta.get(meta.DYNAMIC_LENGTHS, ())),
     )
 
 

@@ -1,0 +1,193 @@
+"""Scale domains through the op kinds of ``fx16.ops.scaling`` that the residual and CNN
+models of ``test_scale_domains.py`` do not reach: a norm whose eps is left to its
+default, attention reading a scaled mask, an LSTM after a scaled value, the exponent
+chain ``2 ** floor(log2(x))``, and the
+report's line for a domain. Each test checks the plan applied whole (the pass takes a
+plan back when the scaled program's outputs move, so a wrong rule shows as a plan
+taken back), the scaled fp32 program's outputs against the original's, and where it
+casts, the 16-bit program against fp64."""
+
+import torch
+from torch import nn
+
+import fx16
+from fx16 import meta
+from fx16.analysis.scale_domains import Domain, scale_domains
+from fx16.passes.scale_domains import REVERTED
+from fx16.program.stats import program_stats
+from helpers import check_program, export, fp64_reference, max_error, run, scale_only
+
+
+def _scaled(model, *args):
+    """The model exported and scaled (fp32, before any 16-bit decision); asserts the
+    plan applied whole and the scaled program computes the model's outputs exactly."""
+    ep = export(model, *args)
+    scale_only(ep)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    assert scale_domains(ep.graph_module)
+    with torch.no_grad():
+        want = torch.utils._pytree.tree_leaves(model(*args))
+        have = torch.utils._pytree.tree_leaves(ep.module()(*args))
+    assert all(torch.equal(a, b) for a, b in zip(want, have))
+    return ep
+
+
+def _node(ep, name):
+    (node,) = [n for n in ep.graph.nodes if n.name == name]
+    return node
+
+
+class DefaultEpsNorm(nn.Module):
+    """A linear past fp16's range (~1e5) read by ``torch.layer_norm`` with its eps left
+    to the default (the exported call does not pass it), then a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.gain = nn.Parameter(1.0 + 0.1 * torch.randn(16))
+        self.shift = nn.Parameter(0.1 * torch.randn(16))
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        return self.b(torch.layer_norm(self.a(x), [16], self.gain, self.shift))
+
+
+def test_a_norms_default_eps_is_passed_scaled_by_name():
+    """Input graph: linear (~1e5) -> layer_norm(h, [16], w, b) (no eps argument) -> linear.
+    Output: the norm reads h at 2**-k with ``eps=1e-5 * 2**-2k`` passed by name (the
+    default, scaled as the variance is), no runtime multiply; cast, 100% 16-bit."""
+    torch.manual_seed(0)
+    model, x = DefaultEpsNorm().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    norm = _node(ep, "layer_norm")
+    assert len(norm.args) == 4 and norm.kwargs == {"eps": 1e-5 * 2.0 ** (-2 * domain.k)}
+    assert not [n for n in ep.graph.nodes if meta.range_scaled(n)]
+    cast = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(cast)
+    assert program_stats(cast).flop_share_16bit == 1.0
+    assert max_error(fp64_reference(model, x), run(cast, x)) < 8 * 2.0**-11
+
+
+class LoudMaskAttention(nn.Module):
+    """Attention whose additive float mask is a linear's output past fp16's range (a
+    learned position bias, ~4e5), also read by the residual; values past the range too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(16, 16) for _ in range(3))
+        self.bias = nn.Linear(16, 8)
+        with torch.no_grad():
+            self.bias.weight.mul_(1e5)
+            self.v.weight.mul_(1e5)
+
+    def forward(self, x):
+        bias = self.bias(x)
+        attended = nn.functional.scaled_dot_product_attention(
+            self.q(x), self.k(x), self.v(x), attn_mask=bias
+        )
+        return attended + bias.sum(-1, keepdim=True)
+
+
+def test_attention_reads_its_mask_unscaled_and_its_values_scaled():
+    """Input graph: mask = linear (~4e5, in a domain), v = linear (~2e5, in a domain) ->
+    sdpa(q, k, v, mask). Output: the mask reaches the attention through a multiply
+    that takes its scale back (a mask is added to the scores, which are unscaled); v is
+    read at its scale, which the attention's result carries."""
+    torch.manual_seed(0)
+    model, x = LoudMaskAttention().eval(), torch.randn(2, 8, 16)
+    ep = _scaled(model, x)
+    attention = _node(ep, "scaled_dot_product_attention")
+    query, key, value, mask = attention.args[:4]
+    assert meta.range_scaled(mask) and mask.args[0].name == "linear"
+    assert not meta.range_scaled(value) and meta.scale_exponent(value) < 0
+    assert meta.scale_exponent(attention) == meta.scale_exponent(value)
+    assert meta.scale_exponent(query) == meta.scale_exponent(key) == 0
+
+
+class ScaledIntoLstm(nn.Module):
+    """A linear past fp16's range (~2e5) read by an LSTM (and returned)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.rnn = nn.Linear(8, 8), nn.LSTM(8, 8, batch_first=True)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        h = self.a(x)
+        out, _ = self.rnn(h)
+        return out, h
+
+
+def test_an_lstm_after_a_scaled_value_takes_its_scale_in_its_input_weights():
+    """Input graph: linear (~2e5, at 2**-k) -> lstm. Output: the LSTM reads the scaled
+    value as it is and its ``weight_ih`` is stored at 2**k (its gates read ``x W_ih``
+    unscaled); its recurrent weights are untouched; cast, every FLOP 16-bit."""
+    torch.manual_seed(0)
+    model, x = ScaledIntoLstm().eval(), torch.randn(2, 5, 8)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    lstm = _node(ep, "lstm")
+    assert lstm.args[0].name == "linear" and not meta.range_scaled(lstm.args[0])
+    state = ep.state_dict
+    assert torch.equal(state["rnn.weight_ih_l0"], model.rnn.weight_ih_l0 * 2.0**domain.k)
+    assert torch.equal(state["rnn.weight_hh_l0"], model.rnn.weight_hh_l0)
+    assert torch.equal(state["rnn.bias_ih_l0"], model.rnn.bias_ih_l0)
+    cast = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(cast)
+    assert program_stats(cast).flop_share_16bit == 1.0
+    assert max_error(fp64_reference(model, x), run(cast, x)) < 8 * 2.0**-11
+
+
+class BinaryExponent(nn.Module):
+    """A value past fp16's range (~1.5e5) divided by its power of two,
+    ``h / 2 ** floor(log2 |h|)``: its mantissa, in [1, 2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h / torch.pow(2.0, torch.floor(torch.log2(h.abs())))
+
+
+def test_an_exponent_of_a_scaled_value_shifts_by_the_scale():
+    """Input graph: linear (at 2**-k) -> abs -> log2 -> floor -> pow(2.0, .) -> div.
+    Output: log2 of the scaled value is k less, an exact shift that floor keeps, so
+    ``2 ** floor(...)`` is carried at 2**-k like h and the quotient is unscaled: no
+    runtime multiply anywhere on the chain."""
+    torch.manual_seed(0)
+    model, x = BinaryExponent().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert meta.scale_exponent(_node(ep, "pow_1")) == -domain.k
+    assert meta.scale_exponent(_node(ep, "div")) == 0
+    assert not [n for n in ep.graph.nodes if meta.range_scaled(n)]
+
+
+def test_a_domains_line_says_its_values_scale_folds_doors_and_reach():
+    """The report's line for a domain, whole."""
+    domain = Domain(
+        k=6,
+        values=("p_w", "linear", "add_3"),
+        folded=("p_w",),
+        largest=1.5e5,
+        reach=21.84,
+        doors=("x",),
+        bounded="k = 6, the least that fits",
+    )
+    assert domain.describe() == (
+        "linear .. add_3: 3 value(s) up to 1.5e+05 carried at 2**-6 (folded into 1 "
+        "tensor(s); input(s) x scaled at the door; k = 6, the least that fits); holds to "
+        "21.8x the calibrated magnitudes before passing 65504"
+    )
+    unfolded = Domain(k=3, values=("mul",), folded=(), largest=3e5, reach=1.5)
+    assert unfolded.describe() == (
+        "mul: 1 value(s) up to 3e+05 carried at 2**-3 (no fold); holds to 1.5x the "
+        "calibrated magnitudes before passing 65504"
+    )
