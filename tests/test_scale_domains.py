@@ -142,7 +142,7 @@ def test_a_batch_norm_on_running_statistics_takes_the_scale_in_its_weight():
 
 def test_a_scaled_value_enters_a_conds_body_unscaled():
     """A growing CNN whose last block sits in both branches of a cond: the domain's scale
-    is undone before the cond (bodies are not scaled), so the branch computes the
+    is undone before the cond (a body reads its operands unscaled), so the branch computes the
     function as written; the result is finite and within 16-bit rounding of fp64."""
 
     class LastBlockInACond(nn.Module):
@@ -165,6 +165,44 @@ def test_a_scaled_value_enters_a_conds_body_unscaled():
     assert scale_domains(ep.graph_module)
     for inputs in (x, torch.randn(2, 8, 8, 8)):
         assert max_error(fp64_reference(model, inputs), run(ep, inputs)) < 2e-3
+
+
+class ResidualInACond(nn.Module):
+    """The growing residual stream inside one branch of a cond; the other branch a
+    linear (``shared``: the embedding of the stream instead, a weight both read)."""
+
+    def __init__(self, shared: bool = False) -> None:
+        super().__init__()
+        self.stream, self.other = Residual(blocks=3, gain=3e4), nn.Linear(16, 16)
+        self.shared = shared
+
+    def forward(self, x, flag):
+        other = self.stream.embed if self.shared else self.other
+        return torch.cond(flag.sum() > 0, self.stream, other, (x,))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_residual_stream_inside_a_conds_branch_is_scaled_in_the_branch(shared):
+    """Input graph: cond(flag, stream, other, (x,)), the stream's residual growing to
+    8e4 inside the true branch. Output: a domain planned in the branch's own graph, its
+    weights folded (the program passes them to that branch alone); every FLOP 16-bit
+    and no fp32 op (the branch's linears were fp32: 40% of FLOPs 16-bit). A weight both
+    branches read is not folded (the other branch reads it as it is): the domain starts
+    at a multiply inside the branch instead. Both branches within 16-bit rounding of
+    fp64."""
+    torch.manual_seed(0)
+    model, x, flag = ResidualInACond(shared).eval(), torch.randn(4, 16), torch.ones(1)
+    ep = fx16.cast_fp32_to_fp16(export(model, x, flag))
+    check_program(ep)
+    (domain,) = scale_domains(ep.graph_module)
+    stats = program_stats(ep)
+    assert stats.flop_share_16bit == 1.0 and _fp32_ops(ep) == 0
+    embed = ep.state_dict["stream.embed.weight"].float()
+    assert torch.equal(embed, model.stream.embed.weight.half().float()) == shared
+    assert ("p_stream_embed_weight" in domain.folded) != shared
+    for branch in (flag, -flag):
+        error = max_error(fp64_reference(model, x, branch), run(ep, x, branch))
+        assert error < 8 * 2.0**-11 * 16
 
 
 def test_inputs_in_raw_units_are_scaled_at_the_door_and_the_first_layer_takes_it_back():

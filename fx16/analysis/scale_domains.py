@@ -24,8 +24,12 @@ Reads: ``meta["fx16.observed_range"]`` (``CalibrationAnalysis``), the program's 
 tensors. Writes: ``graph_module.meta["fx16.scale_plan"]`` (a ``ScalePlan``: every
 value's exponent, the folds, the scalars, the runtime multiplies; applied by
 ``ScaleDomainsPass``) and ``graph_module.meta["fx16.scale_domains"]``, a ``Domain``
-per domain for the report. Only the program's top-level graph is scaled: a
-higher-order op reads its operands unscaled.
+per domain for the report (on the program's graph: every graph's). Each body of a
+higher-order op (a cond's branch, a loop's body) is planned as a graph of its own, its
+operands entering unscaled (a domain inside starts at a multiply after the body's
+placeholder, where nothing is free) and its results leaving unscaled; a state tensor
+the program passes to that body alone takes a body's fold. Its plan is on the body's
+graph module.
 """
 
 import math
@@ -38,6 +42,7 @@ from torch.fx.passes.infra.pass_base import PassResult
 from fx16 import meta
 from fx16.analysis.calibration import CalibrationAnalysis
 from fx16.analysis.explicit_fp32 import model_fp32_regions
+from fx16.analysis.facts import Facts
 from fx16.analysis.scale_centre import centre
 from fx16.analysis.scale_exponents import propagate
 from fx16.analysis.scale_members import SMALLEST_NORMAL, grow_domains
@@ -109,19 +114,34 @@ class ScaleDomainsAnalysis(Analysis):
         self.keep_model_fp32 = keep_model_fp32
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        graph_module.meta.pop(PLAN_KEY, None)
+        boundaries = Facts.of(graph_module).boundaries
+        for module in boundaries.graph_modules:
+            module.meta.pop(PLAN_KEY, None)
         if meta.cast_by_fx16(graph_module, PRECISION):
             return PassResult(graph_module, False)  # its domains were planned then
         graph_module.meta[DOMAINS_KEY] = []
-        if _writes_floats_in_place(graph_module):
+        if any(_writes_floats_in_place(module) for module in boundaries.graph_modules):
             return PassResult(graph_module, False)
         tensors = self._foldable_state()
-        magnitudes = _magnitudes(graph_module)
         # values the model computes in fp32 itself stay fp32: no domain there
         fp32 = model_fp32_regions(graph_module) if self.keep_model_fp32 else set()
+        domains = []
+        for module in boundaries.graph_modules:
+            state = tensors if module is graph_module else _body_state(module, boundaries, tensors)
+            planned = self._plan(module, state, fp32)
+            if planned is not None:
+                module.meta[PLAN_KEY], found = planned
+                domains += found
+        graph_module.meta[DOMAINS_KEY] = domains
+        return PassResult(graph_module, False)
+
+    def _plan(self, graph_module: GraphModule, tensors: dict, fp32: set):
+        """The plan of one graph (the program's, or a body's with the state tensors only
+        it reads) and its domains; None where it has none."""
+        magnitudes = _magnitudes(graph_module)
         groups = grow_domains(graph_module, magnitudes, self.limit, tensors, fp32)
         if not groups:
-            return PassResult(graph_module, False)
+            return None
         state = StateTensors(tensors, magnitudes, self.limit)
         exponents = {}  # each domain's exponent, by its index in groups
         for index, members in enumerate(groups):
@@ -151,7 +171,7 @@ class ScaleDomainsAnalysis(Analysis):
             for index in started | idle:
                 del exponents[index]
         if not exponents:
-            return PassResult(graph_module, False)
+            return None
         nodes = list(graph_module.graph.nodes)
         exponents, plan, centrings = centre(
             nodes, groups, exponents, plan, state, magnitudes, self.limit
@@ -169,9 +189,7 @@ class ScaleDomainsAnalysis(Analysis):
             centring = centrings.get(index)
             bounded = centring.describe(-exponent) if centring is not None else ""
             domains.append(Domain(-exponent, names, folded, largest, reach, doors, bounded))
-        graph_module.meta[PLAN_KEY] = plan
-        graph_module.meta[DOMAINS_KEY] = domains
-        return PassResult(graph_module, False)
+        return plan, domains
 
     def _lift(self, members, tensors: dict, magnitudes: dict, largest: float) -> int | None:
         """The exponent that carries a domain's state tensors wholly below fp16's normal
@@ -213,6 +231,24 @@ def _worth_scaling(members: list[Node], tensors: dict) -> bool:
         return True
     inside = set(members)
     return any(user not in inside and user.op != "output" for n in members for user in n.users)
+
+
+def _body_state(body: GraphModule, boundaries, tensors: dict) -> dict:
+    """The state tensors a body may fold a scale into: a placeholder fed by one of the
+    program's foldable state tensors that no other graph reads (the program passes it
+    to this higher-order op alone, and no other body of it uses it)."""
+    found = {}
+    for node in body.graph.nodes:
+        if node.op != "placeholder" or not node.users:
+            continue
+        sources = boundaries.crossing_sources(node)
+        if len(sources) != 1 or sources[0] not in tensors:
+            continue
+        source = sources[0]
+        readers = [sink for sink in boundaries.crossing_sinks(source) if sink.users]
+        if readers == [node] and all(user in boundaries.looked_into for user in source.users):
+            found[node] = tensors[source]
+    return found
 
 
 def _buys_nothing(members: list[Node], plan) -> bool:

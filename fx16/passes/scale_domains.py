@@ -11,9 +11,11 @@ from fx16.analysis.scale_plan import ScalePlan
 from fx16.contracts import require
 from fx16.program import Program
 from fx16.program.casts import copy_provenance
+from fx16.program.lazy_code import compile_when_needed
 from fx16.program.nodes import set_argument
 from fx16.program.propagation import fresh_result
 from fx16.program.state_commit import convert_state_tensors
+from fx16.program.subgraphs import nested_graph_modules
 
 aten = torch.ops.aten
 
@@ -21,7 +23,8 @@ aten = torch.ops.aten
 class ScaleDomainsPass(PassBase):
     """Carry the planned values at their power-of-two scales.
 
-    Reads: ``graph_module.meta["fx16.scale_plan"]`` (``ScaleDomainsAnalysis``). Writes:
+    Reads: ``meta["fx16.scale_plan"]`` of the program's graph module and of each body's
+    (``ScaleDomainsAnalysis``). Writes:
     each folded state tensor, multiplied by its power of two (every name of a shared
     tensor alike); the scalars the plan scales (a norm's eps, an add's constant); a
     ``mul`` by a power of two where the plan needs one at run time, marked
@@ -40,18 +43,30 @@ class ScaleDomainsPass(PassBase):
         require(graph_module, type(self).__name__, (ScaleDomainsAnalysis,))
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        plan: ScalePlan | None = graph_module.meta.pop(meta.SCALE_PLAN, None)
-        if plan is None or not plan.wanted:
+        plans = [
+            (module, module.meta.pop(meta.SCALE_PLAN, None))
+            for module in nested_graph_modules(graph_module)
+        ]
+        plans = [(module, plan) for module, plan in plans if plan is not None and plan.wanted]
+        if not plans:
             return PassResult(graph_module, False)
         reference = graph_module.meta.get(meta.CALIBRATION_OUTPUTS)
-        undo, unscaled = self._apply(graph_module, plan)
+        applied = [(self._apply(module, plan), plan) for module, plan in plans]
+        for module, _ in plans:
+            if module is not graph_module:
+                compile_when_needed(module)
         self._calibrate(graph_module)
         outputs = graph_module.meta.get(meta.CALIBRATION_OUTPUTS)
         if reference is None or same_outputs(reference, outputs):
-            _bound(unscaled, plan)
+            for (_, unscaled), plan in applied:
+                _bound(unscaled, plan)
             return PassResult(graph_module, True)
-        # a rule that does not commute as its table says: the plan is taken back whole
-        undo()
+        # a rule that does not commute as its table says: the plans are taken back whole
+        for (undo, _), _ in reversed(applied):
+            undo()
+        for module, _ in plans:
+            if module is not graph_module:
+                compile_when_needed(module)
         graph_module.meta[meta.SCALE_DOMAINS] = []
         graph_module.meta[REVERTED] = "the scaled program's fp32 outputs moved on calibration"
         self._calibrate(graph_module)
