@@ -20,8 +20,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import fx16
-from benchmarks import zoo
+from benchmarks import range_flows, zoo
 from benchmarks.markdown import table_row, write_results
+from benchmarks.runtime_count import RuntimeCount
 from fx16.program import Program
 from fx16.program.stats import program_stats, relative_error
 
@@ -255,6 +256,37 @@ def models():
             None,
         ),
         ("scores.masked_fill(~mask, -1e9)", MaskedScores, _masked_input, None),
+        (
+            "residual stream to 8e4 inside a cond branch",
+            lambda: range_flows.ResidualInACond().eval(),
+            lambda: (torch.randn(4, 16), torch.ones(1)),
+            None,
+        ),
+        (
+            "bag of embeddings over a dynamic length, at its bound (4096; calibrated at 16)",
+            range_flows.BagOfEmbeddings,
+            lambda: (torch.randint(0, 100, (2, 4096)),),
+            None,
+        ),
+        (
+            "diffusers UNet2DModel, convs x8",
+            range_flows.growing_unet,
+            range_flows.unet_inputs,
+            None,
+        ),
+        (
+            "coreai-opt int8 blocks, scales ~3e-6 (quantize, then cast)",
+            range_flows.coreai_block_quantized,
+            range_flows.block_quantized_inputs,
+            None,
+        ),
+        ("PT2E int8 MLP (torchao)", range_flows.pt2e_int8_mlp, range_flows.mlp_inputs, None),
+        (
+            "running mean in a buffer, after 10,000 calls",
+            range_flows.RunningMean,
+            range_flows.running_mean_inputs,
+            None,
+        ),
     ]
 
 
@@ -277,9 +309,20 @@ def _floats64(args):
 
 
 def _reference(model, args) -> list:
-    """The model in fp64 (a bf16 model's weights widened exactly)."""
+    """The model in fp64 (a bf16 model's weights widened exactly); a PT2E int8 model
+    (an exported graph, whose quantize ops take only fp32), in fp32."""
     with torch.no_grad():
-        return pytree.tree_leaves(copy.deepcopy(model).double()(*_floats64(args)))
+        if isinstance(model, torch.fx.GraphModule):
+            return pytree.tree_leaves(model(*args))
+        return _last_call(copy.deepcopy(model).double(), _floats64(args), model)
+
+
+def _last_call(run, args, model) -> list:
+    """``run(*args)``'s outputs after the model's number of calls (``calls``, else 1):
+    the calls before the last leave their state behind, uncounted."""
+    for _ in range(getattr(model, "calls", 1) - 1):
+        run(*args)
+    return pytree.tree_leaves(run(*args))
 
 
 def _outcome(reference, outputs) -> tuple[str, str]:
@@ -291,30 +334,65 @@ def _outcome(reference, outputs) -> tuple[str, str]:
     return f"{max(errors):.2e}", str(broken)
 
 
+def _export(model, args):
+    """The model exported on its rows' inputs, or on its own shorter ones where a
+    dimension is dynamic (``range_flows.BagOfEmbeddings``: calibrated there)."""
+    if hasattr(model, "export_inputs"):
+        return torch.export.export(
+            model, model.export_inputs(), dynamic_shapes=model.dynamic_shapes
+        )
+    return torch.export.export(model, args)
+
+
+def _counted(run) -> tuple[str, str]:
+    """The 16-bit share of the products' FLOPs and the bytes dtype conversions move,
+    counted at the dispatcher while ``run()`` runs (``benchmarks.runtime_count``)."""
+    with torch.no_grad(), RuntimeCount() as counted:
+        outputs = run()
+    share = counted.share_16bit
+    return outputs, f"{share:.1%}" if share is not None else "-", f"{counted.cast_bytes:,}"
+
+
 def _program_row(cast, model, args, reference) -> list[str]:
-    ep = torch.export.export(model, args)
+    ep = _export(model, args)
     cast(ep)
     stats = program_stats(ep)
-    with torch.no_grad():
-        outputs = Program(ep).run(args)
+    program = Program(ep)
+    call, _ = program.adapt_call(args, None)  # the inputs in the program's dtypes, as sent
+    if hasattr(model, "calls"):  # its state carried from call to call
+        module = ep.module()
+        for _ in range(model.calls - 1):
+            module(*call)
+        outputs, share, moved = _counted(lambda: pytree.tree_leaves(module(*call)))
+    else:
+        outputs, share, moved = _counted(lambda: program.run(call))
     error, broken = _outcome(reference, outputs)
     return [
         error,
         broken,
         f"{stats.flop_share_16bit:.1%}",
+        share,
         str(stats.ops_in(torch.float32)),
         str(stats.casts),
+        moved,
     ]
 
 
-def _eager_row(run, model, args, reference) -> list[str]:
-    with torch.no_grad():
-        outputs = pytree.tree_leaves(run(model, args))
-    return [*_outcome(reference, outputs), "-", "-", "-"]
+def _eager_row(run, model, args, reference, prepare=lambda model: model) -> list[str]:
+    """An eager peer, ``prepare`` (the model's one-time conversion) outside the count."""
+    prepared = prepare(model)
+    for _ in range(getattr(model, "calls", 1) - 1):
+        run(prepared, args)
+    outputs, share, moved = _counted(lambda: pytree.tree_leaves(run(prepared, args)))
+    return [*_outcome(reference, outputs), "-", share, "-", "-", moved]
 
 
 def _half(model, args):
-    return copy.deepcopy(model).half()(*[a.half() if a.is_floating_point() else a for a in args])
+    return model(*[a.half() if a.is_floating_point() else a for a in args])
+
+
+def _halved(model):
+    return copy.deepcopy(model).half()
 
 
 def _autocast(model, args):
@@ -337,7 +415,7 @@ def tools() -> dict:
     found = {"fx16": lambda *a: _program_row(fx16.cast_fp32_to_fp16, *a)}
     found['fx16, explicit_fp32="calibrated"'] = lambda *a: _program_row(_retargeting, *a)
     found['fx16, range_fallback="bf16"'] = lambda *a: _program_row(_bf16_fallback, *a)
-    found["eager .half()"] = lambda *a: _eager_row(_half, *a)
+    found["eager .half()"] = lambda *a: _eager_row(_half, *a, prepare=_halved)
     found["eager autocast bf16"] = lambda *a: _eager_row(_autocast, *a)
     try:
         from coreai_opt.casting import cast_fp32_to_fp16
@@ -350,7 +428,7 @@ def tools() -> dict:
 COMMAND = "python -m benchmarks.range"
 HEADER = (
     "| model | tool | max rel. error vs fp64 | outputs turned inf/nan | 16-bit FLOP share | "
-    "fp32 ops | casts per call |"
+    "16-bit FLOP share, counted | fp32 ops | casts per call | bytes cast per call |"
 )
 
 
@@ -359,19 +437,20 @@ def main(argv=None) -> None:
     parser.add_argument("--output", type=Path, default=Path(__file__).with_name("RANGE.md"))
     options = parser.parse_args(argv)
     warnings.simplefilter("ignore")
-    lines = [HEADER, "|" + "---|" * 7]
+    lines = [HEADER, "|" + "---|" * 9]
     for name, build, draw, _ in models():
         torch.manual_seed(0)
         model, args = build(), tuple(draw())
-        model.eval()
+        if not isinstance(model, torch.fx.GraphModule):  # PT2E's converted graph: no eval()
+            model.eval()
         reference = _reference(model, args)
         for tool, run in tools().items():
             if tool == "eager autocast bf16" and next(model.parameters()).dtype == torch.bfloat16:
                 continue
-            try:
-                cells = run(model, args, reference)
+            try:  # each tool on its own copy: a model may change its state as it runs
+                cells = run(copy.deepcopy(model), args, reference)
             except Exception as error:  # a peer that cannot cast the model says so
-                cells = [f"fails: {type(error).__name__}", "-", "-", "-", "-"]
+                cells = [f"fails: {type(error).__name__}", *["-"] * 6]
             lines.append(table_row([name, tool, *cells]))
             print(lines[-1], flush=True)
     notes = (

@@ -12,7 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import fx16
-from benchmarks import coreai, zoo
+from benchmarks import coreai, range_flows, zoo
 from fx16.program.stats import relative_error
 from fx16.report.rows import decision_rows
 from helpers import check_program, run
@@ -164,20 +164,6 @@ def test_kv_cache_decoder_keeps_its_cache_in_fp16_and_decodes_like_fp32():
             assert relative_error(model(*args).double(), module(*args).double()) < 1e-2
 
 
-class _SmallWeightLinear(torch.nn.Module):
-    """A Linear whose weights are as small as a trained wide layer's (|w| <= 4e-4): its
-    int8 block scales (|w|max / 127, ~3e-6) lie below fp16's normal range."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(512, 64)
-        with torch.no_grad():
-            self.linear.weight.mul_(0.1)
-
-    def forward(self, x):
-        return self.linear(x)
-
-
 def test_core_ai_block_scales_below_fp16s_range_are_carried_not_kept_fp32():
     """coreai-opt's int8 block quantization (Quantizer, finalize for Core AI, export,
     decompose), then the combined cast. Input graph: constexpr_blockwise_shift_scale(
@@ -186,15 +172,10 @@ def test_core_ai_block_scales_below_fp16s_range_are_carried_not_kept_fp32():
     of the weight; the result within one step of the output's int8 quantization (a
     rounding near a step's middle may take the other step), plus fp16's rounding, of the
     fp32 program's."""
-    quantization = pytest.importorskip("coreai_opt.quantization")
-    from coreai_opt import ExportBackend
-
+    pytest.importorskip("coreai_opt.quantization")
     torch.manual_seed(0)
-    model, x = _SmallWeightLinear().eval(), torch.randn(4, 512)
-    quantizer = quantization.Quantizer(model, quantization.QuantizerConfig(execution_mode="eager"))
-    quantizer.prepare((x,))
-    finalized = quantizer.finalize(backend=ExportBackend.CoreAI)
-    ep = torch.export.export(finalized, (x,), strict=False).run_decompositions()
+    (x,) = range_flows.block_quantized_inputs()
+    ep = torch.export.export(range_flows.coreai_block_quantized(), (x,)).run_decompositions()
     scales = [n for n, t in ep.state_dict.items() if n.endswith("weight.0.scale")]
     assert scales and all(ep.state_dict[n].abs().max() < 2.0**-14 for n in scales)
     output_step = float(ep.state_dict["linear.linear_quantize_output_0.dequantize.scale"])

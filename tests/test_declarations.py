@@ -3,13 +3,13 @@ dtype) and scales (the arguments its result is linear in), for PT2E's dequantize
 torchao's and a user's own."""
 
 import math
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import fx16
+from benchmarks import range_flows
 from fx16.analysis.scale_domains import scale_domains
 from fx16.errors import InvalidOptionError
 from fx16.ops.declarations import declaration
@@ -19,38 +19,15 @@ from fx16.testing.custom_ops import DefaultDtypeDequantize
 from helpers import check_program, export, run
 
 
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.hidden, self.out = nn.Linear(16, 32), nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.out(torch.relu(self.hidden(x)))
-
-
-def _pt2e_int8(model, x):
-    """``model`` quantized to int8 with torchao's PT2E flow (XNNPACK's symmetric
-    per-channel config), exported: dequantize ops return fp32 unless ``out_dtype``."""
-    pt2e = pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
-    xnnpack = pytest.importorskip("torchao.testing.pt2e._xnnpack_quantizer")
-    quantizer = xnnpack.XNNPACKQuantizer().set_global(
-        xnnpack.get_symmetric_quantization_config(is_per_channel=True)
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        prepared = pt2e.prepare_pt2e(torch.export.export(model, (x,)).module(), quantizer)
-        prepared(x)
-        return torch.export.export(pt2e.convert_pt2e(prepared), (x,))
-
-
 def test_a_pt2e_int8_program_runs_its_products_in_16_bit():
     """Input graph: quantize -> dequantize_per_tensor (out_dtype None: fp32) -> linear
     (int8 weights through dequantize_per_channel) -> ... Output: each dequantize given
     out_dtype=float16, every matmul FLOP 16-bit, the biases stored fp16, the outputs
     within 16-bit rounding of the int8 program's (the int8 values are unchanged)."""
+    pytest.importorskip("torchao.quantization.pt2e.quantize_pt2e")
     torch.manual_seed(0)
-    x = torch.randn(8, 16)
-    ep = _pt2e_int8(Mlp().eval(), x)
+    (x,) = range_flows.mlp_inputs()
+    ep = torch.export.export(range_flows.pt2e_int8_mlp(), (x,))
     with torch.no_grad():
         expected = ep.module()(x)
     fx16.cast_to_16_bit_precision(ep)

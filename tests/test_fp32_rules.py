@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import fx16
+from benchmarks.range_flows import RunningMean
 from fx16 import PreconditionError, meta
 from fx16.analysis import (
     CalibrationAnalysis,
@@ -301,25 +302,6 @@ def test_a_callers_force_fp32_is_said_as_forced_not_as_an_accuracy_fallback():
     assert (row.dtype, row.rule) == ("float32", "forced")
     decided = next(n for n in ep.graph.nodes if n.name == "linear_1").meta[PRECISION]
     assert (decided.reason, decided.detail) == (Reason.FORCED, "force_fp32='linear_1'")
-
-
-class RunningMean(nn.Module):
-    """A running mean over calls: two buffers the program accumulates into, and a
-    cache written over at a position (not accumulated)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-        self.register_buffer("total", torch.zeros(8))
-        self.register_buffer("count", torch.zeros(()))
-        self.register_buffer("cache", torch.zeros(4, 8))
-
-    def forward(self, x):
-        h = self.linear(x)
-        self.total.add_(h.sum(0))
-        self.count.add_(x.shape[0])
-        self.cache[1:3].copy_(h[:2])  # written over, as a key/value cache is
-        return self.total / self.count, self.cache * 1
 
 
 @pytest.mark.parametrize("decompose", [False, True], ids=["in_place", "buffer_mutation"])

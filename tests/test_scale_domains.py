@@ -12,6 +12,7 @@ from torch import nn
 import fx16
 from benchmarks import zoo
 from benchmarks.range import GrowingCnn, GrowingConvs, LoudAttention, RawReadings, RawUnits
+from benchmarks.range_flows import ResidualInACond
 from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
 from fx16.policy import PrecisionPolicy
@@ -165,20 +166,6 @@ def test_a_scaled_value_enters_a_conds_body_unscaled():
     assert scale_domains(ep.graph_module)
     for inputs in (x, torch.randn(2, 8, 8, 8)):
         assert max_error(fp64_reference(model, inputs), run(ep, inputs)) < 2e-3
-
-
-class ResidualInACond(nn.Module):
-    """The growing residual stream inside one branch of a cond; the other branch a
-    linear (``shared``: the embedding of the stream instead, a weight both read)."""
-
-    def __init__(self, shared: bool = False) -> None:
-        super().__init__()
-        self.stream, self.other = Residual(blocks=3, gain=3e4), nn.Linear(16, 16)
-        self.shared = shared
-
-    def forward(self, x, flag):
-        other = self.stream.embed if self.shared else self.other
-        return torch.cond(flag.sum() > 0, self.stream, other, (x,))
 
 
 @pytest.mark.parametrize("shared", [False, True])

@@ -70,12 +70,44 @@ def test_a_norms_default_eps_is_passed_scaled_by_name():
     assert max_error(fp64_reference(model, x), run(cast, x)) < 8 * 2.0**-11
 
 
-class LoudMaskAttention(nn.Module):
-    """Attention whose additive float mask is a linear's output past fp16's range (a
-    learned position bias, ~4e5), also read by the residual; values past the range too."""
+class DefaultEpsRmsNorm(nn.Module):
+    """A linear past fp16's range read by ``nn.RMSNorm`` with no eps (its default is
+    the dtype's epsilon, not a number the graph holds), one row of the input quiet."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.a, self.norm, self.b = nn.Linear(16, 16), nn.RMSNorm(16), nn.Linear(16, 16)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x)))
+
+
+def test_a_norm_whose_eps_is_no_number_reads_its_input_unscaled():
+    """Input graph: linear (~1e5) -> rms_norm(h, [16], w) (eps=None: the dtype's
+    epsilon) -> linear, one input row 1e-9 of the others (its h ~1e-4, where the eps
+    matters). Output: the norm reads h through a multiply that takes its scale back
+    (there is no eps to scale with it), so the scaled program is the same function on
+    the quiet row too."""
+    torch.manual_seed(0)
+    model, x = DefaultEpsRmsNorm().eval(), torch.randn(4, 16)
+    with torch.no_grad():
+        model.a.bias.zero_()
+    x[1] *= 1e-9
+    ep = _scaled(model, x)
+    norm = _node(ep, "rms_norm")
+    assert meta.range_scaled(norm.args[0]) and meta.scale_exponent(norm.args[0]) == 0
+
+
+class LoudMaskAttention(nn.Module):
+    """Attention whose additive float mask is a linear's output past fp16's range (a
+    learned position bias, ~4e5), also read by the residual; values past the range too.
+    ``masked=False``: the same without the mask."""
+
+    def __init__(self, masked: bool = True) -> None:
+        super().__init__()
+        self.masked = masked
         self.q, self.k, self.v = (nn.Linear(16, 16) for _ in range(3))
         self.bias = nn.Linear(16, 8)
         with torch.no_grad():
@@ -85,9 +117,18 @@ class LoudMaskAttention(nn.Module):
     def forward(self, x):
         bias = self.bias(x)
         attended = nn.functional.scaled_dot_product_attention(
-            self.q(x), self.k(x), self.v(x), attn_mask=bias
+            self.q(x), self.k(x), self.v(x), attn_mask=bias if self.masked else None
         )
         return attended + bias.sum(-1, keepdim=True)
+
+
+def test_attention_without_a_mask_carries_its_values_scale():
+    torch.manual_seed(0)
+    model, x = LoudMaskAttention(masked=False).eval(), torch.randn(2, 8, 16)
+    ep = _scaled(model, x)
+    attention = _node(ep, "scaled_dot_product_attention")
+    assert len(attention.args) == 3
+    assert meta.scale_exponent(attention) == meta.scale_exponent(attention.args[2]) < 0
 
 
 def test_attention_reads_its_mask_unscaled_and_its_values_scaled():
@@ -141,6 +182,40 @@ def test_an_lstm_after_a_scaled_value_takes_its_scale_in_its_input_weights():
     assert max_error(fp64_reference(model, x), run(cast, x)) < 8 * 2.0**-11
 
 
+class ScaledIntoBidirectionalLstm(nn.Module):
+    """A linear past fp16's range read by a bidirectional LSTM whose reverse input
+    weights are large (~3e2): folded by more than 2**6 they would pass the limit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.rnn = nn.LSTM(8, 8, batch_first=True, bidirectional=True)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+            self.rnn.weight_ih_l0_reverse.mul_(1e3)
+
+    def forward(self, x):
+        return self.rnn(self.a(x))[0]
+
+
+def test_an_lstms_input_weights_take_the_scale_together_or_not_at_all():
+    """Input graph: linear (~1.5e5) -> bidirectional lstm, the reverse input weights
+    ~3e2. Output: both directions' input weights folded at the domain's 2**k (the LSTM
+    reads the scaled value as it is); k is centred no further than both can take (at
+    k = 12 the reverse weights would pass the limit: that trial folds the forward
+    weights, fails on the reverse and puts the forward back)."""
+    torch.manual_seed(0)
+    model, x = ScaledIntoBidirectionalLstm().eval(), torch.randn(2, 5, 8)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert "at 12 it would change which tensors take the scale" in domain.bounded
+    lstm = _node(ep, "lstm")
+    assert lstm.args[0].name == "linear" and not meta.range_scaled(lstm.args[0])
+    for name in ("weight_ih_l0", "weight_ih_l0_reverse"):
+        want = getattr(model.rnn, name) * 2.0**domain.k
+        assert torch.equal(ep.state_dict[f"rnn.{name}"], want), name
+
+
 class BinaryExponent(nn.Module):
     """A value past fp16's range (~1.5e5) divided by its power of two,
     ``h / 2 ** floor(log2 |h|)``: its mantissa, in [1, 2)."""
@@ -178,12 +253,12 @@ def test_a_domains_line_says_its_values_scale_folds_doors_and_reach():
         folded=("p_w",),
         largest=1.5e5,
         reach=21.84,
-        doors=("x",),
+        doors=("x", "y"),
         bounded="k = 6, the least that fits",
     )
     assert domain.describe() == (
         "linear .. add_3: 3 value(s) up to 1.5e+05 carried at 2**-6 (folded into 1 "
-        "tensor(s); input(s) x scaled at the door; k = 6, the least that fits); holds to "
+        "tensor(s); input(s) x, y scaled at the door; k = 6, the least that fits); holds to "
         "21.8x the calibrated magnitudes before passing 65504"
     )
     unfolded = Domain(k=3, values=("mul",), folded=(), largest=3e5, reach=1.5)

@@ -9,23 +9,11 @@ from torch import nn
 from torch.export import Dim
 
 import fx16
+from benchmarks.range_flows import BagOfEmbeddings
 from fx16 import meta
 from fx16.analysis.size_growth import UNBOUNDED_LENGTH
 from fx16.report import report_of
 from helpers import check_program, node_named
-
-
-class BagOfEmbeddings(nn.Module):
-    """Embeddings in [0, 40] summed over the tokens, then a linear."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed, self.head = nn.Embedding(100, 32), nn.Linear(32, 4)
-        with torch.no_grad():
-            self.embed.weight.uniform_(0, 40)
-
-    def forward(self, ids):
-        return self.head(self.embed(ids).sum(1) / 64.0)
 
 
 class WeightedMean(nn.Module):
