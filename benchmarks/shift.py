@@ -35,8 +35,8 @@ from benchmarks.markdown import table_row, write_results
 from benchmarks.safety_traps import fp64_outputs
 from fx16.analysis import Fp32RulesAnalysis
 from fx16.analysis.fp32_rules import fp32_rule
-from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages
+from fx16.policy.options import Fp16Options
 from fx16.program import Program
 from fx16.program.nodes import node_val
 from fx16.program.subgraphs import nested_graph_modules

@@ -27,14 +27,14 @@ if TYPE_CHECKING:  # what type checkers see of the names below, loaded lazily at
     from fx16.loading import load
     from fx16.ops.declarations import declare_op
     from fx16.ops.kinds import OpKind
-    from fx16.options import Fp16Options
     from fx16.pipelines import fp16_passes, int16_passes
     from fx16.policy import Precision, PrecisionPolicy
+    from fx16.policy.options import Fp16Options
 
 # Each public name, and the module that defines it.
 _PUBLIC = {
     "AccuracyBudgetError": "fx16.errors",
-    "Fp16Options": "fx16.options",
+    "Fp16Options": "fx16.policy.options",
     "Fx16Error": "fx16.errors",
     "InvalidOptionError": "fx16.errors",
     "InvalidProgramError": "fx16.errors",

@@ -14,10 +14,10 @@ from torch.export import ExportedProgram
 from fx16.accuracy.budget import cast_fp16_within_budget
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.errors import InvalidOptionError, require_flag, require_number
-from fx16.options import Fp16Options
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes
 from fx16.plan.steps import explained
 from fx16.policy import PrecisionPolicy, as_names
+from fx16.policy.options import Fp16Options
 from fx16.program import Program
 from fx16.program.node_ids import assign_ids
 from fx16.program.snapshot import collector_paused

@@ -38,7 +38,6 @@ from fx16.errors import (
     require_number,
 )
 from fx16.meta import cast_by_fx16
-from fx16.options import Fp16Options
 from fx16.passes import (
     CleanupCastsPass,
     ConvertIntInputsPass,
@@ -61,6 +60,7 @@ from fx16.passes.policy_pass import overflow_limit
 from fx16.passes.widen_other_sixteen_bit import OTHER_SIXTEEN_BIT, made_in
 from fx16.plan.narrowing import check_mode
 from fx16.policy import PrecisionPolicy, as_names
+from fx16.policy.options import Fp16Options
 from fx16.program import Program
 from fx16.program.boundaries import Boundaries
 from fx16.program.lazy_code import compile_when_needed

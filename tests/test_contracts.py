@@ -10,8 +10,8 @@ from fx16.analysis import UnsafeIndexAnalysis, ValueRangeAnalysis
 from fx16.analysis.facts import Facts
 from fx16.contracts import ALL, RAN_KEY, Analysis
 from fx16.decisions import Reason, decision_of
-from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes
+from fx16.policy.options import Fp16Options
 from helpers import check_program, export
 from models import BucketHash
 

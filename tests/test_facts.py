@@ -5,8 +5,8 @@ import torch
 import fx16
 from fx16.analysis import ValueRangeAnalysis
 from fx16.analysis.facts import Facts
-from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes
+from fx16.policy.options import Fp16Options
 from fx16.program import Program
 from helpers import export
 from models import MLP, Branches

@@ -2,8 +2,8 @@
 
 The stages, top to bottom: the command line and the test helpers; the cast functions;
 the report; the accuracy budget; the pass lists; the passes; the plan; the analyses;
-the policy and options; the program; the op tables; the shared vocabulary. A stage
-imports only the stages below it, and no package's modules import each other in a
+the caller's choices (``fx16/policy/``); the program; the op tables; the shared
+vocabulary. A stage imports only the stages below it, and no package's modules import each other in a
 cycle. A wrong import breaks the contract, and the test says which.
 """
 
@@ -71,3 +71,13 @@ def test_no_module_is_over_350_lines():
         if (count := len(path.read_text().splitlines())) > 350
     }
     assert not long, long
+
+
+def test_the_package_root_holds_at_most_14_modules_and_the_callers_choices_are_one_package():
+    """The root holds the entry points and the shared vocabulary; what the caller chose
+    (the policy, its tables, the cast's options) is ``fx16/policy/``, one stage."""
+    root = sorted(path.name for path in (ROOT / "fx16").glob("*.py"))
+    assert len(root) <= 14, root
+    assert {"policy.py", "precision.py", "options.py"}.isdisjoint(root)
+    choices = {path.name for path in (ROOT / "fx16" / "policy").glob("*.py")}
+    assert choices == {"__init__.py", "precision.py", "options.py"}

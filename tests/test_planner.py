@@ -10,10 +10,10 @@ import fx16
 from fx16 import meta
 from fx16.decisions import PRECISION, Reason
 from fx16.diagnosis import diagnose
-from fx16.options import Fp16Options
 from fx16.passes import InsertFP16CastsPass
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.policy import PrecisionPolicy
+from fx16.policy.options import Fp16Options
 from fx16.program.subgraphs import nested_graph_modules
 from fx16.report import report_of
 from fx16.report.html import report_html

@@ -8,7 +8,6 @@ import torch
 import fx16
 from fx16.analysis import Fp32RulesAnalysis
 from fx16.decisions import Reason
-from fx16.options import Fp16Options
 from fx16.passes import ConvertParametersPass
 from fx16.pipelines import fp16_stages, run_passes
 from fx16.plan.precedence import (
@@ -20,6 +19,7 @@ from fx16.plan.precedence import (
 )
 from fx16.plan.view import View
 from fx16.policy import PrecisionPolicy
+from fx16.policy.options import Fp16Options
 from fx16.program.nodes import node_dtype
 from fx16.report import report_of
 from helpers import check_program, export, run

@@ -9,8 +9,8 @@ from benchmarks import zoo
 from fx16.analysis import Fp32RulesAnalysis, VerdictCheckAnalysis
 from fx16.analysis.calibration_inputs import calibration_calls
 from fx16.analysis.emulation import Emulation
-from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes
+from fx16.policy.options import Fp16Options
 from fx16.program import Program
 from fx16.report import report_of
 from fx16.testing import programs

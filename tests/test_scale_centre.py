@@ -9,7 +9,7 @@ import torch
 import fx16
 from benchmarks.range import GrowingCnn, RawUnits
 from fx16.analysis.scale_domains import scale_domains
-from fx16.options import Fp16Options
+from fx16.policy.options import Fp16Options
 from helpers import check_program, export, fp64_reference, max_error, run
 
 LADDER = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)

@@ -184,15 +184,16 @@ def test_an_lstm_after_a_scaled_value_takes_its_scale_in_its_input_weights():
 
 class ScaledIntoBidirectionalLstm(nn.Module):
     """A linear past fp16's range read by a bidirectional LSTM whose reverse input
-    weights are large (~3e2): folded by more than 2**6 they would pass the limit."""
+    weights are large (``reverse_gain`` 1e3: ~3e2, folded by more than 2**6 they would
+    pass the limit; 3e4: ~1e4, no fold fits them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reverse_gain: float = 1e3) -> None:
         super().__init__()
         self.a = nn.Linear(8, 8)
         self.rnn = nn.LSTM(8, 8, batch_first=True, bidirectional=True)
         with torch.no_grad():
             self.a.weight.mul_(1e5)
-            self.rnn.weight_ih_l0_reverse.mul_(1e3)
+            self.rnn.weight_ih_l0_reverse.mul_(reverse_gain)
 
     def forward(self, x):
         return self.rnn(self.a(x))[0]
@@ -214,6 +215,20 @@ def test_an_lstms_input_weights_take_the_scale_together_or_not_at_all():
     for name in ("weight_ih_l0", "weight_ih_l0_reverse"):
         want = getattr(model.rnn, name) * 2.0**domain.k
         assert torch.equal(ep.state_dict[f"rnn.{name}"], want), name
+
+
+def test_an_lstm_whose_reverse_weights_take_no_fold_takes_the_scale_in_none():
+    """Input graph: linear (~1.5e5, at 2**-k) -> bidirectional lstm, the reverse input
+    weights ~1e4 (folded by 2**k they pass the limit). Output: neither direction's input
+    weights folded (the forward ones, folded first, put back as they were), the LSTM
+    reading its input through a multiply that takes the scale back."""
+    torch.manual_seed(0)
+    model, x = ScaledIntoBidirectionalLstm(reverse_gain=3e4).eval(), torch.randn(2, 5, 8)
+    ep = _scaled(model, x)
+    lstm = _node(ep, "lstm")
+    assert meta.range_scaled(lstm.args[0]) and meta.scale_exponent(lstm.args[0]) == 0
+    for name in ("weight_ih_l0", "weight_ih_l0_reverse"):
+        assert torch.equal(ep.state_dict[f"rnn.{name}"], getattr(model.rnn, name)), name
 
 
 class BinaryExponent(nn.Module):

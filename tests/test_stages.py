@@ -6,7 +6,6 @@ import torch
 
 import fx16
 from fx16.analysis import CalibrationAnalysis, ExplicitFp32Analysis, Fp32RulesAnalysis
-from fx16.options import Fp16Options
 from fx16.passes import (
     CleanupCastsPass,
     ConvertUserInputsPass,
@@ -16,6 +15,7 @@ from fx16.passes import (
     ScalarsAsConstantsPass,
 )
 from fx16.pipelines import fp16_stages
+from fx16.policy.options import Fp16Options
 from fx16.stages import Fp16Stages
 from helpers import export
 from models import MLP

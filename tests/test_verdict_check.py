@@ -18,9 +18,9 @@ from fx16.analysis.explicit_fp32 import islands
 from fx16.analysis.fp32_rules import ConditioningRule, fp32_rule
 from fx16.analysis.verdict_check import MEASURABLE
 from fx16.decisions import Reason
-from fx16.options import Fp16Options
 from fx16.pipelines import fp16_stages, run_passes, without_rules
 from fx16.policy import PrecisionPolicy
+from fx16.policy.options import Fp16Options
 from fx16.report import report_of
 from fx16.testing import programs
 from fx16.testing.fuzz import with_steps

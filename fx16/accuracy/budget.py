@@ -60,9 +60,9 @@ from fx16.errors import (
     PassFailedError,
     require_number,
 )
-from fx16.options import Fp16Options
 from fx16.passes.insert_fp16_casts import OUTPUTS
 from fx16.pipelines import fp16_stages, run_passes
+from fx16.policy.options import Fp16Options
 from fx16.program import Program
 from fx16.program.cost import flops, is_product
 from fx16.program.stats import program_stats

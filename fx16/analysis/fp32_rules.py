@@ -32,7 +32,7 @@ from fx16.analysis.safety_rules.range import (
 )
 from fx16.contracts import Analysis
 from fx16.decisions import Decision, Reason
-from fx16.options import Fp16Options, IgnoredOps
+from fx16.policy.options import Fp16Options, IgnoredOps
 
 FP32 = torch.float32
 

@@ -8,7 +8,7 @@ from torch.fx import Node
 
 from fx16.analysis.safety_rule import RuleContext
 from fx16.decisions import Reason
-from fx16.options import IgnoredOps
+from fx16.policy.options import IgnoredOps
 
 
 @dataclass(frozen=True)

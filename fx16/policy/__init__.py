@@ -1,4 +1,9 @@
-"""PrecisionPolicy: which precision each op asks for, as data.
+"""The caller's choices, and how each stage reads them: ``PrecisionPolicy`` (here),
+``Precision`` and the policy's tables (``fx16.policy.precision``), the cast's options
+(``fx16.policy.options``). The names of the settings, which the command line lists
+without importing torch, are ``fx16.choices``.
+
+PrecisionPolicy: which precision each op asks for, as data.
 
 A policy maps every node to a ``Precision``. The most specific rule wins: a node
 name, then the predicate, then the longest matching module path (from
@@ -25,7 +30,7 @@ from fx16.choices import (
 from fx16.errors import InvalidOptionError, require_choice, require_number
 from fx16.ops.autocast import AUTOCAST_CPU, AUTOCAST_CUDA
 from fx16.ops.kinds import OpKind, op_kind, op_name
-from fx16.precision import ALL_LOW, Precision, as_precision, op_kind_key, precisions
+from fx16.policy.precision import ALL_LOW, Precision, as_precision, op_kind_key, precisions
 from fx16.program.nodes import SIXTEEN_BIT_DTYPES, node_module_path
 
 
