@@ -3,8 +3,8 @@
 The stages, top to bottom: the command line and the test helpers; the cast functions;
 the report; the accuracy budget; the pass lists; the passes; the plan; the analyses;
 the caller's choices (``fx16/policy/``); the program; the op tables; the shared
-vocabulary. A stage imports only the stages below it, and no package's modules import each other in a
-cycle. A wrong import breaks the contract, and the test says which.
+vocabulary. A stage imports only the stages below it, and no package's modules import
+each other in a cycle. A wrong import breaks the contract, and the test says which.
 """
 
 import os
