@@ -32,6 +32,7 @@ def cast_fp32_to_fp16(
     ignored_ops: Any = None,
     *,
     policy: PrecisionPolicy | str | None = None,
+    target: str | None = None,
     explicit_fp32: str | None = None,
     stabilize: bool | None = None,
     eps_clamp: bool | None = None,
@@ -68,6 +69,12 @@ def cast_fp32_to_fp16(
             the cause (``ignored_op``), apart from ``force_fp32``.
         policy: a ``fx16.PrecisionPolicy`` or a preset name ("auto_mixed_bf16", ...);
             default: everything in fp16 where safe (coreai-opt's behaviour, made safe).
+        target: where the program will run, for the settings that trade accuracy for
+            that target's cost ("cpu", "gpu", "neural_engine"; ``fx16.choices.TARGETS``):
+            "neural_engine" sets ``explicit_fp32="calibrated"`` (every fp32 op leaves the
+            accelerator), "gpu" ``range_fallback="bf16"``, "cpu" the accuracy-first
+            defaults. An explicit ``explicit_fp32``/``range_fallback`` wins. None: the
+            policy's settings.
         explicit_fp32: what becomes of the fp32 regions the model opens itself
             (``x.float()``, ``dtype=torch.float32``), such as the variance in an
             RMSNorm: "keep" keeps them all, as ``.half()`` does; "calibrated" keeps one
@@ -210,6 +217,7 @@ def cast_to_16_bit_precision(
     ignored_ops: Any = None,
     *,
     policy: PrecisionPolicy | str | None = None,
+    target: str | None = None,
     explicit_fp32: str | None = None,
     stabilize: bool | None = None,
     eps_clamp: bool | None = None,
@@ -234,12 +242,13 @@ def cast_to_16_bit_precision(
     Args:
         exported_program: the program, changed in place (positional or by this name).
         ignored_ops: coreai-opt's option, as in ``cast_fp32_to_fp16``.
-        policy: as in ``cast_fp32_to_fp16``; so are ``explicit_fp32``, ``stabilize``,
+        policy: as in ``cast_fp32_to_fp16``; so are ``target``, ``explicit_fp32``, ``stabilize``,
             ``eps_clamp``, ``routing``, ``range_fallback``, ``keep_io_types``,
             ``overflow_margin``,
             ``force_fp32``, ``scalars``, ``max_rel_error``, ``target_share``,
             ``metric``, ``validation`` and ``progress``. The accuracy budget applies to
             the fp16 stage (int16 narrowing is exact).
+        target: see ``cast_fp32_to_fp16``.
         explicit_fp32: see ``cast_fp32_to_fp16``.
         stabilize: see ``cast_fp32_to_fp16``.
         eps_clamp: see ``cast_fp32_to_fp16``.

@@ -11,6 +11,15 @@ EXPLICIT_FP32_CHOICES = ("calibrated", "keep", "retarget")
 ROUTING_CHOICES = ("fp32", "16-bit")
 # Where values whose range fp16 cannot carry compute (see PrecisionPolicy.range_fallback).
 RANGE_FALLBACK_CHOICES = ("fp32", "bf16")
+# What each deployment target pays for, as the PrecisionPolicy settings it sets unless the
+# caller sets them (target=): the Neural Engine runs every fp32 op off the accelerator, so
+# the model's own fp32 regions are kept only on evidence; a GPU computes in both 16-bit
+# dtypes, so what no scale carries computes in bf16; a CPU pays little for fp32.
+TARGETS = {
+    "cpu": {"explicit_fp32": "keep", "range_fallback": "fp32"},
+    "gpu": {"explicit_fp32": "keep", "range_fallback": "bf16"},
+    "neural_engine": {"explicit_fp32": "calibrated", "range_fallback": "fp32"},
+}
 # Which Python numbers of 16-bit ops become 16-bit constants (ScalarsAsConstantsPass).
 SCALARS_CHOICES = ("exact", "rounded", "keep")
 # int16= modes: "proven" narrows only values whose proven or declared range fits;

@@ -27,6 +27,7 @@ from fx16.analysis import (
     VerdictCheckAnalysis,
 )
 from fx16.analysis.facts import Facts
+from fx16.choices import TARGETS
 from fx16.contracts import forget_unpreserved
 from fx16.decisions import PRECISION
 from fx16.errors import (
@@ -34,6 +35,7 @@ from fx16.errors import (
     InvalidOptionError,
     InvalidProgramError,
     PassFailedError,
+    require_choice,
     require_flag,
     require_number,
 )
@@ -185,6 +187,7 @@ def _checked(program: Program, options: Fp16Options) -> tuple[Fp16Options, Preci
     require_flag("eps_clamp", options.eps_clamp)
     policy = resolve_policy(
         options.policy,
+        target=options.target,
         explicit_fp32=options.explicit_fp32,
         keep_io_types=options.keep_io_types,
         stabilize=options.stabilize,
@@ -239,9 +242,12 @@ def without_rules(passes: list[PassBase], *rule_types: type) -> list[PassBase]:
     ]
 
 
-def resolve_policy(policy: PrecisionPolicy | str | None, **overrides) -> PrecisionPolicy:
+def resolve_policy(
+    policy: PrecisionPolicy | str | None, target: str | None = None, **overrides
+) -> PrecisionPolicy:
     """The policy to use: a preset by name, the given one, or the default; with the
-    ``overrides`` of its fields (``explicit_fp32``, ``keep_io_types``) that are not None."""
+    settings of ``target`` (``fx16.choices.TARGETS``), then the ``overrides`` of its
+    fields (``explicit_fp32``, ``keep_io_types``) that are not None."""
     if policy is None:
         policy = PrecisionPolicy.default()
     elif isinstance(policy, str):
@@ -251,6 +257,9 @@ def resolve_policy(policy: PrecisionPolicy | str | None, **overrides) -> Precisi
             f"policy must be a PrecisionPolicy or a preset name, not {type(policy).__name__}"
         )
     overrides = {name: value for name, value in overrides.items() if value is not None}
+    if target is not None:
+        require_choice("target", target, tuple(TARGETS))
+        overrides = {**TARGETS[target], **overrides}
     return replace(policy, **overrides) if overrides else policy
 
 

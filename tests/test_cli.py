@@ -67,17 +67,25 @@ def test_dry_run_writes_nothing(program, tmp_path):
     assert not (tmp_path / "out.pt2").exists()
 
 
-@pytest.mark.parametrize("setting, rule", [("keep", "explicit_fp32"), ("retarget", None)])
+@pytest.mark.parametrize(
+    "setting, rule",
+    [
+        (("--explicit-fp32", "keep"), "explicit_fp32"),
+        (("--explicit-fp32", "retarget"), None),
+        (("--target", "neural_engine"), None),
+        (("--target", "neural_engine", "--explicit-fp32", "keep"), "explicit_fp32"),
+    ],
+)
 def test_explicit_fp32_setting(tmp_path, setting, rule):
-    """--explicit-fp32 reaches the policy: an RMSNorm's fp32 region kept, or made fp16."""
+    """--explicit-fp32 and --target reach the policy: an RMSNorm's fp32 region kept, or
+    made fp16 (the Neural Engine's setting, where the region's values fit); an explicit
+    setting wins over the target's."""
     from models import RMSNormMLP
 
     source = tmp_path / "norm.pt2"
     torch.export.save(export(RMSNormMLP(), torch.randn(3, 16)), source)
     report = tmp_path / "report.json"
-    result = fx16(
-        "cast", source, "-o", tmp_path / "out.pt2", "--explicit-fp32", setting, "--report", report
-    )
+    result = fx16("cast", source, "-o", tmp_path / "out.pt2", *setting, "--report", report)
     assert result.returncode == 0, result.stderr
     rules = {row["rule"] for row in json.loads(report.read_text())["nodes"]}
     assert (rule in rules) if rule else not rules & {"explicit_fp32"}

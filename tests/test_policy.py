@@ -23,6 +23,7 @@ from fx16.report import report_of
 from fx16.testing.strategies import model_cases
 from helpers import (
     DtypeRecorder,
+    assert_same_state,
     casts,
     check_program,
     export,
@@ -354,3 +355,43 @@ def test_precision_for_answers_each_node_as_its_matching_entry_does(policy):
         for _ in range(2):  # the second round reads what the first kept
             for node in nodes:
                 assert candidate.precision_for(node) == candidate.matching_entry(node)[0]
+
+
+@pytest.mark.parametrize(
+    "target, explicit_fp32, range_fallback",
+    [("cpu", "keep", "fp32"), ("gpu", "keep", "bf16"), ("neural_engine", "calibrated", "fp32")],
+)
+def test_a_target_sets_the_settings_it_trades(target, explicit_fp32, range_fallback):
+    """target= sets what its cost trades against accuracy; an explicit setting wins."""
+    from fx16.pipelines import resolve_policy
+
+    policy = resolve_policy(None, target=target)
+    assert (policy.explicit_fp32, policy.range_fallback) == (explicit_fp32, range_fallback)
+    explicit = resolve_policy(None, target=target, explicit_fp32="retarget", range_fallback="fp32")
+    assert (explicit.explicit_fp32, explicit.range_fallback) == ("retarget", "fp32")
+    assert resolve_policy("auto_mixed", target=target).name == "auto_mixed"
+
+
+def test_the_neural_engine_target_keeps_a_region_only_on_evidence():
+    """An RMSNorm's fp32 region whose values fit: kept by default (as .half() keeps it),
+    retargeted to 16-bit for the Neural Engine, where every fp32 op leaves the
+    accelerator; the report's provenance names the target."""
+    from models import RMSNormMLP
+
+    torch.manual_seed(0)
+    model, x = RMSNormMLP().eval(), torch.randn(3, 16)
+    kept = fx16.cast_fp32_to_fp16(export(model, x))
+    engine = fx16.cast_to_16_bit_precision(export(model, x), target="neural_engine")
+    assert {row.rule for row in report_of(kept).rows} & {"explicit_fp32"}
+    assert not {row.rule for row in report_of(engine).rows} & {"explicit_fp32"}
+    assert report_of(engine).provenance["options"]["target"] == "neural_engine"
+
+
+def test_an_unknown_target_is_refused_and_changes_nothing():
+    from models import RMSNormMLP
+
+    ep = export(RMSNormMLP().eval(), torch.randn(3, 16))
+    before = state_snapshot(ep)
+    with pytest.raises(fx16.InvalidOptionError, match="target.*neural_engine"):
+        fx16.cast_fp32_to_fp16(ep, target="npu")
+    assert_same_state(before, state_snapshot(ep))

@@ -259,6 +259,7 @@ def _policy(args) -> PrecisionPolicy:
     keep = True if args.keep_io_types else frozenset(args.keep_io) or None
     policy = resolve_policy(
         args.policy,
+        target=args.target,
         explicit_fp32=args.explicit_fp32,
         keep_io_types=keep,
         stabilize=args.stabilize,

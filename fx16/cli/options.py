@@ -15,6 +15,7 @@ from fx16.choices import (
     RANGE_FALLBACK_CHOICES,
     ROUTING_CHOICES,
     SCALARS_CHOICES,
+    TARGETS,
 )
 from fx16.cli.exits import BUDGET_NOT_MET
 
@@ -53,6 +54,14 @@ def add_cast_options(parser: argparse.ArgumentParser) -> None:
         default="default",
         metavar="NAME",
         help=f"a preset ({presets})",
+    )
+    parser.add_argument(
+        "--target",
+        choices=tuple(TARGETS),
+        default=None,
+        help="where the program will run: the settings that trade accuracy for its cost "
+        "(neural_engine: --explicit-fp32 calibrated; gpu: --range-fallback bf16; cpu: "
+        "accuracy first); an explicit setting wins",
     )
     parser.add_argument(
         "--explicit-fp32",

@@ -19,6 +19,7 @@ from fx16.errors import InvalidOptionError
 @dataclass(frozen=True)
 class Fp16Options:
     policy: Any = None  # a PrecisionPolicy, a preset name, or None (the default policy)
+    target: str | None = None  # a deployment target (fx16.choices.TARGETS): its settings
     explicit_fp32: str | None = None
     stabilize: bool | None = None  # None: the policy's setting
     eps_clamp: bool | None = None  # None: the policy's setting
