@@ -425,6 +425,38 @@ def tools() -> dict:
     return found
 
 
+NOTES = (
+    "Errors against an fp64 run of the model (a bf16 model's weights widened "
+    "exactly); casts per call count every cast node of the cast program. The rows "
+    "marked in range are the twins the range goal compares with. fx16's default keeps "
+    "the model's own fp32 regions (T5's and Llama's RMSNorm variances, Llama's fp32 "
+    "softmax) as `.half()` does, so they count as fp32 ops; "
+    '`explicit_fp32="calibrated"` (for the Neural Engine) retargets them to 16-bit '
+    "where calibration shows they fit. "
+    '`range_fallback="bf16"` (for targets with both 16-bit dtypes) computes in bf16 '
+    "what no power-of-two scale carries, where the default keeps it fp32. The one "
+    "fp32 op of the tiny weights and of the growing CNN is the multiply that undoes "
+    "the scale at the output, whose values (1e10, 2.5e6) are the model's answer and "
+    "beyond fp16; that of the raw-unit inputs and of the LSTM on raw readings is the "
+    "scale at the door (the LSTM's first-layer input weights take it back, folded). "
+    "The attention sinks' q k^T takes its scale from q's projection (weight and bias "
+    "folded), undone in the 1/sqrt(d); the -1e9 mask fill is carried as a sentinel; "
+    "the growing convs' biases folded below fp16's normal range stay 16-bit. "
+    "The residual stream inside a cond branch is scaled in the branch (its weights "
+    "folded). The bag of embeddings is exported and calibrated at 16 tokens and run at "
+    "4096, its dynamic length's bound, where its sums pass fp16's range: fx16 judged "
+    "them there. The quantized rows (coreai-opt's int8 blocks: errors include the "
+    "output's int8 step; PT2E: measured against the int8 program in fp32, which takes "
+    "no fp64) keep their int8 weights; the block scales below fp16's range are carried "
+    "at a power of two. The running mean is read after 10,000 calls on one input; its "
+    "three fp32 ops are the running state (16-bit would round updates away after ~2048 "
+    "calls). '16-bit FLOP share, counted' is measured at the dispatcher while the "
+    "program runs (`benchmarks/runtime_count.py`: torch's FLOP formulas by the dtype "
+    "each product computes in), independently of fx16's cost model; 'bytes cast per "
+    "call' are what dtype conversions read and write in one call (the eager peers': "
+    "autocast's per-call weight casts; `.half()` converts the model once, outside)."
+)
+
 COMMAND = "python -m benchmarks.range"
 HEADER = (
     "| model | tool | max rel. error vs fp64 | outputs turned inf/nan | 16-bit FLOP share | "
@@ -453,25 +485,7 @@ def main(argv=None) -> None:
                 cells = [f"fails: {type(error).__name__}", *["-"] * 6]
             lines.append(table_row([name, tool, *cells]))
             print(lines[-1], flush=True)
-    notes = (
-        "Errors against an fp64 run of the model (a bf16 model's weights widened "
-        "exactly); casts per call count every cast node of the cast program. The rows "
-        "marked in range are the twins the range goal compares with. fx16's default keeps "
-        "the model's own fp32 regions (T5's and Llama's RMSNorm variances, Llama's fp32 "
-        "softmax) as `.half()` does, so they count as fp32 ops; "
-        '`explicit_fp32="calibrated"` (for the Neural Engine) retargets them to 16-bit '
-        "where calibration shows they fit. "
-        '`range_fallback="bf16"` (for targets with both 16-bit dtypes) computes in bf16 '
-        "what no power-of-two scale carries, where the default keeps it fp32. The one "
-        "fp32 op of the tiny weights and of the growing CNN is the multiply that undoes "
-        "the scale at the output, whose values (1e10, 2.5e6) are the model's answer and "
-        "beyond fp16; that of the raw-unit inputs and of the LSTM on raw readings is the "
-        "scale at the door (the LSTM's first-layer input weights take it back, folded). "
-        "The attention sinks' q k^T takes its scale from q's projection (weight and bias "
-        "folded), undone in the 1/sqrt(d); the -1e9 mask fill is carried as a sentinel; "
-        "the growing convs' biases folded below fp16's normal range stay 16-bit."
-    )
-    write_results(options.output, "Range: values beyond fp16 at either end", COMMAND, notes, lines)
+    write_results(options.output, "Range: values beyond fp16 at either end", COMMAND, NOTES, lines)
 
 
 if __name__ == "__main__":
