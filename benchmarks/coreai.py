@@ -23,9 +23,11 @@ Engine. Then:
   that fp32 does not);
 - where fx16 keeps more f32 than coreai-opt, the rules its decision report gives.
 
-fx16 casts with ``explicit_fp32="calibrated"``, its setting for the Neural Engine: the
-model's own fp32 regions (an RMSNorm's variance) are retargeted to 16-bit unless the
-calibration inputs show they need fp32 (the default keeps them, as ``.half()`` does).
+fx16 casts with ``target="neural_engine"`` (``explicit_fp32="calibrated"``): the model's
+own fp32 regions (an RMSNorm's variance) are retargeted to 16-bit unless the calibration
+inputs show they need fp32. ``fx16 default`` is ``cast_to_16_bit_precision`` with no
+target: it keeps those regions, as ``.half()`` does. The last error column is eager
+``.half()``'s, the accuracy the targets are held to.
 """
 
 import argparse
@@ -155,7 +157,8 @@ def models():
 
 
 # fx16's options for the Neural Engine, where every fp32 op leaves the accelerator.
-NEURAL_ENGINE = {"explicit_fp32": "calibrated"}
+NEURAL_ENGINE = {"target": "neural_engine"}
+DEFAULT = "fx16 default"
 
 
 def casts(input_ranges):
@@ -167,6 +170,7 @@ def casts(input_ranges):
             ep, input_ranges=input_ranges, **NEURAL_ENGINE
         ),
         UNSTABILIZED: lambda ep: fx16.cast_fp32_to_fp16(ep, stabilize=False, **NEURAL_ENGINE),
+        DEFAULT: lambda ep: fx16.cast_to_16_bit_precision(ep, input_ranges=input_ranges),
     }
     try:
         from coreai_opt.casting import cast_to_16_bit_precision
@@ -235,6 +239,27 @@ def output_error(build, args, ep: torch.export.ExportedProgram) -> str:
     return f"{max(errors):.1e}" if errors else "-"
 
 
+def half_error(build, args) -> str:
+    """Eager ``.half()``'s error against the fp32 model on ``args`` (as ``output_error``)."""
+    torch.manual_seed(0)
+    model = build().eval()
+    with torch.no_grad():
+        expected = pytree.tree_leaves(model(*args))
+        halves = [a.half() if a.is_floating_point() else a for a in args]
+        try:
+            got = pytree.tree_leaves(copy.deepcopy(model).half()(*halves))
+        except Exception as error:  # a model .half() cannot run is a result
+            return f"fails: {type(error).__name__}"
+    errors = [
+        relative_error(want.double(), have.double())
+        for want, have in zip(expected, got)
+        if want.is_floating_point()
+    ]
+    if any(not torch.isfinite(have).all() for have in got if have.is_floating_point()):
+        return "non-finite"
+    return f"{max(errors):.1e}" if errors else "-"
+
+
 def _cell(result) -> str:
     types, _ = result
     if isinstance(types, str):
@@ -270,7 +295,8 @@ def main(argv=None) -> None:
     warnings.simplefilter("ignore")
     tools = list(casts(None))
     header = ["model", *tools, "fx16 f32 from precision rules", "goal: fx16 without them"]
-    header += [f"error vs fp32: {tool}" for tool in ("fx16", UNSTABILIZED, PEER) if tool in tools]
+    compared = [tool for tool in ("fx16", DEFAULT, UNSTABILIZED, PEER) if tool in tools]
+    header += [f"error vs fp32: {tool}" for tool in compared] + ["error vs fp32: .half()"]
     header += ["si16 (fx16 16-bit)", "why fx16 keeps more f32"]
     lines = [table_row(header), "|" + "---|" * len(header)]
     for name, build, args, input_ranges in models():
@@ -278,7 +304,7 @@ def main(argv=None) -> None:
         cells = [name] + [_cell(results[tool]) for tool in tools]
         errors = {tool: output_error(build, args, results[tool][1]) for tool in results}
         cells += goal_cells(results, errors)
-        cells += [errors[tool] for tool in ("fx16", UNSTABILIZED, PEER) if tool in tools]
+        cells += [errors[tool] for tool in compared] + [half_error(build, args)]
         fx16_types, fx16_ep = results["fx16 16-bit"]
         peer_types, _ = results.get(PEER, ("", None))
         typed = not isinstance(fx16_types, str)
