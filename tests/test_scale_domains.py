@@ -306,19 +306,37 @@ def test_property_the_scaled_fp32_program_is_the_same_function(case, input_scale
     up to fp32's rounding. One exception, where fp32's own outputs are not finite: a
     value in fp32's subnormals scaled down to 0 and then multiplied by inf (a scalar of
     the menu's) gives nan for inf, so the plan may be taken back there (long-fuzz
-    finding: exp of -93, then ``(x.double() * inf).float()``)."""
+    finding: exp of -93, then ``(x.double() * inf).float()``). Every folded tensor is
+    where centring keeps it (``_check_centred_folds``)."""
     from fx16.passes.scale_domains import REVERTED, same_outputs
 
     ep = case.export()
     args = tuple(a * input_scale if a.is_floating_point() else a for a in case.args)
     with torch.no_grad():
         reference = [list(torch.utils._pytree.tree_leaves(ep.module()(*args)))]
+    before = {name: tensor.clone() for name, tensor in ep.state_dict.items()}
     scale_only(ep, calibration=[args])
     finite = all(bool(torch.isfinite(v).all()) for v in reference[0] if v.is_floating_point())
     assert not finite or REVERTED not in ep.graph_module.meta, ep.graph_module.meta[REVERTED]
     with torch.no_grad():
         outputs = [list(torch.utils._pytree.tree_leaves(ep.module()(*args)))]
     assert same_outputs(reference, outputs)
+    _check_centred_folds(ep, before)
+
+
+def _check_centred_folds(ep, before: dict) -> None:
+    """What centring promises of every tensor a domain folded: its largest magnitude
+    inside the limit (fp16's largest over the margin), and not taken below 2**-8 (a
+    weight) or fp16's smallest normal (a bias), unless it lay below that already."""
+    limit = float(torch.finfo(torch.float16).max) / 2
+    for name, tensor in ep.state_dict.items():
+        was = before.get(name)
+        if was is None or not tensor.is_floating_point() or torch.equal(tensor, was):
+            continue
+        largest, largest_before = float(tensor.abs().max()), float(was.abs().max())
+        assert largest <= max(limit, largest_before), name
+        floor = torch.finfo(torch.float16).tiny if tensor.dim() == 1 else 2.0**-8
+        assert largest >= min(floor, largest_before), name
 
 
 class ResidualIntoAutocastOff(Residual):
