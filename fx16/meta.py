@@ -68,6 +68,18 @@ def observed_max_abs(node: Any) -> float | None:
     return _meta(node).get(OBSERVED_MAX_ABS)
 
 
+def observed_said(node: Any) -> str:
+    """The largest magnitude a rule judged ``node`` by, as its detail says it: what
+    calibration observed, or that times the growth to a dynamic size's bound
+    (``fx16.analysis.size_growth``), with both."""
+    seen = observed_max_abs(node)
+    grown = _meta(node).get(SIZE_GROWTH)
+    if seen is None or not grown:
+        return f"observed {seen:.4g}" if seen is not None else "not observed"
+    factor, lengths = grown
+    return f"{seen:.4g} judged at {lengths} (observed {seen / factor:.4g})"
+
+
 def bounded_below(node: Any) -> str | None:
     """Why a stable rewrite's value cannot flush to zero (None: nothing said)."""
     return _meta(node).get(BOUNDED_BELOW)

@@ -92,3 +92,22 @@ def test_a_static_program_is_judged_as_calibrated():
     fx16.cast_fp32_to_fp16(ep)
     assert not [n for n in ep.graph.nodes if meta.SIZE_GROWTH in n.meta]
     assert not any("dynamic sizes" in line for line in report_of(ep).totals.envelope.lines())
+
+
+class BagIntoExp(BagOfEmbeddings):
+    """The bag's sums read by an exponential (no scale carries them): fp32 for range."""
+
+    def forward(self, ids):
+        return torch.exp(self.embed(ids).sum(1) / 64.0 * 0.05)
+
+
+def test_a_value_judged_at_a_bound_says_so_in_its_row():
+    """Input: sums over ``seq`` (Dim max 4096) -> exp, calibrated at 16 tokens. The sum is
+    judged at 4096 tokens, past fp16's range; its row says the figure is the bound's,
+    with what calibration observed beside it (not a figure calibration never saw)."""
+    torch.manual_seed(0)
+    model = BagIntoExp().eval()
+    ep = _export(model, torch.randint(0, 100, (2, 16)), Dim("seq", min=2, max=4096))
+    fx16.cast_fp32_to_fp16(ep)
+    grown = [row for row in report_of(ep).rows if "judged at ids.shape[1] at 4096" in row.detail]
+    assert grown and all("observed" in row.detail for row in grown)

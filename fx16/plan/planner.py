@@ -279,8 +279,7 @@ class Planner:
         if not self.calibrated:
             step.cast_back_skipped = "no calibration run reached it: nothing shows it fits 16-bit"
         elif meta.overflows(node, self.limit):
-            seen = meta.observed_max_abs(node)
-            step.cast_back_skipped = f"observed {seen:.4g}, beyond 16-bit with the margin"
+            step.cast_back_skipped = f"{meta.observed_said(node)}, beyond 16-bit with the margin"
         elif interval_below_normal((0.0, meta.observed_max_abs(node) or 0.0), self.low):
             seen = meta.observed_max_abs(node)
             step.cast_back_skipped = f"observed at most {seen:.3g}, below 16-bit's normal range"

@@ -36,11 +36,7 @@ class ObservedOverflowRule:
     def applies(self, node: Node, context: RuleContext) -> str | None:
         if node.op != "call_function":
             return None
-        return (
-            f"observed {meta.observed_max_abs(node):.4g}"
-            if meta.overflows(node, self.limit)
-            else None
-        )
+        return meta.observed_said(node) if meta.overflows(node, self.limit) else None
 
     def written_over(self, graph) -> dict[Node, str]:
         """The ops whose storage a write in place that overflows reaches (``h = x * 1``,
