@@ -46,8 +46,9 @@ FP32_RULES_RAN = "fx16.fp32_rules"  # Fp32RulesAnalysis: the rules that ran
 VERDICT_CHECKS = "fx16.verdict_checks"  # VerdictCheckAnalysis: what each check measured
 SCALE_PLAN = "fx16.scale_plan"  # ScaleDomainsAnalysis: the plan ScaleDomainsPass applies
 SCALE_DOMAINS = "fx16.scale_domains"  # ScaleDomainsAnalysis: a Domain per scale domain
-# CalibrationAnalysis (fx16.analysis.size_growth): on a node, (factor, lengths) where it
-# is judged at the dynamic sizes' bounds; on the graph, the lengths every decision holds to
+# CalibrationAnalysis (fx16.analysis.size_growth): on a node, (factor, lengths, what was
+# observed) where it is judged at the dynamic sizes' bounds; on the graph, the lengths
+# every decision holds to
 SIZE_GROWTH = "fx16.size_growth"
 DYNAMIC_LENGTHS = "fx16.dynamic_lengths"
 # in graph_module.meta["custom"], which torch.export.save keeps: a cast's report (provenance,
@@ -76,8 +77,8 @@ def observed_said(node: Any) -> str:
     grown = _meta(node).get(SIZE_GROWTH)
     if seen is None or not grown:
         return f"observed {seen:.4g}" if seen is not None else "not observed"
-    factor, lengths = grown
-    return f"{seen:.4g} judged at {lengths} (observed {seen / factor:.4g})"
+    _, lengths, observed = grown
+    return f"{seen:.4g} judged at {lengths} (observed {observed:.4g})"
 
 
 def bounded_below(node: Any) -> str | None:

@@ -3,6 +3,7 @@
 input the program accepts, and the envelope names the lengths."""
 
 import copy
+import re
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ def test_a_sum_over_a_dynamic_length_is_judged_at_its_bound():
     ep = _export(model, torch.randint(0, 100, (2, 16)), Dim("seq", min=2, max=4096))
     fx16.cast_fp32_to_fp16(ep)
     check_program(ep)
-    factor, lengths = node_named(ep, "sum_1").meta[meta.SIZE_GROWTH]
+    factor, lengths, _ = node_named(ep, "sum_1").meta[meta.SIZE_GROWTH]
     assert factor == 4096 / 16 and lengths == "ids.shape[1] at 4096 (its bound, calibrated at 16)"
     for length in (16, 1024, 4096):
         ids = torch.randint(0, 100, (2, length), generator=torch.Generator().manual_seed(length))
@@ -69,7 +70,7 @@ def test_a_length_nothing_bounds_is_judged_at_the_stated_default():
     model = BagOfEmbeddings().eval()
     ep = _export(model, torch.randint(0, 100, (2, 16)), Dim("seq", min=2))
     fx16.cast_fp32_to_fp16(ep)
-    factor, lengths = node_named(ep, "sum_1").meta[meta.SIZE_GROWTH]
+    factor, lengths, _ = node_named(ep, "sum_1").meta[meta.SIZE_GROWTH]
     assert factor == UNBOUNDED_LENGTH / 16 and "unbounded" in lengths
 
 
@@ -110,4 +111,4 @@ def test_a_value_judged_at_a_bound_says_so_in_its_row():
     ep = _export(model, torch.randint(0, 100, (2, 16)), Dim("seq", min=2, max=4096))
     fx16.cast_fp32_to_fp16(ep)
     grown = [row for row in report_of(ep).rows if "judged at ids.shape[1] at 4096" in row.detail]
-    assert grown and all("observed" in row.detail for row in grown)
+    assert grown and all(re.search(r"observed \d", row.detail) for row in grown)

@@ -52,7 +52,7 @@ class CalibrationAnalysis(Analysis):
     A value that grows with a dynamic size (a sum over the tokens) is judged at the
     size's bound (``fx16.analysis.size_growth``): its largest magnitude and interval are
     what calibration saw times the growth, ``node.meta["fx16.size_growth"]`` says by how
-    much and why, ``graph_module.meta["fx16.dynamic_lengths"]`` names the lengths.
+    much, why and what was seen, ``graph_module.meta["fx16.dynamic_lengths"]`` names the lengths.
 
     Facts cross the boundaries of higher-order ops (``fx16.program.boundaries``): a body's
     nodes are observed where the body ran (cond's branch taken, every iteration of a
@@ -142,7 +142,7 @@ def _judge_at_size_bounds(graph_module: GraphModule, recorder, shapes: list) -> 
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     growth = size_growth(graph_module.graph.nodes, calibrated_sizes(placeholders, shapes))
     for node, (factor, lengths) in growth.items():
-        node.meta[meta.SIZE_GROWTH] = (factor, lengths)
+        node.meta[meta.SIZE_GROWTH] = (factor, lengths, recorder.magnitudes.get(node))
         if node in recorder.magnitudes:
             recorder.magnitudes[node] *= factor
             node.meta[CalibrationAnalysis.META_KEY] = recorder.magnitudes[node]
