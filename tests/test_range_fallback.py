@@ -280,6 +280,22 @@ def test_the_models_own_fp32_region_and_type_as_stay_fp32_under_the_fallback():
     assert max_error(reference, run(ep, x)) < 4 * 2.0**-8
 
 
+def test_a_returned_elementwise_op_keeps_the_answer_in_fp32_under_the_fallback():
+    """Input graph: x @ gain (1e-9) -> reciprocal (~1e9, at a scale) -> the multiply that
+    undoes it, returned. Output with the fallback: the multiply stays fp32 as in the
+    default (in bf16 the answer would keep 8 bits: 1.18x the default's error); the
+    fallback is never worse than the default here."""
+    from benchmarks.range import TinyWeights
+
+    torch.manual_seed(0)
+    model, x = TinyWeights().eval(), torch.randn(4, 32)
+    default = fx16.cast_fp32_to_fp16(export(model, x))
+    fallback = fx16.cast_fp32_to_fp16(export(model, x), range_fallback="bf16")
+    assert _rows(fallback)["mul_1"].dtype == _rows(default)["mul_1"].dtype == "float32"
+    reference = fp64_reference(model, x)
+    assert max_error(reference, run(fallback, x)) <= max_error(reference, run(default, x))
+
+
 class RangeBesideAutocastOff(nn.Module):
     """A value past fp16's range (``a``, 1e6x a linear) read by an op whose result
     fits (``tanh``) and, with the model's own fp32 value (an ``autocast(enabled=False)``

@@ -19,6 +19,7 @@ from fx16.program.casts import (
     is_inserted,
     retype_val,
 )
+from fx16.program.cost import is_product
 from fx16.program.nodes import dtype_arguments, mutated_argument, node_val
 from fx16.program.snapshot import PENDING
 
@@ -50,8 +51,11 @@ class RangeFallbackPass(PassBase):
     (``DOWNCASTABLE``). Ops of several results, with dtype arguments, written in
     place, in a body, and higher-order ops stay fp32, as does an op that holds or
     reads a value observed past bf16's largest (3.39e38), an op of a region the model
-    computes in fp32 itself that the cast keeps, and ``type_as``. Its inputs are read through casts
-    to bf16 (an inserted upcast of a 16-bit value is pointed at bf16 instead); its
+    computes in fp32 itself that the cast keeps, ``type_as``, and an elementwise op whose
+    result the program returns (in bf16 the answer would keep 8 bits where the default
+    gives fp32's, for the cost of one elementwise op; a returned product is moved). Its
+    inputs are read through casts to bf16 (an inserted upcast of a 16-bit value is
+    pointed at bf16 instead); its
     consumers that are not bf16 ops read it through a cast to fp32 (the program's
     outputs and a body's operands keep their dtypes), and a cast-back to fp16 after it
     stays. A state tensor kept fp32 that only such ops read is stored in bf16.
@@ -125,9 +129,15 @@ def _moved_to_bf16(graph_module: GraphModule) -> set[Node]:
     settled before it)."""
     moved: set[Node] = set()
     regions = _kept_region_members(graph_module)
+    # an elementwise op whose result the program returns keeps the answer at fp32's
+    # precision, as the default gives it (a product there is worth bf16's trade)
+    returned = {
+        node for node in graph_module.graph.output_node().all_input_nodes if not is_product(node)
+    }
     for node in graph_module.graph.nodes:
         if (
             node.name not in regions
+            and node not in returned
             and _fp32_op(node)
             and _kept_for_range(node, moved)
             and _fits_bf16(node, moved)
