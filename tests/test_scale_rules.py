@@ -7,6 +7,7 @@ plan back when the scaled program's outputs move, so a wrong rule shows as a pla
 taken back), the scaled fp32 program's outputs against the original's, and where it
 casts, the 16-bit program against fp64."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -281,3 +282,47 @@ def test_a_domains_line_says_its_values_scale_folds_doors_and_reach():
         "mul: 1 value(s) up to 3e+05 carried at 2**-3 (no fold); holds to 1.5x the "
         "calibrated magnitudes before passing 65504"
     )
+
+
+class PositionalEpsNorm(DefaultEpsNorm):
+    """The same with ``nn.LayerNorm``: its eps passed by position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x)))
+
+
+@pytest.mark.parametrize("build", [DefaultEpsNorm, PositionalEpsNorm])
+def test_a_plan_taken_back_restores_the_program_exactly(monkeypatch, build):
+    """Where the scaled program's fp32 outputs move (here: made to look so), the pass
+    takes its plan back whole: every state tensor as it was, every scalar (the norm's eps,
+    passed by name or by position) as it was, no multiply left, no value marked scaled;
+    it says why, lists no domain and reports no change."""
+    import fx16.passes.scale_domains as scale_pass
+    from fx16.analysis.scale_domains import ScaleDomainsAnalysis
+    from fx16.program import Program
+
+    torch.manual_seed(0)
+    model, x = build().eval(), torch.randn(4, 16)
+    ep = export(model, x)
+    state = {name: tensor.clone() for name, tensor in ep.state_dict.items()}
+    graph = str(ep.graph)
+    norm_arguments = (_node(ep, "layer_norm").args, _node(ep, "layer_norm").kwargs)
+    program = Program(ep)
+    fx16.pipelines.run_passes(
+        [fx16.analysis.CalibrationAnalysis(program), ScaleDomainsAnalysis(program, 65504 / 2)],
+        ep.graph_module,
+    )
+    assert ep.graph_module.meta[meta.SCALE_PLAN].wanted
+    monkeypatch.setattr(scale_pass, "same_outputs", lambda reference, outputs: False)
+    result = scale_pass.ScaleDomainsPass(program)(ep.graph_module)
+    assert result is not None and result.graph_module is ep.graph_module and not result.modified
+    assert ep.graph_module.meta[REVERTED]
+    assert not scale_domains(ep.graph_module)
+    assert str(ep.graph) == graph
+    assert all(torch.equal(ep.state_dict[name], tensor) for name, tensor in state.items())
+    assert not [n for n in ep.graph.nodes if meta.SCALE_EXPONENT in n.meta]
+    assert (_node(ep, "layer_norm").args, _node(ep, "layer_norm").kwargs) == norm_arguments
