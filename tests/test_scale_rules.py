@@ -326,3 +326,13 @@ def test_a_plan_taken_back_restores_the_program_exactly(monkeypatch, build):
     assert all(torch.equal(ep.state_dict[name], tensor) for name, tensor in state.items())
     assert not [n for n in ep.graph.nodes if meta.SCALE_EXPONENT in n.meta]
     assert (_node(ep, "layer_norm").args, _node(ep, "layer_norm").kwargs) == norm_arguments
+
+
+def test_without_a_plan_the_pass_changes_nothing_and_hands_back_its_module():
+    from fx16.passes.scale_domains import ScaleDomainsPass
+
+    ep = export(DefaultEpsNorm().eval(), torch.randn(4, 16))
+    graph = str(ep.graph)
+    result = ScaleDomainsPass(ep)(ep.graph_module)
+    assert result.graph_module is ep.graph_module and not result.modified
+    assert str(ep.graph) == graph
