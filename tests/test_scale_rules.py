@@ -329,10 +329,20 @@ def test_a_plan_taken_back_restores_the_program_exactly(monkeypatch, build):
 
 
 def test_without_a_plan_the_pass_changes_nothing_and_hands_back_its_module():
+    """A program whose values all fit: the analysis plans nothing, the pass hands back
+    its module unchanged."""
+    from fx16.analysis.scale_domains import ScaleDomainsAnalysis
     from fx16.passes.scale_domains import ScaleDomainsPass
+    from fx16.program import Program
 
-    ep = export(DefaultEpsNorm().eval(), torch.randn(4, 16))
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    ep = export(model, torch.randn(4, 16))
+    program = Program(ep)
+    fx16.pipelines.run_passes(
+        [fx16.analysis.CalibrationAnalysis(program), ScaleDomainsAnalysis(program, 65504 / 2)],
+        ep.graph_module,
+    )
     graph = str(ep.graph)
-    result = ScaleDomainsPass(ep)(ep.graph_module)
+    result = ScaleDomainsPass(program)(ep.graph_module)
     assert result.graph_module is ep.graph_module and not result.modified
     assert str(ep.graph) == graph
