@@ -20,8 +20,8 @@ class PreNormResidual(nn.Module):
 
     def __init__(self, width: int = 16, blocks: int = 3, gain: float = 3e4) -> None:
         super().__init__()
-        self.embed = nn.Linear(width, width)
         self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
+        self.embed = nn.Linear(width, width)
         with torch.no_grad():
             for block in self.blocks:
                 block.weight.mul_(gain)

@@ -60,21 +60,17 @@ def cast_fp32_to_fp16(
     same rules; one that computes in fp16 already, with nothing in fp32, is refused.
 
     Args:
-        exported_program: the program, changed in place (positional or by this name, as
-            in coreai-opt).
-        ignored_ops: coreai-opt's option, with its meaning: ops to keep in fp32, with
-            casts at their boundary - an op (``torch.ops.aten.exp`` for every overload, or
-            ``torch.ops.aten.exp.default``), a collection of them, or a predicate on a
-            ``torch.fx.Node`` (``lambda node: node.name == "exp_1"``). The report names
+        exported_program: the program, changed in place (positional or by name).
+        ignored_ops: coreai-opt's option: ops kept in fp32, with casts at their boundary
+            - an op (``torch.ops.aten.exp``: every overload; ``aten.exp.default``), a
+            collection of them, or a predicate on a ``torch.fx.Node``. The report names
             the cause (``ignored_op``), apart from ``force_fp32``.
         policy: a ``fx16.PrecisionPolicy`` or a preset name ("auto_mixed_bf16", ...);
             default: everything in fp16 where safe (coreai-opt's behaviour, made safe).
-        target: where the program will run, for the settings that trade accuracy for
-            that target's cost ("cpu", "gpu", "neural_engine"; ``fx16.choices.TARGETS``):
-            "neural_engine" sets ``explicit_fp32="calibrated"`` (every fp32 op leaves the
-            accelerator), "gpu" ``range_fallback="bf16"``, "cpu" the accuracy-first
-            defaults. An explicit ``explicit_fp32``/``range_fallback`` wins. None: the
-            policy's settings.
+        target: "cpu", "gpu" or "neural_engine": the settings whose trade depends on
+            where it runs (``fx16.choices.TARGETS``: the Neural Engine's
+            ``explicit_fp32="calibrated"``, a GPU's ``range_fallback="bf16"``); an
+            explicit setting wins. None: the policy's settings.
         explicit_fp32: what becomes of the fp32 regions the model opens itself
             (``x.float()``, ``dtype=torch.float32``), such as the variance in an
             RMSNorm: "keep" keeps them all, as ``.half()`` does; "calibrated" keeps one
@@ -248,7 +244,6 @@ def cast_to_16_bit_precision(
             ``force_fp32``, ``scalars``, ``max_rel_error``, ``target_share``,
             ``metric``, ``validation`` and ``progress``. The accuracy budget applies to
             the fp16 stage (int16 narrowing is exact).
-        target: see ``cast_fp32_to_fp16``.
         explicit_fp32: see ``cast_fp32_to_fp16``.
         stabilize: see ``cast_fp32_to_fp16``.
         eps_clamp: see ``cast_fp32_to_fp16``.

@@ -27,7 +27,6 @@ from fx16.analysis import (
     VerdictCheckAnalysis,
 )
 from fx16.analysis.facts import Facts
-from fx16.choices import TARGETS
 from fx16.contracts import forget_unpreserved
 from fx16.decisions import PRECISION
 from fx16.errors import (
@@ -35,7 +34,6 @@ from fx16.errors import (
     InvalidOptionError,
     InvalidProgramError,
     PassFailedError,
-    require_choice,
     require_flag,
     require_number,
 )
@@ -61,7 +59,7 @@ from fx16.passes import (
 from fx16.passes.policy_pass import overflow_limit
 from fx16.passes.widen_other_sixteen_bit import OTHER_SIXTEEN_BIT, made_in
 from fx16.plan.narrowing import check_mode
-from fx16.policy import PrecisionPolicy, as_names
+from fx16.policy import PrecisionPolicy, as_names, resolve_policy
 from fx16.policy.options import Fp16Options
 from fx16.program import Program
 from fx16.program.boundaries import Boundaries
@@ -240,27 +238,6 @@ def without_rules(passes: list[PassBase], *rule_types: type) -> list[PassBase]:
         else stage
         for stage in passes
     ]
-
-
-def resolve_policy(
-    policy: PrecisionPolicy | str | None, target: str | None = None, **overrides
-) -> PrecisionPolicy:
-    """The policy to use: a preset by name, the given one, or the default; with the
-    settings of ``target`` (``fx16.choices.TARGETS``), then the ``overrides`` of its
-    fields (``explicit_fp32``, ``keep_io_types``) that are not None."""
-    if policy is None:
-        policy = PrecisionPolicy.default()
-    elif isinstance(policy, str):
-        policy = PrecisionPolicy.named(policy)
-    elif not isinstance(policy, PrecisionPolicy):
-        raise InvalidOptionError(
-            f"policy must be a PrecisionPolicy or a preset name, not {type(policy).__name__}"
-        )
-    overrides = {name: value for name, value in overrides.items() if value is not None}
-    if target is not None:
-        require_choice("target", target, tuple(TARGETS))
-        overrides = {**TARGETS[target], **overrides}
-    return replace(policy, **overrides) if overrides else policy
 
 
 def int16_passes(

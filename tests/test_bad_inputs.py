@@ -242,8 +242,8 @@ OPTION_ERRORS = [
         "cast_to_16_bit_precision: unknown option(s) ['input_range']; accepted: "
         "['calibration', 'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', "
         "'int16', 'keep_io_types', 'max_rel_error', 'metric', 'overflow_margin', 'policy', "
-        "'progress', 'range_fallback', 'routing', 'scalars', 'stabilize', 'target_share', "
-        "'validation']",
+        "'progress', 'range_fallback', 'routing', 'scalars', 'stabilize', 'target', "
+        "'target_share', 'validation']",
     ),
     (
         fx16.cast_fp32_to_fp16,
@@ -296,7 +296,7 @@ OPTION_ERRORS = [
         "cast_fp32_to_fp16: unknown option(s) ['keep_io']; accepted: ['calibration', "
         "'eps_clamp', 'explicit_fp32', 'force_fp32', 'input_ranges', 'keep_io_types', "
         "'max_rel_error', 'metric', 'overflow_margin', 'policy', 'progress', 'range_fallback', "
-        "'routing', 'scalars', 'stabilize', 'target_share', 'validation']",
+        "'routing', 'scalars', 'stabilize', 'target', 'target_share', 'validation']",
     ),
     (
         fx16.cast_int32_to_int16,
@@ -310,7 +310,7 @@ OPTION_ERRORS = [
         "fp16_passes: unknown option(s) ['margin']; accepted: ['calibration', "
         "'eps_clamp', 'explicit_fp32', 'force_fp32', 'ignored_ops', 'input_ranges', "
         "'keep_io_types', 'overflow_margin', 'policy', 'range_fallback', 'routing', "
-        "'scalars', 'stabilize']",
+        "'scalars', 'stabilize', 'target']",
     ),
     (
         fx16.int16_passes,

@@ -363,7 +363,7 @@ def test_precision_for_answers_each_node_as_its_matching_entry_does(policy):
 )
 def test_a_target_sets_the_settings_it_trades(target, explicit_fp32, range_fallback):
     """target= sets what its cost trades against accuracy; an explicit setting wins."""
-    from fx16.pipelines import resolve_policy
+    from fx16.policy import resolve_policy
 
     policy = resolve_policy(None, target=target)
     assert (policy.explicit_fp32, policy.range_fallback) == (explicit_fp32, range_fallback)

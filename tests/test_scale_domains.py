@@ -12,6 +12,7 @@ from torch import nn
 import fx16
 from benchmarks import zoo
 from benchmarks.range import GrowingCnn, GrowingConvs, LoudAttention, RawReadings, RawUnits
+from benchmarks.range_flows import PreNormResidual as Residual
 from benchmarks.range_flows import ResidualInACond
 from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
@@ -22,29 +23,6 @@ from fx16.testing import programs
 from helpers import check_program, export, fp64_reference, max_error, run, scale_only
 
 NO_SCALING = PrecisionPolicy(scale_range=False)
-
-
-class Residual(nn.Module):
-    """A pre-norm residual stream that grows past fp16's range: each block adds a
-    linear's output (weights scaled up) to the stream, read through an RMSNorm."""
-
-    def __init__(self, width: int = 16, blocks: int = 3, gain: float = 3e4) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(blocks))
-        self.embed = nn.Linear(width, width)
-        with torch.no_grad():
-            for block in self.blocks:
-                block.weight.mul_(gain)
-
-    @staticmethod
-    def norm(x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for block in self.blocks:
-            h = h + block(self.norm(h))
-        return self.norm(h)
 
 
 def _fp32_ops(ep) -> int:

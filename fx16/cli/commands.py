@@ -31,8 +31,7 @@ from fx16.cli.options import op_by_name
 from fx16.cli.timings import Timings
 from fx16.demo import run_demo
 from fx16.errors import AccuracyBudgetError, Fx16Error
-from fx16.pipelines import resolve_policy
-from fx16.policy import PrecisionPolicy
+from fx16.policy import PrecisionPolicy, resolve_policy
 from fx16.program import Program
 from fx16.program.nodes import dtype_name
 from fx16.program.stats import nonfinite_mismatches, relative_error

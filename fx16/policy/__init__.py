@@ -26,6 +26,7 @@ from fx16.choices import (
     POLICY_PRESETS,
     RANGE_FALLBACK_CHOICES,
     ROUTING_CHOICES,
+    TARGETS,
 )
 from fx16.errors import InvalidOptionError, require_choice, require_number
 from fx16.ops.autocast import AUTOCAST_CPU, AUTOCAST_CUDA
@@ -317,3 +318,24 @@ def _check_fields(changes: dict) -> None:
     if unknown:
         accepted = ", ".join(f.name for f in fields(PrecisionPolicy))
         raise InvalidOptionError(f"unknown policy field(s) {unknown}; fields: {accepted}")
+
+
+def resolve_policy(
+    policy: PrecisionPolicy | str | None, target: str | None = None, **overrides
+) -> PrecisionPolicy:
+    """The policy to use: a preset by name, the given one, or the default; with the
+    settings of ``target`` (``fx16.choices.TARGETS``), then the ``overrides`` of its
+    fields (``explicit_fp32``, ``keep_io_types``) that are not None."""
+    if policy is None:
+        policy = PrecisionPolicy.default()
+    elif isinstance(policy, str):
+        policy = PrecisionPolicy.named(policy)
+    elif not isinstance(policy, PrecisionPolicy):
+        raise InvalidOptionError(
+            f"policy must be a PrecisionPolicy or a preset name, not {type(policy).__name__}"
+        )
+    overrides = {name: value for name, value in overrides.items() if value is not None}
+    if target is not None:
+        require_choice("target", target, tuple(TARGETS))
+        overrides = {**TARGETS[target], **overrides}
+    return replace(policy, **overrides) if overrides else policy
