@@ -134,10 +134,18 @@ class SinkAttention(nn.Module):
     """Self-attention whose first token has a huge hidden state: every head attends to
     it, with raw ``q kᵀ`` ~1e5 (past fp16 over the margin) and logits ~3e4 after the
     ``1/sqrt(d)`` (inside). ``rope``: q and k rotated (``q cos + rotate_half(q) sin``);
-    ``by_multiply``: the logits scaled by a multiply rather than a division."""
+    ``by_multiply``: the logits scaled by a multiply rather than a division; ``softcap``:
+    Gemma-2's soft-capping of the logits, ``softcap * tanh(logits / softcap)``."""
 
-    def __init__(self, rope: bool = False, by_multiply: bool = False, width: int = 64) -> None:
+    def __init__(
+        self,
+        rope: bool = False,
+        by_multiply: bool = False,
+        width: int = 64,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
+        self.softcap = softcap
         self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
         self.out, self.heads, self.rope, self.by_multiply = (
             nn.Linear(width, width),
@@ -170,6 +178,8 @@ class SinkAttention(nn.Module):
             scores = scores * (1 / math.sqrt(size))
         else:
             scores = scores / math.sqrt(size)
+        if self.softcap is not None:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
         weights = torch.softmax(scores, dim=-1)
         return self.out((weights @ v).transpose(1, 2).reshape(batch, length, width))
 
@@ -252,6 +262,12 @@ def models():
         (
             "attention sink, RoPE (q k^T ~2e5, logits ~2e4)",
             lambda: SinkAttention(rope=True, width=256),
+            _sink_input,
+            None,
+        ),
+        (
+            "attention sink, Gemma-2-style (RoPE, logits soft-capped at 50)",
+            lambda: SinkAttention(rope=True, by_multiply=True, width=256, softcap=50.0),
             _sink_input,
             None,
         ),
