@@ -43,7 +43,7 @@ def _relative_error(model, ep, x) -> float:
 
 def test_a_sum_over_a_dynamic_length_is_judged_at_its_bound():
     """Input: embedding -> sum over ``seq`` (Dim max 4096) -> linear, calibrated at 16
-    tokens (sums of ~640). Output: the sum judged at 4096 tokens (256x: ~1.1e5, past
+    tokens (sums up to ~410). Output: the sum judged at 4096 tokens (256x: ~1.1e5, past
     fp16's range) and carried at a power of two, so the cast holds at every length up
     to the bound (before: NaN at 4096, where fp32 is finite), still every FLOP 16-bit;
     the envelope names the length."""

@@ -2,7 +2,7 @@
 calibration saw it.
 
 A sum over a dynamic dimension grows with its length: a bag of embeddings calibrated at
-16 tokens holds 256x more at 4096, past fp16's range where calibration saw 640.
+16 tokens holds 256x more at 4096, past fp16's range where calibration saw ~410.
 Calibration runs at the sizes of its inputs; a decision that a value fits must hold at
 every size the program accepts. ``size_growth`` gives, per value, the factor by which
 its magnitude may exceed calibration's at the largest size of each dynamic dimension
