@@ -5,9 +5,11 @@ at least as far as the fp32 path where the small end allows."""
 import math
 
 import torch
+from test_scale_rules import DefaultEpsNorm
 
 import fx16
 from benchmarks.range import GrowingCnn, RawUnits
+from benchmarks.range_flows import PreNormResidual
 from fx16.analysis.scale_domains import scale_domains
 from fx16.policy.options import Fp16Options
 from helpers import check_program, export, fp64_reference, max_error, run
@@ -73,3 +75,27 @@ def test_a_domain_folding_nothing_keeps_the_least_k():
     assert door.k == max(1, math.ceil(math.log2(door.largest / limit)))
     assert "the least that fits" in door.bounded
     assert "centred" not in door.bounded
+
+
+def test_each_end_of_k_is_named_with_what_bounds_it():
+    """The report's words for the small end, whole: a bias folded keeps its largest in
+    fp16's normal range, a weight at least 2**-8; a domain that folds nothing (a door)
+    has no known small end."""
+
+    def bounded(model, x):
+        torch.manual_seed(0)
+        ep = fx16.cast_fp32_to_fp16(export(model().eval(), x))
+        return [domain for domain in scale_domains(ep.graph_module) if domain.bounded]
+
+    (biased,) = bounded(DefaultEpsNorm, torch.randn(4, 16))
+    assert biased.bounded.endswith(
+        "(the most at which p_a_bias's largest, 0.248, folded stays in fp16's normal range)"
+    )
+    (weighted,) = bounded(PreNormResidual, torch.randn(4, 16))
+    assert weighted.bounded.endswith(
+        "(the most at which p_embed_weight's largest, 0.25, folded stays at least 2**-8)"
+    )
+    (door,) = bounded(RawUnits, torch.rand(8, 16) * 1e6)
+    assert door.bounded == (
+        f"k = {door.k}, the least that fits (it folds no state tensor: its small end is not known)"
+    )
