@@ -285,7 +285,7 @@ def test_property_the_scaled_fp32_program_is_the_same_function(case, input_scale
     value in fp32's subnormals scaled down to 0 and then multiplied by inf (a scalar of
     the menu's) gives nan for inf, so the plan may be taken back there (long-fuzz
     finding: exp of -93, then ``(x.double() * inf).float()``). Every folded tensor stays
-    inside the limit (``_check_centred_folds``)."""
+    inside the limit (``_check_folds_inside_the_limit``)."""
     from fx16.passes.scale_domains import REVERTED, same_outputs
 
     ep = case.export()
@@ -299,10 +299,10 @@ def test_property_the_scaled_fp32_program_is_the_same_function(case, input_scale
     with torch.no_grad():
         outputs = [list(torch.utils._pytree.tree_leaves(ep.module()(*args)))]
     assert same_outputs(reference, outputs)
-    _check_centred_folds(ep, before)
+    _check_folds_inside_the_limit(ep, before)
 
 
-def _check_centred_folds(ep, before: dict) -> None:
+def _check_folds_inside_the_limit(ep, before: dict) -> None:
     """What every fold promises of the tensor it scales: its largest magnitude inside the
     limit (fp16's largest over the margin) unless it lay past it already. (A bias may be
     folded below fp16's normal range where the least k that fits needs it: the product

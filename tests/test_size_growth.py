@@ -6,6 +6,9 @@ import copy
 import re
 
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.export import Dim
 
@@ -112,3 +115,20 @@ def test_a_value_judged_at_a_bound_says_so_in_its_row():
     fx16.cast_fp32_to_fp16(ep)
     grown = [row for row in report_of(ep).rows if "judged at ids.shape[1] at 4096" in row.detail]
     assert grown and all(re.search(r"observed \d", row.detail) for row in grown)
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(st.integers(2, 64), st.sampled_from([256, 1024, 4096]))
+def test_property_a_sum_is_judged_at_its_bound_for_any_calibrated_length(calibrated, bound):
+    """Calibrated at any length up to 64, a bag of embeddings with any bound: the sum is
+    judged at bound / calibrated times what was seen, and the cast holds at the bound."""
+    torch.manual_seed(0)
+    model = BagOfEmbeddings().eval()
+    ids = torch.randint(0, 100, (2, calibrated), generator=torch.Generator().manual_seed(bound))
+    ep = _export(model, ids, Dim("seq", min=2, max=bound))
+    fx16.cast_fp32_to_fp16(ep)
+    check_program(ep)
+    factor, _, _ = node_named(ep, "sum_1").meta[meta.SIZE_GROWTH]
+    assert factor == bound / calibrated
+    longest = torch.randint(0, 100, (2, bound), generator=torch.Generator().manual_seed(1))
+    assert _relative_error(model, ep, longest) < 4 * 2.0**-11

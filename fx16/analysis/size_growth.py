@@ -30,7 +30,8 @@ import sympy
 import torch
 from torch.fx import Node
 
-from fx16.ops.kinds import ATTENTION_OPS, EXPONENTIAL_GROWTH_OPS, SCALE_BOUNDED_OPS
+from fx16.ops.kinds import ATTENTION_OPS, EXPONENTIAL_GROWTH_OPS, SCALE_BOUNDED_OPS, op_name
+from fx16.ops.numeric_tables import SOFTMAX_OPS
 from fx16.program.nodes import node_val, tensor_leaves
 
 # The length a dynamic dimension is judged at where nothing bounds it.
@@ -43,7 +44,6 @@ _BOUNDED = frozenset(
     {"mean", "reciprocal", "rsqrt", "sigmoid", "tanh", "sign", "cos", "sin", "erf"}
     | {"eq", "ne", "lt", "le", "gt", "ge", "argmax", "argmin", "isnan", "isinf"}
 )
-_SOFTMAX = frozenset({"softmax", "_softmax", "_safe_softmax"})
 _PASS_THROUGH = frozenset({"view", "reshape", "_to_copy", "to", "clone", "contiguous", "expand"})
 
 
@@ -94,11 +94,11 @@ def _growth(node: Node, growth: dict, seen: CalibratedSizes) -> tuple[float, str
     val = node_val(node)
     if not any(leaf.is_floating_point() for leaf in tensor_leaves(val)):
         return 1.0, ""
-    name = getattr(node.target, "_opname", "")
+    name = op_name(node) or ""
     tensors = [arg for arg in node.args if isinstance(arg, Node)]
     own = [growth.get(arg, (1.0, "")) for arg in tensors]
     inputs = [growth.get(arg, (1.0, "")) for arg in node.all_input_nodes]
-    if name in SCALE_BOUNDED_OPS or name in _BOUNDED or name in _SOFTMAX:
+    if name in SCALE_BOUNDED_OPS or name in _BOUNDED or node.target in SOFTMAX_OPS:
         return 1.0, ""
     if name in ATTENTION_OPS:
         return own[2] if len(own) > 2 else _largest(inputs)
@@ -143,9 +143,9 @@ def _contracted(node: Node, seen: CalibratedSizes) -> tuple[float, str]:
 
 
 def _is_softmax(node) -> bool:
-    while isinstance(node, Node) and getattr(node.target, "_opname", "") in _PASS_THROUGH:
+    while isinstance(node, Node) and op_name(node) in _PASS_THROUGH:
         node = node.args[0]
-    return isinstance(node, Node) and getattr(node.target, "_opname", "") in _SOFTMAX
+    return isinstance(node, Node) and node.target in SOFTMAX_OPS
 
 
 def _length_growth(size, seen: CalibratedSizes) -> tuple[float, str]:
