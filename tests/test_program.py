@@ -237,9 +237,9 @@ def test_a_snapshot_restores_the_pending_conversions_it_saw():
     recorded before it are pending again, even after a commit in between."""
     ep = _tied_program()
     program = Program(ep)
-    program.narrow_state("hidden.weight", torch.float16)
+    program.store_state("hidden.weight", torch.float16)
     saved = program.snapshot()
-    program.narrow_state("hidden.bias", torch.float16)
+    program.store_state("hidden.bias", torch.float16)
     program.commit_state()
     assert program.state_tensor("hidden.bias").dtype == torch.float16
     saved.restore()

@@ -97,7 +97,7 @@ class CalibrationAnalysis(Analysis):
         with torch.no_grad():
             for index, (args, kwargs) in enumerate(calls):
                 try:
-                    inputs = self.program.graph_inputs(args, kwargs, copy_buffers=True)
+                    inputs = self.program.graph_inputs(args, kwargs, copy_buffers=True, widen=False)
                     outputs.append(pytree.tree_leaves(recorder.run(*inputs)))
                 except Exception as error:
                     return self.failed(graph_module, index, error)

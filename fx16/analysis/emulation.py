@@ -26,7 +26,7 @@ from fx16.analysis.replay import replay_reconverges
 from fx16.ops.kinds import OpKind, op_kind
 from fx16.ops.numerics import INF_LIKE, largest
 from fx16.program import Program
-from fx16.program.interpreter import BodyInterpreter, last_uses
+from fx16.program.interpreter import BodyInterpreter, LeanInterpreter, last_uses
 from fx16.program.nodes import mutated_argument
 from fx16.program.stats import outputs_error
 from fx16.program.subgraphs import nested_graph_modules
@@ -44,11 +44,11 @@ class _Emulator(BodyInterpreter):
         narrowed = self.emulation.narrowed_reads.get(node)
         if not narrowed:
             return super().fetch_args_kwargs_from_env(node)
-        env, rounded = self.env, self.emulation.rounded
+        read, rounded = self.read, self.emulation.rounded
 
         def value_of(value: Node):
             dtype = narrowed.get(value)
-            return rounded(value, env[value], dtype) if dtype is not None else env[value]
+            return rounded(value, read(value), dtype) if dtype is not None else read(value)
 
         return map_arg(node.args, value_of), map_arg(node.kwargs, value_of)
 
@@ -156,14 +156,17 @@ class Emulation:
         if self._reference is None:
             with torch.no_grad():
                 self._reference = [
-                    pytree.tree_leaves(self.program.graph_module(*self.graph_inputs(call)))
+                    pytree.tree_leaves(
+                        LeanInterpreter(self.program.graph_module).run(*self.graph_inputs(call))
+                    )
                     for call in self.calls
                 ]
         return self._reference
 
     def graph_inputs(self, call: tuple[tuple, dict]) -> list:
-        """Each run starts from the buffers' values (a program may update them in place)."""
-        return self.program.graph_inputs(*call, copy_buffers=True)
+        """Each run starts from the buffers' values (a program may update them in place);
+        a tensor pending widening is handed as stored, widened as each run reads it."""
+        return self.program.graph_inputs(*call, copy_buffers=True, widen=False)
 
     def error(self, wide: set[Node]) -> float:
         """The largest output error, over the calls, of a run that keeps ``wide`` in fp32."""

@@ -24,6 +24,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from fx16.analysis.facts import Facts
+from fx16.program.interpreter import widened_dtype
 from fx16.program.nodes import mutated_argument
 from fx16.program.subgraphs import AUTOCAST, SET_GRAD, attribute, bodies_and_operands
 
@@ -149,6 +150,8 @@ class _Replay:
             value = values[sources[0]]
         elif node.op == "placeholder":
             value = self.inputs[node]
+            widened = widened_dtype(node, value)
+            value = value if widened is None else value.to(widened)
         elif node.op == "get_attr":
             value = attribute(self.scope.module[node], node.target)
         else:

@@ -33,7 +33,7 @@ class ConvertParametersPass(PolicyPass):
     Writes: the converted tensors back into the program; their placeholders'
     ``meta["val"]``; ``meta["fx16.precision"]`` on every fp32 state placeholder.
     Inside a transaction (``Program.transaction``) plain tensors are only recorded
-    (``Program.narrow_state``) and converted by its commit step, once every stage has
+    (``Program.store_state``) and converted by its commit step, once every stage has
     decided; run on its own, the pass converts them before it returns.
 
     A tensor with a finite magnitude above 65504 stays fp32 (for bf16: above its maximum),
@@ -76,7 +76,7 @@ class ConvertParametersPass(PolicyPass):
         slots = []
         for slot in self.program.state_slots():
             tensor = self.program.state_tensor(slot.target)
-            if tensor is not None and tensor.dtype == torch.float32:
+            if tensor is not None and self.program.state_dtype(slot.target) == torch.float32:
                 slots.append((slot, tensor))
 
         def fit(placeholder, tensor):
@@ -126,7 +126,7 @@ class ConvertParametersPass(PolicyPass):
                     continue
                 rebuilt[id(tensor)] = self.program.replace_state_tensor(slot.target, stored)
             else:
-                self.program.narrow_state(slot.target, low, may_flush)
+                self.program.store_state(slot.target, low, may_flush)
             slot.placeholder.meta["val"] = val
             decide(slot.placeholder, low, Reason.FITS, detail=details[slot.target])
             modified = True

@@ -21,7 +21,6 @@ from fx16.program.casts import (
 )
 from fx16.program.cost import is_product
 from fx16.program.nodes import dtype_arguments, mutated_argument, node_val
-from fx16.program.snapshot import PENDING
 
 FP32, BF16 = torch.float32, torch.bfloat16
 BF16_LARGEST = float(torch.finfo(BF16).max)
@@ -98,7 +97,6 @@ class RangeFallbackPass(PassBase):
     def _store_state_in_bf16(self, graph_module: GraphModule) -> None:
         """Store in bf16 each fp32 state tensor read only through this pass's casts to
         bf16 (every name of a tied one), dropping those casts."""
-        pending = graph_module.meta.setdefault(PENDING, {})
         slots_of: dict[int, list] = {}
         for slot in self.program.state_slots():
             if self.program.state_dtype(slot.target) == FP32:
@@ -109,7 +107,8 @@ class RangeFallbackPass(PassBase):
                 continue
             for slot in slots:
                 placeholder = slot.placeholder
-                pending[slot.target] = (BF16, True)  # an fp32 subnormal may lie below bf16's
+                # an fp32 subnormal may lie below bf16's
+                self.program.store_state(slot.target, BF16, may_flush=True)
                 placeholder.meta["val"] = retype_val(placeholder.meta["val"], BF16)
                 made = decision_of(placeholder)
                 reason = made.reason if made is not None else Reason.READERS_FP32
@@ -118,9 +117,7 @@ class RangeFallbackPass(PassBase):
                 for cast in list(placeholder.users):
                     cast.replace_all_uses_with(placeholder)
                     graph_module.graph.erase_node(cast)
-        if not pending:
-            del graph_module.meta[PENDING]
-        elif not self.program.defers_state:
+        if not self.program.defers_state:
             self.program.commit_state()
 
 

@@ -28,7 +28,7 @@ class StoreAsReadPass(PassBase):
     stored once). Tensors already rebuilt (subclasses) and values that cross into a
     higher-order op's body are left as they are.
 
-    Reads: the pending state conversions (``Program.narrow_state``), the placeholders'
+    Reads: the pending state conversions (``Program.store_state``), the placeholders'
     users and ``meta["fx16.inserted"]``. Writes: the pending conversion dropped, the
     placeholder's ``meta["val"]`` and ``meta["fx16.precision"]`` (``readers_fp32``), the
     casts removed.
@@ -49,7 +49,7 @@ class StoreAsReadPass(PassBase):
             if not all(_read_only_through_fp32_casts(slot.placeholder) for slot in slots):
                 continue
             for slot in slots:
-                del pending[slot.target]
+                self.program.store_state(slot.target, FP32, may_flush=False)
                 placeholder = slot.placeholder
                 placeholder.meta["val"] = retype_val(placeholder.meta["val"], FP32)
                 decide(placeholder, FP32, Reason.READERS_FP32)

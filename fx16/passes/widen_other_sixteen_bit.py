@@ -12,7 +12,6 @@ from fx16.program.boundaries import Boundaries
 from fx16.program.casts import retype_val
 from fx16.program.cost import tensor_bytes
 from fx16.program.nodes import dtype_arguments, node_val, set_argument, tensor_leaves
-from fx16.program.state_commit import convert_state_tensors
 from fx16.program.subgraphs import AUTOCAST, bodies_and_operands, nested_graph_modules
 
 FP32 = torch.float32
@@ -80,9 +79,10 @@ class WidenOtherSixteenBitPass(PassBase):
     into fp32, are the model's and stay.
 
     Reads: the program's state tensors and signature, every node's ``meta["val"]``
-    (nested bodies too). Writes: those state tensors as fp32 copies (through
-    ``fx16.program.state_commit.convert_state_tensors``, inside the cast's
-    transaction: a tensor stored under several names stays one), those nodes'
+    (nested bodies too). Writes: those state tensors as fp32 (``Program.store_state``:
+    inside the cast's transaction, converted only at its commit, where the cast did not
+    narrow them again, so a bf16 checkpoint is stored fp16 tensor by tensor with no fp32
+    copy; until then runs widen each as they read it), those nodes'
     ``meta["val"]`` leaves of ``dtype`` as fp32, and their ``dtype`` arguments (the
     model's ``x.to(torch.bfloat16)``, a creation op's ``dtype=``, the metadata asserts
     that check them) as ``torch.float32``, and the recorded example inputs as the
@@ -98,9 +98,11 @@ class WidenOtherSixteenBitPass(PassBase):
         widened = made_in(self.program, self.dtype, boundaries)
         if not widened:
             return PassResult(graph_module, False)
-        targets = [s.target for s in self.program.state_slots() if s.placeholder in widened]
-        # once per tensor: tied weights (an embedding and its LM head) stay one tensor
-        convert_state_tensors(self.program, targets, lambda tensor: tensor.detach().to(FP32))
+        for slot in self.program.state_slots():
+            if slot.placeholder in widened:
+                self.program.store_state(slot.target, FP32, may_flush=False)
+        if not self.program.defers_state:
+            self.program.commit_state()
         for module in boundaries.graph_modules:
             for node in module.graph.nodes:
                 if node in widened or any(arg in widened for arg in node.all_input_nodes):

@@ -27,7 +27,7 @@ from torch.fx import GraphModule, Node
 from fx16.errors import Fx16Error, InvalidProgramError, PassFailedError
 from fx16.program.graph_repairs import register_missing_users, unshare_meta
 from fx16.program.snapshot import PENDING, Snapshot, collector_paused
-from fx16.program.state_commit import commit_pending
+from fx16.program.state_commit import commit_narrowing, commit_pending
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
@@ -158,16 +158,22 @@ class Program:
         ep._graph_signature = ExportGraphSignature(specs, ep.graph_signature.output_specs)
         return placeholder
 
-    def narrow_state(self, target: str, dtype: torch.dtype, may_flush: bool = True) -> None:
-        """Decide that the plain fp32 tensor under ``target`` is stored in ``dtype``.
+    def store_state(self, target: str, dtype: torch.dtype, may_flush: bool = True) -> None:
+        """Decide the dtype the tensor under ``target`` is stored in: narrowed (fp32 to
+        16-bit) or widened (a bf16 checkpoint's tensor that the graph now reads as fp32).
 
-        The conversion (``tensor_to_fp16``) happens in ``commit_state``: at the end of
-        the transaction when one is open, so that nothing is converted before every
-        decision is made and the fp32 original is freed as soon as it is replaced.
-        ``may_flush=False``: the tensor's interval shows that no nonzero element can
-        flush to zero (``fx16.ops.numerics.interval_may_flush``): a plain copy, no check.
+        The conversion happens in ``commit_state``: at the end of the transaction when
+        one is open, so that nothing is converted before every decision is made and the
+        original is freed as soon as it is replaced. Until then a widened tensor stays
+        as stored (``graph_inputs``). ``may_flush=False``: the tensor's interval shows
+        that no nonzero element can flush to zero (``fx16.ops.numerics.interval_may_flush``):
+        a plain copy, no check. Storing a tensor in the dtype it has drops what was pending.
         """
-        self.graph_module.meta.setdefault(PENDING, {})[target] = (dtype, may_flush)
+        pending = self.graph_module.meta.setdefault(PENDING, {})
+        if self.state_tensor(target).dtype == dtype:
+            pending.pop(target, None)
+        else:
+            pending[target] = (dtype, may_flush)
 
     @property
     def defers_state(self) -> bool:
@@ -183,8 +189,8 @@ class Program:
         return tensor.dtype if tensor is not None else None
 
     def commit_state(self, progress: bool | None = False) -> None:
-        """Convert every state tensor ``narrow_state`` decided on (``fx16.program.state_commit``:
-        largest first, each fp32 tensor dropped as soon as its 16-bit copy replaces it;
+        """Convert every state tensor ``store_state`` decided on (``fx16.program.state_commit``:
+        largest first, each original dropped as soon as its converted copy replaces it;
         a tensor stored under several names stays shared). ``progress``: a progress bar
         of the bytes converted on stderr (None: when stderr is a terminal)."""
         pending = self.graph_module.meta.pop(PENDING, None)
@@ -255,27 +261,36 @@ class Program:
         if self.ep.example_inputs is not None:
             self.ep.example_inputs = self.adapt_call(*self.ep.example_inputs)
 
-    def graph_inputs(self, args: tuple, kwargs: dict | None = None, *, copy_buffers=False) -> list:
+    def graph_inputs(
+        self, args: tuple, kwargs: dict | None = None, *, copy_buffers=False, widen=True
+    ) -> list:
         """The graph module's positional inputs for a call with user ``args``/``kwargs``.
 
         State placeholders get the program's tensors and user placeholders the
         flattened user arguments, so the graph can run directly (much cheaper than
         ``ep.module()``, which unlifts the program first). ``copy_buffers`` hands
         copies of the buffers, so a graph that updates them in place changes no state.
-        Pending state conversions are committed first: the graph expects them.
+        Pending narrowings are committed first: the graph expects them. A tensor
+        ``store_state`` widens is handed widened, or with ``widen=False`` as stored, for
+        a ``LeanInterpreter``, which widens it at each read: no fp32 copy of a bf16
+        checkpoint is ever whole.
         """
-        self.commit_state()
+        widened = commit_narrowing(self, self.graph_module.meta)
         user_values = iter(pytree.tree_leaves((tuple(args), dict(kwargs or {}))))
         values = []
         for spec in self.ep.graph_signature.input_specs:
             if spec.kind == InputKind.USER_INPUT:
                 values.append(next(user_values))
-            elif spec.kind == InputKind.BUFFER and copy_buffers:
-                values.append(self.state_tensor(spec.target).clone())
-            elif spec.kind in _STATE_KINDS:
-                values.append(self.state_tensor(spec.target))
+                continue
+            if spec.kind in _STATE_KINDS:
+                tensor = self.state_tensor(spec.target)
             else:
-                values.append(self.ep.constants.get(spec.target))
+                tensor = self.ep.constants.get(spec.target)
+            if spec.target in widened and widen:
+                tensor = tensor.to(widened[spec.target])
+            elif spec.kind == InputKind.BUFFER and copy_buffers:
+                tensor = tensor.clone()
+            values.append(tensor)
         return values
 
     def run(self, args: tuple, kwargs: dict | None = None) -> list:
@@ -304,7 +319,7 @@ class Program:
     def transaction(self, progress: bool | None = False) -> Iterator[None]:
         """Run a block that rewrites the program; if it raises, put everything back.
 
-        Two phases. The block decides: passes rewrite the graph and ``narrow_state``
+        Two phases. The block decides: passes rewrite the graph and ``store_state``
         records which state tensors become 16-bit, converting nothing. Then the
         commit converts them (``commit_state``, with ``progress``), after the
         snapshot has let go of the fp32 originals, so that each is freed as soon as

@@ -37,6 +37,8 @@ class LeanInterpreter(Interpreter):
         super().__init__(module, garbage_collect_values and last_uses is None, graph)
         if garbage_collect_values and last_uses is not None:
             self.garbage_collect_values, self.user_to_last_uses = True, last_uses
+        # placeholders handed narrower than the graph reads them: the dtype it reads
+        self.widened: dict[Node, torch.dtype] = {}
 
     def run(self, *args, initial_env=None, enable_io_processing: bool = True) -> Any:
         self.env = env = {} if initial_env is None else initial_env
@@ -49,6 +51,8 @@ class LeanInterpreter(Interpreter):
                 continue
             try:
                 env[node] = self.run_node(node)
+                if node.op == "placeholder" and (dtype := widened_dtype(node, env[node])):
+                    self.widened[node] = dtype
             except Exception as error:
                 _name_the_node(error, node)
                 if isinstance(error, KeyError):
@@ -66,11 +70,33 @@ class LeanInterpreter(Interpreter):
         return getattr(self, node.op)(node.target, args, kwargs)
 
     def fetch_args_kwargs_from_env(self, node: Node) -> tuple[tuple, dict]:
-        value_of = self.env.__getitem__
+        value_of = self.read if self.widened else self.env.__getitem__
         return map_arg(node.args, value_of), map_arg(node.kwargs, value_of)
 
-    def call_function(self, target, args, kwargs) -> Any:
-        return target(*args, **kwargs)
+    def read(self, value: Node) -> Any:
+        """``value``'s value as the graph reads it: a placeholder handed narrower than its
+        metadata says (a bf16 checkpoint's weight, pending widening: ``Program.graph_inputs``
+        with ``widen=False``) is widened for this read only, so one weight at a time is
+        ever held in fp32."""
+        found = self.env[value]
+        dtype = self.widened.get(value)
+        return found if dtype is None else found.to(dtype)
+
+
+def widened_dtype(placeholder: Node, value: Any) -> torch.dtype | None:
+    """The dtype the graph reads ``placeholder`` in, where ``value`` is handed narrower
+    (a state tensor pending widening, ``Program.graph_inputs`` with ``widen=False``);
+    None where it is handed as read."""
+    val = placeholder.meta.get("val")
+    if (
+        isinstance(value, torch.Tensor)
+        and isinstance(val, torch.Tensor)
+        and value.is_floating_point()
+        and val.dtype.is_floating_point
+        and value.dtype.itemsize < val.dtype.itemsize
+    ):
+        return val.dtype
+    return None
 
 
 def last_uses(graph: torch.fx.Graph) -> dict[Node, list[Node]]:

@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from fx16.ops.numerics import conversion_scratch, tensor_to_fp16
+from fx16.program.snapshot import PENDING
 
 
 def convert_state_tensors(program, targets, convert) -> dict[str, torch.Tensor]:
@@ -29,12 +30,31 @@ def convert_state_tensors(program, targets, convert) -> dict[str, torch.Tensor]:
     return replaced
 
 
+def commit_narrowing(program, meta: dict) -> dict[str, torch.dtype]:
+    """Commit ``program``'s pending conversions (under its graph module's ``meta``)
+    except the widenings, which stay pending; returns those: target -> the dtype the
+    graph reads it in."""
+    pending = meta.pop(PENDING, None) or {}
+    widened = {
+        target: dtype for target, (dtype, _) in pending.items() if _widens(program, target, dtype)
+    }
+    if widened:
+        meta[PENDING] = {target: pending[target] for target in widened}
+    commit_pending(program, {t: p for t, p in pending.items() if t not in widened}, False)
+    return widened
+
+
+def _widens(program, target: str, dtype: torch.dtype) -> bool:
+    tensor = program.state_tensor(target)
+    return tensor is not None and tensor.element_size() < dtype.itemsize
+
+
 def commit_pending(
     program, pending: dict[str, tuple[torch.dtype, bool]], progress: bool | None
 ) -> None:
     """Store each tensor named in ``pending`` in the dtype it maps to (with whether a
-    nonzero element may flush: ``tensor_to_fp16``'s ``may_flush``), through
-    ``program`` (a ``fx16.program.Program``: its ``state_tensor`` and
+    nonzero element may flush: ``tensor_to_fp16``'s ``may_flush``; a widening is exact),
+    through ``program`` (a ``fx16.program.Program``: its ``state_tensor`` and
     ``replace_state_tensor``). ``progress``: a progress bar of the bytes converted on
     stderr (None: when stderr is a terminal)."""
     shared: dict[int, tuple[list[str], int]] = {}  # by tensor: its names, its bytes
@@ -55,10 +75,12 @@ def commit_pending(
         for names, nbytes in groups:
             original = program.state_tensor(names[0])
             dtype, may_flush = pending[names[0]]
-            if original.device not in scratches:
-                scratches[original.device] = conversion_scratch(device=original.device)
-            scratch = scratches[original.device]
-            stored = tensor_to_fp16(original, dtype, scratch, may_flush)
+            if original.dtype.itemsize < dtype.itemsize:
+                stored = original.detach().to(dtype)
+            else:
+                if original.device not in scratches:
+                    scratches[original.device] = conversion_scratch(device=original.device)
+                stored = tensor_to_fp16(original, dtype, scratches[original.device], may_flush)
             for target in names:
                 stored = program.replace_state_tensor(target, stored)
             bar.update(nbytes)

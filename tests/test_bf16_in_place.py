@@ -1,0 +1,177 @@
+"""A bf16 checkpoint cast to fp16 tensor by tensor: the widening to fp32 that lets the
+fp32 rules decide is a decision (``Program.store_state``), not a copy. Runs during the
+cast (calibration, emulation) widen each weight as they read it; the commit stores each
+bf16 tensor fp16 directly, or fp32 where the cast kept it so. These tests check that
+no fp32 copy of the weights is ever whole, and that the decisions and stored tensors
+are those of the fp32 cast of the same weights widened."""
+
+import copy
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fx16
+from fx16 import meta
+from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.decisions import decision_of
+from fx16.errors import PassFailedError
+from fx16.program import Program
+from fx16.program.interpreter import LeanInterpreter
+from fx16.program.snapshot import PENDING
+from helpers import check_program, export, fp64_reference, max_error, run
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+WIDTH, LAYERS = 128, 8
+
+
+class Stack(nn.Module):
+    """Equal linear layers (one ``WIDTH x WIDTH`` weight each) with RMSNorms, one layer's
+    weight scaled past fp16's range (~3e5): the cast must carry it at a scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS))
+        self.norms = nn.ModuleList(nn.RMSNorm(WIDTH) for _ in range(LAYERS))
+        with torch.no_grad():
+            self.layers[3].weight.mul_(3e6)
+
+    def forward(self, x):
+        for layer, norm in zip(self.layers, self.norms):
+            x = x + layer(norm(x))
+        return x
+
+
+def _bf16_model():
+    torch.manual_seed(0)
+    return Stack().eval().to(BF16), torch.randn(4, WIDTH)
+
+
+class _Fp32Held(TorchDispatchMode):
+    """The most bytes of fp32 storage held at once, looked at after every op: the
+    program's fp32 state tensors, and what ops made (not views) that is still alive."""
+
+    def __init__(self, ep) -> None:
+        super().__init__()
+        self.ep, self.made, self.peak = ep, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in torch.utils._pytree.tree_leaves(out):
+            if type(leaf) is torch.Tensor and leaf.dtype == FP32 and not leaf._is_view():
+                storage = leaf.untyped_storage()
+                self.made[storage.data_ptr()] = storage.nbytes()
+                weakref.finalize(leaf, self.made.pop, storage.data_ptr(), None)
+        held = dict(self.made)
+        for tensor in self.ep.state_dict.values():
+            if tensor.dtype == FP32:
+                held[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        self.peak = max(self.peak, sum(held.values()))
+        return out
+
+
+def test_a_bf16_cast_never_holds_an_fp32_copy_of_its_weights():
+    """The most fp32 bytes held at once during the cast of a bf16 program with eight
+    equal weights (its state, and every tensor an op made) is below three weights' fp32
+    copies: one weight widened for the op reading it, its emulated rounding, the
+    activations. Widening the program's state first, as the cast once did, held all
+    eight until the commit."""
+    model, x = _bf16_model()
+    one_weight = WIDTH * WIDTH * 4
+    ep = export(model, x)
+    held = _Fp32Held(ep)
+    with held:
+        fx16.cast_to_16_bit_precision(ep, calibration=[(x,)])
+    assert held.peak < 3 * one_weight, held.peak
+
+
+def test_a_bf16_cast_decides_and_stores_as_the_fp32_cast_of_its_weights_widened():
+    """The bf16 program and its weights widened to fp32 cast to the same program: every
+    node's decision and value dtype, every stored tensor bit for bit (the loud layer's
+    weight scaled into fp16's range in both), and outputs within fp16's bound of fp64."""
+    model, x = _bf16_model()
+    wide = copy.deepcopy(model).float()
+    cast = fx16.cast_to_16_bit_precision(export(model, x), calibration=[(x,)])
+    reference = fx16.cast_to_16_bit_precision(export(wide, x), calibration=[(x,)])
+    check_program(cast)
+    assert str(cast.graph) == str(reference.graph)
+    for node, other in zip(cast.graph.nodes, reference.graph.nodes):
+        assert decision_of(node) == decision_of(other), node.name
+    assert cast.state_dict.keys() == reference.state_dict.keys()
+    assert {t.dtype for name, t in cast.state_dict.items() if name.startswith("layers")} == {FP16}
+    for name, tensor in cast.state_dict.items():
+        assert tensor.dtype == reference.state_dict[name].dtype
+        assert torch.equal(tensor, reference.state_dict[name]), name
+    assert any(meta.range_scaled(node) for node in cast.graph.nodes) or any(
+        node.meta.get(meta.SCALE_EXPONENT) for node in cast.graph.nodes
+    )
+    assert max_error(fp64_reference(wide, x), run(cast, x)) < 16 * 2.0**-11
+
+
+def test_calibration_runs_the_bf16_weights_as_stored_widening_each_read():
+    """Inside the cast's transaction, after the widening: the state is still bf16 (each
+    tensor pending fp32), ``graph_inputs(widen=False)`` hands it as stored, and a
+    ``LeanInterpreter`` run widens each weight as an op reads it, computing what the
+    widened program computes; ``graph_inputs()`` hands it widened."""
+    model, x = _bf16_model()
+    ep = export(model, x)
+    program = Program.of(ep)
+    seen = {}
+
+    def calibrate(self, graph_module):
+        pending = graph_module.meta[PENDING]
+        seen["pending"] = {dtype for dtype, _ in pending.values()}
+        seen["stored"] = {t.dtype for t in ep.state_dict.values()}
+        lazy = program.graph_inputs((x,), widen=False)
+        seen["handed"] = {t.dtype for t in lazy[:-1]}
+        seen["lazy"] = LeanInterpreter(graph_module).run(*lazy)
+        seen["eager"] = graph_module(*program.graph_inputs((x,)))
+        raise RuntimeError("stop here")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CalibrationAnalysis, "call", calibrate)
+        with pytest.raises(PassFailedError):
+            fx16.cast_to_16_bit_precision(ep, calibration=[(x,)])
+    assert seen["pending"] == {FP32} and seen["stored"] == seen["handed"] == {BF16}
+    assert torch.equal(seen["lazy"][0], seen["eager"][0])
+    with torch.no_grad():
+        assert torch.equal(seen["eager"][0], copy.deepcopy(model).float()(x))
+
+
+def test_a_failed_cast_leaves_the_bf16_state_as_it_was():
+    """A stage failing after the widening: the program's state is the same bf16 tensor
+    objects, none pending, and the program runs as before."""
+    model, x = _bf16_model()
+    ep = export(model, x)
+    before = dict(ep.state_dict)
+    expected = ep.module()(x.to(BF16))
+
+    def fail(self, graph_module):
+        raise RuntimeError("a stage fails")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(CalibrationAnalysis, "call", fail)
+        with pytest.raises(PassFailedError):
+            fx16.cast_to_16_bit_precision(ep, calibration=[(x,)])
+    assert all(ep.state_dict[name] is tensor for name, tensor in before.items())
+    assert PENDING not in ep.graph_module.meta
+    assert torch.equal(ep.module()(x.to(BF16)), expected)
+
+
+def test_weights_the_cast_keeps_fp32_are_widened_at_the_commit():
+    """``force_fp32`` on one layer's product in a bf16 program: that layer's weights
+    are stored fp32 (widened exactly from bf16 at the commit, then folded by the
+    stream's scale), the other layers' fp16, each tensor as the fp32 cast of the same
+    weights widened stores it."""
+    model, x = _bf16_model()
+    options = dict(calibration=[(x,)], force_fp32=["linear_5"])
+    cast = fx16.cast_to_16_bit_precision(export(model, x), **options)
+    wide = copy.deepcopy(model).float()
+    reference = fx16.cast_to_16_bit_precision(export(wide, x), **options)
+    check_program(cast)
+    for name, tensor in cast.state_dict.items():
+        if name.startswith("layers."):
+            assert tensor.dtype == (FP32 if name.startswith("layers.5.") else FP16), name
+        assert torch.equal(tensor, reference.state_dict[name]), name
