@@ -1,0 +1,140 @@
+"""Scale domains on state as trained models hold it: buffers fitted to raw data that a
+value is divided by, one norm module read at two places, an embedding tied to the LM
+head. Each test checks the plan applied whole and exact (the scaled fp32 program
+computes the model's outputs bit for bit), where the scale went (folded into state, or a
+runtime multiply), that tied names still share one tensor, and the cast against fp64."""
+
+import torch
+from torch import nn
+
+import fx16
+from fx16 import meta
+from fx16.analysis.scale_domains import scale_domains
+from fx16.passes.scale_domains import REVERTED
+from fx16.program.stats import program_stats
+from helpers import check_program, export, fp64_reference, max_error, run, scale_only
+
+UNIT = 2.0**-11
+
+
+def _scaled(model, *args):
+    """The model exported and scaled in fp32; asserts the plan applied whole and exact."""
+    ep = export(model, *args)
+    scale_only(ep)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    with torch.no_grad():
+        assert torch.equal(model(*args), ep.module()(*args))
+    return ep
+
+
+def _multiplies(ep) -> list[str]:
+    """The runtime multiplies the plan added."""
+    return [node.name for node in ep.graph.nodes if meta.range_scaled(node)]
+
+
+def _cast(model, *args):
+    cast = fx16.cast_fp32_to_fp16(export(model, *args))
+    check_program(cast)
+    assert program_stats(cast).flop_share_16bit == 1.0
+    return cast
+
+
+class Standardise(nn.Module):
+    """Raw readings (~1e6) standardised by buffers fitted to them, ``(x - mean) / std``
+    (std ~1e5, past fp16's range too), then a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", 1e6 + 1e4 * torch.randn(8))
+        self.register_buffer("std", 1e5 * (1 + torch.rand(8)))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head((x - self.mean) / self.std)
+
+
+def test_a_division_by_a_fitted_buffer_takes_the_numerators_scale_in_the_buffer():
+    """Input graph: x (~1e6) - mean (~1e6) -> / std (~1e5) -> linear. Output: x scaled at
+    the door by 2**-k, mean and std folded by 2**-k (std's own domain, at a smaller k, is
+    moved to the numerator's: the quotient is unscaled with no runtime multiply)."""
+    torch.manual_seed(0)
+    model = Standardise().eval()
+    x = model.mean + model.std * torch.randn(16, 8)
+    ep = _scaled(model, x)
+    numerator = next(d for d in scale_domains(ep.graph_module) if "b_mean" in d.folded)
+    assert numerator.doors == ("x",)
+    for name in ("mean", "std"):
+        assert torch.equal(ep.state_dict[name], getattr(model, name) * 2.0**-numerator.k)
+    assert _multiplies(ep) == ["mul_tensor"]  # the door's, nothing after the quotient
+    cast = _cast(model, x)
+    # x - mean cancels ~10x (mean / std): that many units of fp16's rounding
+    assert max_error(fp64_reference(model, x), run(cast, x)) < 16 * UNIT
+
+
+class SharedNorm(nn.Module):
+    """One LayerNorm module (trained weight and bias) read at two places: on a linear
+    past fp16's range (~1e5) and on one in range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 4)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+            self.norm.weight.add_(0.1 * torch.randn(16))
+            self.norm.bias.add_(0.1 * torch.randn(16))
+
+    def forward(self, x):
+        return self.head(self.norm(self.a(x)) + self.norm(self.b(x)))
+
+
+def test_a_norm_read_at_two_places_is_not_folded_and_its_loud_input_takes_the_eps():
+    """Output: the loud linear's domain folds into its own weight and bias; the shared
+    norm's weight and bias are stored as they were (the in-range reader sees them
+    unscaled), the loud reader's eps is scaled by 2**-2k, the other's is not."""
+    torch.manual_seed(0)
+    model, x = SharedNorm().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert set(domain.folded) == {"p_a_weight", "p_a_bias"}
+    for name in ("norm.weight", "norm.bias", "b.weight"):
+        assert torch.equal(ep.state_dict[name], model.state_dict()[name])
+    eps = {node.name: node.args[4] for node in ep.graph.nodes if "layer_norm" in node.name}
+    assert eps == {"layer_norm": 1e-5 * 2.0 ** (-2 * domain.k), "layer_norm_1": 1e-5}
+    assert not _multiplies(ep)
+    cast = _cast(model, x)
+    assert max_error(fp64_reference(model, x), run(cast, x)) < 8 * UNIT
+
+
+class TiedLm(nn.Module):
+    """An embedding tied to the LM head, a residual branch past fp16's range (~1e6)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.up = nn.Embedding(32, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+        with torch.no_grad():
+            self.up.weight.mul_(1e5)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        return self.head(h + self.up(h))
+
+
+def test_a_tied_embedding_in_a_domain_is_folded_once_under_both_names():
+    """Output: the tied tensor is folded by 2**-k once (the embedding reads it folded,
+    so the stream starts at 2**-k; the head reads it folded too: the logits are carried
+    at 2**-2k and unscaled at the output), and both names share one tensor after the
+    scale and after the cast."""
+    torch.manual_seed(0)
+    model, ids = TiedLm().eval(), torch.randint(0, 32, (2, 5))
+    ep = _scaled(model, ids)
+    (domain,) = scale_domains(ep.graph_module)
+    assert "p_head_weight" in domain.folded and "embedding" in domain.values
+    state = ep.state_dict
+    assert state["embed.weight"] is state["head.weight"]
+    assert torch.equal(state["head.weight"], model.head.weight * 2.0**-domain.k)
+    cast = _cast(model, ids)
+    assert cast.state_dict["embed.weight"].data_ptr() == cast.state_dict["head.weight"].data_ptr()
+    assert max_error(fp64_reference(model, ids), run(cast, ids)) < 8 * UNIT
