@@ -62,11 +62,11 @@ class _Recorder(LeanInterpreter):
         if views:
             args = map_arg(
                 node.args,
-                lambda source: views.get(source) if source in views else self.read(source),
+                lambda source: views.get(source, self.env[source]),
             )
             kwargs = map_arg(
                 node.kwargs,
-                lambda source: views.get(source) if source in views else self.read(source),
+                lambda source: views.get(source, self.env[source]),
             )
         return args, kwargs
 

@@ -27,6 +27,7 @@ from fx16.ops.kinds import OpKind, op_kind
 from fx16.ops.numerics import INF_LIKE, largest
 from fx16.program import Program
 from fx16.program.interpreter import BodyInterpreter, LeanInterpreter, last_uses
+from fx16.program.narrow_reads import NarrowRead, whole
 from fx16.program.nodes import mutated_argument
 from fx16.program.stats import outputs_error
 from fx16.program.subgraphs import nested_graph_modules
@@ -44,7 +45,7 @@ class _Emulator(BodyInterpreter):
         narrowed = self.emulation.narrowed_reads.get(node)
         if not narrowed:
             return super().fetch_args_kwargs_from_env(node)
-        read, rounded = self.read, self.emulation.rounded
+        read, rounded = self.reader_of(node), self.emulation.rounded
 
         def value_of(value: Node):
             dtype = narrowed.get(value)
@@ -63,7 +64,10 @@ class _Emulator(BodyInterpreter):
 
 def _rounded(value, low: torch.dtype, may_hold_sentinels: bool):
     """``value`` with its fp32 tensors rounded to ``low``; an infinity-like sentinel
-    saturates to ``low``'s maximum, as fx16 makes it."""
+    saturates to ``low``'s maximum, as fx16 makes it. A weight read by blocks is rounded
+    as each block is read."""
+    if isinstance(value, NarrowRead):
+        return value.then(lambda tensor: _rounded_tensor(tensor, low, may_hold_sentinels))
     if isinstance(value, torch.Tensor):
         return _rounded_tensor(value, low, may_hold_sentinels)
     if isinstance(value, (list, tuple)):
@@ -207,6 +211,7 @@ class Emulation:
         float results back in fp32."""
 
         def narrowed(value):
+            value = whole(value)
             if value is torch.float32:
                 return self.low
             if isinstance(value, torch.Tensor) and value.dtype == torch.float32:

@@ -24,6 +24,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from fx16.analysis.facts import Facts
+from fx16.program import narrow_reads
 from fx16.program.interpreter import widened_dtype
 from fx16.program.nodes import mutated_argument
 from fx16.program.subgraphs import AUTOCAST, SET_GRAD, attribute, bodies_and_operands
@@ -149,14 +150,19 @@ class _Replay:
         if sources:
             value = values[sources[0]]
         elif node.op == "placeholder":
-            value = self.inputs[node]
-            widened = widened_dtype(node, value)
-            value = value if widened is None else value.to(widened)
+            value = self.inputs[node]  # as handed: narrower where the graph widens it
         elif node.op == "get_attr":
             value = attribute(self.scope.module[node], node.target)
         else:
-            args, kwargs = map_arg((node.args, node.kwargs), values.__getitem__)
-            value = node.target(*args, **kwargs)
+            by_blocks = node.target in narrow_reads.READERS
+
+            def read(arg: Node):
+                found = values[arg]
+                dtype = widened_dtype(arg, found) if arg.op == "placeholder" else None
+                return narrow_reads.as_read(found, dtype, by_blocks)
+
+            args, kwargs = map_arg((node.args, node.kwargs), read)
+            value = narrow_reads.call(node.target, args, kwargs)
         return self.emulation.rounded(node, value) if rounds else value
 
 

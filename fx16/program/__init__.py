@@ -5,9 +5,7 @@ This module is the only code that reads or writes an ExportedProgram's
 ``Program`` in their constructor and touch program state only through it.
 """
 
-import contextlib
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,16 +22,13 @@ from torch.export.graph_signature import (
 )
 from torch.fx import GraphModule, Node
 
-from fx16.errors import Fx16Error, InvalidProgramError, PassFailedError
+from fx16.errors import InvalidProgramError
 from fx16.program.graph_repairs import register_missing_users, unshare_meta
-from fx16.program.snapshot import PENDING, Snapshot, collector_paused
+from fx16.program.snapshot import PENDING, Snapshot
 from fx16.program.state_commit import commit_narrowing, commit_pending
+from fx16.program.transactions import DEFERRING, transaction
 
 _STATE_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
-
-# graph_module.meta key: whether a transaction defers converting state to its commit
-# (the state decided on but not converted yet is under fx16.program.snapshot.PENDING).
-_DEFERRING = "fx16.defers_state"
 
 
 @dataclass(frozen=True)
@@ -178,7 +173,7 @@ class Program:
     @property
     def defers_state(self) -> bool:
         """Whether state conversions wait for the open transaction's commit."""
-        return bool(self.graph_module.meta.get(_DEFERRING))
+        return bool(self.graph_module.meta.get(DEFERRING))
 
     def state_dtype(self, target: str) -> torch.dtype | None:
         """The dtype ``target`` is stored in once pending conversions are committed."""
@@ -315,47 +310,7 @@ class Program:
         """Everything a cast changes, saved so that ``Snapshot.restore()`` can put it back."""
         return Snapshot(self)
 
-    @contextlib.contextmanager
-    def transaction(self, progress: bool | None = False) -> Iterator[None]:
-        """Run a block that rewrites the program; if it raises, put everything back.
-
-        Two phases. The block decides: passes rewrite the graph and ``store_state``
-        records which state tensors become 16-bit, converting nothing. Then the
-        commit converts them (``commit_state``, with ``progress``), after the
-        snapshot has let go of the fp32 originals, so that each is freed as soon as
-        it is replaced. No fp32 copy is held for the sake of restoring: a failure in
-        the block finds the state untouched; the commit can only fail for want of
-        memory, and it converts the largest tensor first, so when fx16 holds the only
-        references every later conversion finds more memory free than the first did,
-        and when the caller holds them they are still alive to be put back.
-
-        On failure, restores what ``snapshot`` saves, then raises the error as an
-        ``Fx16Error`` (a ``PassFailedError`` naming the stage when it was not one
-        already). The cyclic garbage collector waits until the block ends: the passes
-        create many small objects, and each collection they trigger walks every node
-        of the graph again (on a 20,000-node graph, pausing it cut the cast's time by a
-        fifth).
-        """
-        meta = self.graph_module.meta
-        if meta.get(_DEFERRING):  # nested: the outer transaction commits
-            yield
-            return
-        saved, error = self.snapshot(), None
-        meta[_DEFERRING] = True
-        try:
-            with collector_paused():
-                yield
-                saved.release_state()
-                self.commit_state(progress)
-        except BaseException as raised:
-            error = raised
-            saved.restore()
-        finally:
-            meta.pop(_DEFERRING, None)
-        if error is None:
-            return
-        if isinstance(error, PassFailedError) and not error.restored:  # now it is
-            raise PassFailedError(error.stage, error.__cause__) from error.__cause__
-        if isinstance(error, Fx16Error) or not isinstance(error, Exception):
-            raise error
-        raise PassFailedError("commit" if saved.released else "unknown", error) from error
+    def transaction(self, progress: bool | None = False):
+        """Run a block that rewrites the program; if it raises, put everything back
+        (``fx16.program.transactions.transaction``)."""
+        return transaction(self, progress)

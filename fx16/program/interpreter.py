@@ -1,6 +1,6 @@
 """Interpreters for analyses that look at every value: calibration, emulation, the budget."""
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
@@ -8,6 +8,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 
+from fx16.program import narrow_reads
 from fx16.program.subgraphs import AUTOCAST, COND, INVOKE_SUBGRAPH, MAP, SET_GRAD, WHILE_LOOP
 
 
@@ -70,17 +71,25 @@ class LeanInterpreter(Interpreter):
         return getattr(self, node.op)(node.target, args, kwargs)
 
     def fetch_args_kwargs_from_env(self, node: Node) -> tuple[tuple, dict]:
-        value_of = self.read if self.widened else self.env.__getitem__
+        value_of = self.reader_of(node)
         return map_arg(node.args, value_of), map_arg(node.kwargs, value_of)
 
-    def read(self, value: Node) -> Any:
-        """``value``'s value as the graph reads it: a placeholder handed narrower than its
-        metadata says (a bf16 checkpoint's weight, pending widening: ``Program.graph_inputs``
-        with ``widen=False``) is widened for this read only, so one weight at a time is
-        ever held in fp32."""
-        found = self.env[value]
-        dtype = self.widened.get(value)
-        return found if dtype is None else found.to(dtype)
+    def reader_of(self, node: Node) -> Callable[[Node], Any]:
+        """How ``node`` reads a value: from the env; a placeholder handed narrower than
+        its metadata says (a bf16 checkpoint's weight, pending widening:
+        ``Program.graph_inputs`` with ``widen=False``) widened for this read only, or
+        for an op that reads it by blocks, as a ``fx16.program.narrow_reads.NarrowRead``:
+        no whole fp32 copy of a weight is made."""
+        if not self.widened:
+            return self.env.__getitem__
+        env, widened = self.env, self.widened
+        by_blocks = node.target in narrow_reads.READERS
+        return lambda value: narrow_reads.as_read(env[value], widened.get(value), by_blocks)
+
+    def call_function(self, target, args, kwargs) -> Any:
+        if self.widened and target in narrow_reads.READERS:
+            return narrow_reads.call(target, args, kwargs)
+        return target(*args, **kwargs)
 
 
 def widened_dtype(placeholder: Node, value: Any) -> torch.dtype | None:
