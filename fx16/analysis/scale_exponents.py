@@ -19,11 +19,12 @@ from fx16.analysis.scale_plan import (
     ScalePlan,
     StateTensors,
     argument,
+    base_power,
     first_layer_input_weights,
     float_operands,
+    floors_by_one,
     holds_in_fp32,
     largest_operand,
-    log2_exact,
     node_leaves,
     numbers_by_keyword,
     only_feeds_powers,
@@ -255,21 +256,13 @@ class _Walk(PlanMoves):
         return self.opaque(node)
 
     def floor(self, node: Node, rule: ScaleRule) -> int:
-        x = node.args[0]
-        floor_by_one = node.kwargs.get("rounding_mode") == "floor" and node.args[1:2] in (
-            (1,),
-            (1.0,),
-        )
-        if x in self.shifts and (len(node.args) == 1 or floor_by_one):
-            self.shifts[node] = self.shifts[x]
+        if node.args[0] in self.shifts and floors_by_one(node):
+            self.shifts[node] = self.shifts[node.args[0]]
             return 0
         return self.opaque(node)
 
     def power_of_base(self, node: Node, rule: ScaleRule) -> int:
-        base, exponent = node.args[:2]
-        if exponent not in self.shifts:
-            return self.opaque(node)
-        power = log2_exact(Fraction(base) if is_number(base) and base > 0 else None)
-        if power is None:
+        power, exponent = base_power(node), node.args[1]
+        if exponent not in self.shifts or power is None:
             return self.opaque(node)
         return power * self.shifts[exponent]

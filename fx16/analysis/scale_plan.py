@@ -86,12 +86,27 @@ def only_feeds_powers(node: Node) -> bool:
     argument comes back out of the power."""
     for user in node.users:
         kind = rule_of(user).kind if user.op == "call_function" else None
-        if kind is Kind.FLOOR and user.args[0] is node:
+        if kind is Kind.FLOOR and user.args[0] is node and floors_by_one(user):
             if not only_feeds_powers(user):
                 return False
-        elif not (kind is Kind.POWER_OF_BASE and user.args[1] is node):
+        elif not (
+            kind is Kind.POWER_OF_BASE and user.args[1] is node and base_power(user) is not None
+        ):
             return False
     return True
+
+
+def floors_by_one(node: Node) -> bool:
+    """``node`` (an op of kind FLOOR) is ``floor(x)`` or ``x // 1``: an integer shift of
+    x comes through it whole."""
+    floor_division = node.kwargs.get("rounding_mode") == "floor"
+    return len(node.args) == 1 or floor_division and node.args[1:2] in ((1,), (1.0,))
+
+
+def base_power(node: Node) -> int | None:
+    """b where ``node`` (an op of kind POWER_OF_BASE) is ``pow(2**b, .)``, else None."""
+    base = node.args[0]
+    return log2_exact(Fraction(base) if is_number(base) and base > 0 else None)
 
 
 def largest_operand(operands: list[Node]) -> Node | None:

@@ -1,0 +1,132 @@
+"""Scale domains through the other ways a program reads a scaled value's exponent or
+rounds it: ``2 ** floor(log2 x)`` written with a floor division, a power of another base,
+an exponent that is not the scaled value's, a log read as a feature, a quantizing
+floor; and a bidirectional RNN whose two directions' weights sit at different
+exponents. Each plan must apply whole and compute the model's outputs bit for bit (the
+pass takes back a plan whose outputs move: a wrong rule shows as a plan taken back or a
+crash), and where a rule moves the scale for free, no runtime multiply may appear."""
+
+import pytest
+import torch
+from torch import nn
+
+from fx16 import meta
+from fx16.analysis.scale_domains import scale_domains
+from fx16.passes.scale_domains import REVERTED
+from helpers import export, scale_only
+
+
+def _scaled(model, *args):
+    ep = export(model, *args)
+    scale_only(ep)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    assert scale_domains(ep.graph_module)
+    with torch.no_grad():
+        assert torch.equal(model(*args), ep.module()(*args))
+    return ep
+
+
+def _multiplies(ep) -> list[str]:
+    return [node.name for node in ep.graph.nodes if meta.range_scaled(node)]
+
+
+def _exponent(ep, target) -> int:
+    (node,) = [n for n in ep.graph.nodes if n.target is target]
+    return meta.scale_exponent(node)
+
+
+class Loud(nn.Module):
+    """A linear past fp16's range (~1.5e5), then ``form``'s reading of it."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form, self.a = form, nn.Linear(16, 16)
+        self.register_buffer("steps", torch.arange(16.0) / 4)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.form == "quantized":
+            return torch.floor(h / 1000.0)
+        if self.form == "plain_power":  # an exponent of the program's own
+            return h * torch.pow(2.0, self.steps)
+        log = torch.log2(h.abs())
+        if self.form == "floor_division":  # floor(log2 |h|), as torch.div writes it
+            return h / torch.pow(2.0, torch.div(log, 1, rounding_mode="floor"))
+        if self.form == "halved":  # 2 ** floor(log2 |h| / 2): no shift by the scale
+            return h / torch.pow(2.0, torch.div(log, 2, rounding_mode="floor"))
+        if self.form == "base_three":
+            return h / torch.pow(3.0, torch.floor(log))
+        return torch.cat([h, log], dim=-1)  # "log_feature"
+
+
+def test_a_floor_division_by_one_keeps_the_exponents_shift():
+    """``2 ** (log2 |h| // 1)`` (``torch.div(..., 1, rounding_mode="floor")``) with h at
+    2**-k: the floor division keeps log2's shift by k, so the power is carried at 2**-k
+    like h and the quotient is unscaled: no runtime multiply anywhere."""
+    torch.manual_seed(0)
+    model, x = Loud("floor_division").eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert _exponent(ep, torch.ops.aten.pow.Scalar) == -domain.k
+    assert not _multiplies(ep)
+
+
+def test_a_quantizing_floor_reads_the_quotient_its_divisor_unscaled():
+    """``floor(h / 1000)`` with h at 2**-k: the scale moves into the divisor (1000 *
+    2**-k), so the floor reads the quotient as it was, with no runtime multiply."""
+    torch.manual_seed(0)
+    model, x = Loud("quantized").eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    (div,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.div.Tensor]
+    assert div.args[1] == 1000.0 * 2.0**-domain.k
+    assert not _multiplies(ep)
+
+
+@pytest.mark.parametrize("form", ["halved", "base_three", "log_feature", "plain_power"])
+def test_an_op_that_reads_a_scaled_value_otherwise_reads_it_unscaled(form):
+    """A floor division by 2 of the log (not a shift by k), a power of 3 (not a power of
+    two), the log read as a feature, a power of two of an exponent the program holds:
+    each reads its operand unscaled (a runtime multiply takes the scale back first),
+    and the program computes what it did. (Once, the log of a value read by a floor
+    division by 2, or by a power of 3, was taken for a shift: the plan moved the
+    outputs and was taken back.)"""
+    torch.manual_seed(0)
+    model, x = Loud(form).eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    assert _multiplies(ep)
+
+
+class LiftedForwardOnly(nn.Module):
+    """Raw readings (~1e5) read by a bidirectional RNN whose forward input weights are
+    below fp16's normal range (~3e-6: lifted by a power of two) and whose reverse ones
+    are not: the directions sit at different exponents."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.RNN(4, 8, batch_first=True, bidirectional=True)
+        with torch.no_grad():
+            self.rnn.weight_ih_l0.mul_(1e-5)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+def test_an_rnns_directions_at_different_exponents_read_their_weights_unscaled():
+    """The forward direction's input weights (lifted by 2**19 in a domain of their own)
+    cannot share the reverse one's exponent: the lift is undone for the RNN, and the
+    door's scale on the readings (2**-3) folds into both directions' input weights
+    alike; the program computes what it did."""
+    torch.manual_seed(0)
+    model, x = LiftedForwardOnly().eval(), 1e5 * torch.randn(2, 5, 4)
+    ep = export(model, x)
+    scale_only(ep)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    with torch.no_grad():
+        assert torch.equal(model(x), ep.module()(x))
+    (rnn,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.rnn_tanh.input]
+    forward, reverse = rnn.args[2][0], rnn.args[2][4]  # each direction's input weights
+    (door,) = [d for d in scale_domains(ep.graph_module) if d.doors == ("x",)]
+    assert meta.scale_exponent(forward) == meta.scale_exponent(reverse) == door.k
