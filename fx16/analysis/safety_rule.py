@@ -1,6 +1,7 @@
 """What a safety rule is (``SafetyRule``) and what it may read beyond its node
 (``RuleContext``): the shape every rule of ``Fp32RulesAnalysis`` has."""
 
+import functools
 import math
 from typing import Protocol
 
@@ -8,6 +9,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fx16.decisions import Reason
+from fx16.program.nodes import mutated_argument
 
 
 class RuleContext:
@@ -17,6 +19,23 @@ class RuleContext:
 
     def __init__(self, program, graph_module: GraphModule) -> None:
         self.program, self.graph_module = program, graph_module
+
+    @functools.cached_property
+    def writes(self) -> list[tuple[Node, Node]]:
+        """Each op of the graph that writes an argument in place, with that argument
+        (found once: a rule asked of every state tensor reads it for each)."""
+        found = []
+        for node in self.graph_module.graph.nodes:
+            written = mutated_argument(node) if node.op == "call_function" else None
+            if written is not None:
+                found.append((node, written))
+        return found
+
+    @functools.cached_property
+    def state_slots(self) -> dict:
+        """The program's state slots by placeholder (empty without a program)."""
+        slots = self.program.state_slots() if self.program is not None else []
+        return {slot.placeholder: slot for slot in slots}
 
     @staticmethod
     def largest(size) -> int | None:

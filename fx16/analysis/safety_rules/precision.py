@@ -16,7 +16,7 @@ from fx16.decisions import Reason
 from fx16.ops.kinds import DATA_MOVEMENT_OPS, packets
 from fx16.ops.tables import CAST_OPS
 from fx16.program.aliases import alias_group
-from fx16.program.nodes import is_float_tensor, mutated_argument, node_val
+from fx16.program.nodes import is_float_tensor, node_val
 
 
 @dataclass(frozen=True)
@@ -71,11 +71,10 @@ def accumulated_by(placeholder: Node, context: RuleContext) -> str | None:
     of it) in place, or the value the program's signature writes back to its buffer.
     None where nothing accumulates into it."""
     group = alias_group([placeholder])
-    for node in context.graph_module.graph.nodes:
-        if node.op == "call_function" and mutated_argument(node) in group:
-            if _accumulates(node, group):
-                return node.name
-    slot = next((s for s in context.program.state_slots() if s.placeholder is placeholder), None)
+    for node, written in context.writes:
+        if written in group and _accumulates(node, group):
+            return node.name
+    slot = context.state_slots.get(placeholder)
     if slot is None or context.graph_module is not context.program.graph_module:
         return None
     written = context.program.ep.graph_signature.buffers_to_mutate
