@@ -130,3 +130,42 @@ def test_an_rnns_directions_at_different_exponents_read_their_weights_unscaled()
     forward, reverse = rnn.args[2][0], rnn.args[2][4]  # each direction's input weights
     (door,) = [d for d in scale_domains(ep.graph_module) if d.doors == ("x",)]
     assert meta.scale_exponent(forward) == meta.scale_exponent(reverse) == door.k
+
+
+class TinyGru(nn.Module):
+    """A GRU whose ``which`` weights are in fp16's subnormal band (~3.5e-5, as input
+    weights trained for raw units are)."""
+
+    def __init__(self, which: str) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(4, 8, batch_first=True)
+        with torch.no_grad():
+            getattr(self.rnn, which).mul_(1e-4)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+def test_input_weights_in_the_subnormal_band_are_lifted_with_the_readings_lowered():
+    """Readings in fp16's range (~1e3) read by input weights of ~3.5e-5: the weights are
+    lifted by 2**15 into the normal range, and the readings brought down by 2**-15 in a
+    new multiply at the input (their largest stays above 2**-8), so x W is unchanged."""
+    torch.manual_seed(0)
+    model, x = TinyGru("weight_ih_l0").eval(), 1e3 * torch.randn(2, 5, 4)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert domain.k == -15 and domain.folded == ("p_rnn_weight_ih_l0",)
+    assert torch.equal(ep.state_dict["rnn.weight_ih_l0"], model.rnn.weight_ih_l0 * 2.0**15)
+    (door,) = [n for n in ep.graph.nodes if meta.range_scaled(n)]
+    assert door.args == (ep.graph.find_nodes(op="placeholder")[-1], 2.0**-15)
+
+
+def test_tiny_recurrent_weights_other_than_the_input_ones_start_no_domain():
+    """Hidden-to-hidden weights of ~3.5e-5: the scale rule of an RNN moves only its
+    first layer's input weights, so they start no domain and are stored as they were."""
+    torch.manual_seed(0)
+    model, x = TinyGru("weight_hh_l0").eval(), torch.randn(2, 5, 4)
+    ep = export(model, x)
+    scale_only(ep)
+    assert not scale_domains(ep.graph_module) and not _multiplies(ep)
+    assert torch.equal(ep.state_dict["rnn.weight_hh_l0"], model.rnn.weight_hh_l0)

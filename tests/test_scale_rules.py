@@ -227,7 +227,9 @@ def test_an_lstm_whose_reverse_weights_take_no_fold_takes_the_scale_in_none():
     model, x = ScaledIntoBidirectionalLstm(reverse_gain=3e4).eval(), torch.randn(2, 5, 8)
     ep = _scaled(model, x)
     lstm = _node(ep, "lstm")
-    assert meta.range_scaled(lstm.args[0]) and meta.scale_exponent(lstm.args[0]) == 0
+    (domain,) = scale_domains(ep.graph_module)
+    why = f"x 2**{domain.k}: undoes a domain's scale for its reader"
+    assert meta.range_scaled(lstm.args[0]) == why and meta.scale_exponent(lstm.args[0]) == 0
     for name in ("weight_ih_l0", "weight_ih_l0_reverse"):
         assert torch.equal(ep.state_dict[f"rnn.{name}"], getattr(model.rnn, name)), name
 
@@ -320,7 +322,9 @@ def test_a_plan_taken_back_restores_the_program_exactly(monkeypatch, build):
     monkeypatch.setattr(scale_pass, "same_outputs", lambda reference, outputs: False)
     result = scale_pass.ScaleDomainsPass(program)(ep.graph_module)
     assert result is not None and result.graph_module is ep.graph_module and not result.modified
-    assert ep.graph_module.meta[REVERTED]
+    assert (
+        ep.graph_module.meta[REVERTED] == "the scaled program's fp32 outputs moved on calibration"
+    )
     assert not scale_domains(ep.graph_module)
     assert str(ep.graph) == graph
     assert all(torch.equal(ep.state_dict[name], tensor) for name, tensor in state.items())

@@ -1,6 +1,7 @@
 """Scale domains on state as trained models hold it: buffers fitted to raw data that a
 value is divided by, one norm module read at two places, an embedding tied to the LM
-head. Each test checks the plan applied whole and exact (the scaled fp32 program
+head, a bias of zeros; and a program with a domain in its graph and one in a cond's
+branch. Each test checks the plan applied whole and exact (the scaled fp32 program
 computes the model's outputs bit for bit), where the scale went (folded into state, or a
 runtime multiply), that tied names still share one tensor, and the cast against fp64."""
 
@@ -138,3 +139,62 @@ def test_a_tied_embedding_in_a_domain_is_folded_once_under_both_names():
     cast = _cast(model, ids)
     assert cast.state_dict["embed.weight"].data_ptr() == cast.state_dict["head.weight"].data_ptr()
     assert max_error(fp64_reference(model, ids), run(cast, ids)) < 8 * UNIT
+
+
+class ZeroBias(nn.Module):
+    """A linear past fp16's range (~1e5) whose bias is all zeros (as initialised and
+    as many trained biases stay), then a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+            self.a.bias.zero_()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_a_zero_bias_in_a_domain_is_folded_and_sets_no_small_end():
+    """The zero bias joins the loud linear's domain (folded: still zeros); a tensor of
+    zeros has no magnitude to lift, so the domain's k is set by the weight alone."""
+    torch.manual_seed(0)
+    model, x = ZeroBias().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert {"p_a_weight", "p_a_bias"} <= set(domain.folded) and domain.k > 0
+    assert torch.equal(ep.state_dict["a.bias"], torch.zeros(16))
+    assert max_error(fp64_reference(model, x), run(_cast(model, x), x)) < 8 * UNIT
+
+
+class LoudOutsideAndInACond(nn.Module):
+    """A loud linear (~1e5) before a cond whose true branch grows a residual stream
+    past fp16's range: a domain in the program's graph and one in the branch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from benchmarks.range_flows import ResidualInACond
+
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.branches = ResidualInACond()
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x, flag):
+        return self.branches(self.b(self.a(x)) * 1e-5, flag)
+
+
+def test_domains_of_the_program_and_of_a_body_are_all_listed():
+    """``scale_domains`` lists the program graph's domain and the branch's."""
+    torch.manual_seed(0)
+    model, x, flag = LoudOutsideAndInACond().eval(), torch.randn(4, 16), torch.ones(1)
+    ep = export(model, x, flag)
+    scale_only(ep)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    domains = scale_domains(ep.graph_module)
+    assert len(domains) == 2
+    assert any("p_a_weight" in d.folded for d in domains)
+    assert any("p_branches_stream_embed_weight" in d.folded for d in domains)
+    with torch.no_grad():
+        assert torch.equal(model(x, flag), ep.module()(x, flag))
