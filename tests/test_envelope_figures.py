@@ -75,16 +75,18 @@ def test_property_larger_inputs_hold_to_the_stated_factor_and_no_further():
         check_outputs(original, ep, _scaled(case, 0.9 * found.headroom))
         checked.append(True)
         name, factor = found.headroom_node, 1.1 * found.headroom
+        # the watch runs the program's own graph: a value named inside a body (a
+        # while_loop's, or a cast fx16 put there) is checked at 0.9x only
         at_one = _largest(original, case.args, name) if _named(original, name) else None
-        beyond = _largest(ep, _scaled(case, factor), name)
         unscaled = _largest(original, _scaled(case, factor), name) if at_one else None
         grows = (
             at_one
             and unscaled
             and abs(unscaled / (at_one * factor**found.headroom_degree) - 1) < 1e-2
         )
-        if grows:
+        if grows and _named(ep, name):
             tight.append(True)
+            beyond = _largest(ep, _scaled(case, factor), name)
             assert beyond > FP16_LARGEST, (name, found.headroom, beyond)
 
     check()

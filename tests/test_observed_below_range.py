@@ -129,3 +129,35 @@ def test_a_stable_rewrites_harmless_term_below_the_range_is_not_kept(said, kept)
     node.meta.update({"val": torch.zeros(2), meta.OBSERVED_MAX_ABS: 1e-6, **said})
     found = ObservedBelowRangeRule(FP16).applies(node, RuleContext(None, None))
     assert (found is not None) is kept, found
+
+
+class TinyBatchNorm(nn.Module):
+    """A BatchNorm whose running variance was fitted to inputs of ~1e5 (1e10), read on
+    inputs of ~1: its outputs (~1e-5) lie below fp16's normal range, its input and
+    weights do not; then a scale back up. Exported decomposed, the norm is one op with
+    three results."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        with torch.no_grad():
+            self.norm.running_var.fill_(1e10)
+            self.norm.bias.zero_()
+
+    def forward(self, x):
+        return self.norm(x.abs()) * 1e5
+
+
+def test_an_op_with_several_results_is_judged_by_the_result_read():
+    """The decomposed norm's first result holds at most ~3e-5: the op computes in fp32,
+    its reason naming the result (the tuple's largest magnitude, its statistics', once
+    hid it: the result computed in fp16, subnormal)."""
+    torch.manual_seed(0)
+    model, x = TinyBatchNorm().eval(), torch.randn(8, 4)
+    ep = fx16.cast_fp32_to_fp16(export(model, x, decompose=True))
+    check_program(ep)
+    (norm,) = [n for n in ep.graph.nodes if "batch_norm" in str(n.target)]
+    made = decision_of(norm)
+    assert made.dtype == torch.float32 and made.reason == Reason.ACTIVATION_BELOW_RANGE
+    assert made.detail.startswith("getitem observed at most")
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 8 * 2.0**-11

@@ -2,6 +2,7 @@
 values that would flush to zero where an op is singular.
 ``fx16.analysis.fp32_rules`` runs them in order."""
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -72,10 +73,20 @@ class ObservedBelowRangeRule:
     reason = Reason.ACTIVATION_BELOW_RANGE
 
     def applies(self, node: Node, context: RuleContext) -> str | None:
-        if node.op != "call_function" or not is_float_tensor(node.meta.get("val")):
+        if node.op != "call_function" or meta.negligible(node) or meta.rounding_cancels(node):
+            return None  # (negligible: a stable rewrite's term whose loss it proved harmless)
+        if isinstance(node.meta.get("val"), (tuple, list)):  # judged by each result read
+            for user in node.users:
+                found = self._below(user) if user.target is operator.getitem else None
+                if found is not None:
+                    return f"{user.name} {found}"
             return None
-        if meta.negligible(node) or meta.rounding_cancels(node):
-            return None  # a stable rewrite's term whose loss it proved harmless
+        return self._below(node)
+
+    def _below(self, node: Node) -> str | None:
+        """Why ``node``'s value is below the normal range where nothing absorbs it."""
+        if not is_float_tensor(node.meta.get("val")):
+            return None
         largest = meta.observed_max_abs(node)
         if largest is None or not interval_below_normal((-largest, largest), self.low):
             return None
