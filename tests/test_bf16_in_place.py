@@ -175,3 +175,34 @@ def test_weights_the_cast_keeps_fp32_are_widened_at_the_commit():
         if name.startswith("layers."):
             assert tensor.dtype == (FP32 if name.startswith("layers.5.") else FP16), name
         assert torch.equal(tensor, reference.state_dict[name]), name
+
+
+def test_a_commit_failing_without_the_callers_tensors_leaves_a_runnable_bf16_program(
+    monkeypatch,
+):
+    """The program holding the only references, the commit runs out of memory on its
+    second tensor: a bf16 original already freed comes back bf16 from its fp16 copy
+    (exact for the values it holds), so every stored dtype is as before and the program
+    runs on bf16 inputs."""
+    import gc
+
+    import fx16.program.state_commit
+
+    model, x = _bf16_model()
+    ep = export(model, x)
+    del model
+    gc.collect()
+    convert, calls = fx16.program.state_commit.tensor_to_fp16, []
+
+    def fails_second(tensor, *conversion):
+        calls.append(tensor.dtype)
+        if len(calls) == 2:
+            raise MemoryError("no room for the fp16 copy")
+        return convert(tensor, *conversion)
+
+    monkeypatch.setattr(fx16.program.state_commit, "tensor_to_fp16", fails_second)
+    with pytest.raises(PassFailedError, match="commit"):
+        fx16.cast_to_16_bit_precision(ep, calibration=[(x,)])
+    assert calls == [BF16, BF16]  # converted from bf16 directly
+    assert {t.dtype for t in ep.state_dict.values()} == {BF16}
+    assert ep.module()(x.to(BF16)).dtype == BF16

@@ -31,19 +31,27 @@ def _copied_meta(meta: dict) -> dict:
     return {key: dict(value) if key == PENDING else value for key, value in meta.items()}
 
 
+class _Released:
+    """A saved state tensor held by weak reference, with the dtype it had."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.ref, self.dtype = weakref.ref(tensor), tensor.dtype
+
+
 def _weak(value):
-    return weakref.ref(value) if isinstance(value, torch.Tensor) else value
+    return _Released(value) if isinstance(value, torch.Tensor) else value
 
 
 def _strong(saved, current):
-    """A saved state entry, dereferenced; a freed tensor comes back widened from the
-    16-bit tensor now in its place."""
-    if not isinstance(saved, weakref.ref):
+    """A saved state entry, dereferenced; a freed tensor comes back in its own dtype
+    from the tensor now in its place (an fp32 or bf16 original from its 16-bit copy:
+    exact for the values it holds)."""
+    if not isinstance(saved, _Released):
         return saved
-    original = saved()
+    original = saved.ref()
     if original is not None:
         return original
-    widened = current.detach().float()
+    widened = current.detach().to(saved.dtype)
     return (
         torch.nn.Parameter(widened, current.requires_grad)
         if isinstance(current, torch.nn.Parameter)
