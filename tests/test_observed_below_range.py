@@ -18,7 +18,7 @@ from fx16.analysis.safety_rules.range import TENSOR_SUMS
 from fx16.decisions import Reason, decision_of
 from fx16.ops.numerics import interval_below_normal
 from fx16.policy import PrecisionPolicy
-from fx16.program.casts import is_cast
+from fx16.program.casts import is_cast, is_inserted
 from fx16.testing import programs
 from fx16.testing.checks import check_cast
 from helpers import check_program, export, fp64_reference, max_error, run
@@ -42,10 +42,19 @@ def _below_range(node) -> float | None:
         return None
     if meta.rounding_cancels(node):
         return None
-    absorbed = node.users and all(
-        u.target in TENSOR_SUMS and _in_normal_range(u) for u in node.users
-    )
+    readers = list(_readers(node))
+    absorbed = readers and all(u.target in TENSOR_SUMS and _in_normal_range(u) for u in readers)
     return None if absorbed else largest
+
+
+def _readers(node):
+    """What reads ``node``'s value, through the casts fx16 inserted (the rule judged
+    the program before them)."""
+    for user in node.users:
+        if is_cast(user) and is_inserted(user):
+            yield from _readers(user)
+        else:
+            yield user
 
 
 @settings(max_examples=examples(12), deadline=None)
