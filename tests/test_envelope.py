@@ -287,3 +287,27 @@ def test_an_ill_conditioned_op_reading_a_16_bit_product_is_named_with_the_remedy
     error = [float((_outputs(ep, x).double() - expected).abs().max()) for ep in (default, forced)]
     assert error[1] < error[0] / 2  # the product's rounding was most of it
     assert error[0] <= 2 * envelope_.amplified * float(model.head.weight.abs().sum(1).max())
+
+
+class EnergyInAnFp32Region(nn.Module):
+    """A sum of squares computed inside ``torch.autocast(enabled=False)``, read after the
+    region (normalising x) and returned: it grows as the inputs squared."""
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            energy = x.float().pow(2).sum(-1, keepdim=True)
+        return x / (energy.sqrt() + 1e-3), energy.half()
+
+
+def test_a_value_out_of_an_autocast_region_grows_as_the_region_made_it():
+    """The region's sum of squares, read in 16-bit after it, bounds the inputs' growth
+    at (65504 / largest) ** (1/2): the figure follows the value out of the region's body
+    (the region's results were once taken to grow as nothing, and the figure was that of
+    x itself, 37,000 where 143 holds)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 8)
+    ep = fx16.cast_fp32_to_fp16(export(EnergyInAnFp32Region(), x))
+    found = report_of(ep).totals.envelope
+    largest = float(x.pow(2).sum(-1).max())
+    assert found.headroom_degree == 2.0
+    assert found.headroom == pytest.approx((65504 / largest) ** 0.5, rel=1e-3)

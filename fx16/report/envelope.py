@@ -42,7 +42,7 @@ from fx16.ops.numeric_tables import EXPONENTIAL_TAIL_OPS, SOFTMAX_OPS
 from fx16.ops.numerics import largest, smallest_normal
 from fx16.program import Program
 from fx16.program.boundaries import Boundaries
-from fx16.program.casts import is_cast, is_inserted
+from fx16.program.casts import is_cast
 from fx16.program.cost import is_product
 from fx16.program.nodes import node_val, tensor_leaves
 from fx16.program.subgraphs import nested_graph_modules
@@ -187,11 +187,11 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
 def _overflow_factor(node: Node, dtype, degrees: dict, decision) -> tuple[float, float] | None:
     """(how many times larger the program's float inputs may grow before the 16-bit
     ``node`` passes the 16-bit maximum, the power its values grow by) where calibration
-    observed it and it grows with them; None otherwise. A cast fx16 inserted to 16-bit
-    (a scaled input's at the door) holds what its source held; an exponential of a
+    observed it and it grows with them; None otherwise. A cast to 16-bit (fx16's, a
+    scaled input's at the door, or the model's own) holds what its source held; an exponential of a
     value growing as the inputs ** d overflows where its largest argument reaches
     log(maximum), at (log(maximum) / largest) ** (1 / d)."""
-    source = node.args[0] if is_inserted(node) and is_cast(node) else node
+    source = node.args[0] if is_cast(node) else node
     if source is node and decision is None:
         return None
     if meta.scaled(source) or meta.rounding_cancels(source):  # bounded for any input
@@ -289,13 +289,20 @@ def input_degrees(ep: ExportedProgram) -> dict[Node, float | None]:
     """How each value grows when the program's float user inputs grow: as their scale
     to this power (1 for a linear of an input, 2 for attention scores ``q kᵀ``, 0 for a
     weight, a norm's output, a softmax or what token ids select; None where it grows
-    faster than any power, an exponential of them). Bodies read their operands'."""
+    faster than any power, an exponential of them). Bodies read their operands', and
+    what reads a body's results reads its outputs': the graphs are walked again until
+    nothing changes (a body is walked after the graph holding its op, so its results
+    reach that graph on the next walk; at most one walk more per graph)."""
     boundaries = Boundaries(ep.graph_module)
     program_inputs = {node.name for node in Program.of(ep).user_input_placeholders()}
     degrees: dict[Node, float | None] = {}
-    for module in boundaries.graph_modules:
-        for node in module.graph.nodes:
-            degrees[node] = _degree(node, degrees, boundaries, program_inputs, module)
+    for _ in boundaries.graph_modules:
+        before = dict(degrees)
+        for module in boundaries.graph_modules:
+            for node in module.graph.nodes:
+                degrees[node] = _degree(node, degrees, boundaries, program_inputs, module)
+        if degrees == before:
+            break
     return degrees
 
 
