@@ -2,8 +2,13 @@
 computes what it computes on the tensor widened whole, without the whole fp32 copy:
 a product by blocks of its weight through one reused buffer, an embedding by its rows."""
 
+from unittest import mock
+
 import pytest
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fx16.program import narrow_reads
@@ -92,3 +97,32 @@ def test_any_other_op_reads_it_widened_whole():
     )
     assert narrow_reads.as_read(weight, None, True) is weight
     assert narrow_reads.as_read(weight, FP32, False).dtype == FP32
+
+
+@settings(max_examples=examples(20), deadline=None)
+@given(
+    op=st.sampled_from([aten.linear.default, aten.mm.default, aten.matmul.default]),
+    rows=st.integers(1, 97),
+    columns=st.integers(1, 61),
+    block=st.integers(8, 400),
+    rounded=st.booleans(),
+)
+def test_property_a_product_by_blocks_is_the_product_on_the_weight_widened(
+    op, rows, columns, block, rounded
+):
+    """Any weight shape and block size (a block smaller than a row included), read
+    widened or through an emulation's rounding: the product by blocks matches the one on
+    the whole tensor read the same way, to fp32's rounding, and no fp32 tensor of the
+    weight's size is made where the weight spans more than a block."""
+    torch.manual_seed(rows * 1000 + columns)
+    weight = (0.05 * torch.randn(rows, columns)).to(BF16)
+    x = torch.randn(3, columns if op is aten.linear.default else rows)
+    transform = (lambda t: t.half().float()) if rounded else (lambda t: t)
+    expected = op(x, transform(weight.float()))
+    read = NarrowRead(weight, FP32).then(transform)
+    tracker = _LargestFp32()
+    with mock.patch.object(narrow_reads, "BLOCK", block), tracker:
+        got = narrow_reads.call(op, (x, read), {})
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    if weight.numel() > 2 * block + rows + columns:
+        assert tracker.largest < weight.numel()

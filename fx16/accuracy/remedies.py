@@ -60,14 +60,8 @@ class _Recorder(LeanInterpreter):
             if is_float_tensor(value) and value.requires_grad:
                 views[source] = self.edges[(source.name, node.name)] = value.view_as(value)
         if views:
-            args = map_arg(
-                node.args,
-                lambda source: views.get(source, self.env[source]),
-            )
-            kwargs = map_arg(
-                node.kwargs,
-                lambda source: views.get(source, self.env[source]),
-            )
+            args = map_arg(node.args, lambda source: views.get(source, self.env[source]))
+            kwargs = map_arg(node.kwargs, lambda source: views.get(source, self.env[source]))
         return args, kwargs
 
 

@@ -46,7 +46,7 @@ def commit_narrowing(program, meta: dict) -> dict[str, torch.dtype]:
 
 def _widens(program, target: str, dtype: torch.dtype) -> bool:
     tensor = program.state_tensor(target)
-    return tensor is not None and tensor.element_size() < dtype.itemsize
+    return tensor is not None and tensor.dtype.itemsize < dtype.itemsize
 
 
 def commit_pending(
