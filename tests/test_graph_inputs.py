@@ -103,3 +103,49 @@ def test_every_input_row_of_the_report_says_which_rule_chose():
     rows = {row.node: row for row in report_of(forced).rows}
     assert rows["p_layers_1_weight"].chosen_by == "stored_as_read"  # every reader is fp32
     assert all(row.chosen_by for row in rows.values())
+
+
+def test_an_input_an_earlier_cast_kept_fp32_stays_so_with_its_decision():
+    """A norm over two elements that cancel: the first cast keeps it fp32 with the values
+    it reads (the conditioning finding's chain: weight, bias, x). Cast again, the verdict
+    check measures a program whose output the first cast already rounds to fp16 and
+    finds fp32 changes nothing; the norm keeps its earlier decision, and so must what it
+    reads: before, the weight and bias were stored fp16 and read by the fp32 norm
+    directly (the program failed: "mixed dtype (CPU)")."""
+    from fx16.testing.random_programs import RandomProgram
+
+    torch.manual_seed(0)
+    model = RandomProgram(2, [("layer_norm", 0, 0, 1e-9)], []).eval()
+    x = torch.tensor([[1.4587, 1.8898], [-0.1599, 0.4862], [0.7101, -1.1112]])
+    ids = torch.tensor([[12, 8], [14, 14], [12, 1]])
+    ep = torch.export.export(model, (x, ids))
+    fx16.cast_to_16_bit_precision(ep, policy="always_fp16")
+    once = {name: t.dtype for name, t in ep.state_dict.items()}
+    inputs_once = [n.meta["val"].dtype for n in ep.graph.find_nodes(op="placeholder")]
+    first = {row.node: row for row in report_of(ep).rows}
+    assert first["p_norm_weight"].dtype == "float32"
+    expected = ep.module()(x, ids)[0]
+    fx16.cast_to_16_bit_precision(ep, policy="always_fp16")
+    assert {name: t.dtype for name, t in ep.state_dict.items()} == once
+    assert [n.meta["val"].dtype for n in ep.graph.find_nodes(op="placeholder")] == inputs_once
+    rows = {row.node: row for row in report_of(ep).rows}
+    for name in ("p_norm_weight", "p_norm_bias", "x"):
+        assert (rows[name].dtype, rows[name].reason) == ("float32", first[name].reason)
+        assert rows[name].chosen_by == "decided_earlier"
+    assert torch.equal(ep.module()(x, ids)[0], expected)
+
+
+def test_an_earlier_fp32_decision_is_chosen_before_the_values_are_read():
+    node = _placeholder()
+    node.meta["fx16.precision"] = Decision(torch.float32, Reason.ILL_CONDITIONED, "feeds n")
+    view = _view(node)
+    view._fit = None  # asked for, it would raise: the earlier decision chooses first
+    for rules in (STATE_RULES, USER_INPUT_RULES):
+        choice = choose(rules, view)
+        assert (choice.action, choice.rule) == (Action.FP32, "decided_earlier")
+        assert (choice.reason, choice.detail) == (Reason.ILL_CONDITIONED, "feeds n")
+    node.meta["fx16.precision"] = Decision(torch.float16, Reason.FITS)
+    assert (
+        choose(USER_INPUT_RULES, InputView(node, PrecisionPolicy.default(), LIMIT, None)).rule
+        == "fits"
+    )

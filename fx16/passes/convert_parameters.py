@@ -52,8 +52,9 @@ class ConvertParametersPass(PolicyPass):
     in ``force_fp32``, or that a safety rule keeps in fp32 (``meta["fx16.fp32_rule"]``:
     a buffer such as a rotary ``inv_freq`` feeding an ill-conditioned sin), stay fp32.
 
-    A tensor an earlier cast stored fp32 because every reader computes in fp32
-    (``readers_fp32``, ``StoreAsReadPass``) stays so: a second cast finds what the first did.
+    A tensor an earlier cast kept fp32 (a rule, or ``readers_fp32``: ``StoreAsReadPass``)
+    stays so, with that decision: the ops reading it keep theirs, so a second cast finds
+    what the first did.
 
     A tensor subclass of dtype fp32 (torchao's ``Int8Tensor``) is rebuilt with its fp32
     inner tensors (scales) in 16-bit and its quantized data untouched, where the
@@ -104,9 +105,8 @@ class ConvertParametersPass(PolicyPass):
             if choice.action == Action.LOW:
                 narrowing.append((slot, tensor))
                 details[slot.target] = choice.detail  # a folded bias says so
-            elif choice.action == Action.FP32:
+            else:
                 decide(slot.placeholder, torch.float32, choice.reason, detail=choice.detail)
-            # Action.KEEP: stored fp32 by an earlier cast, as before
         boundaries = Facts.of(graph_module).boundaries
         product_operands = {}  # tensor id -> whether every name is read only by products
         for slot, tensor in narrowing:

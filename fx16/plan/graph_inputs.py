@@ -10,6 +10,7 @@ state tensor whether its values fit 16-bit. Writes: nothing.
 
 from collections.abc import Callable
 
+import torch
 from torch.fx import Node
 
 from fx16 import meta
@@ -52,12 +53,15 @@ def _safety_rule(view: InputView) -> Choice | None:
     return Choice(Action.FP32, rule.reason, rule.detail) if rule is not None else None
 
 
-def _stored_as_read(view: InputView) -> Choice | None:
-    """An earlier cast stored it fp32 because every reader computes fp32
-    (``StoreAsReadPass``): a second cast finds what the first did."""
+def _decided_earlier(view: InputView) -> Choice | None:
+    """An earlier cast kept it fp32 (a safety rule then, its readers all computing in
+    fp32, ``StoreAsReadPass``): the ops that read it were decided then too, and keep
+    those decisions (an fp32 norm reads its weight as it is), so a second cast finds
+    what the first did, even where a rule now judges otherwise (the verdict check
+    measures a program whose outputs the first cast already rounded)."""
     earlier = view.node.meta.get(PRECISION)
-    if earlier is not None and earlier.reason is Reason.READERS_FP32:
-        return Choice(Action.KEEP, Reason.READERS_FP32, earlier.detail)
+    if earlier is not None and earlier.dtype == torch.float32:
+        return Choice(Action.FP32, earlier.reason, earlier.detail)
     return None
 
 
@@ -121,7 +125,7 @@ def _fits(view: InputView) -> Choice:
 
 STATE_RULES = (
     Rule("safety_rule", _safety_rule),
-    Rule("stored_as_read", _stored_as_read),
+    Rule("decided_earlier", _decided_earlier),
     Rule("policy_fp32", _policy_fp32),
     Rule("value_overflow", _value_overflow),
     Rule("value_below_range", _value_below_range),
@@ -130,6 +134,7 @@ STATE_RULES = (
 
 USER_INPUT_RULES = (
     Rule("safety_rule", _safety_rule),
+    Rule("decided_earlier", _decided_earlier),
     Rule("observed_overflow", _observed_overflow),
     Rule("policy_fp32", _policy_fp32),
     Rule("keep_io", _keep_io),
