@@ -160,6 +160,82 @@ def test_input_weights_in_the_subnormal_band_are_lifted_with_the_readings_lowere
     assert door.args == (ep.graph.find_nodes(op="placeholder")[-1], 2.0**-15)
 
 
+class TinyGruReads(nn.Module):
+    """A GRU whose input weights are in fp16's subnormal band (~3.5e-5), reading
+    ``form``: the user input alone ("door"), a value computed from it ("computed"),
+    the input that another op reads too ("shared"), or a buffer ("buffer")."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form, self.rnn = form, nn.GRU(4, 8, batch_first=True)
+        self.register_buffer("seq", 1e3 * torch.randn(2, 5, 4))
+        with torch.no_grad():
+            self.rnn.weight_ih_l0.mul_(1e-4)
+
+    def forward(self, x):
+        if self.form == "computed":
+            return self.rnn(x.abs())[0]
+        if self.form == "shared":
+            return self.rnn(x)[0], x.sum()
+        if self.form == "buffer":
+            return self.rnn(self.seq)[0] + x.sum()
+        return self.rnn(x)[0]
+
+
+def _no_domain(model, x):
+    ep = export(model, x)
+    scale_only(ep)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    assert not scale_domains(ep.graph_module) and not _multiplies(ep)
+    assert torch.equal(ep.state_dict["rnn.weight_ih_l0"], model.rnn.weight_ih_l0)
+    with torch.no_grad():
+        want, got = model(x), ep.module()(x)
+    pairs = zip(*(v if isinstance(v, tuple) else (v,) for v in (want, got)), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
+@pytest.mark.parametrize("form", ["computed", "shared", "buffer"])
+def test_lifted_input_weights_lower_only_a_door_the_rnn_alone_reads(form):
+    """The readings can be lowered by the weights' lift only at a door: a user input
+    the GRU alone reads. A value computed from it, an input another op reads too (it
+    would read it lowered) and a buffer (a state tensor, not a door) are not: the
+    lift is undone (the weights stored as they were), no multiply is planned, and the
+    program computes what it did."""
+    torch.manual_seed(0)
+    _no_domain(TinyGruReads(form).eval(), 1e3 * torch.randn(2, 5, 4))
+
+
+def test_a_door_is_lowered_while_its_largest_stays_at_the_smallest_folded_magnitude():
+    """Lowered by 2**-15, readings whose largest is exactly 2**7 reach 2**-8, the
+    smallest magnitude a fold may leave: lowered. Readings of ~1e-2 would reach
+    ~3e-7, below it: not lowered, and the lift undone."""
+    torch.manual_seed(0)
+    model, x = TinyGruReads("door").eval(), torch.randn(2, 5, 4)
+    x = x / x.abs().max() * 2.0**7
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert domain.k == -15 and _multiplies(ep) == ["mul_tensor"]
+    torch.manual_seed(0)
+    _no_domain(TinyGruReads("door").eval(), 1e-2 * torch.randn(2, 5, 4))
+
+
+def test_input_weights_near_the_range_fold_down_with_the_readings_raised_at_the_door():
+    """Input weights of 4e4 (past fp16's range with the margin) fold down by 2**-11 into
+    the middle of the range, and the readings are raised by 2**11 at the door; the
+    earlier, smaller raise the walk asked for (2**1) is not taken at the door, which
+    only ever lowers."""
+    torch.manual_seed(0)
+    model, x = TinyGruReads("door").eval(), torch.randn(2, 5, 4)
+    with torch.no_grad():
+        weight = model.rnn.weight_ih_l0
+        weight.mul_(4e4 / weight.abs().max())
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert domain.k == 11 and domain.folded == ("p_rnn_weight_ih_l0",)
+    (door,) = [n for n in ep.graph.nodes if meta.range_scaled(n)]
+    assert door.args == (ep.graph.find_nodes(op="placeholder")[-1], 2.0**11)
+
+
 def test_tiny_recurrent_weights_other_than_the_input_ones_start_no_domain():
     """Hidden-to-hidden weights of ~3.5e-5: the scale rule of an RNN moves only its
     first layer's input weights, so they start no domain and are stored as they were."""
