@@ -21,9 +21,16 @@ def _scaled(model, *args):
     scale_only(ep)
     assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
     assert scale_domains(ep.graph_module)
-    with torch.no_grad():
-        assert torch.equal(model(*args), ep.module()(*args))
+    _computes_as_before(model, ep, *args)
     return ep
+
+
+def _computes_as_before(model, ep, *args) -> None:
+    """The program's outputs equal the model's, bit for bit."""
+    with torch.no_grad():
+        want, got = model(*args), ep.module()(*args)
+    pairs = zip(*(v if isinstance(v, tuple) else (v,) for v in (want, got)), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
 
 
 def _multiplies(ep) -> list[str]:
@@ -188,10 +195,7 @@ def _no_domain(model, x):
     assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
     assert not scale_domains(ep.graph_module) and not _multiplies(ep)
     assert torch.equal(ep.state_dict["rnn.weight_ih_l0"], model.rnn.weight_ih_l0)
-    with torch.no_grad():
-        want, got = model(x), ep.module()(x)
-    pairs = zip(*(v if isinstance(v, tuple) else (v,) for v in (want, got)), strict=True)
-    assert all(torch.equal(a, b) for a, b in pairs)
+    _computes_as_before(model, ep, x)
 
 
 @pytest.mark.parametrize("form", ["computed", "shared", "buffer"])
@@ -245,3 +249,45 @@ def test_tiny_recurrent_weights_other_than_the_input_ones_start_no_domain():
     scale_only(ep)
     assert not scale_domains(ep.graph_module) and not _multiplies(ep)
     assert torch.equal(ep.state_dict["rnn.weight_hh_l0"], model.rnn.weight_hh_l0)
+
+
+class Compared(nn.Module):
+    """Two linears past fp16's range at different exponents (~1e5 and ~3e6), compared
+    with a number and with each other, their signs and argmax taken; and an integer
+    comparison beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+            self.b.weight.mul_(3e6)
+
+    def forward(self, x, ids):
+        h, g = self.a(x), self.b(x)
+        flags = (h > 3e4).float() + (h > g).float() + torch.sign(h)
+        return flags * 5.0, h.argmax(-1), (ids > 3).float() * 2.0
+
+
+def test_a_comparison_reads_its_operands_at_one_exponent_and_its_number_scaled():
+    """A comparison's result does not depend on a positive scale its operands share:
+    ``h > 3e4`` compares h at its domain's 2**k with 3e4 * 2**k (no multiply), ``h > g``
+    brings h to g's exponent with one multiply (the larger operand's exponent is the
+    target), sign and argmax read h as it is, and a flag made from them is unscaled
+    (``flags * 5`` is returned as computed); the integer comparison keeps its 3."""
+    torch.manual_seed(0)
+    model, x, ids = Compared().eval(), torch.randn(4, 16), torch.randint(0, 8, (4, 16))
+    ep = _scaled(model, x, ids)
+    k = {d.folded[0]: d.k for d in scale_domains(ep.graph_module)}
+    k_a, k_b = k["p_a_weight"], k["p_b_weight"]
+    assert k_a != k_b
+    (door,) = [n for n in ep.graph.nodes if meta.range_scaled(n)]
+    assert door.args[1] == 2.0 ** (k_a - k_b) and door.args[0].name == "linear"
+    aten = torch.ops.aten
+    by_number = {n.args[0].name: n.args[1] for n in ep.graph.nodes if n.target is aten.gt.Scalar}
+    assert by_number == {"linear": 3e4 * 2.0**-k_a, "ids": 3}
+    (pair,) = [n for n in ep.graph.nodes if n.target is aten.gt.Tensor]
+    assert pair.args == (
+        door,
+        ep.graph.find_nodes(op="call_function", target=aten.linear.default)[1],
+    )
