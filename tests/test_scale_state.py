@@ -75,6 +75,45 @@ def test_a_division_by_a_fitted_buffer_takes_the_numerators_scale_in_the_buffer(
         assert max_error(fp64_reference(model, inputs), run(cast, inputs)) < 16 * UNIT
 
 
+class Gained(nn.Module):
+    """A linear past fp16's range (~1e5) to which a product with a fitted buffer is
+    added: the input times it ("times"), over it ("over"), or the buffer squared."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.register_buffer("gain", 1 + 0.1 * torch.randn(16))
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        if self.form == "times":
+            g = x * self.gain
+        elif self.form == "over":
+            g = x / self.gain
+        else:
+            g = self.gain * self.gain
+        return self.b(self.a(x) + g)
+
+
+def test_a_product_added_to_a_scaled_value_takes_its_scale_in_the_buffer_it_reads():
+    """The sum needs ``x * gain`` at the loud linear's 2**-k: the buffer is stored at
+    2**-k (a divisor at 2**k), and a square ``gain * gain`` takes 2**(-k/2) in its one
+    operand, which carries both factors (before, the whole 2**-k went into it, the
+    square moved twice as far, and the plan was taken back: the linear stayed fp32).
+    The only runtime multiply unscales the returned output."""
+    for form, power in (("times", -1), ("over", 1), ("square", -0.5)):
+        torch.manual_seed(0)
+        model, x = Gained(form).eval(), torch.randn(4, 16)
+        ep = _scaled(model, x)
+        (domain,) = scale_domains(ep.graph_module)
+        assert domain.k % 2 == 0 or form != "square"
+        assert torch.equal(ep.state_dict["gain"], model.gain * 2.0 ** (power * domain.k))
+        (multiply,) = [n for n in ep.graph.nodes if meta.range_scaled(n)]
+        assert list(multiply.users) == [ep.graph.output_node()]
+
+
 class SharedNorm(nn.Module):
     """One LayerNorm module (trained weight and bias) read at two places: on a linear
     past fp16's range (~1e5) and on one in range."""

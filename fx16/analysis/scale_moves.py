@@ -88,11 +88,23 @@ class PlanMoves:
             return False
         if self._fold_number(value, rule, delta):
             return True
-        if a is b and not rule.divides:
-            return delta % 2 == 0 and self.refold(a, delta // 2)
+        return self._fold_operands(rule, a, b, delta)
+
+    def _fold_operands(self, rule: ScaleRule, a, b, delta: int, states_only: bool = False) -> bool:
+        """Move ``2**delta`` into one operand of the product ``a * b`` (or ``a / b``): the
+        divisor takes ``2**-delta``; a square ``a * a`` takes half of it in its one
+        operand (whose fold moves both factors), and a quotient ``a / a`` carries no
+        scale at all. ``states_only``: only into a state tensor."""
+        operands = ((b, -1 if rule.divides else 1), (a, 1))
+        if a is b:
+            if rule.divides or delta % 2:
+                return False
+            operands, delta = ((a, 1),), delta // 2
         return any(
-            isinstance(operand, Node) and self.refold(operand, sign * delta)
-            for operand, sign in ((b, -1 if rule.divides else 1), (a, 1))
+            isinstance(operand, Node)
+            and (operand.op == "placeholder" or not states_only)
+            and self.refold(operand, sign * delta)
+            for operand, sign in operands
         )
 
     def _fold_number(self, node: Node, rule: ScaleRule, delta: int) -> bool:
@@ -144,8 +156,4 @@ class PlanMoves:
         if self._fold_number(node, rule, delta):
             return True
         a, b = (argument(node, p) for p in rule.tensors)
-        for operand, sign in ((b, -1 if rule.divides else 1), (a, 1)):
-            if isinstance(operand, Node) and operand.op == "placeholder":
-                if self.refold(operand, sign * delta):
-                    return True
-        return False
+        return self._fold_operands(rule, a, b, delta, states_only=True)
