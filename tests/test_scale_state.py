@@ -114,6 +114,68 @@ def test_a_product_added_to_a_scaled_value_takes_its_scale_in_the_buffer_it_read
         assert list(multiply.users) == [ep.graph.output_node()]
 
 
+class LoudThenBatchNorm(nn.Module):
+    """A linear past fp16's range (~1e5) normalised by a batch norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm = nn.Linear(16, 16), nn.BatchNorm1d(16)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        return self.norm(self.a(x))
+
+
+def test_a_batch_norm_in_training_mode_reads_its_input_unscaled():
+    """Exported in training mode, the norm divides by the batch's own statistics and
+    updates its running ones: it reads the linear's result unscaled (a multiply before
+    it) and none of its tensors take the scale, which its running statistics, read
+    only in eval, would otherwise have to follow."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = LoudThenBatchNorm().train(), torch.randn(8, 16)
+    ep = torch.export.export(copy.deepcopy(model), (x,))  # as it is: in training mode
+    scale_only(ep)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    (domain,) = scale_domains(ep.graph_module)
+    assert set(domain.folded) == {"p_a_weight", "p_a_bias"}
+    (multiply,) = [n for n in ep.graph.nodes if meta.range_scaled(n)]
+    assert [user.target for user in multiply.users] == [torch.ops.aten.batch_norm.default]
+    for name in ("norm.weight", "norm.bias"):
+        assert torch.equal(ep.state_dict[name], model.state_dict()[name])
+    with torch.no_grad():
+        assert torch.equal(model(x), ep.module()(x))
+
+
+class LoudInitialState(nn.Module):
+    """An LSTM whose initial hidden and cell states come from a linear past fp16's
+    range (~1e5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.rnn = nn.Linear(8, 16), nn.LSTM(4, 8, batch_first=True)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x, seq):
+        h0, c0 = self.a(x).unsqueeze(0).chunk(2, dim=-1)
+        return self.rnn(seq, (h0.contiguous(), c0.contiguous()))[0]
+
+
+def test_an_rnns_initial_states_are_read_unscaled():
+    """The LSTM's recurrence reads its initial states as they are (``W_hh h0``, and
+    ``c0`` added to the new cell): each reaches it through a multiply that unscales
+    it, and its input weights take no scale."""
+    torch.manual_seed(0)
+    model, x, seq = LoudInitialState().eval(), torch.randn(2, 8), torch.randn(2, 5, 4)
+    ep = _scaled(model, x, seq)
+    (lstm,) = ep.graph.find_nodes(op="call_function", target=torch.ops.aten.lstm.input)
+    assert all(meta.range_scaled(state) for state in lstm.args[1])
+    assert torch.equal(ep.state_dict["rnn.weight_ih_l0"], model.rnn.weight_ih_l0)
+
+
 class SharedNorm(nn.Module):
     """One LayerNorm module (trained weight and bias) read at two places: on a linear
     past fp16's range (~1e5) and on one in range."""
