@@ -13,10 +13,11 @@ from benchmarks import range_flows
 from fx16.analysis.scale_domains import scale_domains
 from fx16.errors import InvalidOptionError
 from fx16.ops.declarations import declaration
+from fx16.passes.scale_domains import REVERTED
 from fx16.program.stats import program_stats
 from fx16.report import report_of
 from fx16.testing.custom_ops import DefaultDtypeDequantize
-from helpers import check_program, export, run
+from helpers import check_program, export, run, scale_only
 
 
 def test_a_pt2e_int8_program_runs_its_products_in_16_bit():
@@ -88,6 +89,53 @@ def test_subnormal_block_scales_are_carried_at_a_power_of_two(declared_dequantiz
         expected = model(x).double()
     got = run(ep, x)[0].double()
     assert float((got - expected).abs().max() / expected.abs().max()) < 4 * 2.0**-11
+
+
+class OffsetBlocks(BlockScaled):
+    """``BlockScaled`` with its scales' largest set to ``scale_max`` (when given) and a
+    buffer of ``offset`` added to the dequantized weight (in the scales' domain)."""
+
+    def __init__(self, scale_max: float | None = None, offset: float | None = None) -> None:
+        super().__init__()
+        if scale_max is not None:
+            self.scale.mul_(scale_max / self.scale.max())
+        self.offset = offset
+        self.register_buffer("shift", torch.full((64, 1), offset or 0.0))
+
+    def forward(self, x):
+        weight = torch.ops.fx16_test.dequantize_to(self.qweight, self.scale)
+        if self.offset is not None:
+            weight = weight + self.shift
+        return x @ weight.t() * 1e3
+
+
+@pytest.mark.parametrize(
+    ("options", "lift"),
+    [
+        ({"scale_max": 2.0**-14}, None),  # the smallest normal: not below the range
+        ({"scale_max": 2.0**-14 - 2.0**-25}, 7),  # just below: to 2**-8 by 2**7
+        ({"offset": 0.0}, 11),  # a zero member needs no lift and bounds none
+        ({"offset": 12.0}, 11),  # 12 * 2**11 < 32752: room for exactly the lift
+        ({"offset": 1e3}, None),  # 1e3 * 2**11 would pass 32752: no room
+    ],
+)
+def test_block_scales_are_lifted_where_below_the_normal_range_and_every_member_fits(
+    declared_dequantize, options, lift
+):
+    """The scales (~3e-6, their largest brought to at least 2**-8 by 2**11) are lifted
+    only where their largest lies below fp16's smallest normal (2**-14: not at it), and
+    only where every other value of their domain still fits 32752 (fp16's maximum over
+    the margin) at the lift: a weight offset by 12 fits at 2**11 exactly, one offset by
+    1e3 does not. A zero member is neither small nor large. The plan applies exactly."""
+    torch.manual_seed(0)
+    model, x = OffsetBlocks(**options).eval(), torch.randn(8, 32)
+    ep = export(model, x)
+    scale_only(ep)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    lifted = [d.k for d in scale_domains(ep.graph_module) if "b_scale" in d.folded]
+    assert lifted == ([] if lift is None else [-lift])
+    with torch.no_grad():
+        assert torch.equal(model(x), ep.module()(x))
 
 
 def test_without_the_declaration_the_scales_stay_fp32():
