@@ -65,6 +65,8 @@ class Loud(nn.Module):
             return h / torch.pow(2.0, torch.div(log, 2, rounding_mode="floor"))
         if self.form == "base_three":
             return h / torch.pow(3.0, torch.floor(log))
+        if self.form == "base_zero":  # 0 ** floor(log2(|h| + 1)): 0 is no power of two
+            return h * torch.pow(0.0, torch.floor(torch.log2(h.abs() + 1)))
         return torch.cat([h, log], dim=-1)  # "log_feature"
 
 
@@ -92,10 +94,12 @@ def test_a_quantizing_floor_reads_the_quotient_its_divisor_unscaled():
     assert not _multiplies(ep)
 
 
-@pytest.mark.parametrize("form", ["halved", "base_three", "log_feature", "plain_power"])
+@pytest.mark.parametrize(
+    "form", ["halved", "base_three", "base_zero", "log_feature", "plain_power"]
+)
 def test_an_op_that_reads_a_scaled_value_otherwise_reads_it_unscaled(form):
-    """A floor division by 2 of the log (not a shift by k), a power of 3 (not a power of
-    two), the log read as a feature, a power of two of an exponent the program holds:
+    """A floor division by 2 of the log (not a shift by k), a power of 3 or of 0 (not a
+    power of two), the log read as a feature, a power of two of an exponent the program holds:
     each reads its operand unscaled (a runtime multiply takes the scale back first),
     and the program computes what it did. (Once, the log of a value read by a floor
     division by 2, or by a power of 3, was taken for a shift: the plan moved the
@@ -291,3 +295,31 @@ def test_a_comparison_reads_its_operands_at_one_exponent_and_its_number_scaled()
         door,
         ep.graph.find_nodes(op="call_function", target=aten.linear.default)[1],
     )
+
+
+class Filled(nn.Module):
+    """A linear past fp16's range (~1e5) whose negative values are replaced by a fill
+    of -4e4 before a softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        h = self.a(x)
+        return torch.where(h > 0, h, torch.full_like(h, -4e4)).softmax(-1)
+
+
+def test_a_fill_in_a_domain_is_made_at_its_exponent():
+    """The fill joins h's domain through the ``where``: its number is made at 2**-k
+    (-4e4 * 2**-k), with no multiply; the one multiply unscales the softmax's input."""
+    torch.manual_seed(0)
+    model, x = Filled().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    (fill,) = ep.graph.find_nodes(op="call_function", target=torch.ops.aten.full_like.default)
+    assert fill.args[1] == -4e4 * 2.0**-domain.k
+    (multiply,) = [n for n in ep.graph.nodes if meta.range_scaled(n)]
+    assert [user.target for user in multiply.users] == [torch.ops.aten.softmax.int]
