@@ -110,8 +110,35 @@ def test_a_product_added_to_a_scaled_value_takes_its_scale_in_the_buffer_it_read
         (domain,) = scale_domains(ep.graph_module)
         assert domain.k % 2 == 0 or form != "square"
         assert torch.equal(ep.state_dict["gain"], model.gain * 2.0 ** (power * domain.k))
+        (gain,) = [n for n in ep.graph.find_nodes(op="placeholder") if n.name == "b_gain"]
+        assert meta.scale_exponent(gain) == power * domain.k  # a whole power, recorded
         (multiply,) = [n for n in ep.graph.nodes if meta.range_scaled(n)]
         assert list(multiply.users) == [ep.graph.output_node()]
+
+
+class ScaledBack(nn.Module):
+    """A linear past fp16's range (~1e5) times a buffer of ~1e-3, returned (~1e2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.register_buffer("small", 1e-3 * (1 + 0.1 * torch.randn(16)))
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        return torch.mul(self.small, self.a(x))
+
+
+def test_a_buffer_times_a_scaled_value_takes_the_scale_back():
+    """``small * h`` with h at 2**-k and the product in range: the buffer is stored at
+    2**k, so the product is unscaled where it is made, with no multiply anywhere."""
+    torch.manual_seed(0)
+    model, x = ScaledBack().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert torch.equal(ep.state_dict["small"], model.small * 2.0**domain.k)
+    assert not _multiplies(ep)
 
 
 class LoudThenBatchNorm(nn.Module):
