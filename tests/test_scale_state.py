@@ -329,3 +329,74 @@ def test_domains_of_the_program_and_of_a_body_are_all_listed():
     assert any("p_branches_stream_embed_weight" in d.folded for d in domains)
     with torch.no_grad():
         assert torch.equal(model(x, flag), ep.module()(x, flag))
+
+
+class StreamInTheFalseBranch(nn.Module):
+    """A cond whose true branch is a linear and whose false branch grows a residual
+    stream past fp16's range: the branch graphs take the linear's weights first, so
+    the false branch's placeholders start with two it does not read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from benchmarks.range_flows import PreNormResidual
+
+        self.stream, self.other = PreNormResidual(), nn.Linear(16, 16)
+
+    def forward(self, x, flag):
+        return torch.cond(flag.sum() > 0, self.other, self.stream, (x,))
+
+
+def test_a_branch_folds_into_its_weights_past_placeholders_it_does_not_read():
+    """The false branch's first weight placeholders (the true branch's linear) have no
+    reader there; the stream's weights after them are still the branch's own to fold:
+    its domain folds the stream's embedding. Calibrated on the false branch."""
+    torch.manual_seed(0)
+    model, x, flag = StreamInTheFalseBranch().eval(), torch.randn(4, 16), -torch.ones(1)
+    ep = export(model, x, flag)
+    (false_graph,) = [m for name, m in ep.graph_module.named_children() if "false" in name]
+    first = [n for n in false_graph.graph.nodes if n.op == "placeholder"][1]
+    assert first.name == "p_other_bias" and not first.users
+    scale_only(ep)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    (domain,) = scale_domains(ep.graph_module)
+    assert "p_stream_embed_weight" in domain.folded
+    with torch.no_grad():
+        for branch in (flag, -flag):
+            assert torch.equal(model(x, branch), ep.module()(x, branch))
+
+
+class TinyAddend(nn.Module):
+    """Buffers of ~1e-6 (below fp16's normal range) added to readings and to buffers of
+    ~1 (sums of state the readings are multiplied by, or a linear's result is shifted
+    by), and a linear (read twice) whose bias is ~1e-6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        for name in ("tiny", "tiny_b", "tiny_c"):  # one per reader: each could be folded
+            self.register_buffer(name, 1e-6 * torch.rand(16))
+        self.register_buffer("gain", 1 + 0.1 * torch.randn(16))
+        self.register_buffer("shift", 1 + 0.1 * torch.randn(16))
+        with torch.no_grad():
+            self.a.bias.mul_(1e-5)
+
+    def forward(self, x):
+        return (
+            self.a(x + self.tiny),
+            x * (self.gain + self.tiny_b),
+            self.a(x) + (self.shift + self.tiny_c),
+        )
+
+
+def test_a_tiny_addend_or_bias_starts_no_domain():
+    """A tensor below the normal range that is only added (to readings, to another
+    buffer, as a linear's bias) is absorbed by what it is added to: it starts no domain
+    (a seed there would lift the sum of two buffers by 2**13, and all it touches), and
+    the plan is empty."""
+    torch.manual_seed(0)
+    model, x = TinyAddend().eval(), torch.randn(4, 16)
+    ep = export(model, x)
+    scale_only(ep)
+    assert not scale_domains(ep.graph_module) and not _multiplies(ep)
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(model(x), ep.module()(x), strict=True))
