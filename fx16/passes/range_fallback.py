@@ -81,8 +81,10 @@ class RangeFallbackPass(PassBase):
         for node in moved:
             node.meta["val"] = retype_val(node.meta["val"], BF16)
             made = decision_of(node)
-            # an op fp32 only for reading such values reads them in bf16 now
-            reason = Reason.BF16_INPUT if made.reason is Reason.FP32_INPUT else made.reason
+            # an op fp32 only for reading such values reads them in bf16 now (a scale
+            # domain's power-of-two multiply of a bf16 value is one: exact in bf16)
+            reads_bf16 = made.reason is Reason.FP32_INPUT or meta.range_scaled(node)
+            reason = Reason.BF16_INPUT if reads_bf16 else made.reason
             node.meta[PRECISION] = Decision(BF16, reason, _with(made.detail, SAID))
             for user in list(node.users):
                 if user not in moved and not (is_inserted(user) and is_cast(user)):
