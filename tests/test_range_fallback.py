@@ -525,3 +525,30 @@ def test_a_scale_multiply_moved_with_the_op_it_reads_says_it_reads_bf16():
     assert meta.range_scaled(multiply) and multiply.meta["val"].dtype == torch.bfloat16
     made = multiply.meta[PRECISION]
     assert made.dtype == torch.bfloat16 and made.reason is Reason.BF16_INPUT
+
+
+def test_a_range_op_that_also_feeds_an_ill_conditioned_one_stays_fp32():
+    """Found by the long fuzz: readings of ~1e5, ``x + log_softmax(x)`` (past fp16's
+    range) written back and subtracted from x, then an exp. The sum is fp32 for range,
+    and it also feeds the exp through a cancellation: in bf16 its rounding (~512 at
+    2e5) reached the exp as e**500, inf where fp32 gives 0. It stays fp32."""
+    from fx16.testing.random_programs import RandomProgram
+
+    torch.manual_seed(0)
+    steps = [
+        ("log_softmax", 0, 0, 1e-9),
+        ("write_into_source", 0, 3, 1e-9),
+        ("abs", 0, 0, 1e-9),
+        ("exp", 14, 0, 1e-9),
+    ]
+    model = RandomProgram(2, steps, []).eval()
+    x = torch.tensor([[0.6577, 0.9387], [1.1317, -0.6455], [-1.7703, 0.2143]]) * 1e5
+    ids = torch.tensor([[9, 10], [10, 15], [8, 1]])
+    ep = torch.export.export(model, (x, ids)).run_decompositions()
+    policy = fx16.PrecisionPolicy.default(scale_range=False)
+    fx16.cast_fp32_to_fp16(ep, policy=policy, range_fallback="bf16")
+    (add,) = ep.graph.find_nodes(op="call_function", target=torch.ops.aten.add.Tensor)[:1]
+    assert meta.ill_conditioned(add) and add.meta["val"].dtype == torch.float32
+    with torch.no_grad():
+        want, got = model(x, ids)[3], ep.module()(x, ids)[3]
+    assert torch.equal(torch.isinf(got), torch.isinf(want))

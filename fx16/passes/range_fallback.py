@@ -49,7 +49,10 @@ class RangeFallbackPass(PassBase):
     for range, or one kept fp32 for precision that a 16-bit op may read
     (``DOWNCASTABLE``). Ops of several results, with dtype arguments, written in
     place, in a body, and higher-order ops stay fp32, as does an op that holds or
-    reads a value observed past bf16's largest (3.39e38), an op of a region the model
+    reads a value observed past bf16's largest (3.39e38), an op that also feeds an
+    ill-conditioned one (``meta["fx16.ill_conditioned"]``: ``x - (x + y)`` before an exp,
+    whose cancellation bf16's 8 bits would spoil; a scale domain's multiply of a bf16
+    value moves, exact, and says ``bf16_input``), an op of a region the model
     computes in fp32 itself that the cast keeps, ``type_as``, and an elementwise op whose
     result the program returns (in bf16 the answer would keep 8 bits where the default
     gives fp32's, for the cost of one elementwise op; a returned product is moved). Its
@@ -59,7 +62,8 @@ class RangeFallbackPass(PassBase):
     outputs and a body's operands keep their dtypes), and a cast-back to fp16 after it
     stays. A state tensor kept fp32 that only such ops read is stored in bf16.
 
-    Reads: ``meta["fx16.precision"]``, the casts the inserter placed, and the regions
+    Reads: ``meta["fx16.precision"]``, ``meta["fx16.ill_conditioned"]``, the casts the
+    inserter placed, and the regions
     kept fp32 (``graph_module.meta["fx16.explicit_fp32"]``). Writes: the
     ops' ``meta["val"]`` and decisions (dtype bf16, the cause kept, the detail saying
     so), the casts, the pending state conversions.
@@ -191,6 +195,10 @@ def _kept_for_range(node: Node, moved: set[Node]) -> bool:
         # a scale domain's power-of-two multiply, exact in fp32; in bf16 only on a value
         # that is bf16 already (else it would round what it scales to 8 bits)
         return all(arg in moved for arg in node.all_input_nodes if _is_float(arg))
+    if meta.ill_conditioned(node):
+        # it also feeds an ill-conditioned op (``x - (x + y)`` before an exp): kept fp32
+        # for range first, its precision matters too, and bf16 keeps 8 bits of it
+        return False
     reason = decision_of(node).reason
     if reason in RANGE_REASONS:
         return True
