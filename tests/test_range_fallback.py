@@ -501,32 +501,6 @@ def test_a_value_past_bf16s_largest_stays_fp32():
         assert max_error([model(x, ids)], [out]) < 1e-2
 
 
-def test_a_scale_multiply_moved_with_the_op_it_reads_says_it_reads_bf16():
-    """Found by the long fuzz: readings of ~1e5 through a log_softmax (past fp16's
-    range: moved to bf16) and a scale domain's power-of-two multiply after it, which a
-    chain to an ill-conditioned exp had kept fp32. The multiply moves to bf16 with the
-    op it reads (exact: a power of two times a bf16 value); its decision says so
-    (``bf16_input``), not the exp chain's cause, which bf16 would break."""
-    from fx16.testing.random_programs import RandomProgram
-
-    torch.manual_seed(0)
-    steps = [
-        ("log_softmax", 0, 0, 1e-9),
-        ("add", 0, 1, 1e-9),
-        ("abs", 0, 0, 1e-9),
-        ("exp", 2, 0, 1e-9),
-    ]
-    model = RandomProgram(2, steps, []).eval()
-    x = torch.tensor([[0.6577, 0.9387], [1.1317, -0.6455], [-1.7703, 0.2143]]) * 1e5
-    ids = torch.tensor([[9, 10], [10, 15], [8, 1]])
-    ep = fx16.cast_fp32_to_fp16(torch.export.export(model, (x, ids)), range_fallback="bf16")
-    (softmax,) = ep.graph.find_nodes(op="call_function", target=torch.ops.aten.log_softmax.int)
-    (multiply,) = softmax.users
-    assert meta.range_scaled(multiply) and multiply.meta["val"].dtype == torch.bfloat16
-    made = multiply.meta[PRECISION]
-    assert made.dtype == torch.bfloat16 and made.reason is Reason.BF16_INPUT
-
-
 def test_a_range_op_that_also_feeds_an_ill_conditioned_one_stays_fp32():
     """Found by the long fuzz: readings of ~1e5, ``x + log_softmax(x)`` (past fp16's
     range) written back and subtracted from x, then an exp. The sum is fp32 for range,

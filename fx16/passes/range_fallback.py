@@ -51,8 +51,7 @@ class RangeFallbackPass(PassBase):
     place, in a body, and higher-order ops stay fp32, as does an op that holds or
     reads a value observed past bf16's largest (3.39e38), an op that also feeds an
     ill-conditioned one (``meta["fx16.ill_conditioned"]``: ``x - (x + y)`` before an exp,
-    whose cancellation bf16's 8 bits would spoil; a scale domain's multiply of a bf16
-    value moves, exact, and says ``bf16_input``), an op of a region the model
+    whose cancellation bf16's 8 bits would spoil), an op of a region the model
     computes in fp32 itself that the cast keeps, ``type_as``, and an elementwise op whose
     result the program returns (in bf16 the answer would keep 8 bits where the default
     gives fp32's, for the cost of one elementwise op; a returned product is moved). Its
@@ -85,10 +84,8 @@ class RangeFallbackPass(PassBase):
         for node in moved:
             node.meta["val"] = retype_val(node.meta["val"], BF16)
             made = decision_of(node)
-            # an op fp32 only for reading such values reads them in bf16 now (a scale
-            # domain's power-of-two multiply of a bf16 value is one: exact in bf16)
-            reads_bf16 = made.reason is Reason.FP32_INPUT or meta.range_scaled(node)
-            reason = Reason.BF16_INPUT if reads_bf16 else made.reason
+            # an op fp32 only for reading such values reads them in bf16 now
+            reason = Reason.BF16_INPUT if made.reason is Reason.FP32_INPUT else made.reason
             node.meta[PRECISION] = Decision(BF16, reason, _with(made.detail, SAID))
             for user in list(node.users):
                 if user not in moved and not (is_inserted(user) and is_cast(user)):
