@@ -116,6 +116,21 @@ def test_a_product_added_to_a_scaled_value_takes_its_scale_in_the_buffer_it_read
         assert list(multiply.users) == [ep.graph.output_node()]
 
 
+def test_a_divisor_takes_the_scale_up_to_the_limit_exactly():
+    """``x / gain`` brought to the loud linear's 2**-6: the divisor is stored at 2**6.
+    With its largest at 32752 / 2**6 it reaches fp16's maximum over the margin (32752)
+    exactly there, which still fits: no multiply takes its place."""
+    torch.manual_seed(0)
+    model, x = Gained("over").eval(), torch.randn(4, 16)
+    with torch.no_grad():
+        model.gain.mul_(32752 / 2.0**6 / model.gain.abs().max())
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert domain.k == 6 and float(ep.state_dict["gain"].abs().max()) == 32752
+    (multiply,) = [n for n in ep.graph.nodes if meta.range_scaled(n)]
+    assert list(multiply.users) == [ep.graph.output_node()]
+
+
 class ScaledBack(nn.Module):
     """A linear past fp16's range (~1e5) times a buffer of ~1e-3, returned (~1e2)."""
 
