@@ -4,15 +4,17 @@ at least as far as the fp32 path where the small end allows."""
 
 import math
 
+import pytest
 import torch
 from test_scale_rules import DefaultEpsNorm
+from torch import nn
 
 import fx16
 from benchmarks.range import GrowingCnn, RawUnits
 from benchmarks.range_flows import PreNormResidual
 from fx16.analysis.scale_domains import scale_domains
 from fx16.policy.options import Fp16Options
-from helpers import check_program, export, fp64_reference, max_error, run
+from helpers import check_program, export, fp64_reference, max_error, run, scale_only
 
 LADDER = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)
 
@@ -99,3 +101,40 @@ def test_each_end_of_k_is_named_with_what_bounds_it():
     assert door.bounded == (
         f"k = {door.k}, the least that fits (it folds no state tensor: its small end is not known)"
     )
+
+
+class AddsSmall(nn.Module):
+    """A linear past fp16's range (~1e5) plus a small number, then a linear."""
+
+    def __init__(self, number: float) -> None:
+        super().__init__()
+        self.number = number
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        return self.b(self.a(x) + self.number)
+
+
+@pytest.mark.parametrize(
+    ("number", "k"),
+    [
+        (1e-3, 4),  # at 6 (and 5) 1e-3 * 2**-k is subnormal; at 4, 6.25e-5
+        (2.0**-10, 4),  # at 4 exactly fp16's smallest normal, 2**-14: still normal
+        (2.0**-11, 3),  # at 3, the least that fits, exactly 2**-14; any higher is subnormal
+    ],
+)
+def test_centring_stops_before_it_takes_a_scalar_below_the_normal_range(number, k):
+    """Centring would raise k to 6 (its weights allow 11), but not where the added number,
+    scaled with the domain, would leave fp16's normal range (below 2**-14: at it is
+    normal); the domain's description names the first exponent it tried and why not."""
+    torch.manual_seed(0)
+    ep = export(AddsSmall(number).eval(), torch.randn(4, 16))
+    scale_only(ep)
+    (domain,) = scale_domains(ep.graph_module)
+    assert domain.k == k
+    said = "; at 6 it would take a scalar of add below fp16's normal range)"
+    assert domain.bounded.endswith(said)
+    (add,) = ep.graph.find_nodes(op="call_function", target=torch.ops.aten.add.Tensor)
+    assert add.args[1] == number * 2.0**-k
