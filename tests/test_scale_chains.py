@@ -323,3 +323,45 @@ def test_a_fill_in_a_domain_is_made_at_its_exponent():
     assert fill.args[1] == -4e4 * 2.0**-domain.k
     (multiply,) = [n for n in ep.graph.nodes if meta.range_scaled(n)]
     assert [user.target for user in multiply.users] == [torch.ops.aten.softmax.int]
+
+
+class ComparedWithGained(nn.Module):
+    """A linear past fp16's range (~1e5) compared with the readings times a buffer
+    (``shared``: the product is also returned)."""
+
+    def __init__(self, shared: bool = False) -> None:
+        super().__init__()
+        self.shared, self.a = shared, nn.Linear(16, 16)
+        self.register_buffer("gain", 1 + 0.1 * torch.randn(16))
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        product = x * self.gain
+        flags = (self.a(x) > product).float()
+        return (flags, product) if self.shared else flags
+
+
+def test_a_product_compared_with_a_scaled_value_takes_the_scale_in_its_buffer():
+    """``h > x * gain`` with h at 2**-k: the product is brought to h's exponent by its
+    buffer (stored at 2**-k), so the comparison reads both at 2**-k with no multiply."""
+    torch.manual_seed(0)
+    model, x = ComparedWithGained().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert torch.equal(ep.state_dict["gain"], model.gain * 2.0**-domain.k)
+    (mul,) = ep.graph.find_nodes(op="call_function", target=torch.ops.aten.mul.Tensor)
+    assert meta.scale_exponent(mul) == -domain.k
+    assert not _multiplies(ep)
+
+
+def test_a_product_read_elsewhere_keeps_its_buffer_and_is_scaled_by_a_multiply():
+    """The same comparison with ``x * gain`` also returned: a scale folded into the
+    buffer would reach that output, so the buffer stays as it was and the comparison
+    reads the product through a multiply."""
+    torch.manual_seed(0)
+    model, x = ComparedWithGained(shared=True).eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    assert torch.equal(ep.state_dict["gain"], model.gain)
+    (multiply,) = [n for n in ep.graph.nodes if meta.range_scaled(n)]
+    assert [user.target for user in multiply.users] == [torch.ops.aten.gt.Tensor]
