@@ -350,3 +350,31 @@ def test_without_a_plan_the_pass_changes_nothing_and_hands_back_its_module():
     result = ScaleDomainsPass(program)(ep.graph_module)
     assert result.graph_module is ep.graph_module and not result.modified
     assert str(ep.graph) == graph
+
+
+def test_the_plan_check_tells_outputs_apart_beyond_fp32_rounding():
+    """``same_outputs`` (the pass's check that a scaled program computes what the model
+    did, before it keeps the plan): equal outputs, and floats within fp32's rounding of
+    values near its range's ends, agree; a missing calibration run or output, a number or
+    an integer that differs, a float beyond that rounding, an inf of the other sign or
+    where a finite value was, a nan where an inf was: each does not."""
+    from fx16.passes.scale_domains import same_outputs
+
+    floats, ints = torch.tensor([1.0, 2.0]), torch.tensor([1, 2])
+    reference = [[floats, ints, 3]]
+    assert same_outputs(reference, [[floats.clone(), ints.clone(), 3]])
+    assert same_outputs(reference, [[torch.tensor([1.0, 2.0 + 1e-6]), ints, 3]])
+    for outputs in (
+        None,
+        [],
+        [[floats, ints]],
+        [[floats, ints, 4]],
+        [[floats, torch.tensor([1, 3]), 3]],
+        [[torch.tensor([1.0, 2.01]), ints, 3]],
+    ):
+        assert not same_outputs(reference, outputs), outputs
+    inf, nan = float("inf"), float("nan")
+    for value in (torch.tensor([1.0, inf]), torch.tensor([1.0, nan]), torch.tensor([inf])):
+        assert same_outputs([[value]], [[value.clone()]])
+    for a, b in (([1.0, inf], [1.0, -inf]), ([1.0, inf], [1.0, 5.0]), ([1.0, nan], [1.0, inf])):
+        assert not same_outputs([[torch.tensor(a)]], [[torch.tensor(b)]]), (a, b)
