@@ -363,6 +363,8 @@ def test_the_plan_check_tells_outputs_apart_beyond_fp32_rounding():
     floats, ints = torch.tensor([1.0, 2.0]), torch.tensor([1, 2])
     reference = [[floats, ints, 3]]
     assert same_outputs(reference, [[floats.clone(), ints.clone(), 3]])
+    small = [[floats, ints, 3], [torch.tensor([1.0, 0.01])]]  # two calibration runs
+    assert same_outputs(small, [[floats, ints, 3], [torch.tensor([1.0, 0.01 + 1e-7])]])
     assert same_outputs(reference, [[torch.tensor([1.0, 2.0 + 1e-6]), ints, 3]])
     for outputs in (
         None,
@@ -373,6 +375,8 @@ def test_the_plan_check_tells_outputs_apart_beyond_fp32_rounding():
         [[torch.tensor([1.0, 2.01]), ints, 3]],
     ):
         assert not same_outputs(reference, outputs), outputs
+    # a small value off by 5e-4: beyond fp32's rounding (1e-5 of the largest, 1e-4 of it)
+    assert not same_outputs(small, [[floats, ints, 3], [torch.tensor([1.0, 0.0105])]])
     inf, nan = float("inf"), float("nan")
     for value in (torch.tensor([1.0, inf]), torch.tensor([1.0, nan]), torch.tensor([inf])):
         assert same_outputs([[value]], [[value.clone()]])
