@@ -24,7 +24,9 @@ def _scaled(model, *args):
     scale_only(ep)
     assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
     with torch.no_grad():
-        assert torch.equal(model(*args), ep.module()(*args))
+        want, got = model(*args), ep.module()(*args)
+    pairs = zip(*(v if isinstance(v, tuple) else (v,) for v in (want, got)), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
     return ep
 
 
@@ -415,3 +417,32 @@ def test_a_tiny_addend_or_bias_starts_no_domain():
     assert not scale_domains(ep.graph_module) and not _multiplies(ep)
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(model(x), ep.module()(x), strict=True))
+
+
+class SharedBias(nn.Module):
+    """A linear past fp16's range (~1e5) read by a linear whose bias is also returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.w = nn.Parameter(torch.randn(8, 16) * 0.1)
+        self.bias = nn.Parameter(torch.randn(8))
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.a(x), self.w, self.bias), self.bias * 2
+
+
+def test_a_bias_read_elsewhere_brings_the_scaled_input_to_it():
+    """The second linear's bias cannot take the scale (the program returns it too), so
+    the product is made at the bias's exponent: its scaled input (not its weight, not
+    the bias) is unscaled by a multiply before it, and the bias is stored as it was."""
+    torch.manual_seed(0)
+    model, x = SharedBias().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    assert torch.equal(ep.state_dict["bias"], model.bias)
+    (second,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.linear.default][1:]
+    scaled_input, weight, bias = second.args
+    assert meta.range_scaled(scaled_input) and scaled_input.args[0].name == "linear"
+    assert weight.op == bias.op == "placeholder"
