@@ -248,6 +248,316 @@ EQUIVALENT: dict[str, str] = {
     "fx16.passes.widen_other_sixteen_bit.xǁWidenOtherSixteenBitPassǁ_widened__mutmut_4": (
         _DEFAULT_DTYPE
     ),
+    # run 11: the scale domains, whole
+    "fx16.analysis.scale_centre.x__costlier__mutmut_30": (
+        "`0 <=`: a scalar of 0 stays 0 at any exponent, so the least-k plan's is 0 too, never "
+        "normal"
+    ),
+    "fx16.analysis.scale_centre.x__costlier__mutmut_36": (
+        "a trial plan scales the scalars the least-k plan scaled (the same walk over the same "
+        "members, at another nonzero exponent): the default is never read"
+    ),
+    "fx16.analysis.scale_centre.x__costlier__mutmut_38": (
+        "a trial plan scales the scalars the least-k plan scaled (the same walk over the same "
+        "members, at another nonzero exponent): the default is never read"
+    ),
+    "fx16.analysis.scale_centre.x__costlier__mutmut_39": (
+        "a trial plan scales the scalars the least-k plan scaled (the same walk over the same "
+        "members, at another nonzero exponent): the default is never read"
+    ),
+    "fx16.analysis.scale_centre.x__fold_fits__mutmut_12": (
+        "no plan folds a tensor past the limit: a refold asks `movable` first, and a domain's "
+        "own members fold at its exponent, which centring only raises (their folds shrink), "
+        "so `scaled > limit` is never true here"
+    ),
+    "fx16.analysis.scale_centre.x__fold_fits__mutmut_14": (
+        "at exponent 0 the fold is the tensor as it is, and `scaled >= min(magnitude, floor)` "
+        "holds for it: the same answer"
+    ),
+    "fx16.analysis.scale_centre.x__fold_fits__mutmut_15": (
+        "at exponent 0 the fold is the tensor as it is, and `scaled >= min(magnitude, floor)` "
+        "holds for it: the same answer"
+    ),
+    "fx16.analysis.scale_centre.x__fold_fits__mutmut_3": (
+        "every state tensor has a calibrated magnitude (calibration observes every "
+        "placeholder): the default is never read"
+    ),
+    "fx16.analysis.scale_centre.x__fold_fits__mutmut_5": (
+        "every state tensor has a calibrated magnitude (calibration observes every "
+        "placeholder): the default is never read"
+    ),
+    "fx16.analysis.scale_centre.x__fold_fits__mutmut_6": (
+        "every state tensor has a calibrated magnitude (calibration observes every "
+        "placeholder): the default is never read"
+    ),
+    "fx16.analysis.scale_centre.x__small_end_room__mutmut_13": (
+        "a member with a state key is a foldable tensor, and a centred domain folds each of "
+        "its foldable members: `key not in plan.folds` never holds for one"
+    ),
+    "fx16.analysis.scale_centre.x__small_end_room__mutmut_6": (
+        "every member of a domain has a calibrated magnitude: the default is never read"
+    ),
+    "fx16.analysis.scale_centre.x__small_end_room__mutmut_8": (
+        "every member of a domain has a calibrated magnitude: the default is never read"
+    ),
+    "fx16.analysis.scale_centre.x__small_end_room__mutmut_9": (
+        "every member of a domain has a calibrated magnitude: the default is never read"
+    ),
+    "fx16.analysis.scale_domains.x__body_state__mutmut_2": (
+        "a placeholder without users is never the one reader the check below asks for (the "
+        "readers are the sinks that have users)"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_lift__mutmut_10": (
+        "every member of a domain has a calibrated magnitude (`_magnitudes` holds each "
+        "single-tensor value the domain grew through)"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_lift__mutmut_11": (
+        "`<=` at the smallest normal: a lifted domain was seeded by a tensor strictly below "
+        "it, which is smaller than one exactly at it, so the smallest (what the lift is "
+        "computed from) is the same"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_lift__mutmut_24": (
+        "`1 < needed`: a tensor below 2**-14 needs at least 2**7 to reach 2**-8, so needed is "
+        "never 1"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_lift__mutmut_25": (
+        "`0 <= needed`: a tensor below 2**-14 needs at least 2**7 to reach 2**-8, so needed "
+        "is never 0"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_lift__mutmut_7": (
+        "every member of a domain has a calibrated magnitude (`_magnitudes` holds each "
+        "single-tensor value the domain grew through)"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_lift__mutmut_9": (
+        "every member of a domain has a calibrated magnitude (`_magnitudes` holds each "
+        "single-tensor value the domain grew through)"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁattention__mutmut_10": (
+        "an exported graph passes attention's mask by position: the keyword is never read"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁattention__mutmut_11": (
+        "an exported graph passes attention's mask by position: the keyword is never read"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁattention__mutmut_12": (
+        "`or`: a missing mask is no node and no float tensor either way; a bool mask settles "
+        "at 0, where it is"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁattention__mutmut_9": (
+        "an exported graph passes attention's mask by position: the keyword is never read"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁfloor__mutmut_7": (
+        "a floor taken for a shift is read only by floors and powers of two, which read its "
+        "shift, never its exponent"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁlog2__mutmut_8": (
+        "a log2 taken for a shift is read only by floors and powers of two, which read its "
+        "shift, never its exponent"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁnorm__mutmut_15": (
+        "`seen(None)` is 0: a norm without a weight has result exponent 0 either way"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁnorm__mutmut_28": (
+        "the saved statistics of a norm in running-statistics form (outputs 1 and 2) have no "
+        "reader in an inference graph"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁnorm__mutmut_49": (
+        "reached only where a norm's eps is not a number (export always writes one); the "
+        "scale then lands on the saved mean, which an inference graph never reads"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁnorm__mutmut_53": (
+        "a norm's saved rstd (output 2) has no reader in an inference graph"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁproduct__mutmut_6": (
+        "a product never reads a log2's shift: a log2 is a shift only where its every reader "
+        "is a floor or a power"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁproduct__mutmut_72": (
+        "the bias is refolded only where its delta is nonzero (`!= result` above): `<=` and "
+        "`<` agree there"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁproduct__mutmut_73": (
+        "the bias is refolded only where its delta is nonzero (`!= result` above): `< 1` and "
+        "`< 0` agree there"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁproduct__mutmut_78": (
+        "a product with a bias reads tensors: its scaled operand is always a node"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁproduct__mutmut_9": (
+        "a product never reads a log2's shift: a log2 is a shift only where its every reader "
+        "is a floor or a power"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁrecurrent__mutmut_12": (
+        "the default of `lift` is read only where an RNN has no input weights in its list, "
+        "which export never writes"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁrecurrent__mutmut_14": (
+        "the default of `lift` is read only where an RNN has no input weights in its list, "
+        "which export never writes"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁrecurrent__mutmut_16": (
+        "the default of `lift` is read only where an RNN has no input weights in its list, "
+        "which export never writes"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁrecurrent__mutmut_22": (
+        "the reader names only a break, and an RNN's input weight read there alone always "
+        "refolds back to 0 (it fitted there before its lift)"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁsame__mutmut_16": (
+        "a SAME op without a float operand reads an integer tensor there, and "
+        "`reads_unscaled_numbers` sends it to `opaque` first"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁsame__mutmut_18": (
+        "a SAME op without a float operand reads an integer tensor there, and "
+        "`reads_unscaled_numbers` sends it to `opaque` first"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁscale_free__mutmut_13": (
+        "a scale-free op without a float operand reads an integer or bool tensor there, and "
+        "`reads_unscaled_numbers` sends it to `opaque` first"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁscale_free__mutmut_16": (
+        "a scale-free op without a float operand reads an integer or bool tensor there, and "
+        "`reads_unscaled_numbers` sends it to `opaque` first"
+    ),
+    "fx16.analysis.scale_members.x__logarithm_argument__mutmut_1": (
+        "the walk starts at a power's exponent and follows floors' first arguments: always "
+        "nodes; a placeholder leaves the loop with [] either way"
+    ),
+    "fx16.analysis.scale_members.x__logarithm_argument__mutmut_9": (
+        "log2.default reads a tensor: its argument is always a node"
+    ),
+    "fx16.analysis.scale_members.x__small__mutmut_20": (
+        "a domain seeded by an RNN weight other than its first layer's input weights is "
+        "dropped: the recurrent rule reads those at 0, so the lift is taken back "
+        "(`test_tiny_recurrent_weights_other_than_the_input_ones_start_no_domain` passes "
+        "under it)"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁ_fold_number__mutmut_7": (
+        "export writes a product's number second (`h * 2.0`, `h / 8.0`): the first position "
+        "never holds one"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁ_fold_number__mutmut_8": (
+        "export writes a product's number second (`h * 2.0`, `h / 8.0`): the first position "
+        "never holds one"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁfree_refold__mutmut_4": (
+        "called from the product rule only: the kind is always PRODUCT"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁlower_door__mutmut_17": (
+        "`or 1.0`: a user input always has calibration's observed magnitude (scale domains "
+        "are planned from calibration, which observes every placeholder)"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁlower_door__mutmut_9": (
+        "`delta >= 0`: the caller asks only for a nonzero delta (`if delta and ...`)"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁrefold__mutmut_4": (
+        "every caller asks for a nonzero delta (`settle` and the product rule test it first; "
+        "a lift, an undo and a door move by a whole power)"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁrefold__mutmut_41": (
+        "a placeholder is visited (its exponent set) before any reader refolds it: the "
+        "default is never read"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁrefold__mutmut_43": (
+        "a placeholder is visited (its exponent set) before any reader refolds it: the "
+        "default is never read"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁrefold__mutmut_44": (
+        "a placeholder is visited (its exponent set) before any reader refolds it: the "
+        "default is never read"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁrefold__mutmut_71": (
+        "a product is visited (its exponent set) before its reader refolds it: the default is "
+        "never read"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁrefold__mutmut_73": (
+        "a product is visited (its exponent set) before its reader refolds it: the default is "
+        "never read"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁrefold__mutmut_74": (
+        "a product is visited (its exponent set) before its reader refolds it: the default is "
+        "never read"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁscale_eps__mutmut_17": (
+        "a norm's eps is planned once per walk: there is never an earlier planned value to "
+        "read back"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁscale_eps__mutmut_6": (
+        "a location whose kind is not 'args' is read as a keyword: any other word does the same"
+    ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁscale_eps__mutmut_7": (
+        "a location whose kind is not 'args' is read as a keyword: any other word does the same"
+    ),
+    "fx16.analysis.scale_plan.x_first_layer_input_weights__mutmut_15": (
+        "export writes an RNN's parameters as a list and its layer count as an int: the guard "
+        "for other forms is never reached"
+    ),
+    "fx16.analysis.scale_plan.x_first_layer_input_weights__mutmut_16": (
+        "export writes an RNN's parameters as a list and its layer count as an int: the guard "
+        "for other forms is never reached"
+    ),
+    "fx16.analysis.scale_plan.x_first_layer_input_weights__mutmut_27": (
+        "a parameter list of layers x directions x (2 or 4) tensors divides by layers / "
+        "directions too (remainder 0): only malformed lists differ"
+    ),
+    "fx16.analysis.scale_plan.x_first_layer_input_weights__mutmut_35": (
+        "export passes an RNN's parameters as placeholders: every entry is a node"
+    ),
+    "fx16.analysis.scale_plan.x_floors_by_one__mutmut_13": (
+        "`args[1:3]`: a floor division has two positional arguments, so the slice holds the "
+        "divisor alone either way"
+    ),
+    "fx16.analysis.scale_plan.x_largest_operand__mutmut_9": (
+        "every float operand of a visited op has a calibrated magnitude: the default is never read"
+    ),
+    "fx16.analysis.scale_plan.x_only_feeds_powers__mutmut_3": (
+        "the output node's rule (the default, of no listed kind) is neither a floor nor a "
+        "power, as None is not"
+    ),
+    "fx16.analysis.scale_plan.xǁStateTensorsǁmovable__mutmut_15": (
+        "every state tensor has a calibrated magnitude (calibration observes every "
+        "placeholder): the default is never read"
+    ),
+    "fx16.analysis.scale_plan.xǁStateTensorsǁmovable__mutmut_17": (
+        "every state tensor has a calibrated magnitude (calibration observes every "
+        "placeholder): the default is never read"
+    ),
+    "fx16.analysis.scale_plan.xǁStateTensorsǁmovable__mutmut_18": (
+        "every state tensor has a calibrated magnitude (calibration observes every "
+        "placeholder): the default is never read"
+    ),
+    "fx16.analysis.scale_plan.xǁStateTensorsǁmovable__mutmut_2": (
+        "both callers (`refold`, the upstream walk) pass `added`: the default is never read"
+    ),
+    "fx16.analysis.scale_upstream.x_upstream_fold__mutmut_26": (
+        "sorted without a key: torch.fx nodes order by their place in the graph, and the "
+        "caller reads the list as a set"
+    ),
+    "fx16.analysis.scale_upstream.x_upstream_fold__mutmut_28": (
+        "sorted without a key: torch.fx nodes order by their place in the graph, and the "
+        "caller reads the list as a set"
+    ),
+    "fx16.analysis.scale_upstream.xǁ_Walkǁsources__mutmut_2": (
+        "`float_operands` hands the walk nodes only: `not isinstance(node, Node)` is never true"
+    ),
+    "fx16.analysis.scale_upstream.xǁ_Walkǁsources__mutmut_37": (
+        "a SAME op on the walk has a float operand: one without reads an integer tensor there "
+        "and `reads_unscaled_numbers` returned None before"
+    ),
+    "fx16.ops.scaling.x__power__mutmut_2": (
+        "a POWER rule's tensors are read by no stage: the power handler reads its base as "
+        "`args[0]`, and the members, upstream walk and joins test the kind first"
+    ),
+    "fx16.ops.scaling.x__power__mutmut_5": (
+        "a POWER rule's tensors are read by no stage: the power handler reads its base as "
+        "`args[0]`, and the members, upstream walk and joins test the kind first"
+    ),
+    "fx16.ops.scaling.x__power__mutmut_7": (
+        "a POWER rule's tensors are read by no stage: the power handler reads its base as "
+        "`args[0]`, and the members, upstream walk and joins test the kind first"
+    ),
+    "fx16.passes.scale_domains.x__bound__mutmut_9": (
+        "`>=`: where the bound equals what was seen, writing it changes nothing"
+    ),
 }
 
 
