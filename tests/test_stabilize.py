@@ -756,3 +756,18 @@ def test_a_magnitude_inside_a_cond_branch_is_scaled_only_out_of_range(loudness):
         assert float(((got - want) / want).abs().max()) < 3 * 2**-11
         if loudness == 1.0:
             assert torch.equal(got, BranchMagnitude()(x.half()).double())
+
+
+@pytest.mark.parametrize("eps", [1e-3, 1e-2, 0.1])
+def test_a_quiet_row_under_a_large_eps_keeps_its_value(eps):
+    """Rows below 2**-8 used to be divided by 2**-14 whatever eps was: eps / s**2, the eps
+    term in y's units, passed 65504 for eps above 1.2e-4 and the row came out 0 (its
+    true value x / sqrt(eps) is not). The clamp's floor is now sqrt(eps)'s power of two
+    where that is larger: the row keeps its value to a few 16-bit ulps."""
+    calibration = torch.randn(4, 16)
+    ep = fx16.cast_fp32_to_fp16(export(RmsNorm(eps), calibration))
+    x = torch.randn(4, 16) * torch.tensor([[1e-4], [3e-3], [1.0], [30.0]])
+    got = run(ep, x)[0].double()
+    want = RmsNorm(eps).double()(x.double())
+    scale = want.abs().amax(-1, keepdim=True)
+    assert float(((got - want).abs() / scale).max()) < 4 * 2**-11

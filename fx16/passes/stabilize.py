@@ -19,6 +19,8 @@ them. A program without any
 pattern is left byte-identical.
 """
 
+from dataclasses import replace
+
 import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
@@ -79,9 +81,10 @@ class StabilizePass(PassBase):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         modified = False
-        kept = model_fp32_regions(graph_module) if self.keep_model_fp32 else set()
+        regions = model_fp32_regions(graph_module)
+        kept = regions if self.keep_model_fp32 else frozenset()
         for module in Facts.of(graph_module).graph_modules:  # the bodies of cond, loops, too
-            if self.rewrite(module.graph, kept):
+            if self.rewrite(module.graph, kept, regions):
                 if module is not graph_module:
                     module.recompile()  # the root is recompiled by whoever runs the pipeline
                 modified = True
@@ -90,9 +93,12 @@ class StabilizePass(PassBase):
             assign_ids(graph_module)  # the nodes it made: fx16.diagnose compares them too
         return PassResult(graph_module, modified)
 
-    def rewrite(self, graph: Graph, kept: set[Node] = frozenset()) -> bool:
+    def rewrite(
+        self, graph: Graph, kept: set[Node] = frozenset(), regions: set[Node] = frozenset()
+    ) -> bool:
         """Apply every rule to one graph, but not to a pattern whose result is in ``kept``;
-        whether any pattern was rewritten."""
+        a rewrite whose result is in ``regions`` (the model's own fp32 regions) is built
+        knowing it (``Rewrite.in_model_fp32``); whether any pattern was rewritten."""
         modified = False
         for rule in self.rules:
             for node in _offered(graph, getattr(rule, "roots", None)):
@@ -101,6 +107,8 @@ class StabilizePass(PassBase):
                 rewrite = rule.match(node)
                 if rewrite is None or rewrite.result in kept:
                     continue
+                if rewrite.result in regions:
+                    rewrite = replace(rewrite, in_model_fp32=True)
                 made = rule.build(graph, rewrite)
                 made.meta[STABILIZED] = (rule.name, rewrite.detail)
                 rewrite.result.replace_all_uses_with(made)

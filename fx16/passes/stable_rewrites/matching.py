@@ -68,6 +68,7 @@ class Rewrite:
     replaced: tuple[Node, ...]
     detail: str = ""
     parts: tuple = ()  # what the rule's build reads, where the match found it
+    in_model_fp32: bool = False  # the result is in an fp32 region the model opens itself
 
 
 class StableRewrite(Protocol):

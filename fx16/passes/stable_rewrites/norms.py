@@ -25,6 +25,7 @@ from fx16.passes.stable_rewrites.matching import (
     reduction_of,
     squared,
 )
+from fx16.passes.stable_rewrites.norm_statistic import ANY_SCALE, EpsTerm, compensated
 
 aten = torch.ops.aten
 
@@ -42,12 +43,6 @@ _SCALED_MEAN = "a scaled RMSNorm's: |y| < 128 and y**2 < 16384 for any input"
 _SCALED_SUM = "a scaled L2 norm's: |y| < 2, a sum of n squares below 4n, for any input"
 
 
-# Why the scale's rounding does not matter: the result is the same for any s > 0.
-_ANY_SCALE = (
-    "the scale s of a scaled RMSNorm: the result is the same for any s > 0, so its rounding "
-    "(a power of two a step off) cancels"
-)
-
 # Why the scaled eps term may flush: it is tiny only where the scale s comes from the row's
 # largest magnitude, and then the mean of squares it is added to is at least 64**2 / d.
 _EPS_TERM = (
@@ -59,12 +54,14 @@ _EPS_TERM = (
 
 
 # Why the scaled mean (or sum) of squares cannot flush: a row's largest |y| is at least 64
-# (a sum's: 1) unless the row's largest |x| is below 2**-8 (2**-14), and then the eps term
-# is eps * 2**28; without an eps, such a row was subnormal in 16-bit before the norm.
+# (a sum's: 1) unless the row's largest |x| is below the clamp's floor, and then the eps
+# term is eps * 4096 / floor**2; without an eps, such a row was subnormal in 16-bit before
+# the norm.
 _SCALED_POWER = (
     "the mean (or sum) of squares of a scaled norm: at least 4096 / row length (a sum: 1) "
-    "where the row's largest magnitude is 2**-8 (a sum: 2**-14) or more, else at least "
-    "eps * 2**28; without an eps, a row below that was subnormal in 16-bit before the norm"
+    "where the row's largest magnitude is at least the clamp's floor (2**-8, a sum's "
+    "2**-14, or sqrt(eps)'s power of two), else at least 1024, or eps * 2**28; without "
+    "an eps, a row below that was subnormal in 16-bit before the norm"
 )
 
 
@@ -76,11 +73,18 @@ class RmsNormScaling:
     ``x / sqrt(sum(x**2))``), with or without eps - with activations of a few hundred,
     x**2 passes 65504 (why models compute it in an fp32 region); on a quiet input (a
     near-silent audio frame) it flushes to zero.
-    After: ``k = floor(log2(amax(max(|x|, 2**-14 / f), dims))); s = 2**k * f; y = x / s;
+    After: ``k = floor(log2(amax(max(|x|, floor), dims))); s = 2**k * f; y = x / s;
     y * rsqrt(mean(y**2, dims) + (2**-k * sqrt(eps) / f)**2)`` (``y / sqrt(...)`` for the
     divided form: a power of two scales every value it computes, so in range each rounds
     as the model's own form does): the same value in exact arithmetic for any s > 0, and
-    s a power of two makes ``x / s`` exact in 16-bit too.
+    s a power of two makes ``x / s`` exact in 16-bit too. The floor is 2**-14 / f, or the
+    power of two at or above sqrt(eps) where that is larger: the eps term stays below
+    2**14 on any row (a row below sqrt(eps) is eps's anyway).
+    Inside an fp32 region the model opens (``x.float()`` before the variance, retargeted
+    to 16-bit), the statistic after y is computed to an fp32 statistic's accuracy
+    instead (``fx16.passes.stable_rewrites.norm_statistic``): the model asked for one,
+    and a 16-bit rsqrt of a 16-bit mean rounds once per row for the whole row (1.3-1.5x
+    ``.half()``'s error on the norm's output; about 1.08x so).
     For a mean, f = 1/64: the row's largest |y| lies in [64, 128), so every y**2 is below
     16384, and elements 1/2000 of the largest still square to a normal 16-bit number
     (scaling the largest to 1 would leave their squares subnormal, with a few bits). For
@@ -89,7 +93,8 @@ class RmsNormScaling:
     say in ``meta["fx16.rounding_cancels"]`` for the conditioning analysis.
 
     Costs: a clamp and a division per element, one largest-magnitude reduction per row,
-    in 16-bit; no fp32."""
+    in 16-bit; no fp32 (in a model's fp32 region, the residual's mean and three ops per
+    element more)."""
 
     name = "rms_norm_scaling"
     roots = (aten.mul.Tensor, aten.div.Tensor)  # the ops a match starts from
@@ -132,17 +137,17 @@ class RmsNormScaling:
         factor = 1.0 if summed else 2.0**-6
         make = Builder(graph, rewrite.result)
         magnitudes = make(aten.abs.default, x)
-        # max(amax(|x|), 2**-14 / f) as amax(max(|x|, 2**-14 / f)): the clamp runs beside
+        # max(amax(|x|), floor) as amax(max(|x|, floor)): the clamp runs beside
         # the abs, and every op from the row's largest magnitude to 2**k is one that
         # ExecuTorch's XNNPACK delegate leaves out, so the norm splits no delegate more
-        lifted = make(aten.clamp.default, magnitudes, 2.0**-14 / factor)
+        lifted = make(aten.clamp.default, magnitudes, _floor(eps, factor))
         lifted.meta[BOUNDED_BELOW] = AT_LEAST_NORMAL
         largest = make(aten.amax.default, lifted, dims, True)
         exponent, power = power_of_two_below(
-            make, largest, (magnitudes, lifted, largest), _ANY_SCALE
+            make, largest, (magnitudes, lifted, largest), ANY_SCALE
         )
         scale = power if summed else make(aten.mul.Tensor, power, factor)
-        scale.meta[ROUNDING_CANCELS] = _ANY_SCALE
+        scale.meta[ROUNDING_CANCELS] = ANY_SCALE
         scale.meta[BOUNDED_BELOW] = AT_LEAST_NORMAL
         y = make(aten.div.Tensor, x, scale)
         squares = make(aten.pow.Tensor_Scalar, y, 2)
@@ -150,10 +155,14 @@ class RmsNormScaling:
         why = _SCALED_SUM if summed else _SCALED_MEAN
         for part in (y, squares, power_sum):
             part.meta[SCALED] = why
+        if rewrite.in_model_fp32:
+            power_sum.meta[BOUNDED_BELOW] = _SCALED_POWER
+            eps_term = None if eps is None else EpsTerm(eps / factor**2, exponent)
+            return compensated(make, y, power_sum, None if summed else squares, dims, eps_term)
         if eps is not None:
             # sqrt(eps) / s = 2**-k * (sqrt(eps) / f), 2**-k read from k as 2**k is
             inverse = make(aten.pow.Scalar, 0.5, exponent)
-            inverse.meta[ROUNDING_CANCELS] = _ANY_SCALE  # 1/s, from the same k as s
+            inverse.meta[ROUNDING_CANCELS] = ANY_SCALE  # 1/s, from the same k as s
             shrunk = make(aten.mul.Tensor, inverse, math.sqrt(eps) / factor)
             eps_term = make(aten.mul.Tensor, shrunk, shrunk)
             for small in (shrunk, eps_term):
@@ -165,6 +174,15 @@ class RmsNormScaling:
         if rewrite.result.target is aten.div.Tensor:  # the model's own form, rounding alike
             return make(aten.div.Tensor, y, make(aten.sqrt.default, power_sum))
         return make(aten.mul.Tensor, y, make(aten.rsqrt.default, power_sum))
+
+
+def _floor(eps: float | None, factor: float) -> float:
+    """The clamp under a row's largest magnitude: 16-bit's smallest normal over f, or the
+    power of two at or above sqrt(eps) where that is larger."""
+    floor = 2.0**-14 / factor
+    if eps:
+        floor = max(floor, 2.0 ** math.ceil(math.log2(math.sqrt(eps))))
+    return floor
 
 
 class TwoPassVariance:
