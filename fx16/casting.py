@@ -13,6 +13,7 @@ from torch.export import ExportedProgram
 
 from fx16.accuracy.budget import cast_fp16_within_budget
 from fx16.analysis.calibration_inputs import calibration_calls
+from fx16.choices import DROP_IN_TARGET
 from fx16.errors import InvalidOptionError, require_flag, require_number
 from fx16.pipelines import fp16_passes, int16_passes, reject_unknown, run_passes
 from fx16.plan.steps import explained
@@ -238,31 +239,20 @@ def cast_to_16_bit_precision(
     Args:
         exported_program: the program, changed in place (positional or by this name).
         ignored_ops: coreai-opt's option, as in ``cast_fp32_to_fp16``.
-        policy: as in ``cast_fp32_to_fp16``; so are ``target``, ``explicit_fp32``, ``stabilize``,
+        target: as in ``cast_fp32_to_fp16``, but None with no ``policy`` is
+            "neural_engine" (``fx16.choices.DROP_IN_TARGET``), where coreai-opt's users
+            deploy: the model's own fp32 regions go 16-bit unless calibration shows they
+            need fp32. ``target="cpu"``: ``cast_fp32_to_fp16``'s default.
+        policy: as in ``cast_fp32_to_fp16``; so are ``explicit_fp32``, ``stabilize``,
             ``eps_clamp``, ``routing``, ``range_fallback``, ``keep_io_types``,
-            ``overflow_margin``,
-            ``force_fp32``, ``scalars``, ``max_rel_error``, ``target_share``,
-            ``metric``, ``validation`` and ``progress``. The accuracy budget applies to
-            the fp16 stage (int16 narrowing is exact).
-        explicit_fp32: see ``cast_fp32_to_fp16``.
-        stabilize: see ``cast_fp32_to_fp16``.
-        eps_clamp: see ``cast_fp32_to_fp16``.
-        routing: see ``cast_fp32_to_fp16``.
-        range_fallback: see ``cast_fp32_to_fp16``.
-        keep_io_types: see ``cast_fp32_to_fp16``.
+            ``overflow_margin``, ``force_fp32``, ``scalars``, ``max_rel_error``,
+            ``target_share``, ``metric``, ``validation`` and ``progress``. The accuracy
+            budget applies to the fp16 stage (int16 narrowing is exact).
         calibration: inputs for both stages: the fp16 stage's calibration, and the
             int16 stage's ``int16="observed"``.
-        overflow_margin: see ``cast_fp32_to_fp16``.
         input_ranges: declared value ranges of integer user inputs, by name, for both
             stages (see ``cast_int32_to_int16``).
-        force_fp32: see ``cast_fp32_to_fp16``.
-        scalars: see ``cast_fp32_to_fp16``.
         int16: how integers narrow, as in ``cast_int32_to_int16``.
-        max_rel_error: see ``cast_fp32_to_fp16``.
-        target_share: see ``cast_fp32_to_fp16``.
-        metric: see ``cast_fp32_to_fp16``.
-        validation: see ``cast_fp32_to_fp16``.
-        progress: see ``cast_fp32_to_fp16``.
         **unknown: none is accepted: an unknown keyword raises ``InvalidOptionError``.
 
     Returns:
@@ -273,6 +263,8 @@ def cast_to_16_bit_precision(
             leaving ``exported_program`` as it was.
     """
     reject_unknown(cast_to_16_bit_precision, unknown)
+    if target is None and policy is None:
+        target = DROP_IN_TARGET
     fp16_options = Fp16Options(**_fp16_fields(locals()))
     int16_options = dict(input_ranges=input_ranges, int16=int16, calibration=calibration)
     budget = dict(

@@ -20,6 +20,9 @@ TARGETS = {
     "gpu": {"explicit_fp32": "keep", "range_fallback": "bf16"},
     "neural_engine": {"explicit_fp32": "calibrated", "range_fallback": "fp32"},
 }
+# The target cast_to_16_bit_precision, coreai-opt's entry point, takes when the caller names
+# neither a target nor a policy: coreai-opt's users deploy to Core AI and the Neural Engine.
+DROP_IN_TARGET = "neural_engine"
 # Which Python numbers of 16-bit ops become 16-bit constants (ScalarsAsConstantsPass).
 SCALARS_CHOICES = ("exact", "rounded", "keep")
 # int16= modes: "proven" narrows only values whose proven or declared range fits;

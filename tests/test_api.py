@@ -190,7 +190,8 @@ RANGES = {"ids": (0, 99)}
 def test_pass_manager_equals_cast_to_16_bit_precision():
     by_api = fx16.cast_to_16_bit_precision(_int_program(), input_ranges=RANGES)
     by_manager = _int_program()
-    passes = fx16.fp16_passes(by_manager) + fx16.int16_passes(by_manager, input_ranges=RANGES)
+    passes = fx16.fp16_passes(by_manager, target="neural_engine")
+    passes += fx16.int16_passes(by_manager, input_ranges=RANGES)
     PassManager(passes)(by_manager.graph_module)
     assert_same_state(state_snapshot(by_api), state_snapshot(by_manager))
 

@@ -387,6 +387,26 @@ def test_the_neural_engine_target_keeps_a_region_only_on_evidence():
     assert report_of(engine).provenance["options"]["target"] == "neural_engine"
 
 
+def test_cast_to_16_bit_precision_defaults_to_the_neural_engine():
+    """coreai-opt's entry point, called as coreai-opt's users call it, casts for the
+    Neural Engine: the model's own fp32 region goes 16-bit, as coreai-opt's does. A target
+    or policy the caller names wins, and ``cast_fp32_to_fp16`` keeps its default."""
+    from models import RMSNormMLP
+
+    torch.manual_seed(0)
+    model, x = RMSNormMLP().eval(), torch.randn(3, 16)
+
+    def kept(ep) -> bool:
+        return "explicit_fp32" in {row.rule for row in report_of(ep).rows}
+
+    drop_in = fx16.cast_to_16_bit_precision(export(model, x))
+    assert not kept(drop_in)
+    assert report_of(drop_in).provenance["options"]["target"] == "neural_engine"
+    assert kept(fx16.cast_to_16_bit_precision(export(model, x), target="cpu"))
+    assert kept(fx16.cast_to_16_bit_precision(export(model, x), policy="default"))
+    assert kept(fx16.cast_fp32_to_fp16(export(model, x)))
+
+
 def test_an_unknown_target_is_refused_and_changes_nothing():
     from models import RMSNormMLP
 
