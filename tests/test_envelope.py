@@ -17,6 +17,7 @@ from fx16.analysis.scale_domains import scale_domains
 from fx16.program import Program
 from fx16.program.values import program_values
 from fx16.report import report_of
+from fx16.report.degrees import input_degrees
 from fx16.report.envelope import envelope
 from helpers import command, export
 from models import PositionsAndMask
@@ -311,3 +312,37 @@ def test_a_value_out_of_an_autocast_region_grows_as_the_region_made_it():
     largest = float(x.pow(2).sum(-1).max())
     assert found.headroom_degree == 2.0
     assert found.headroom == pytest.approx((65504 / largest) ** 0.5, rel=1e-3)
+
+
+class SquaresOverAFlooredRoot(nn.Module):
+    """Each square times every element's ``rsqrt(|x| + 1e-3)``: an outer product."""
+
+    def forward(self, x):
+        return (x.pow(2).unsqueeze(-1) * torch.rsqrt(x.abs() + 1e-3).unsqueeze(-2)).mean(-1)
+
+
+def test_a_negative_power_of_a_floored_value_does_not_shrink_its_smallest_elements():
+    """``rsqrt(|x| + 1e-3)`` of an element near 0 stays ~32 as the inputs grow (the floor
+    holds it): the outer product grows as the square, not as ``x**1.5``. Counted at 1.5,
+    the envelope once stated 139x where the product overflowed fp16 at 0.9x that (a long
+    fuzz's program); now the figure is the square's, and 0.9x of it stays finite."""
+    x = torch.tensor([[0.0, 0.5, -2.0, 3.0, 1e-3]])
+    ep = fx16.cast_fp32_to_fp16(export(SquaresOverAFlooredRoot(), x))
+    found = report_of(ep).totals.envelope
+    assert found.headroom_degree == 2.0
+    args, _ = fx16.inputs_for(ep, x * 0.9 * found.headroom)
+    assert bool(ep.module()(*args).isfinite().all())
+
+
+def test_a_norms_root_mean_square_still_shrinks_with_its_inputs():
+    """``x * rsqrt(mean(x**2) + eps)``: the mean of squares is far above eps on what
+    calibration saw, so the norm's output grows as nothing and no figure names it."""
+
+    class Norm(nn.Module):
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * 100.0
+
+    ep = fx16.cast_fp32_to_fp16(export(Norm(), torch.randn(4, 16)), stabilize=False)
+    degrees = input_degrees(ep)
+    (output,) = [n for n in ep.graph.nodes if n.op == "output"][0].args[0]
+    assert degrees[output] == 0.0

@@ -32,20 +32,16 @@ from fx16.analysis.intervals import Source, ValueRange
 from fx16.analysis.underflow import singular_argument, small_end
 from fx16.decisions import PRECISION, Reason
 from fx16.ops.kinds import (
-    ATTENTION_OPS,
     EXPONENTIAL_GROWTH_OPS,
-    GROWTH_MULTIPLYING_OPS,
-    SCALE_BOUNDED_OPS,
     op_name,
 )
 from fx16.ops.numeric_tables import EXPONENTIAL_TAIL_OPS, SOFTMAX_OPS
 from fx16.ops.numerics import largest, smallest_normal
-from fx16.program import Program
-from fx16.program.boundaries import Boundaries
 from fx16.program.casts import is_cast
 from fx16.program.cost import is_product
-from fx16.program.nodes import node_val, tensor_leaves
+from fx16.program.nodes import node_val
 from fx16.program.subgraphs import nested_graph_modules
+from fx16.report.degrees import input_degrees
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -283,67 +279,3 @@ def _product_read(node: Node) -> tuple[float, str] | None:
     if not (isinstance(val, torch.Tensor) and val.dtype in SIXTEEN_BIT and largest_seen):
         return None
     return largest_seen * torch.finfo(val.dtype).eps / 2, source.name
-
-
-def input_degrees(ep: ExportedProgram) -> dict[Node, float | None]:
-    """How each value grows when the program's float user inputs grow: as their scale
-    to this power (1 for a linear of an input, 2 for attention scores ``q kᵀ``, 0 for a
-    weight, a norm's output, a softmax or what token ids select; None where it grows
-    faster than any power, an exponential of them). Bodies read their operands', and
-    what reads a body's results reads its outputs': the graphs are walked again until
-    nothing changes (a body is walked after the graph holding its op, so its results
-    reach that graph on the next walk; at most one walk more per graph)."""
-    boundaries = Boundaries(ep.graph_module)
-    program_inputs = {node.name for node in Program.of(ep).user_input_placeholders()}
-    degrees: dict[Node, float | None] = {}
-    for _ in boundaries.graph_modules:
-        before = dict(degrees)
-        for module in boundaries.graph_modules:
-            for node in module.graph.nodes:
-                degrees[node] = _degree(node, degrees, boundaries, program_inputs, module)
-        if degrees == before:
-            break
-    return degrees
-
-
-def _degree(node, degrees, boundaries, program_inputs, module) -> float | None:
-    val = node_val(node)
-    floats = [leaf for leaf in tensor_leaves(val) if leaf.is_floating_point()]
-    if node.op == "placeholder":
-        sources = boundaries.crossing_sources(node)
-        if sources:
-            found = [degrees.get(source, 0.0) for source in sources]
-            return None if None in found else max(found)
-        top = module is boundaries.graph_modules[0]
-        return 1.0 if top and node.name in program_inputs and floats else 0.0
-    if node.op != "call_function" or not floats:
-        return 0.0
-    inputs = [degrees.get(arg, 0.0) for arg in boundaries.inputs(node)]
-    if None in inputs:
-        return None
-    name = getattr(node.target, "_opname", "")
-    tensors = [arg for arg in node.args if isinstance(arg, Node)]
-    own = [degrees.get(arg, 0.0) for arg in tensors]
-    if name in SCALE_BOUNDED_OPS:
-        return 0.0
-    if name in EXPONENTIAL_GROWTH_OPS:
-        return None if max(inputs, default=0.0) > 0 else 0.0
-    if name in ATTENTION_OPS:  # a weighted mean of the values
-        return own[2] if len(own) > 2 else max(inputs, default=0.0)
-    if name == "pow" and len(node.args) > 1 and isinstance(node.args[1], (int, float)):
-        return own[0] * node.args[1] if own else 0.0
-    if name in ("div", "reciprocal", "rsqrt", "sqrt", "var", "std"):
-        first = own[0] if own else 0.0
-        return {
-            "div": first - (own[1] if len(own) > 1 else 0.0),
-            "reciprocal": -first,
-            "rsqrt": -first / 2,
-            "sqrt": first / 2,
-            "var": 2 * first,
-            "std": first,
-        }[name]
-    if name in ("addmm", "baddbmm", "addbmm", "addmv"):  # input + a product
-        return max(own[0], own[1] + own[2]) if len(own) >= 3 else max(own, default=0.0)
-    if name in GROWTH_MULTIPLYING_OPS:
-        return sum(own)
-    return max(inputs, default=0.0)
