@@ -5,8 +5,9 @@ A 16-bit ``rsqrt`` of a 16-bit mean rounds once per row for the whole row: on th
 output 1.3-1.5x the error of ``.half()``'s fp32 statistic, which rounds only the product.
 Here, for a row ``y`` already divided by its power of two (|y| < 128):
 
-- the mean's own rounding is recovered from the mean of its residuals ``y**2 - mean``
-  (each residual's rounding averages out over the row);
+- the mean's own rounding is recovered from the mean of the residuals ``y**2 - c``, for
+  c the mean's leading 4 bits: each residual is exact where it is large (a few "massive"
+  elements that dominate the row), and where it rounds the roundings average out;
 - eps enters as ``eps / s**2``, two 16-bit parts of the constant times a power of two,
   each product exact;
 - an integer j brings the statistic into [0.5, 2): ``t = (mean + eps / s**2) * 4**j``,
@@ -49,11 +50,12 @@ _EPS_PARTS = (
     "flushing it changes that sum by under 2**-13 of one rounding"
 )
 
-# Why the residual mean may round or flush: it corrects the mean's own rounding.
+# Why the residual mean may round or flush: it corrects the mean's leading bits.
 _RESIDUAL = (
-    "the residuals y**2 - mean(y**2) of a scaled RMSNorm and their mean: a correction of "
-    "the mean's rounding (under 2**-11 of it); each residual's rounding is averaged over "
-    "the row, and flushing the mean leaves the mean uncorrected, as a plain 16-bit norm is"
+    "the residuals y**2 - c of a scaled RMSNorm, c the mean of squares' leading 4 bits, and "
+    "their mean: exact where a residual is large, each rounding averaged over the row "
+    "where it is not; a mean of them that flushes is below 2**-14, against a mean of "
+    "squares of at least 4096 / row length"
 )
 
 # Why the statistic near one is computed to full accuracy.
@@ -104,12 +106,6 @@ def compensated(
 ) -> Node:
     """``y * (power + eps / s**2) ** -0.5`` as the module computes it, for the mean (or
     sum: ``squares`` None, no residual) of squares ``power`` of the row ``y``."""
-    later = []  # what the statistic adds to power, before 4**j
-    if squares is not None:
-        residuals = make(aten.sub.Tensor, squares, power)
-        later.append(make(aten.mean.dim, residuals, dims, True))
-        residuals.meta[ROUNDING_CANCELS] = _RESIDUAL
-        later[0].meta[NEGLIGIBLE] = _RESIDUAL
     rough = power
     if eps is not None:
         rough = make(aten.add.Tensor, power, *eps.parts(make, None))
@@ -122,11 +118,24 @@ def compensated(
     doubled_j = make(aten.mul.Tensor, j, 2.0)
     unit = make(aten.pow.Scalar, 2.0, j)
     quartic = make(aten.pow.Scalar, 2.0, doubled_j)
-    for node in (logarithm, halved, shifted, j, doubled_j, unit, quartic):
-        node.meta[ROUNDING_CANCELS] = ANY_SCALE
     near_one = make(aten.mul.Tensor, power, quartic)
-    deviation = make(aten.sub.Tensor, near_one, 1.0)  # exact: near_one in [0.5, 2]
-    rest = [make(aten.mul.Tensor, part, quartic) for part in later]
+    # its leading 4 bits (Veltkamp's split): a centre the residuals subtract exactly
+    spread = make(aten.mul.Tensor, near_one, 129.0)
+    coarse = make(aten.sub.Tensor, spread, make(aten.sub.Tensor, spread, near_one))
+    chain = (logarithm, halved, shifted, j, doubled_j, unit, quartic, spread, spread.next)
+    for node in (*chain, coarse):
+        node.meta[ROUNDING_CANCELS] = ANY_SCALE
+    if squares is not None:
+        centre = make(aten.div.Tensor, coarse, quartic)
+        residuals = make(aten.sub.Tensor, squares, centre)
+        residual = make(aten.mean.dim, residuals, dims, True)
+        rest = [make(aten.mul.Tensor, residual, quartic)]
+        for node in (centre, residuals, residual):
+            node.meta[ROUNDING_CANCELS] = _RESIDUAL
+        residual.meta[NEGLIGIBLE] = _RESIDUAL
+    else:
+        rest = [make(aten.sub.Tensor, near_one, coarse)]  # exact: the split's other part
+    deviation = make(aten.sub.Tensor, coarse, 1.0)  # exact: 4 bits near 1
     if eps is not None:
         rest.extend(eps.parts(make, doubled_j))
     sums = [deviation]
