@@ -10,17 +10,21 @@ Here, for a row ``y`` already divided by its power of two (|y| < 128):
   elements that dominate the row), and where it rounds the roundings average out;
 - eps enters as ``eps / s**2``, two 16-bit parts of the constant times a power of two,
   each product exact;
-- an integer j brings the statistic into [0.5, 2): ``t = (mean + eps / s**2) * 4**j``,
-  and ``t - 1`` is exact;
+- an integer j brings the statistic near 1: ``t = (c + residuals' mean + eps / s**2) *
+  4**j`` in [0.5, 2), and ``c * 4**j - 1`` is exact;
 - the result is ``y' - y' * h`` for ``y' = y * 2**j`` (exact) and ``h = 1 - t**-0.5 =
   (t - 1) / (t + sqrt(t))``, below 0.3: only h and its product round, as a fraction h of
   the one rounding the fp32 form has.
 
 About 1.04-1.08x the fp32 statistic's error on the norm's output, on every CPU kernel path
 (a sum of squares takes no residual; the form's floor, with h exact to 22 bits, is about
-1.045x). The cost: per element, the residual and its mean, two products and a subtraction
-more; per row, a handful of 16-bit ops. Every op is one ExecuTorch's portable kernels run;
-the per-row chain to 2**j runs outside the XNNPACK delegate, a delegate call more per norm.
+1.045x). Where a few massive elements dominate a row (trained LLMs' massive activations),
+their squares round in 16-bit and h's rounding is not averaged: 1.1-1.2x on such rows
+(exact squares would take six elementwise ops more per norm).
+
+The cost: per element, the residual and its mean, two products and a subtraction more; per
+row, a handful of 16-bit ops. Every op is one ExecuTorch's portable kernels run; the
+per-row chain to 2**j runs outside the XNNPACK delegate, a delegate call more per norm.
 """
 
 import math
