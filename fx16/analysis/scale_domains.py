@@ -46,7 +46,7 @@ from fx16.analysis.facts import Facts
 from fx16.analysis.scale_centre import centre
 from fx16.analysis.scale_exponents import propagate
 from fx16.analysis.scale_members import SMALLEST_NORMAL, grow_domains
-from fx16.analysis.scale_plan import SMALLEST_FOLDED, StateTensors
+from fx16.analysis.scale_plan import FP16_LARGEST, SMALLEST_FOLDED, StateTensors
 from fx16.analysis.scale_upstream import upstream_fold
 from fx16.contracts import Analysis
 from fx16.decisions import PRECISION
@@ -55,8 +55,6 @@ from fx16.ops.scaling import Kind, rule_of
 from fx16.program import Program
 from fx16.program.nodes import is_float_tensor, mutated_argument, node_val
 from fx16.program.tensor_subclasses import is_subclass
-
-FP16_LARGEST = float(torch.finfo(torch.float16).max)
 
 PLAN_KEY = meta.SCALE_PLAN
 DOMAINS_KEY = meta.SCALE_DOMAINS

@@ -6,7 +6,13 @@ from typing import Any
 
 from torch.fx import Node
 
-from fx16.analysis.scale_plan import SMALLEST_FOLDED, ScalePlan, StateTensors, argument
+from fx16.analysis.scale_plan import (
+    FP16_LARGEST,
+    SMALLEST_FOLDED,
+    ScalePlan,
+    StateTensors,
+    argument,
+)
 from fx16.meta import observed_max_abs
 from fx16.ops.scaling import Kind, ScaleRule, rule_of
 from fx16.program.nodes import is_number, named_argument
@@ -108,9 +114,15 @@ class PlanMoves:
         )
 
     def _fold_number(self, node: Node, rule: ScaleRule, delta: int) -> bool:
-        """Move ``2**delta`` into the product ``node``'s number operand, if it has one."""
+        """Move ``2**delta`` into the product ``node``'s number operand, if it has one and
+        it stays within fp16's range (past it, the op would stay fp32 for its scalar: a
+        runtime multiply or another fold carries the scale instead)."""
         for position, sign in ((rule.tensors[1], -1 if rule.divides else 1), (rule.tensors[0], 1)):
-            if is_number(argument(node, position)):
+            number = argument(node, position)
+            if is_number(number):
+                current = self.plan.scalars.get((node, ("args", position)), number)
+                if abs(current * 2.0 ** (sign * delta)) > FP16_LARGEST:
+                    return False
                 self.scale_scalar(node, position, 2.0 ** (sign * delta))
                 return True
         return False

@@ -61,6 +61,8 @@ class StateTensors:
         return min(magnitude, SMALLEST_FOLDED) <= scaled <= self.limit
 
 
+FP16_LARGEST = float(torch.finfo(torch.float16).max)
+
 # A fold never takes a state tensor's largest magnitude below this (nor below where it
 # was): its small elements would leave the 16-bit normal range.
 SMALLEST_FOLDED = 2.0**-8

@@ -27,8 +27,6 @@ row, a handful of 16-bit ops. Every op is one ExecuTorch's portable kernels run;
 per-row chain to 2**j runs outside the XNNPACK delegate, a delegate call more per norm.
 """
 
-import math
-
 import torch
 from torch.fx import Node
 
@@ -43,10 +41,10 @@ ANY_SCALE = (
     "(a power of two a step off) cancels"
 )
 
-# Why the eps term's exponent arithmetic is exact, and why its parts may flush.
-_EXPONENT_EXACT = (
-    "an integer exponent of a scaled RMSNorm's eps term (|e| < 64, exact in 16-bit) and "
-    "2**e times a 16-bit part of eps / f**2: exact while normal"
+# Why the eps term's products are exact, and why its parts may flush.
+_POWERS_EXACT = (
+    "a part of a scaled RMSNorm's eps term: a 16-bit part of eps / f**2 times powers of "
+    "two (2**-k, 4**j), exact while normal"
 )
 _EPS_PARTS = (
     "the eps term of a scaled RMSNorm, eps / s**2 times 4**j, in parts: where a part is "
@@ -75,34 +73,35 @@ _UNIT_ROW = "a scaled RMSNorm's y * 2**j: within 2x of y / rms(y), below sqrt(ro
 
 
 class EpsTerm:
-    """``eps / s**2`` for s = 2**k * f, times 4**j: ``c * 2**(e - 2k + 2j)`` for the
-    constant c = eps / f**2 = (hi + lo) * 2**e, hi its nearest 16-bit number and lo the
-    rest (in 16-bit, its own nearest), so that each product is a power of two times one
-    16-bit number: exact while normal (``(sqrt(eps) / s)**2`` rounds twice); in fp64 the
-    two parts are c to the last bit."""
+    """``eps / s**2`` for s = 2**k * f: ``2**-k * (2**-k * c)`` for the constant c = eps /
+    f**2 in two parts, hi its nearest 16-bit number and lo the rest (in 16-bit, its own
+    nearest), each product a power of two times one number: exact while normal
+    (``(sqrt(eps) / s)**2`` rounds twice); in fp64 the two parts are c to the last bit.
+    ``inverse`` is 2**-k, ``pow(0.5, k)``: the exponent itself takes no arithmetic, so a
+    scale domain through the norm shifts k and 2**-k as it shifts the row's largest
+    magnitude."""
 
-    def __init__(self, constant: float, k: Node) -> None:
-        mantissa, exponent = math.frexp(constant)
-        self.high = float(torch.tensor(mantissa * 2, dtype=torch.float16))
-        self.low = mantissa * 2 - self.high
-        self.exponent, self.k = exponent - 1, k
+    def __init__(self, constant: float, inverse: Node) -> None:
+        self.high = float(torch.tensor(constant, dtype=torch.float16))
+        self.low = constant - self.high
+        self.inverse = inverse
 
-    def parts(self, make: Builder, doubled_j: Node | None) -> list[Node]:
-        """The term's parts times 4**j (``doubled_j``: 2j; None: j = 0 and the high part
-        alone, enough to choose j)."""
-        shift = make(aten.mul.Tensor, self.k, -2.0)
-        made = [shift, make(aten.add.Tensor, shift, float(self.exponent))]
-        if doubled_j is not None:
-            made.append(make(aten.add.Tensor, made[-1], doubled_j))
-        made.append(make(aten.pow.Scalar, 2.0, made[-1]))
-        power = made[-1]
-        parts = [self.high] if doubled_j is None else [self.high, self.low]
-        products = [make(aten.mul.Tensor, power, part) for part in parts if part]
-        for node in (*made, *products):
-            node.meta[ROUNDING_CANCELS] = _EXPONENT_EXACT
-        for node in (power, *products):
+    def parts(self, make: Builder, quartic: Node | None) -> list[Node]:
+        """The term's parts times 4**j (``quartic``; None: the high part alone, times 1,
+        enough to choose j)."""
+        made, finals = [], []
+        for part in [self.high] if quartic is None else [self.high, self.low]:
+            if part:
+                once = make(aten.mul.Tensor, self.inverse, part)
+                finals.append(make(aten.mul.Tensor, once, self.inverse))
+                made += [once, finals[-1]]
+                if quartic is not None:
+                    finals[-1] = make(aten.mul.Tensor, finals[-1], quartic)
+                    made.append(finals[-1])
+        for node in made:
+            node.meta[ROUNDING_CANCELS] = _POWERS_EXACT
             node.meta[NEGLIGIBLE] = _EPS_PARTS
-        return products
+        return finals
 
 
 def compensated(
@@ -141,7 +140,7 @@ def compensated(
         rest = [make(aten.sub.Tensor, near_one, coarse)]  # exact: the split's other part
     deviation = make(aten.sub.Tensor, coarse, 1.0)  # exact: 4 bits near 1
     if eps is not None:
-        rest.extend(eps.parts(make, doubled_j))
+        rest.extend(eps.parts(make, quartic))
     sums = [deviation]
     for part in rest:
         deviation = make(aten.add.Tensor, deviation, part)
