@@ -114,18 +114,26 @@ class PlanMoves:
         )
 
     def _fold_number(self, node: Node, rule: ScaleRule, delta: int) -> bool:
-        """Move ``2**delta`` into the product ``node``'s number operand, if it has one and
-        it stays within fp16's range (past it, the op would stay fp32 for its scalar: a
-        runtime multiply or another fold carries the scale instead)."""
+        """Move ``2**delta`` into the product ``node``'s number operand, if it has one;
+        not where the number would pass fp16's range while the product's own values fit
+        it (the op would stay fp32 for its scalar alone: a runtime multiply or another
+        fold carries the scale instead)."""
         for position, sign in ((rule.tensors[1], -1 if rule.divides else 1), (rule.tensors[0], 1)):
             number = argument(node, position)
             if is_number(number):
                 current = self.plan.scalars.get((node, ("args", position)), number)
-                if abs(current * 2.0 ** (sign * delta)) > FP16_LARGEST:
+                if abs(current * 2.0 ** (sign * delta)) > FP16_LARGEST and self._fits(node):
                     return False
                 self.scale_scalar(node, position, 2.0 ** (sign * delta))
                 return True
         return False
+
+    @staticmethod
+    def _fits(node: Node) -> bool:
+        """Whether ``node``'s values, as calibration saw them unscaled, fit fp16's range
+        (where they do not, the op is fp32 for its range whatever its scalar)."""
+        largest = observed_max_abs(node)
+        return largest is not None and largest <= FP16_LARGEST
 
     def refold_all(self, values: list[Node], delta: int) -> bool:
         """``refold`` every one of ``values`` by ``delta``, or none of them."""
