@@ -48,6 +48,16 @@ _MAGNITUDE = (
     "`(+largest, largest)`: only the interval's largest magnitude is judged, and largest >= 0"
 )
 _DEFAULT_DTYPE = "a fake tensor retyped to None takes torch's default dtype, float32: the same"
+_FP32_MAXIMUM_OUT_OF_REACH = (
+    "the large side of holds_in_fp32 only: a positive exponent is a lifted domain's, which "
+    "brings its values to at most fp16's range; a product of two holds at most 2**32, and "
+    "fp32's maximum (2**128) is out of reach"
+)
+_NO_ZERO_EXPONENT = (
+    "an overflow domain's least exponent that fits is at most -1 (its values pass the limit "
+    "at 2**0): no domain's exponent is 0, where >= 0, > 0 and >= 1 differ"
+)
+
 EQUIVALENT: dict[str, str] = {
     "fx16.ops.numerics.x_round_scalar_to_fp16__mutmut_19": (
         "`<= tiny`: at exactly the smallest subnormal, lifting to it and rounding give it"
@@ -249,6 +259,15 @@ EQUIVALENT: dict[str, str] = {
         _DEFAULT_DTYPE
     ),
     # run 11: the scale domains, whole
+    "fx16.analysis.scale_centre.x_centre__mutmut_4": _NO_ZERO_EXPONENT,
+    "fx16.analysis.scale_plan.x_holds_in_fp32__mutmut_3": _FP32_MAXIMUM_OUT_OF_REACH,
+    "fx16.analysis.scale_plan.x_holds_in_fp32__mutmut_11": _FP32_MAXIMUM_OUT_OF_REACH,
+    "fx16.analysis.scale_plan.x_holds_in_fp32__mutmut_13": _FP32_MAXIMUM_OUT_OF_REACH,
+    "fx16.analysis.scale_centre.x_centre__mutmut_5": _NO_ZERO_EXPONENT,
+    "fx16.analysis.scale_centre.x_centre__mutmut_14": (
+        "a default for a member without a magnitude: the domain holds a member past the "
+        "limit (above 1), so neither 0 nor 1 is ever the largest"
+    ),
     "fx16.analysis.scale_centre.x__costlier__mutmut_30": (
         "`0 <=`: a scalar of 0 stays 0 at any exponent, so the least-k plan's is 0 too, never "
         "normal"

@@ -181,6 +181,8 @@ def test_inputs_in_raw_units_are_scaled_at_the_door_and_the_first_layer_takes_it
     assert any(
         line.startswith("range: scale domain") and "x scaled at the door" in line for line in lines
     )
+    doors = [n.meta[meta.RANGE_SCALE] for n in ep.graph.nodes if meta.RANGE_SCALE in n.meta]
+    assert doors == ["x 2**-5: starts a scale domain"]  # the multiply says why it is there
 
 
 def test_a_llama_with_massive_activations_keeps_every_product_16_bit():
@@ -540,3 +542,31 @@ def test_with_calibrated_regions_a_domain_may_let_a_region_fit():
     calibrated = fx16.cast_fp32_to_fp16(export(model, ids), explicit_fp32="calibrated")
     assert _fp32_ops(calibrated) <= 4 < _fp32_ops(kept)
     assert program_stats(calibrated).flop_share_16bit == 1.0
+
+
+@pytest.mark.parametrize(
+    "build, scale", [(RawUnits, 1e6), (LayerNormResidual, 1.0), (GrowingCnn, 1.0)]
+)
+def test_a_plan_taken_back_leaves_the_program_as_it_was(monkeypatch, build, scale):
+    """Where the scaled fp32 program's outputs move (a rule that does not commute as its
+    table says), every change is taken back: the multiplies at the door and before the
+    readers, the folded tensors, the scaled scalars, the exponents on the values. The
+    cast then is the one without scale domains, graph and state alike."""
+    import fx16.passes.scale_domains as scale_pass
+
+    torch.manual_seed(0)
+    model = build().eval()
+    x = (torch.rand(8, 16) if build is RawUnits else torch.randn(2, *_input_shape(build))) * scale
+    plain = fx16.cast_fp32_to_fp16(export(model, x), policy=NO_SCALING)
+    monkeypatch.setattr(scale_pass, "same_outputs", lambda reference, outputs: False)
+    taken_back = fx16.cast_fp32_to_fp16(export(model, x))
+    assert scale_pass.REVERTED in taken_back.graph_module.meta
+    assert taken_back.graph_module.code == plain.graph_module.code
+    for name, tensor in plain.state_dict.items():
+        assert torch.equal(taken_back.state_dict[name], tensor), name
+    assert not [n for n in taken_back.graph.nodes if meta.RANGE_SCALE in n.meta]
+    assert not [n for n in taken_back.graph.nodes if meta.SCALE_EXPONENT in n.meta]
+
+
+def _input_shape(build) -> tuple[int, ...]:
+    return {LayerNormResidual: (16,), GrowingCnn: (8, 8, 8)}[build]
