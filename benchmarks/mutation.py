@@ -260,6 +260,9 @@ EQUIVALENT: dict[str, str] = {
     ),
     # run 11: the scale domains, whole
     "fx16.analysis.scale_centre.x_centre__mutmut_4": _NO_ZERO_EXPONENT,
+    "fx16.analysis.scale_domains.x__fold_upstream__mutmut_2": (
+        "None or False: the caller reads only its truth"
+    ),
     "fx16.analysis.scale_plan.x_holds_in_fp32__mutmut_3": _FP32_MAXIMUM_OUT_OF_REACH,
     "fx16.analysis.scale_plan.x_holds_in_fp32__mutmut_11": _FP32_MAXIMUM_OUT_OF_REACH,
     "fx16.analysis.scale_plan.x_holds_in_fp32__mutmut_13": _FP32_MAXIMUM_OUT_OF_REACH,

@@ -3,6 +3,7 @@ that fits its largest value and the most its folded tensors allow, so that it ho
 at least as far as the fp32 path where the small end allows."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -62,6 +63,8 @@ def test_the_report_says_what_bounded_k_at_each_end():
         assert f"k = {domain.k}," in domain.bounded
         assert "the most at which p_features_" in domain.bounded
         assert domain.bounded in domain.describe()
+        ends = re.search(r"centred between (\d+) \(the least that fits\) and (\d+)", domain.bounded)
+        assert int(ends[1]) <= domain.k <= int(ends[2])  # k lies between the ends it names
     assert "centred between" in "\n".join(fx16.report.report_of(ep).summary())
 
 
