@@ -77,7 +77,7 @@ def cast_fp32_to_fp16(
             RMSNorm: "keep" keeps them all, as ``.half()`` does; "calibrated" keeps one
             only where the calibration inputs (with the margin), a proven range or the
             lack of any observation show 16-bit would spoil it (fewer fp32 ops, for the
-            Neural Engine, at some accuracy: a norm's row statistic rounds in 16-bit);
+            Neural Engine; a norm's statistic there computes to about fp32's accuracy);
             "retarget" casts them to fp16, as coreai-opt does. None: the policy's
             setting ("keep" by default).
         stabilize: rewrite patterns 16-bit spoils into forms exact in real arithmetic

@@ -50,14 +50,13 @@ class PrecisionPolicy:
         (``x.float()`` before a variance, ``softmax(dtype=torch.float32)``), when a
         precision-sensitive op follows (``fx16.analysis.explicit_fp32``): "keep" (the
         default) keeps them all, as ``.half()`` and eager autocast do, and the stable
-        rewrites leave the patterns in them alone - such a region in 16-bit rounds what it
-        computes once per row for the whole row (an RMSNorm's mean of squares and its
-        rsqrt), which measured 1.5x ``.half()``'s error on a T5 v1.1 encoder with ATen's
-        AVX-512 kernels (``benchmarks/REWRITES.md``); "calibrated" keeps one only on
+        rewrites leave the patterns in them alone; in a region retargeted to 16-bit an
+        RMSNorm's statistic is computed to about fp32's accuracy
+        (``fx16.passes.stable_rewrites.norm_statistic``); "calibrated" keeps one only on
         evidence that 16-bit would spoil it (a value in it beyond the 16-bit range or below
         its normal range on the calibration inputs, with the margin; an ill-conditioned op
         in it; a proven range; or no calibration input reaching it), for targets where each
-        fp32 op costs more than that error (the Neural Engine); "retarget" casts them all to
+        fp32 op is costly (the Neural Engine); "retarget" casts them all to
         16-bit as coreai-opt does (the safety rules still apply op by op).
     routing: where the ops that choose a route compute - a mixture-of-experts router
         (the gate's product, its softmax, the top-k), a greedy decoder's argmax: "fp32"
