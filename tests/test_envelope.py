@@ -315,19 +315,26 @@ def test_a_value_out_of_an_autocast_region_grows_as_the_region_made_it():
 
 
 class SquaresOverAFlooredRoot(nn.Module):
-    """Each square times every element's ``rsqrt(|x| + 1e-3)``: an outer product."""
+    """Each square times every element's ``rsqrt(|x| + floor)``: an outer product."""
+
+    def __init__(self, floor: float = 1e-3) -> None:
+        super().__init__()
+        self.floor = floor
 
     def forward(self, x):
-        return (x.pow(2).unsqueeze(-1) * torch.rsqrt(x.abs() + 1e-3).unsqueeze(-2)).mean(-1)
+        root = torch.rsqrt(x.abs() + self.floor)
+        return (x.pow(2).unsqueeze(-1) * root.unsqueeze(-2)).mean(-1)
 
 
-def test_a_negative_power_of_a_floored_value_does_not_shrink_its_smallest_elements():
+# 2**-10 is a 16-bit number: fx16 makes it a 0-d constant of the program, read as the floor
+@pytest.mark.parametrize("floor", [1e-3, 2.0**-10])
+def test_a_negative_power_of_a_floored_value_does_not_shrink_its_smallest_elements(floor):
     """``rsqrt(|x| + 1e-3)`` of an element near 0 stays ~32 as the inputs grow (the floor
     holds it): the outer product grows as the square, not as ``x**1.5``. Counted at 1.5,
     the envelope once stated 139x where the product overflowed fp16 at 0.9x that (a long
     fuzz's program); now the figure is the square's, and 0.9x of it stays finite."""
     x = torch.tensor([[0.0, 0.5, -2.0, 3.0, 1e-3]])
-    ep = fx16.cast_fp32_to_fp16(export(SquaresOverAFlooredRoot(), x))
+    ep = fx16.cast_fp32_to_fp16(export(SquaresOverAFlooredRoot(floor), x))
     found = report_of(ep).totals.envelope
     assert found.headroom_degree == 2.0
     args, _ = fx16.inputs_for(ep, x * 0.9 * found.headroom)

@@ -34,19 +34,32 @@ def input_degrees(ep: ExportedProgram) -> dict[Node, float | None]:
     nothing changes (a body is walked after the graph holding its op, so its results
     reach that graph on the next walk; at most one walk more per graph)."""
     boundaries = Boundaries(ep.graph_module)
-    program_inputs = {node.name for node in Program.of(ep).user_input_placeholders()}
+    program = Program.of(ep)
+    program_inputs = {node.name for node in program.user_input_placeholders()}
+    numbers = {  # the program's one-element float constants (a scalar fx16 made one), by node
+        slot.placeholder: float(tensor)
+        for slot in program.state_slots()
+        if (tensor := program.state_tensor(slot.target)) is not None
+        and tensor.numel() == 1
+        and tensor.is_floating_point()
+    }
     degrees: dict[Node, float | None] = {}
     for _ in boundaries.graph_modules:
         before = dict(degrees)
         for module in boundaries.graph_modules:
             for node in module.graph.nodes:
-                degrees[node] = _degree(node, degrees, boundaries, program_inputs, module)
+                degrees[node] = _degree(
+                    node, degrees, boundaries, (program_inputs, numbers), module
+                )
         if degrees == before:
             break
     return degrees
 
 
-def _degree(node, degrees, boundaries, program_inputs, module) -> float | None:
+def _degree(node, degrees, boundaries, known, module) -> float | None:
+    """``node``'s degree from its arguments'; ``known``: the program's user input names
+    and its one-element constants' values."""
+    program_inputs, numbers = known
     val = node_val(node)
     floats = [leaf for leaf in tensor_leaves(val) if leaf.is_floating_point()]
     if node.op == "placeholder":
@@ -74,9 +87,9 @@ def _degree(node, degrees, boundaries, program_inputs, module) -> float | None:
         return own[0] * node.args[1] if own else 0.0
     if name in ("div", "reciprocal", "rsqrt", "sqrt", "var", "std"):
         first = own[0] if own else 0.0
-        shrinking = _growing(tensors[0], first) if tensors else 0.0
+        shrinking = _growing(tensors[0], first, numbers) if tensors else 0.0
         return {
-            "div": first - (_growing(tensors[1], own[1]) if len(own) > 1 else 0.0),
+            "div": first - (_growing(tensors[1], own[1], numbers) if len(own) > 1 else 0.0),
             "reciprocal": -shrinking,
             "rsqrt": -shrinking / 2,
             "sqrt": first / 2,
@@ -90,7 +103,7 @@ def _degree(node, degrees, boundaries, program_inputs, module) -> float | None:
     return max(inputs, default=0.0)
 
 
-def _growing(argument: Node, degree: float) -> float:
+def _growing(argument: Node, degree: float, numbers: dict) -> float:
     """The degree a negative power of ``argument`` shrinks by: ``degree``, or 0 where a
     constant floors it (``|x| + k``, ``clamp(x, min=k)``) and calibration saw it within
     ``FLOOR_HEADROOM`` of that floor: those elements do not grow with the inputs (until
@@ -98,22 +111,24 @@ def _growing(argument: Node, degree: float) -> float:
     grows as its other factor alone."""
     while isinstance(argument, Node) and is_cast(argument):  # fx16's cast to 16-bit
         argument = argument.args[0]
-    floor = _floor(argument)
+    floor = _floor(argument, numbers)
     if floor is None or degree <= 0:
         return degree
     smallest = argument.meta.get(meta.OBSERVED_SMALLEST)
     return degree if smallest and smallest > FLOOR_HEADROOM * floor else 0.0
 
 
-def _floor(node: Node) -> float | None:
-    """The constant k > 0 of ``x + k`` (``x - (-k)``) or ``clamp(x, min=k)``, else None."""
+def _floor(node: Node, numbers: dict) -> float | None:
+    """The constant k > 0 of ``x + k`` (``x - (-k)``; k a number or a one-element constant
+    in ``numbers``) or ``clamp(x, min=k)``, else None."""
     if not isinstance(node, Node) or node.op != "call_function":
         return None
     name = getattr(node.target, "_opname", "")
     if name in ("add", "sub"):
         sign = 1 if name == "add" else -1
-        numbers = [sign * arg for arg in node.args[1:2] if is_number(arg) and sign * arg > 0]
-        return numbers[0] if numbers else None
+        constant = node.args[1] if len(node.args) > 1 else None
+        constant = numbers.get(constant, constant) if isinstance(constant, Node) else constant
+        return sign * constant if is_number(constant) and sign * constant > 0 else None
     if name in ("clamp", "clamp_min"):
         low = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
         return low if is_number(low) and low > 0 else None
