@@ -260,6 +260,13 @@ EQUIVALENT: dict[str, str] = {
     ),
     # run 11: the scale domains, whole
     "fx16.analysis.scale_centre.x_centre__mutmut_4": _NO_ZERO_EXPONENT,
+    "fx16.analysis.scale_exponents.xǁ_Walkǁresult__mutmut_7": (
+        "a getitem has exactly two arguments: [:3] and [:2] are the same pair"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁresult__mutmut_10": (
+        "the walk records every node before its readers: a getitem's source always has an "
+        "entry, so the default is never read"
+    ),
     "fx16.analysis.scale_domains.x__fold_upstream__mutmut_2": (
         "None or False: the caller reads only its truth"
     ),
