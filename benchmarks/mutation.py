@@ -53,6 +53,10 @@ _FP32_MAXIMUM_OUT_OF_REACH = (
     "brings its values to at most fp16's range; a product of two holds at most 2**32, and "
     "fp32's maximum (2**128) is out of reach"
 )
+_RECORDED_FIRST = (
+    "the walk records every value before a reader asks for its exponent: the default is never read"
+)
+_NO_DICT_ARGUMENT = "the dict branch: no ATen op's argument holds a dict"
 _NO_ZERO_EXPONENT = (
     "an overflow domain's least exponent that fits is at most -1 (its values pass the limit "
     "at 2**0): no domain's exponent is 0, where >= 0, > 0 and >= 1 differ"
@@ -267,6 +271,15 @@ EQUIVALENT: dict[str, str] = {
         "the walk records every node before its readers: a getitem's source always has an "
         "entry, so the default is never read"
     ),
+    "fx16.analysis.scale_moves.xǁPlanMovesǁseen__mutmut_5": _RECORDED_FIRST,
+    "fx16.analysis.scale_moves.xǁPlanMovesǁseen__mutmut_7": _RECORDED_FIRST,
+    "fx16.analysis.scale_moves.xǁPlanMovesǁseen__mutmut_8": _RECORDED_FIRST,
+    "fx16.analysis.scale_moves.xǁPlanMovesǁseen__mutmut_9": (
+        "a multi-output op is read only through getitem (export's form), which reads its "
+        "leaf's exponent: seen() never meets the tuple"
+    ),
+    "fx16.analysis.scale_plan.x_node_leaves__mutmut_6": _NO_DICT_ARGUMENT,
+    "fx16.analysis.scale_plan.x_node_leaves__mutmut_8": _NO_DICT_ARGUMENT,
     "fx16.analysis.scale_domains.x__fold_upstream__mutmut_2": (
         "None or False: the caller reads only its truth"
     ),
