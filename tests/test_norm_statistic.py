@@ -61,6 +61,13 @@ class PlainRmsNorm(torch.nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
+class PlainL2Norm(PlainRmsNorm):
+    """An L2 normalization: a sum of squares, which takes no residual mean."""
+
+    def forward(self, x):
+        return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + self.eps)
+
+
 def _rewritten_as_in_an_fp32_region(model: torch.nn.Module, x: torch.Tensor):
     """``model``'s graph with its norm rewritten as the rule rewrites one inside the
     model's own fp32 region (a graph without the region's casts, to run in fp64)."""
@@ -82,11 +89,12 @@ def _rewritten_as_in_an_fp32_region(model: torch.nn.Module, x: torch.Tensor):
     eps=st.sampled_from([1e-6, 1e-5, 1e-2]),
     width=st.sampled_from([4, 64, 300]),
     seed=st.integers(0, 2**16),
+    norm=st.sampled_from([PlainRmsNorm, PlainL2Norm]),
 )
-def test_the_statistic_equals_its_pattern_in_fp64(loudness, eps, width, seed):
+def test_the_statistic_equals_its_pattern_in_fp64(loudness, eps, width, seed, norm):
     """Run in fp64, the rewritten norm is the model's to a few fp64 ulps: the power of two
     4**j, the residual's mean and eps's two parts change nothing in real arithmetic."""
-    model = PlainRmsNorm(eps)
+    model = norm(eps)
     x = _rows(3, width, loudness, seed)
     rewritten = _rewritten_as_in_an_fp32_region(model, x)
     x64 = x.double()

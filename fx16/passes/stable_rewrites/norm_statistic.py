@@ -124,8 +124,9 @@ def compensated(
     near_one = make(aten.mul.Tensor, power, quartic)
     # its leading 4 bits (Veltkamp's split): a centre the residuals subtract exactly
     spread = make(aten.mul.Tensor, near_one, 129.0)
-    coarse = make(aten.sub.Tensor, spread, make(aten.sub.Tensor, spread, near_one))
-    chain = (logarithm, halved, shifted, j, doubled_j, unit, quartic, spread, spread.next)
+    leftover = make(aten.sub.Tensor, spread, near_one)
+    coarse = make(aten.sub.Tensor, spread, leftover)
+    chain = (logarithm, halved, shifted, j, doubled_j, unit, quartic, spread, leftover)
     for node in (*chain, coarse):
         node.meta[ROUNDING_CANCELS] = ANY_SCALE
     if squares is not None:
