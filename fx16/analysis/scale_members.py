@@ -3,11 +3,14 @@ weight wholly below its normal range) through the ops that commute with a positi
 and the state tensors a product or norm reads (where the scale folds).
 ``fx16.analysis.scale_domains`` plans their exponents."""
 
+import operator
+
 import torch
 from torch.fx import Node
 
 from fx16 import meta
 from fx16.analysis.scale_plan import (
+    beneath_views,
     first_layer_input_weights,
     float_operands,
     reads_unscaled_numbers,
@@ -67,9 +70,12 @@ def _is_float(node) -> bool:
 def _pulled(node: Node, member: dict, tensors: dict) -> list[Node]:
     """What joins ``node``'s domain from its producer's side: the operands of an op that
     commutes with the scale; the state a product or norm reads (where the scale is
-    folded) and a bias; an operand of a product already in a domain (the two merge)."""
+    folded) and a bias; an operand of a product already in a domain (the two merge); for
+    a decomposed norm's output (a ``getitem`` of its tuple), the norm's weight and bias."""
     if node.op != "call_function" or not _is_float(node):
         return []
+    if node.target is operator.getitem:  # a decomposed norm's output: (out, mean, rstd)
+        return _norm_affine(node.args[0]) if node.args[1] == 0 else []
     rule = rule_of(node)
     if rule.kind is Kind.SAME:
         return [] if reads_unscaled_numbers(node, rule) else float_operands(node, rule.tensors)
@@ -80,13 +86,21 @@ def _pulled(node: Node, member: dict, tensors: dict) -> list[Node]:
         if joined:
             return joined[:1]
         candidates = operands[:1] if rule.divides else operands
-        state = [operand for operand in candidates if operand in tensors]
+        state = [operand for operand in candidates if beneath_views(operand) in tensors]
         return state[-1:] + bias if state else []
-    if rule.kind is Kind.NORM and rule.weight is not None:
-        return float_operands(node, (rule.weight, rule.norm_bias or rule.weight))
+    if rule.kind is Kind.NORM:
+        return _norm_affine(node)
     if rule.kind is Kind.POWER_OF_BASE and node.args[0] == 2:
         return _logarithm_argument(node.args[1])
     return []
+
+
+def _norm_affine(node) -> list[Node]:
+    """The weight and bias of the norm ``node`` (where a scale on its output folds)."""
+    rule = rule_of(node) if isinstance(node, Node) and node.op == "call_function" else None
+    if rule is None or rule.kind is not Kind.NORM or rule.weight is None:
+        return []
+    return float_operands(node, (rule.weight, rule.norm_bias or rule.weight))
 
 
 def _logarithm_argument(node) -> list[Node]:

@@ -12,6 +12,8 @@ from fx16.analysis.scale_plan import (
     ScalePlan,
     StateTensors,
     argument,
+    beneath_views,
+    is_layout_view,
 )
 from fx16.meta import observed_max_abs
 from fx16.ops.scaling import Kind, ScaleRule, rule_of
@@ -68,7 +70,8 @@ class PlanMoves:
 
     def refold(self, value: Node, delta: int, added: bool = False) -> bool:
         """Move ``2**delta`` into something free that only ``value``'s reader sees: a
-        state tensor read there alone, or a scalar factor of the product it is."""
+        state tensor read there alone (directly or through layout views it alone
+        reads), or a scalar factor of the product it is."""
         if delta == 0:
             return True
         if len(value.users) != 1 or value in self.plan.after or value in self.shifts:
@@ -78,6 +81,11 @@ class PlanMoves:
             if not self.state.movable(value, self.plan.folds.get(key, 0) + delta, added):
                 return False
             self.plan.folds[key] = self.plan.folds.get(key, 0) + delta
+            self.plan.exponents[value] = self.plan.exponents.get(value, 0) + delta
+            return True
+        if is_layout_view(value):  # a weight read through a permute: fold beneath it
+            if not self.refold(value.args[0], delta, added):
+                return False
             self.plan.exponents[value] = self.plan.exponents.get(value, 0) + delta
             return True
         if value.op != "call_function" or rule_of(value).kind is not Kind.PRODUCT:
@@ -108,7 +116,7 @@ class PlanMoves:
             operands, delta = ((a, 1),), delta // 2
         return any(
             isinstance(operand, Node)
-            and (operand.op == "placeholder" or not states_only)
+            and (beneath_views(operand).op == "placeholder" or not states_only)
             and self.refold(operand, sign * delta)
             for operand, sign in operands
         )

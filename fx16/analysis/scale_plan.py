@@ -13,6 +13,7 @@ from torch.fx import Node
 from fx16 import meta
 from fx16.meta import observed_max_abs
 from fx16.ops.scaling import Kind, ScaleRule, rule_of
+from fx16.ops.tables import VALUE_PRESERVING_OPS
 from fx16.program.nodes import Location, is_float_tensor, is_number, node_val
 
 
@@ -66,6 +67,25 @@ FP16_LARGEST = float(torch.finfo(torch.float16).max)
 # A fold never takes a state tensor's largest magnitude below this (nor below where it
 # was): its small elements would leave the 16-bit normal range.
 SMALLEST_FOLDED = 2.0**-8
+
+
+def is_layout_view(node: Any) -> bool:
+    """``node`` rearranges one tensor's values (a permute, transpose, reshape, slice):
+    a scale on that tensor is a scale on ``node``."""
+    return (
+        isinstance(node, Node)
+        and node.op == "call_function"
+        and VALUE_PRESERVING_OPS.get(node.target) == (0,)
+        and isinstance(node.args[0], Node)
+    )
+
+
+def beneath_views(node: Any) -> Any:
+    """``node``, or the tensor its chain of layout views reads (core ATen's linear reads
+    its weight as ``permute(w)``)."""
+    while is_layout_view(node):
+        node = node.args[0]
+    return node
 
 
 def argument(node: Node, position: int | None) -> Any:

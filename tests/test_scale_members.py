@@ -1,0 +1,291 @@
+"""Which values form a scale domain (``fx16.analysis.scale_members``) and which domains
+are worth a plan (``fx16.analysis.scale_domains``), on models shaped as trained ones
+are: a zero-initialised projection (adaLN-Zero), a batch norm whose fitted variance is
+tiny, two loud streams multiplied, a product of two buffers, a value only the output
+reads. Each scaled program is checked whole and exact against the model (the plan
+applied, not taken back), and the cast against fp64."""
+
+import pytest
+import torch
+from torch import nn
+
+import fx16
+from benchmarks.range_flows import PreNormResidual as Residual
+from fx16 import meta
+from fx16.analysis.scale_domains import scale_domains
+from fx16.passes.scale_domains import REVERTED
+from helpers import check_program, export, fp64_reference, max_error, run, scale_only
+
+UNIT = 2.0**-11
+LIMIT = 65504 / 2  # the default overflow margin's limit
+
+
+def _scaled(model, *args, decomposed: bool = False):
+    """The model exported (and decomposed to core ATen, as a lowering does first) and
+    scaled in fp32; asserts the plan applied whole and exact."""
+    ep = export(model, *args)
+    if decomposed:
+        ep = ep.run_decompositions()
+    scale_only(ep)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    with torch.no_grad():
+        want, got = model(*args), ep.module()(*args)
+    pairs = zip(*(v if isinstance(v, tuple) else (v,) for v in (want, got)), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    return ep
+
+
+def _multiplies(ep) -> list[str]:
+    return [node.name for node in ep.graph.nodes if meta.range_scaled(node)]
+
+
+def _cast_error(model, *args) -> float:
+    cast = fx16.cast_fp32_to_fp16(export(model, *args))
+    check_program(cast)
+    return max_error(fp64_reference(model, *args), run(cast, *args))
+
+
+class OnlyTheOutputReads(nn.Module):
+    """A loud product the program returns as it is, and (``read``) one a norm reads."""
+
+    def __init__(self, read: bool) -> None:
+        super().__init__()
+        self.read = read
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.proj(x) * 3e4
+        return nn.functional.layer_norm(h, (16,)) if self.read else h
+
+
+def test_a_loud_value_only_the_output_reads_takes_no_domain():
+    """A scale on a value the program only returns would be undone at the output at
+    once: no domain; a value a norm reads beyond the product takes one."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    assert not scale_domains(_scaled(OnlyTheOutputReads(read=False), x).graph_module)
+    assert scale_domains(_scaled(OnlyTheOutputReads(read=True), x).graph_module)
+
+
+class ZeroInitialised(nn.Module):
+    """adaLN-Zero: a gate projection whose weight and bias start at zero (the block is
+    the identity at initialisation), gating a residual stream past the range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.gate = nn.Linear(16, 16), nn.Linear(16, 16)
+        with torch.no_grad():
+            self.up.weight.mul_(1e5)
+            self.gate.weight.zero_()
+            self.gate.bias.zero_()
+
+    def forward(self, x):
+        h = x + self.up(x)
+        return nn.functional.layer_norm(h, (16,)) * self.gate(nn.functional.silu(x))
+
+
+def test_a_zero_initialised_weight_seeds_no_domain():
+    """A weight of zeros, and the product of it, are not below fp16's normal range:
+    they have no magnitude to lift, and seed no domain."""
+    torch.manual_seed(0)
+    model, x = ZeroInitialised().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert "p_gate_weight" not in domain.values
+    assert _cast_error(model, x) < 8 * UNIT
+
+
+class LoudTimesLoud(nn.Module):
+    """Two streams past the range, at magnitudes 2**12 apart, multiplied; a norm reads
+    the product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        with torch.no_grad():
+            self.a.weight.mul_(1e5)
+            self.b.weight.mul_(4e8)
+
+    def forward(self, x):
+        a, b = torch.relu(self.a(x)), torch.relu(self.b(x))
+        return nn.functional.layer_norm(a * b + a.sum() * b.sum(), (16,))
+
+
+def test_a_product_of_two_loud_streams_joins_one_of_their_domains():
+    """The product joins its first operand's domain; the other stream keeps its own
+    exponent, folded into its own weight."""
+    torch.manual_seed(0)
+    model, x = LoudTimesLoud().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    domains = scale_domains(ep.graph_module)
+    assert len(domains) == 2 and len({domain.k for domain in domains}) == 2
+    assert sorted(domain.folded[0] for domain in domains) == ["p_a_weight", "p_b_weight"]
+
+
+class QuotientOfTinyStd(nn.Module):
+    """Inputs standardised by fitted statistics where one channel barely varies in the
+    data (its std 1e-5): the quotient passes the range; a norm reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.linspace(-1, 1, 16))
+        self.register_buffer("std", torch.full((16,), 0.5).index_fill(0, torch.tensor([3]), 1e-5))
+
+    def forward(self, x):
+        return nn.functional.layer_norm((x - self.mean) / self.std, (16,))
+
+
+def test_a_quotient_by_a_tiny_fitted_std_takes_its_scale_in_the_divisor():
+    """The divisor takes the quotient's scale (stored 2**k larger), no multiply at run
+    time; the numerator is read as it is."""
+    torch.manual_seed(0)
+    model, x = QuotientOfTinyStd().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert domain.values == ("div",) and not _multiplies(ep)
+    assert torch.equal(ep.state_dict["std"], model.std * 2.0**domain.k)
+    assert torch.equal(ep.state_dict["mean"], model.mean)
+    assert _cast_error(model, x) < 8 * UNIT
+
+
+class GainTimesGain(nn.Module):
+    """A norm's gain times a layer-scale gain, both fitted buffers, whose product passes
+    the range (300 x 300)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("gain", torch.full((16,), 300.0))
+        self.register_buffer("layer_scale", torch.linspace(200.0, 300.0, 16))
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.proj(x) * (self.gain * self.layer_scale)
+        return nn.functional.layer_norm(h, (16,))
+
+
+def test_a_product_of_two_buffers_takes_its_scale_in_one_of_them():
+    """The product of the two buffers takes the whole scale in one (the last), the
+    other stored as it was."""
+    torch.manual_seed(0)
+    model, x = GainTimesGain().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    state = ep.state_dict
+    assert torch.equal(state["gain"], model.gain)
+    assert torch.equal(state["layer_scale"], model.layer_scale * 2.0**-domain.k)
+    assert not _multiplies(ep)
+
+
+class RuntimeWeight(nn.Module):
+    """A linear layer whose weight is made at run time (a low-rank update merged into
+    it, hypernetwork-style) with a stored bias: its product passes the range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down, self.up = nn.Parameter(torch.randn(16, 4)), nn.Parameter(torch.randn(4, 16))
+        self.bias = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        weight = 3e3 * (self.down @ self.up)
+        return nn.functional.layer_norm(nn.functional.linear(x, weight, self.bias), (16,))
+
+
+def test_a_product_with_no_state_operand_leaves_its_bias_alone():
+    """No state tensor for the product's scale to fold into: its bias stays as it was
+    and the scale starts at a multiply."""
+    torch.manual_seed(0)
+    model, x = RuntimeWeight().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert torch.equal(ep.state_dict["bias"], model.bias * 2.0**-domain.k)
+    assert _cast_error(model, x) < 16 * UNIT
+
+
+class TinyVarianceBatchNorm(nn.Module):
+    """A conv and an eval BatchNorm whose fitted variance is tiny in one channel (a
+    feature nearly constant in the data): the norm's output passes the range and is
+    read by a pooling and a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(4, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+        with torch.no_grad():
+            self.norm.running_mean.copy_(torch.linspace(-0.2, 0.2, 8))
+            variance = torch.full((8,), 0.3).index_fill(0, torch.tensor([5]), 1e-9)
+            self.norm.running_var.copy_(variance)
+            self.norm.weight.fill_(1e3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("decomposed", [False, True], ids=["as_exported", "decomposed"])
+def test_a_batch_norm_past_the_range_carries_its_output_at_its_weights_exponent(decomposed):
+    """The norm's weight and bias take the scale; decomposed, the norm is a multi-output
+    op (``_native_batch_norm_legit_no_training``) and its output, read through a
+    ``getitem``, keeps the weight's exponent."""
+    torch.manual_seed(0)
+    model, x = TinyVarianceBatchNorm().eval(), torch.randn(2, 4, 6, 6)
+    ep = _scaled(model, x, decomposed=decomposed)
+    (domain,) = scale_domains(ep.graph_module)
+    assert "p_norm_weight" in domain.folded and not _multiplies(ep)
+    assert _cast_error(model, x) < 8 * UNIT
+
+
+class PositionBias(nn.Module):
+    """A loud stream with a position bias made at run time (``arange``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.up.weight.mul_(1e5)
+
+    def forward(self, x):
+        h = self.up(x) + torch.arange(16, dtype=x.dtype)
+        return nn.functional.layer_norm(h, (16,))
+
+
+def test_a_tensor_made_at_run_time_is_unscaled_and_brought_to_the_domain():
+    torch.manual_seed(0)
+    model, x = PositionBias().eval(), torch.randn(4, 16)
+    ep = _scaled(model, x)
+    assert scale_domains(ep.graph_module)
+    assert _cast_error(model, x) < 8 * UNIT
+
+
+class LoudSquare(nn.Module):
+    """A stream past the range squared (an energy term) and normalised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.up.weight.mul_(300)
+
+    def forward(self, x):
+        h = self.up(x)
+        return nn.functional.layer_norm(h * h + h, (16,))
+
+
+def test_a_square_of_a_loud_stream_is_brought_back_to_its_domains_exponent():
+    torch.manual_seed(0)
+    model, x = LoudSquare().eval(), torch.randn(4, 16)
+    _scaled(model, x)
+    assert _cast_error(model, x) < 16 * UNIT
+
+
+@pytest.mark.parametrize("build", [Residual, lambda: ZeroInitialised().eval()])
+def test_a_decomposed_program_folds_into_weights_read_through_a_permute(build):
+    """Core ATen writes a linear as ``addmm(b, x, permute(w))`` (and a layer norm as a
+    multi-output op): the scale still folds into the weights beneath the views, as in
+    the program before decomposition, with no other multiply."""
+    torch.manual_seed(0)
+    model, x = build(), torch.randn(4, 16)
+    whole, decomposed = _scaled(model, x), _scaled(model, x, decomposed=True)
+    folds = [sorted(d.folded) for d in scale_domains(whole.graph_module)]
+    assert folds and folds == [sorted(d.folded) for d in scale_domains(decomposed.graph_module)]
+    assert _multiplies(decomposed) == _multiplies(whole)  # the door's, where x is a member
+    for name, tensor in whole.state_dict.items():
+        assert torch.equal(decomposed.state_dict[name], tensor)
