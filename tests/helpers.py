@@ -111,6 +111,28 @@ def scale_only(ep, **options) -> None:
     run_passes(passes[: stages.index("ScaleDomainsPass") + 1], ep.graph_module)
 
 
+def scaled_exactly(model, *args, decompose: bool = False):
+    """The model exported (``decompose``: to core ATen first) and scaled in fp32
+    (``scale_only``); asserts the plan applied whole, not taken back, and the scaled
+    program computes the model's outputs bit for bit."""
+    from fx16.passes.scale_domains import REVERTED
+
+    ep = export(model, *args, decompose=decompose)
+    scale_only(ep)
+    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    with torch.no_grad():
+        want, got = pytree.tree_leaves(model(*args)), pytree.tree_leaves(ep.module()(*args))
+    assert len(want) == len(got) and all(torch.equal(a, b) for a, b in zip(want, got))
+    return ep
+
+
+def range_multiplies(ep) -> list[str]:
+    """The runtime multiplies a scale plan added to ``ep``'s graph."""
+    from fx16 import meta
+
+    return [node.name for node in ep.graph.nodes if meta.range_scaled(node)]
+
+
 def state_snapshot(ep):
     """Everything a cast may change, in comparable form."""
     return (

@@ -13,28 +13,13 @@ from torch import nn
 from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
 from fx16.passes.scale_domains import REVERTED
-from helpers import export, scale_only
+from helpers import export, range_multiplies, scale_only, scaled_exactly
 
 
 def _scaled(model, *args):
-    ep = export(model, *args)
-    scale_only(ep)
-    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
+    ep = scaled_exactly(model, *args)
     assert scale_domains(ep.graph_module)
-    _computes_as_before(model, ep, *args)
     return ep
-
-
-def _computes_as_before(model, ep, *args) -> None:
-    """The program's outputs equal the model's, bit for bit."""
-    with torch.no_grad():
-        want, got = model(*args), ep.module()(*args)
-    pairs = zip(*(v if isinstance(v, tuple) else (v,) for v in (want, got)), strict=True)
-    assert all(torch.equal(a, b) for a, b in pairs)
-
-
-def _multiplies(ep) -> list[str]:
-    return [node.name for node in ep.graph.nodes if meta.range_scaled(node)]
 
 
 def _exponent(ep, target) -> int:
@@ -81,7 +66,7 @@ def test_a_floor_division_by_one_keeps_the_exponents_shift():
     ep = _scaled(model, x)
     (domain,) = scale_domains(ep.graph_module)
     assert _exponent(ep, torch.ops.aten.pow.Scalar) == -domain.k
-    assert not _multiplies(ep)
+    assert not range_multiplies(ep)
 
 
 def test_a_quantizing_floor_reads_the_quotient_its_divisor_unscaled():
@@ -93,7 +78,7 @@ def test_a_quantizing_floor_reads_the_quotient_its_divisor_unscaled():
     (domain,) = scale_domains(ep.graph_module)
     (div,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.div.Tensor]
     assert div.args[1] == 1000.0 * 2.0**-domain.k
-    assert not _multiplies(ep)
+    assert not range_multiplies(ep)
 
 
 @pytest.mark.parametrize(
@@ -109,7 +94,7 @@ def test_an_op_that_reads_a_scaled_value_otherwise_reads_it_unscaled(form):
     torch.manual_seed(0)
     model, x = Loud(form).eval(), torch.randn(4, 16)
     ep = _scaled(model, x)
-    assert _multiplies(ep)
+    assert range_multiplies(ep)
 
 
 class LiftedForwardOnly(nn.Module):
@@ -196,12 +181,9 @@ class TinyGruReads(nn.Module):
 
 
 def _no_domain(model, x):
-    ep = export(model, x)
-    scale_only(ep)
-    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
-    assert not scale_domains(ep.graph_module) and not _multiplies(ep)
+    ep = scaled_exactly(model, x)
+    assert not scale_domains(ep.graph_module) and not range_multiplies(ep)
     assert torch.equal(ep.state_dict["rnn.weight_ih_l0"], model.rnn.weight_ih_l0)
-    _computes_as_before(model, ep, x)
 
 
 @pytest.mark.parametrize("form", ["computed", "shared", "buffer"])
@@ -224,7 +206,7 @@ def test_a_door_is_lowered_while_its_largest_stays_at_the_smallest_folded_magnit
     x = x / x.abs().max() * 2.0**7
     ep = _scaled(model, x)
     (domain,) = scale_domains(ep.graph_module)
-    assert domain.k == -15 and _multiplies(ep) == ["mul_tensor"]
+    assert domain.k == -15 and range_multiplies(ep) == ["mul_tensor"]
     torch.manual_seed(0)
     _no_domain(TinyGruReads("door").eval(), 1e-2 * torch.randn(2, 5, 4))
 
@@ -253,7 +235,7 @@ def test_tiny_recurrent_weights_other_than_the_input_ones_start_no_domain():
     model, x = TinyGru("weight_hh_l0").eval(), torch.randn(2, 5, 4)
     ep = export(model, x)
     scale_only(ep)
-    assert not scale_domains(ep.graph_module) and not _multiplies(ep)
+    assert not scale_domains(ep.graph_module) and not range_multiplies(ep)
     assert torch.equal(ep.state_dict["rnn.weight_hh_l0"], model.rnn.weight_hh_l0)
 
 
@@ -340,7 +322,7 @@ def test_a_product_compared_with_a_scaled_value_takes_the_scale_in_its_buffer():
     assert torch.equal(ep.state_dict["gain"], model.gain * 2.0**-domain.k)
     (mul,) = ep.graph.find_nodes(op="call_function", target=torch.ops.aten.mul.Tensor)
     assert meta.scale_exponent(mul) == -domain.k
-    assert not _multiplies(ep)
+    assert not range_multiplies(ep)
 
 
 def test_a_product_read_elsewhere_keeps_its_buffer_and_is_scaled_by_a_multiply():

@@ -11,32 +11,19 @@ from torch import nn
 
 import fx16
 from benchmarks.range_flows import PreNormResidual as Residual
-from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
-from fx16.passes.scale_domains import REVERTED
-from helpers import check_program, export, fp64_reference, max_error, run, scale_only
+from helpers import (
+    check_program,
+    export,
+    fp64_reference,
+    max_error,
+    range_multiplies,
+    run,
+    scaled_exactly,
+)
 
 UNIT = 2.0**-11
 LIMIT = 65504 / 2  # the default overflow margin's limit
-
-
-def _scaled(model, *args, decomposed: bool = False):
-    """The model exported (and decomposed to core ATen, as a lowering does first) and
-    scaled in fp32; asserts the plan applied whole and exact."""
-    ep = export(model, *args)
-    if decomposed:
-        ep = ep.run_decompositions()
-    scale_only(ep)
-    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
-    with torch.no_grad():
-        want, got = model(*args), ep.module()(*args)
-    pairs = zip(*(v if isinstance(v, tuple) else (v,) for v in (want, got)), strict=True)
-    assert all(torch.equal(a, b) for a, b in pairs)
-    return ep
-
-
-def _multiplies(ep) -> list[str]:
-    return [node.name for node in ep.graph.nodes if meta.range_scaled(node)]
 
 
 def _cast_error(model, *args) -> float:
@@ -63,8 +50,8 @@ def test_a_loud_value_only_the_output_reads_takes_no_domain():
     once: no domain; a value a norm reads beyond the product takes one."""
     torch.manual_seed(0)
     x = torch.randn(4, 16)
-    assert not scale_domains(_scaled(OnlyTheOutputReads(read=False), x).graph_module)
-    assert scale_domains(_scaled(OnlyTheOutputReads(read=True), x).graph_module)
+    assert not scale_domains(scaled_exactly(OnlyTheOutputReads(read=False), x).graph_module)
+    assert scale_domains(scaled_exactly(OnlyTheOutputReads(read=True), x).graph_module)
 
 
 class ZeroInitialised(nn.Module):
@@ -89,7 +76,7 @@ def test_a_zero_initialised_weight_seeds_no_domain():
     they have no magnitude to lift, and seed no domain."""
     torch.manual_seed(0)
     model, x = ZeroInitialised().eval(), torch.randn(4, 16)
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     (domain,) = scale_domains(ep.graph_module)
     assert "p_gate_weight" not in domain.values
     assert _cast_error(model, x) < 8 * UNIT
@@ -116,7 +103,7 @@ def test_a_product_of_two_loud_streams_joins_one_of_their_domains():
     exponent, folded into its own weight."""
     torch.manual_seed(0)
     model, x = LoudTimesLoud().eval(), torch.randn(4, 16)
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     domains = scale_domains(ep.graph_module)
     assert len(domains) == 2 and len({domain.k for domain in domains}) == 2
     assert sorted(domain.folded[0] for domain in domains) == ["p_a_weight", "p_b_weight"]
@@ -140,9 +127,9 @@ def test_a_quotient_by_a_tiny_fitted_std_takes_its_scale_in_the_divisor():
     time; the numerator is read as it is."""
     torch.manual_seed(0)
     model, x = QuotientOfTinyStd().eval(), torch.randn(4, 16)
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     (domain,) = scale_domains(ep.graph_module)
-    assert domain.values == ("div",) and not _multiplies(ep)
+    assert domain.values == ("div",) and not range_multiplies(ep)
     assert torch.equal(ep.state_dict["std"], model.std * 2.0**domain.k)
     assert torch.equal(ep.state_dict["mean"], model.mean)
     assert _cast_error(model, x) < 8 * UNIT
@@ -168,12 +155,12 @@ def test_a_product_of_two_buffers_takes_its_scale_in_one_of_them():
     other stored as it was."""
     torch.manual_seed(0)
     model, x = GainTimesGain().eval(), torch.randn(4, 16)
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     (domain,) = scale_domains(ep.graph_module)
     state = ep.state_dict
     assert torch.equal(state["gain"], model.gain)
     assert torch.equal(state["layer_scale"], model.layer_scale * 2.0**-domain.k)
-    assert not _multiplies(ep)
+    assert not range_multiplies(ep)
 
 
 class RuntimeWeight(nn.Module):
@@ -195,7 +182,7 @@ def test_a_product_with_no_state_operand_leaves_its_bias_alone():
     and the scale starts at a multiply."""
     torch.manual_seed(0)
     model, x = RuntimeWeight().eval(), torch.randn(4, 16)
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     (domain,) = scale_domains(ep.graph_module)
     assert torch.equal(ep.state_dict["bias"], model.bias * 2.0**-domain.k)
     assert _cast_error(model, x) < 16 * UNIT
@@ -227,9 +214,9 @@ def test_a_batch_norm_past_the_range_carries_its_output_at_its_weights_exponent(
     ``getitem``, keeps the weight's exponent."""
     torch.manual_seed(0)
     model, x = TinyVarianceBatchNorm().eval(), torch.randn(2, 4, 6, 6)
-    ep = _scaled(model, x, decomposed=decomposed)
+    ep = scaled_exactly(model, x, decompose=decomposed)
     (domain,) = scale_domains(ep.graph_module)
-    assert "p_norm_weight" in domain.folded and not _multiplies(ep)
+    assert "p_norm_weight" in domain.folded and not range_multiplies(ep)
     assert _cast_error(model, x) < 8 * UNIT
 
 
@@ -250,7 +237,7 @@ class PositionBias(nn.Module):
 def test_a_tensor_made_at_run_time_is_unscaled_and_brought_to_the_domain():
     torch.manual_seed(0)
     model, x = PositionBias().eval(), torch.randn(4, 16)
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     assert scale_domains(ep.graph_module)
     assert _cast_error(model, x) < 8 * UNIT
 
@@ -272,7 +259,7 @@ class LoudSquare(nn.Module):
 def test_a_square_of_a_loud_stream_is_brought_back_to_its_domains_exponent():
     torch.manual_seed(0)
     model, x = LoudSquare().eval(), torch.randn(4, 16)
-    _scaled(model, x)
+    scaled_exactly(model, x)
     assert _cast_error(model, x) < 16 * UNIT
 
 
@@ -283,9 +270,37 @@ def test_a_decomposed_program_folds_into_weights_read_through_a_permute(build):
     the program before decomposition, with no other multiply."""
     torch.manual_seed(0)
     model, x = build(), torch.randn(4, 16)
-    whole, decomposed = _scaled(model, x), _scaled(model, x, decomposed=True)
+    whole, decomposed = scaled_exactly(model, x), scaled_exactly(model, x, decompose=True)
     folds = [sorted(d.folded) for d in scale_domains(whole.graph_module)]
     assert folds and folds == [sorted(d.folded) for d in scale_domains(decomposed.graph_module)]
-    assert _multiplies(decomposed) == _multiplies(whole)  # the door's, where x is a member
+    assert range_multiplies(decomposed) == range_multiplies(
+        whole
+    )  # the door's, where x is a member
     for name, tensor in whole.state_dict.items():
         assert torch.equal(decomposed.state_dict[name], tensor)
+
+
+class ScaledResidual(nn.Module):
+    """A residual stream past the range whose branch is added with ``alpha`` (export
+    passes it by name: ``add.Tensor(h, branch, alpha=0.5)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.branch = nn.Linear(16, 16), nn.Linear(16, 16)
+        with torch.no_grad():
+            self.up.weight.mul_(1e5)
+
+    def forward(self, x):
+        h = self.up(x)
+        return nn.functional.layer_norm(torch.add(h, self.branch(h), alpha=0.5), (16,))
+
+
+def test_an_op_passed_a_number_by_name_reads_its_operands_unscaled():
+    """The rule tables name numbers by position: an add with ``alpha`` by name reads
+    its operands unscaled (a multiply before it), and the program computes as before."""
+    torch.manual_seed(0)
+    model, x = ScaledResidual().eval(), torch.randn(4, 16)
+    ep = scaled_exactly(model, x)
+    (add,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    assert add.kwargs == {"alpha": 0.5} and range_multiplies(ep)
+    assert _cast_error(model, x) < 16 * UNIT

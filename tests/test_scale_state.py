@@ -13,26 +13,18 @@ from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
 from fx16.passes.scale_domains import REVERTED
 from fx16.program.stats import program_stats
-from helpers import check_program, export, fp64_reference, max_error, run, scale_only
+from helpers import (
+    check_program,
+    export,
+    fp64_reference,
+    max_error,
+    range_multiplies,
+    run,
+    scale_only,
+    scaled_exactly,
+)
 
 UNIT = 2.0**-11
-
-
-def _scaled(model, *args):
-    """The model exported and scaled in fp32; asserts the plan applied whole and exact."""
-    ep = export(model, *args)
-    scale_only(ep)
-    assert REVERTED not in ep.graph_module.meta, ep.graph_module.meta.get(REVERTED)
-    with torch.no_grad():
-        want, got = model(*args), ep.module()(*args)
-    pairs = zip(*(v if isinstance(v, tuple) else (v,) for v in (want, got)), strict=True)
-    assert all(torch.equal(a, b) for a, b in pairs)
-    return ep
-
-
-def _multiplies(ep) -> list[str]:
-    """The runtime multiplies the plan added."""
-    return [node.name for node in ep.graph.nodes if meta.range_scaled(node)]
 
 
 def _cast(model, *args):
@@ -63,12 +55,12 @@ def test_a_division_by_a_fitted_buffer_takes_the_numerators_scale_in_the_buffer(
     torch.manual_seed(0)
     model = Standardise().eval()
     x = model.mean + model.std * torch.randn(16, 8)
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     numerator = next(d for d in scale_domains(ep.graph_module) if "b_mean" in d.folded)
     assert numerator.doors == ("x",)
     for name in ("mean", "std"):
         assert torch.equal(ep.state_dict[name], getattr(model, name) * 2.0**-numerator.k)
-    assert _multiplies(ep) == ["mul_tensor"]  # the door's, nothing after the quotient
+    assert range_multiplies(ep) == ["mul_tensor"]  # the door's, nothing after the quotient
     cast = _cast(model, x)
     # x - mean cancels ~10x (mean / std): that many units of fp16's rounding; readings
     # spread 3x wider than calibration's hold too
@@ -108,7 +100,7 @@ def test_a_product_added_to_a_scaled_value_takes_its_scale_in_the_buffer_it_read
     for form, power in (("times", -1), ("over", 1), ("square", -0.5)):
         torch.manual_seed(0)
         model, x = Gained(form).eval(), torch.randn(4, 16)
-        ep = _scaled(model, x)
+        ep = scaled_exactly(model, x)
         (domain,) = scale_domains(ep.graph_module)
         assert domain.k % 2 == 0 or form != "square"
         assert torch.equal(ep.state_dict["gain"], model.gain * 2.0 ** (power * domain.k))
@@ -126,7 +118,7 @@ def test_a_divisor_takes_the_scale_up_to_the_limit_exactly():
     model, x = Gained("over").eval(), torch.randn(4, 16)
     with torch.no_grad():
         model.gain.mul_(32752 / 2.0**6 / model.gain.abs().max())
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     (domain,) = scale_domains(ep.graph_module)
     assert domain.k == 6 and float(ep.state_dict["gain"].abs().max()) == 32752
     (multiply,) = [n for n in ep.graph.nodes if meta.range_scaled(n)]
@@ -152,10 +144,10 @@ def test_a_buffer_times_a_scaled_value_takes_the_scale_back():
     2**k, so the product is unscaled where it is made, with no multiply anywhere."""
     torch.manual_seed(0)
     model, x = ScaledBack().eval(), torch.randn(4, 16)
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     (domain,) = scale_domains(ep.graph_module)
     assert torch.equal(ep.state_dict["small"], model.small * 2.0**domain.k)
-    assert not _multiplies(ep)
+    assert not range_multiplies(ep)
 
 
 class LoudThenBatchNorm(nn.Module):
@@ -214,7 +206,7 @@ def test_an_rnns_initial_states_are_read_unscaled():
     it, and its input weights take no scale."""
     torch.manual_seed(0)
     model, x, seq = LoudInitialState().eval(), torch.randn(2, 8), torch.randn(2, 5, 4)
-    ep = _scaled(model, x, seq)
+    ep = scaled_exactly(model, x, seq)
     (lstm,) = ep.graph.find_nodes(op="call_function", target=torch.ops.aten.lstm.input)
     assert all(meta.range_scaled(state) for state in lstm.args[1])
     assert torch.equal(ep.state_dict["rnn.weight_ih_l0"], model.rnn.weight_ih_l0)
@@ -243,14 +235,14 @@ def test_a_norm_read_at_two_places_is_not_folded_and_its_loud_input_takes_the_ep
     unscaled), the loud reader's eps is scaled by 2**-2k, the other's is not."""
     torch.manual_seed(0)
     model, x = SharedNorm().eval(), torch.randn(4, 16)
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     (domain,) = scale_domains(ep.graph_module)
     assert set(domain.folded) == {"p_a_weight", "p_a_bias"}
     for name in ("norm.weight", "norm.bias", "b.weight"):
         assert torch.equal(ep.state_dict[name], model.state_dict()[name])
     eps = {node.name: node.args[4] for node in ep.graph.nodes if "layer_norm" in node.name}
     assert eps == {"layer_norm": 1e-5 * 2.0 ** (-2 * domain.k), "layer_norm_1": 1e-5}
-    assert not _multiplies(ep)
+    assert not range_multiplies(ep)
     cast = _cast(model, x)
     assert max_error(fp64_reference(model, x), run(cast, x)) < 8 * UNIT
 
@@ -278,7 +270,7 @@ def test_a_tied_embedding_in_a_domain_is_folded_once_under_both_names():
     scale and after the cast."""
     torch.manual_seed(0)
     model, ids = TiedLm().eval(), torch.randint(0, 32, (2, 5))
-    ep = _scaled(model, ids)
+    ep = scaled_exactly(model, ids)
     (domain,) = scale_domains(ep.graph_module)
     assert "p_head_weight" in domain.folded and "embedding" in domain.values
     state = ep.state_dict
@@ -309,7 +301,7 @@ def test_a_zero_bias_in_a_domain_is_folded_and_sets_no_small_end():
     zeros has no magnitude to lift, so the domain's k is set by the weight alone."""
     torch.manual_seed(0)
     model, x = ZeroBias().eval(), torch.randn(4, 16)
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     (domain,) = scale_domains(ep.graph_module)
     assert {"p_a_weight", "p_a_bias"} <= set(domain.folded) and domain.k > 0
     assert torch.equal(ep.state_dict["a.bias"], torch.zeros(16))
@@ -414,7 +406,7 @@ def test_a_tiny_addend_or_bias_starts_no_domain():
     model, x = TinyAddend().eval(), torch.randn(4, 16)
     ep = export(model, x)
     scale_only(ep)
-    assert not scale_domains(ep.graph_module) and not _multiplies(ep)
+    assert not scale_domains(ep.graph_module) and not range_multiplies(ep)
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(model(x), ep.module()(x), strict=True))
 
@@ -440,7 +432,7 @@ def test_a_bias_read_elsewhere_brings_the_scaled_input_to_it():
     the bias) is unscaled by a multiply before it, and the bias is stored as it was."""
     torch.manual_seed(0)
     model, x = SharedBias().eval(), torch.randn(4, 16)
-    ep = _scaled(model, x)
+    ep = scaled_exactly(model, x)
     assert torch.equal(ep.state_dict["bias"], model.bias)
     (second,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.linear.default][1:]
     scaled_input, weight, bias = second.args

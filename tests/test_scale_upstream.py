@@ -46,6 +46,7 @@ def test_attention_logits_past_the_range_fold_into_the_query_projection(options)
     check_program(ep)
     (domain,) = scale_domains(ep.graph_module)
     assert set(domain.folded) == {"p_q_weight", "p_q_bias"}
+    assert {"linear", "matmul"} <= set(domain.values)  # the way from the fold to the logits
     assert not any(meta.RANGE_SCALE in node.meta for node in ep.graph_module.graph.nodes)
     stats = program_stats(ep)
     assert stats.flop_share_16bit == 1.0
