@@ -304,3 +304,26 @@ def test_an_op_passed_a_number_by_name_reads_its_operands_unscaled():
     (add,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.add.Tensor]
     assert add.kwargs == {"alpha": 0.5} and range_multiplies(ep)
     assert _cast_error(model, x) < 16 * UNIT
+
+
+class LoudArgmax(nn.Module):
+    """A stream past the range whose largest feature and its index are returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.up.weight.mul_(1e5)
+
+    def forward(self, x):
+        values, indices = torch.relu(self.up(x)).max(-1)
+        return nn.functional.layer_norm(values, (4,)), indices
+
+
+def test_the_index_output_of_a_scaled_max_is_returned_as_it_is():
+    """``max(dim)`` commutes with the scale: its values carry the domain's exponent,
+    its indices none (an integer tensor takes no multiply at the output)."""
+    torch.manual_seed(0)
+    model, x = LoudArgmax().eval(), torch.randn(4, 16)
+    ep = scaled_exactly(model, x)
+    assert scale_domains(ep.graph_module) and not range_multiplies(ep)
