@@ -170,3 +170,30 @@ def test_an_op_with_several_results_is_judged_by_the_result_read():
     assert made.dtype == torch.float32 and made.reason == Reason.ACTIVATION_BELOW_RANGE
     assert made.detail.startswith("getitem observed at most")
     assert max_error(fp64_reference(model, x), run(ep, x)) < 8 * 2.0**-11
+
+
+class NormOfACube(nn.Module):
+    """A layer norm of ``x ** 3`` on inputs of about 1e-2: the cube (about 1e-6) lies
+    below fp16's normal range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(2)
+
+    def forward(self, x):
+        return self.norm(x**3)
+
+
+def test_a_value_kept_fp32_for_precision_below_the_range_is_read_in_fp32():
+    """The cube is kept fp32 for its conditioning (a reason that lets a 16-bit reader
+    take a 16-bit copy of a value that fits): a copy of it would be subnormal, so the
+    norm reads it in fp32 and holds fp32's accuracy (it read 1-bit subnormals before)."""
+    torch.manual_seed(0)
+    model, x = NormOfACube().eval(), 0.01 * torch.randn(3, 2)
+    assert 0 < float((x**3).abs().max()) < 2.0**-14
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    (cube,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
+    (norm,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.layer_norm.default]
+    assert decision_of(cube).dtype == torch.float32
+    assert norm.args[0] is cube and decision_of(norm).dtype == torch.float32
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 4 * 2.0**-11

@@ -10,7 +10,7 @@ from torch.fx import Node
 
 from fx16 import meta
 from fx16.decisions import reasons
-from fx16.ops.numerics import scalar_overflows
+from fx16.ops.numerics import interval_below_normal, scalar_overflows
 from fx16.plan.steps import Plan, Read, graph_read
 from fx16.policy import Precision, PrecisionPolicy
 from fx16.program.nodes import (
@@ -119,13 +119,16 @@ class View:
     def downcastable(self, value: Node) -> bool:
         """An fp32 value kept wide for precision (by the policy, the accuracy budget for
         some of its uses, or a loop carrying it), not by a safety rule, and that fits
-        16-bit: a 16-bit op reading it may cast it down, as eager autocast does with
-        weights."""
+        16-bit, above and below (a value wholly below the normal range would reach the
+        reader as subnormals): a 16-bit op reading it may cast it down, as eager
+        autocast does with weights."""
         decision = self.read(value).decision
+        largest = meta.observed_max_abs(value)
         return (
             decision is not None
             and decision.reason in DOWNCASTABLE
             and not meta.overflows(value, self.limit)
+            and not (largest and interval_below_normal((-largest, largest), self.policy.low))
         )
 
 
