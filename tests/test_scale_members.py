@@ -11,6 +11,7 @@ from torch import nn
 
 import fx16
 from benchmarks.range_flows import PreNormResidual as Residual
+from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
 from helpers import (
     check_program,
@@ -327,3 +328,28 @@ def test_the_index_output_of_a_scaled_max_is_returned_as_it_is():
     model, x = LoudArgmax().eval(), torch.randn(4, 16)
     ep = scaled_exactly(model, x)
     assert scale_domains(ep.graph_module) and not range_multiplies(ep)
+
+
+class WideRangeSquare(nn.Module):
+    """Readings from 1e3 to 1e6 whose square joins them in a sum (x + x**2, past the
+    range), and a normalised reading x * rsqrt(x**2 + 1e-3)."""
+
+    def forward(self, x):
+        square = x**2
+        return x + square, x * torch.rsqrt(square.abs() + 1e-3)
+
+
+def test_a_square_the_domains_scale_would_flush_is_computed_unscaled():
+    """x is carried at about 2**-28 for x + x**2; its square at twice that exponent
+    would put the small readings' squares (1e6) below fp16's normal range, where they
+    flush and their rsqrt is inf: the square reads x unscaled instead."""
+    torch.manual_seed(0)
+    model, x = WideRangeSquare().eval(), 1e3 * (1 + 1e3 * torch.rand(4, 8))
+    ep = scaled_exactly(model, x)
+    (square,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
+    assert scale_domains(ep.graph_module) and meta.scale_exponent(square) == 0
+    cast = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(cast)
+    reference, got = fp64_reference(model, x), run(cast, x)
+    assert all(torch.isfinite(value).all() for value in got)
+    assert max_error(reference, got) < 8 * UNIT

@@ -28,6 +28,7 @@ from fx16.analysis.scale_plan import (
     node_leaves,
     numbers_by_keyword,
     only_feeds_powers,
+    pushed_below_fp16,
     reads_unscaled_numbers,
 )
 from fx16.meta import bounded_below
@@ -161,7 +162,11 @@ class _Walk(PlanMoves):
                 return self.opaque(node)
             exponent = Fraction(node.args[1])
         result = exponent * self.seen(x)
-        if result.denominator != 1 or not holds_in_fp32(node, int(result)):
+        if (
+            result.denominator != 1
+            or not holds_in_fp32(node, int(result))
+            or pushed_below_fp16(node, int(result))
+        ):
             self.settle(x, node, 0)
             return 0
         return int(result)

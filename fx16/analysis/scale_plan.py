@@ -12,6 +12,7 @@ from torch.fx import Node
 
 from fx16 import meta
 from fx16.meta import observed_max_abs
+from fx16.ops.numeric_tables import SUMMING_OPS
 from fx16.ops.scaling import Kind, ScaleRule, rule_of
 from fx16.ops.tables import VALUE_PRESERVING_OPS
 from fx16.program.nodes import Location, is_float_tensor, is_number, node_val
@@ -174,6 +175,19 @@ def holds_in_fp32(node: Node, exponent: int) -> bool:
     return not largest or math.log2(largest) + exponent < _FP32_LARGEST_EXPONENT
 
 
+def pushed_below_fp16(node: Node, exponent: int) -> bool:
+    """``node``'s smallest calibrated nonzero magnitude is in fp16's normal range as it
+    is, and below it at ``2**exponent``, where an op other than a sum or mean reads it:
+    the scale alone would flush small elements that reader sees one by one (a power
+    doubles its operand's exponent: x carried at 2**-28 squared is at 2**-56; a mean of
+    squares absorbs the small ones)."""
+    smallest = node.meta.get(meta.OBSERVED_SMALLEST)
+    if not smallest or not smallest * 2.0**exponent < _FP16_SMALLEST_NORMAL <= smallest:
+        return False
+    return any(user.target not in SUMMING_OPS for user in node.users)
+
+
+_FP16_SMALLEST_NORMAL = float(torch.finfo(torch.float16).tiny)
 _FP32_SMALLEST_EXPONENT = math.log2(torch.finfo(torch.float32).tiny)
 _FP32_LARGEST_EXPONENT = math.log2(torch.finfo(torch.float32).max)
 
