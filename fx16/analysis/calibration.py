@@ -81,6 +81,11 @@ class CalibrationAnalysis(Analysis):
         self.program = Program.of(program)
         self.calibration = calibration
 
+    @classmethod
+    def observed(cls, graph_module: GraphModule) -> bool:
+        """Whether its last run observed the program on some input (not skipped)."""
+        return str(graph_module.meta.get(cls.STATUS_KEY, "")).startswith("observed")
+
     def call(self, graph_module: GraphModule) -> PassResult:
         calls = calibration_calls(self.program, self.calibration)
         graph_module.meta.pop(self.OUTPUTS_KEY, None)

@@ -118,6 +118,8 @@ class ScaleDomainsAnalysis(Analysis):
         if meta.cast_by_fx16(graph_module, PRECISION):
             return PassResult(graph_module, False)  # its domains were planned then
         graph_module.meta[DOMAINS_KEY] = []
+        if not CalibrationAnalysis.observed(graph_module):
+            return PassResult(graph_module, False)  # no magnitudes to plan from
         if any(_writes_floats_in_place(module) for module in boundaries.graph_modules):
             return PassResult(graph_module, False)
         tensors = self._foldable_state()

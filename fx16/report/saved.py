@@ -70,15 +70,18 @@ def keep_decisions(
         verdicts = module.meta.get(ExplicitFp32Analysis.META_KEY, [])
         if verdicts:
             regions[prefix] = [_island_data(island) for island in verdicts]
+    graph_facts = _graph_facts(root)
+    facts = graph_facts.pop("facts")  # JSON-ready already, node by node
     report = {
         "provenance": provenance,
         "margin": margin,
         "placeholders": placeholders,
         "regions": regions,
-        **_graph_facts(root),
+        **graph_facts,
         "accuracy": asdict(accuracy) if accuracy is not None else None,
     }
-    root.meta[CUSTOM] = {**root.meta.get(CUSTOM, {}), REPORT: json_ready(report)}
+    report = {**json_ready(report), "facts": facts}
+    root.meta[CUSTOM] = {**root.meta.get(CUSTOM, {}), REPORT: report}
 
 
 def json_ready(value):
@@ -100,6 +103,7 @@ class Fact:
     key: str
     dump: Callable
     load: Callable
+    floats: bool = False  # its dump may hold a non-finite float (kept as a string)
 
 
 def _same(value, node):
@@ -110,6 +114,8 @@ def _floats(value, node):
     return tuple(float(item) for item in value)
 
 
+_PLANNED_FIELDS = tuple(field.name for field in fields(Planned))
+
 # Every node fact a reader of a cast program reads (the report's rows and envelope, the
 # diagnosis), by the name it is kept under.
 FACTS = {
@@ -117,9 +123,9 @@ FACTS = {
     "range_scale": Fact(meta.RANGE_SCALE, str, _same),
     "sentinel_fill": Fact(meta.SENTINEL_FILL, str, _same),
     "inserted": Fact(INSERTED, str, _same),
-    "observed": Fact(meta.OBSERVED_INTERVAL, list, _floats),
-    "max_abs": Fact(meta.OBSERVED_MAX_ABS, float, lambda value, node: float(value)),
-    "smallest": Fact(meta.OBSERVED_SMALLEST, float, lambda value, node: float(value)),
+    "observed": Fact(meta.OBSERVED_INTERVAL, list, _floats, floats=True),
+    "max_abs": Fact(meta.OBSERVED_MAX_ABS, float, lambda value, node: float(value), True),
+    "smallest": Fact(meta.OBSERVED_SMALLEST, float, lambda value, node: float(value), True),
     "stabilized": Fact(meta.STABILIZED, list, lambda value, node: tuple(value)),
     "scaled": Fact(meta.SCALED, str, _same),
     "rounding_cancels": Fact(meta.ROUNDING_CANCELS, str, _same),
@@ -127,7 +133,7 @@ FACTS = {
     "negligible": Fact(meta.NEGLIGIBLE, str, _same),
     "planned": Fact(
         meta.PLANNED,
-        lambda planned: [getattr(planned, f.name) for f in fields(Planned)],
+        lambda planned: [getattr(planned, name) for name in _PLANNED_FIELDS],
         lambda value, node: Planned(value[0], tuple(value[1]), *value[2:]),
     ),
     "proven": Fact(
@@ -136,21 +142,24 @@ FACTS = {
             [found.low, found.high, found.source.name] if isinstance(found, ValueRange) else None
         ),
         lambda value, node: ValueRange(float(value[0]), float(value[1]), Source[value[2]]),
+        floats=True,
     ),
     "kappa": Fact(
         meta.CONDITIONING,
         lambda finding: finding.kappa,
         lambda value, node: Finding(node, float(value), ()),
+        floats=True,
     ),
 }
 
 
 def _node_facts(node: Node) -> dict:
-    kept = {}
+    """``node``'s facts, JSON-ready, by name."""
+    kept, found = {}, node.meta
     for name, fact in FACTS.items():
-        value = node.meta.get(fact.key)
+        value = found.get(fact.key)
         if value is not None and (dumped := fact.dump(value)) is not None:
-            kept[name] = dumped
+            kept[name] = json_ready(dumped) if fact.floats else dumped
     return kept
 
 
