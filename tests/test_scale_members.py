@@ -221,14 +221,18 @@ def test_a_batch_norm_past_the_range_carries_its_output_at_its_weights_exponent(
     assert _cast_error(model, x) < 8 * UNIT
 
 
-class PositionBias(nn.Module):
-    """A loud stream with a position bias made at run time (``arange``)."""
+class LoudStream(nn.Module):
+    """A linear layer whose weight is ``gain`` times larger: a stream past the range."""
 
-    def __init__(self) -> None:
+    def __init__(self, gain: float = 1e5) -> None:
         super().__init__()
         self.up = nn.Linear(16, 16)
         with torch.no_grad():
-            self.up.weight.mul_(1e5)
+            self.up.weight.mul_(gain)
+
+
+class PositionBias(LoudStream):
+    """A loud stream with a position bias made at run time (``arange``)."""
 
     def forward(self, x):
         h = self.up(x) + torch.arange(16, dtype=x.dtype)
@@ -243,14 +247,11 @@ def test_a_tensor_made_at_run_time_is_unscaled_and_brought_to_the_domain():
     assert _cast_error(model, x) < 8 * UNIT
 
 
-class LoudSquare(nn.Module):
+class LoudSquare(LoudStream):
     """A stream past the range squared (an energy term) and normalised."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(16, 16)
-        with torch.no_grad():
-            self.up.weight.mul_(300)
+        super().__init__(gain=300.0)
 
     def forward(self, x):
         h = self.up(x)
@@ -281,15 +282,13 @@ def test_a_decomposed_program_folds_into_weights_read_through_a_permute(build):
         assert torch.equal(decomposed.state_dict[name], tensor)
 
 
-class ScaledResidual(nn.Module):
+class ScaledResidual(LoudStream):
     """A residual stream past the range whose branch is added with ``alpha`` (export
     passes it by name: ``add.Tensor(h, branch, alpha=0.5)``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.up, self.branch = nn.Linear(16, 16), nn.Linear(16, 16)
-        with torch.no_grad():
-            self.up.weight.mul_(1e5)
+        self.branch = nn.Linear(16, 16)
 
     def forward(self, x):
         h = self.up(x)
@@ -307,14 +306,8 @@ def test_an_op_passed_a_number_by_name_reads_its_operands_unscaled():
     assert _cast_error(model, x) < 16 * UNIT
 
 
-class LoudArgmax(nn.Module):
+class LoudArgmax(LoudStream):
     """A stream past the range whose largest feature and its index are returned."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(16, 16)
-        with torch.no_grad():
-            self.up.weight.mul_(1e5)
 
     def forward(self, x):
         values, indices = torch.relu(self.up(x)).max(-1)
