@@ -139,7 +139,7 @@ class ScaleDomainsAnalysis(Analysis):
         """The plan of one graph (the program's, or a body's with the state tensors only
         it reads) and its domains; None where it has none."""
         magnitudes = _magnitudes(graph_module)
-        groups = grow_domains(graph_module, magnitudes, self.limit, tensors, fp32)
+        groups = grow_domains(magnitudes, self.limit, tensors, fp32)
         if not groups:
             return None
         state = StateTensors(tensors, magnitudes, self.limit)

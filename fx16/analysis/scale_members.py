@@ -25,7 +25,7 @@ SMALLEST_NORMAL = float(torch.finfo(torch.float16).tiny)
 
 
 def grow_domains(
-    graph_module, magnitudes: dict, limit: float, tensors: dict, fp32: set[Node]
+    magnitudes: dict, limit: float, tensors: dict, fp32: set[Node]
 ) -> list[list[Node]]:
     """The domains grown from every value past ``limit`` (a finite, non-sentinel one),
     none holding a value of ``fp32`` (the model's own fp32 regions, kept)."""
