@@ -352,6 +352,16 @@ def test_without_a_plan_the_pass_changes_nothing_and_hands_back_its_module():
     assert str(ep.graph) == graph
 
 
+def test_the_pass_without_its_analysis_says_what_to_run_first():
+    """Run alone, the pass names itself and the analysis whose plan it applies."""
+    from fx16.errors import PreconditionError
+    from fx16.passes.scale_domains import ScaleDomainsPass
+
+    ep = export(nn.Linear(16, 4).eval(), torch.randn(4, 16))
+    with pytest.raises(PreconditionError, match="ScaleDomainsPass reads what ScaleDomainsAnalysis"):
+        ScaleDomainsPass(ep)(ep.graph_module)
+
+
 def test_the_plan_check_tells_outputs_apart_beyond_fp32_rounding():
     """``same_outputs`` (the pass's check that a scaled program computes what the model
     did, before it keeps the plan): equal outputs, and floats within fp32's rounding of
