@@ -346,3 +346,20 @@ def test_a_square_the_domains_scale_would_flush_is_computed_unscaled():
     reference, got = fp64_reference(model, x), run(cast, x)
     assert all(torch.isfinite(value).all() for value in got)
     assert max_error(reference, got) < 8 * UNIT
+
+
+class JustPastTheLimit(nn.Module):
+    """Readings up to 1.5 times the limit (49,000), normalised: one step of 2 brings them
+    inside it."""
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x * (1.5 * LIMIT), (x.shape[-1],))
+
+
+def test_a_domain_just_past_the_limit_is_carried_one_step_down():
+    """Nothing is folded (the input is scaled at the door), so k is the least that fits:
+    1, not more."""
+    x = torch.tensor([[1.0, -0.5, 0.25, 0.75]])
+    ep = scaled_exactly(JustPastTheLimit(), x)
+    (domain,) = scale_domains(ep.graph_module)
+    assert domain.k == 1 and "the least that fits" in domain.bounded
