@@ -363,3 +363,5 @@ def test_a_domain_just_past_the_limit_is_carried_one_step_down():
     ep = scaled_exactly(JustPastTheLimit(), x)
     (domain,) = scale_domains(ep.graph_module)
     assert domain.k == 1 and "the least that fits" in domain.bounded
+    # how far its values may grow: 65504 over its largest value carried at 2**-1
+    assert domain.largest == 1.5 * LIMIT and domain.reach == 65504 / (1.5 * LIMIT / 2)
