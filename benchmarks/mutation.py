@@ -600,6 +600,144 @@ EQUIVALENT: dict[str, str] = {
     "fx16.passes.scale_domains.x__bound__mutmut_9": (
         "`>=`: where the bound equals what was seen, writing it changes nothing"
     ),
+    "fx16.analysis.scale_domains.x__buys_nothing__mutmut_10": (
+        "no member's exponent is a tuple: only a multi-output norm's is, and such a node has "
+        "no magnitude to seed a domain and no rule that pulls or joins it (its getitem is the "
+        "member)"
+    ),
+    "fx16.analysis.scale_domains.x__buys_nothing__mutmut_3": (
+        "every member has an exponent: the walk records one for every placeholder and call, "
+        "and members are those"
+    ),
+    "fx16.analysis.scale_domains.x__buys_nothing__mutmut_5": (
+        "every member has an exponent: the walk records one for every placeholder and call, "
+        "and members are those"
+    ),
+    "fx16.analysis.scale_domains.x__buys_nothing__mutmut_6": (
+        "every member has an exponent: the walk records one for every placeholder and call, "
+        "and members are those"
+    ),
+    "fx16.analysis.scale_domains.x__writes_floats_in_place__mutmut_3": (
+        "`mutated_argument` of a placeholder or the output is None"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_plan__mutmut_118": (
+        "torch.fx nodes sort by their place in the graph: sorted without a key gives the same order"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_plan__mutmut_120": (
+        "torch.fx nodes sort by their place in the graph: sorted without a key gives the same order"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_plan__mutmut_4": (
+        "grow_domains never read its graph module (the parameter is gone since)"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_plan__mutmut_61": (
+        "the plan's first value is read only after the loop gives it one"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_plan__mutmut_73": (
+        "no domain's exponent is 0 (an overflow's is at most -1, a small end's at least 6)"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁ_plan__mutmut_74": (
+        "a positive exponent is at least 6: a small end's largest below 2**-14 is brought to "
+        "[1, 2) (15 or more), a lift to at least 2**-8 (7 or more)"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁcall__mutmut_51": (
+        "run_passes reads no module an analysis hands back"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁcall__mutmut_52": (
+        "an analysis's modified=None reads as unchanged, as False does"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁcall__mutmut_55": (
+        "an analysis preserves every fact (`preserves = ALL`): a modified flag forgets "
+        "nothing, and no caller reads run_passes' answer for it"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁresult__mutmut_12": (
+        "a getitem's source always has an exponent: it is visited first"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁresult__mutmut_13": (
+        "a getitem's source always has an exponent: it is visited first"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁresult__mutmut_15": (
+        "a norm's exponent tuple has one entry per output (`(result, scale, "
+        "rstd)[:len(val)]`): a getitem's index is always inside it"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁresult__mutmut_16": (
+        "a norm's exponent tuple has one entry per output (`(result, scale, "
+        "rstd)[:len(val)]`): a getitem's index is always inside it"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁresult__mutmut_17": (
+        "a norm's exponent tuple has one entry per output (`(result, scale, "
+        "rstd)[:len(val)]`): a getitem's index is always inside it"
+    ),
+    "fx16.analysis.scale_exponents.xǁ_Walkǁvisit__mutmut_8": (
+        "`folds.get(None, 0)` is 0: folds are keyed by state tensors, never None"
+    ),
+    "fx16.analysis.scale_members.x__is_float__mutmut_1": ("called with nodes only"),
+    "fx16.analysis.scale_members.x__joins__mutmut_1": (
+        "a reader that is not a call has the opaque rule (it joins nothing); a call without a "
+        "float result is no SAME op reading a float (views, adds and pools of a float are "
+        "float; a cast to another dtype is opaque)"
+    ),
+    "fx16.analysis.scale_members.x__pulled__mutmut_1": (
+        "a node that is not a call has the opaque rule (nothing pulled); a call without a "
+        "float result is never a member"
+    ),
+    "fx16.analysis.scale_members.x__pulled__mutmut_22": (
+        "`argument(node, None)` is None: no operand"
+    ),
+    "fx16.analysis.scale_members.x__pulled__mutmut_48": (
+        "only the NORM rules name a weight (a PRODUCT returned above)"
+    ),
+    "fx16.analysis.scale_members.x_grow_domains__mutmut_11": (
+        "a group whose largest magnitude is exactly the limit gets no exponent (`largest > limit`)"
+    ),
+    "fx16.analysis.scale_members.x_grow_domains__mutmut_12": (
+        "a value at INF_LIKE is a sentinel the loop skips: its group stays empty"
+    ),
+    "fx16.analysis.scale_members.x_grow_domains__mutmut_16": (
+        "a group whose largest magnitude is exactly 2**-14 gets no exponent (neither below "
+        "the normal range nor a lift, which counts magnitudes strictly below it)"
+    ),
+    "fx16.analysis.scale_members.x_grow_domains__mutmut_3": (
+        "a seed in the model's fp32 regions (or one an earlier cast scaled) is dropped in the "
+        "loop, which skips such nodes: its group stays empty"
+    ),
+    "fx16.analysis.scale_members.x_grow_domains__mutmut_32": (
+        "`get(node, 1.0)` is below INF_LIKE as 0.0 is: the same test"
+    ),
+    "fx16.analysis.scale_members.x_grow_domains__mutmut_42": (
+        "a merged-away group is dropped whether `[]` or None, and no node maps to it again"
+    ),
+    "fx16.ops.scaling.x_rule_of__mutmut_12": (
+        "a cast node always holds a tensor value, which has a dtype"
+    ),
+    "fx16.passes.scale_domains.xǁScaleDomainsPassǁcall__mutmut_11": (
+        "a pass's modified=None reads as unchanged, as False does"
+    ),
+    "fx16.passes.scale_domains.xǁScaleDomainsPassǁcall__mutmut_37": (
+        "run_passes reads no module a pass hands back (the pass rewrote the one it was given)"
+    ),
+    "fx16.passes.scale_domains.xǁScaleDomainsPassǁcall__mutmut_51": (
+        "a pass's modified=None reads as unchanged, as False does"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁcall__mutmut_10": (
+        "run_passes reads no module an analysis hands back"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁcall__mutmut_11": (
+        "an analysis's modified=None reads as unchanged, as False does"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁcall__mutmut_14": (
+        "an analysis preserves every fact (`preserves = ALL`): a modified flag forgets "
+        "nothing, and no caller reads run_passes' answer for it"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁcall__mutmut_18": (
+        "run_passes reads no module an analysis hands back"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁcall__mutmut_19": (
+        "an analysis's modified=None reads as unchanged, as False does"
+    ),
+    "fx16.analysis.scale_domains.xǁScaleDomainsAnalysisǁcall__mutmut_22": (
+        "an analysis preserves every fact (`preserves = ALL`): a modified flag forgets "
+        "nothing, and no caller reads run_passes' answer for it"
+    ),
 }
 
 
