@@ -178,14 +178,15 @@ class RuntimeWeight(nn.Module):
         return nn.functional.layer_norm(nn.functional.linear(x, weight, self.bias), (16,))
 
 
-def test_a_product_with_no_state_operand_leaves_its_bias_alone():
-    """No state tensor for the product's scale to fold into: its bias stays as it was
-    and the scale starts at a multiply."""
+def test_a_product_whose_weight_is_made_at_run_time_folds_into_what_makes_it():
+    """The linear reads no state weight: the scale folds into the low-rank factors the
+    weight is made from, and its bias takes it alike; no multiply at run time."""
     torch.manual_seed(0)
     model, x = RuntimeWeight().eval(), torch.randn(4, 16)
     ep = scaled_exactly(model, x)
     (domain,) = scale_domains(ep.graph_module)
     assert torch.equal(ep.state_dict["bias"], model.bias * 2.0**-domain.k)
+    assert not range_multiplies(ep)
     assert _cast_error(model, x) < 16 * UNIT
 
 
@@ -240,6 +241,8 @@ class PositionBias(LoudStream):
 
 
 def test_a_tensor_made_at_run_time_is_unscaled_and_brought_to_the_domain():
+    """``arange`` makes its values unscaled: the add brings them to the stream's
+    exponent (a wrong exponent for it would move the scaled program's outputs)."""
     torch.manual_seed(0)
     model, x = PositionBias().eval(), torch.randn(4, 16)
     ep = scaled_exactly(model, x)
@@ -259,6 +262,8 @@ class LoudSquare(LoudStream):
 
 
 def test_a_square_of_a_loud_stream_is_brought_back_to_its_domains_exponent():
+    """``h * h`` comes out at twice the stream's exponent; the sum with ``h`` reads it
+    brought back to the stream's by a multiply after it."""
     torch.manual_seed(0)
     model, x = LoudSquare().eval(), torch.randn(4, 16)
     scaled_exactly(model, x)
