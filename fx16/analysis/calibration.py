@@ -21,6 +21,14 @@ from fx16.ops.tables import SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS, per_op
 from fx16.program import Program
 from fx16.program.boundaries import Boundaries
 
+_OBSERVED = "observed on"  # how a status that observed the program begins
+
+
+def observed(status: str) -> bool:
+    """Whether a calibration status (``meta["fx16.calibration"]``, kept through save
+    and load) says the program was observed on some input, not skipped."""
+    return str(status).startswith(_OBSERVED)
+
 
 class CalibrationAnalysis(Analysis):
     """Run the program on calibration inputs and record how large each value gets.
@@ -84,7 +92,7 @@ class CalibrationAnalysis(Analysis):
     @classmethod
     def observed(cls, graph_module: GraphModule) -> bool:
         """Whether its last run observed the program on some input (not skipped)."""
-        return str(graph_module.meta.get(cls.STATUS_KEY, "")).startswith("observed")
+        return observed(graph_module.meta.get(cls.STATUS_KEY, ""))
 
     def call(self, graph_module: GraphModule) -> PassResult:
         calls = calibration_calls(self.program, self.calibration)
@@ -124,7 +132,7 @@ class CalibrationAnalysis(Analysis):
         for node, smallest in recorder.smallest.items():
             node.meta[self.SMALLEST_KEY] = smallest
         _share_with_unreached_placeholders(boundaries)
-        graph_module.meta[self.STATUS_KEY] = f"observed on {len(calls)} input(s)"
+        graph_module.meta[self.STATUS_KEY] = f"{_OBSERVED} {len(calls)} input(s)"
         return PassResult(graph_module, False)
 
     def failed(self, graph_module: GraphModule, index: int, error: Exception) -> PassResult:

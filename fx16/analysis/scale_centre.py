@@ -21,8 +21,13 @@ from dataclasses import dataclass
 from torch.fx import Node
 
 from fx16.analysis.scale_exponents import propagate
-from fx16.analysis.scale_members import SMALLEST_NORMAL
-from fx16.analysis.scale_plan import SMALLEST_FOLDED, ScalePlan, StateTensors, argument
+from fx16.analysis.scale_plan import (
+    SMALLEST_FOLDED,
+    SMALLEST_NORMAL,
+    ScalePlan,
+    StateTensors,
+    argument,
+)
 from fx16.ops.scaling import rule_of
 
 

@@ -45,8 +45,8 @@ from fx16.analysis.explicit_fp32 import model_fp32_regions
 from fx16.analysis.facts import Facts
 from fx16.analysis.scale_centre import centre
 from fx16.analysis.scale_exponents import propagate
-from fx16.analysis.scale_members import SMALLEST_NORMAL, grow_domains
-from fx16.analysis.scale_plan import FP16_LARGEST, SMALLEST_FOLDED, StateTensors
+from fx16.analysis.scale_members import grow_domains
+from fx16.analysis.scale_plan import FP16_LARGEST, SMALLEST_FOLDED, SMALLEST_NORMAL, StateTensors
 from fx16.analysis.scale_upstream import upstream_fold
 from fx16.contracts import Analysis
 from fx16.decisions import PRECISION

@@ -5,11 +5,11 @@ and the state tensors a product or norm reads (where the scale folds).
 
 import operator
 
-import torch
 from torch.fx import Node
 
 from fx16 import meta
 from fx16.analysis.scale_plan import (
+    SMALLEST_NORMAL,
     beneath_views,
     first_layer_input_weights,
     float_operands,
@@ -19,9 +19,6 @@ from fx16.ops.declarations import declaration
 from fx16.ops.numerics import INF_LIKE
 from fx16.ops.scaling import Kind, rule_of
 from fx16.program.nodes import node_val, tensor_leaves
-
-# Below this largest magnitude every element of a value is subnormal or zero in fp16.
-SMALLEST_NORMAL = float(torch.finfo(torch.float16).tiny)
 
 
 def grow_domains(

@@ -13,6 +13,7 @@ from torch.fx import Node
 from fx16 import meta
 from fx16.meta import observed_max_abs
 from fx16.ops.numeric_tables import SUMMING_OPS
+from fx16.ops.numerics import smallest_normal
 from fx16.ops.scaling import Kind, ScaleRule, rule_of
 from fx16.ops.tables import VALUE_PRESERVING_OPS
 from fx16.program.nodes import Location, is_float_tensor, is_number, node_val
@@ -64,6 +65,9 @@ class StateTensors:
 
 
 FP16_LARGEST = float(torch.finfo(torch.float16).max)
+
+# Below this largest magnitude every element of a value is subnormal or zero in fp16.
+SMALLEST_NORMAL = smallest_normal(torch.float16)
 
 # A fold never takes a state tensor's largest magnitude below this (nor below where it
 # was): its small elements would leave the 16-bit normal range.
@@ -182,12 +186,11 @@ def pushed_below_fp16(node: Node, exponent: int) -> bool:
     doubles its operand's exponent: x carried at 2**-28 squared is at 2**-56; a mean of
     squares absorbs the small ones)."""
     smallest = node.meta.get(meta.OBSERVED_SMALLEST)
-    if not smallest or not smallest * 2.0**exponent < _FP16_SMALLEST_NORMAL <= smallest:
+    if not smallest or not smallest * 2.0**exponent < SMALLEST_NORMAL <= smallest:
         return False
     return any(user.target not in SUMMING_OPS for user in node.users)
 
 
-_FP16_SMALLEST_NORMAL = float(torch.finfo(torch.float16).tiny)
 _FP32_SMALLEST_EXPONENT = math.log2(torch.finfo(torch.float32).tiny)
 _FP32_LARGEST_EXPONENT = math.log2(torch.finfo(torch.float32).max)
 

@@ -28,6 +28,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from fx16 import meta
+from fx16.analysis.calibration import observed
 from fx16.analysis.intervals import Source, ValueRange
 from fx16.analysis.underflow import singular_argument, small_end
 from fx16.decisions import PRECISION, Reason
@@ -88,7 +89,7 @@ class Envelope:
             f"holds for every input: {self.rewritten} stable rewrite(s), "
             f"{self.proven} integer(s) narrowed on a proven or declared range"
         ]
-        if not self.calibration.startswith("observed"):
+        if not observed(self.calibration):
             lines.append(f"calibration {self.calibration}: nothing else was observed")
             return lines
         lines.append(f"{self.calibration}, with an overflow margin of {self.margin:g}x")
