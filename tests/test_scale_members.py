@@ -11,6 +11,7 @@ from torch import nn
 
 import fx16
 from benchmarks.range_flows import PreNormResidual as Residual
+from benchmarks.range_flows import ResidualInACond
 from fx16 import meta
 from fx16.analysis.scale_domains import scale_domains
 from helpers import (
@@ -370,3 +371,21 @@ def test_a_domain_just_past_the_limit_is_carried_one_step_down():
     assert domain.k == 1 and "the least that fits" in domain.bounded
     # how far its values may grow: 65504 over its largest value carried at 2**-1
     assert domain.largest == 1.5 * LIMIT and domain.reach == 65504 / (1.5 * LIMIT / 2)
+
+
+def test_a_decomposed_cond_branch_folds_into_its_weights_as_before():
+    """Inside a cond's branch of a decomposed program the residual stream's weights are
+    read through ``permute`` too: the branch's plan folds into them, with no multiply in
+    any graph, as the branch of the program before decomposition does."""
+    torch.manual_seed(0)
+    model = ResidualInACond().eval()
+    x, flag = torch.randn(4, 16), torch.ones(1)
+    folds = []
+    for decompose in (False, True):
+        ep = scaled_exactly(model, x, flag, decompose=decompose)
+        graphs = [m for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+        assert len(graphs) > 1  # the branches
+        assert not [n for g in graphs for n in g.graph.nodes if meta.range_scaled(n)]
+        found = scale_domains(ep.graph_module)
+        folds.append(sorted(name for domain in found for name in domain.folded))
+    assert folds[0] and folds[0] == folds[1]
