@@ -196,4 +196,5 @@ def test_a_value_kept_fp32_for_precision_below_the_range_is_read_in_fp32():
     (norm,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.layer_norm.default]
     assert decision_of(cube).dtype == torch.float32
     assert norm.args[0] is cube and decision_of(norm).dtype == torch.float32
+    assert decision_of(norm).detail == "from pow_1: ill_conditioned, below the 16-bit normal range"
     assert max_error(fp64_reference(model, x), run(ep, x)) < 4 * 2.0**-11

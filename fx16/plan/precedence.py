@@ -183,7 +183,10 @@ def _fp32_input(view: View) -> Choice | None:
     """An fp32 input that may not be cast down (a safety rule's value, an overflow):
     computed in fp32."""
     kept = [arg for arg in view.fp32_inputs if not view.downcastable(arg)]
-    return Choice(Action.FP32, Reason.FP32_INPUT, _why_input(view, kept[0])) if kept else None
+    if not kept:
+        return None
+    below = ", below the 16-bit normal range" if view.below_normal(kept[0]) else ""
+    return Choice(Action.FP32, Reason.FP32_INPUT, _why_input(view, kept[0]) + below)
 
 
 def _mixed_float_dtypes(view: View) -> Choice | None:

@@ -123,13 +123,17 @@ class View:
         reader as subnormals): a 16-bit op reading it may cast it down, as eager
         autocast does with weights."""
         decision = self.read(value).decision
-        largest = meta.observed_max_abs(value)
         return (
             decision is not None
             and decision.reason in DOWNCASTABLE
             and not meta.overflows(value, self.limit)
-            and not (largest and interval_below_normal((-largest, largest), self.policy.low))
+            and not self.below_normal(value)
         )
+
+    def below_normal(self, value: Node) -> bool:
+        """Every value calibration saw ``value`` hold lies below the 16-bit normal range."""
+        largest = meta.observed_max_abs(value)
+        return bool(largest) and interval_below_normal((-largest, largest), self.policy.low)
 
 
 # Reasons an fp32 value may have that still let a 16-bit op read it through a cast
