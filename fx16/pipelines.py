@@ -52,6 +52,7 @@ from fx16.passes import (
     ScalarsAsConstantsPass,
     ScaleDomainsPass,
     SentinelFillsPass,
+    SentinelSumsPass,
     StabilizePass,
     StoreAsReadPass,
     WidenOtherSixteenBitPass,
@@ -132,6 +133,7 @@ def _preparing(program: Program, options: Fp16Options, policy: PrecisionPolicy) 
         "calibrate": [
             CalibrationAnalysis(program, calls),
             SentinelFillsPass(program, policy.low, calls),
+            SentinelSumsPass(policy.low, options.overflow_margin),
             *scaling,
         ],
         "analyze": [

@@ -233,6 +233,14 @@ def recalibrate(graph_module: GraphModule, program: Program, calibration: list |
     CalibrationAnalysis(program, calibration)(graph_module)
 
 
+def share_observations(source: Node, target: Node) -> None:
+    """Give ``target``, a node a pass made to compute the same values as ``source``,
+    what calibration observed of ``source`` (no second run)."""
+    for key in (*_RECALIBRATED, meta.SIZE_GROWTH):
+        if key in source.meta:
+            target.meta[key] = source.meta[key]
+
+
 _RECALIBRATED = (
     meta.OBSERVED_MAX_ABS,
     meta.OBSERVED_INTERVAL,

@@ -19,6 +19,7 @@ from fx16.passes.remove_unused_casts import RemoveUnusedCastsPass
 from fx16.passes.scalars_as_constants import ScalarsAsConstantsPass
 from fx16.passes.scale_domains import ScaleDomainsPass
 from fx16.passes.sentinel_fills import SentinelFillsPass
+from fx16.passes.sentinel_sums import SentinelSumsPass
 from fx16.passes.stabilize import StabilizePass
 from fx16.passes.store_as_read import StoreAsReadPass
 from fx16.passes.widen_other_sixteen_bit import WidenOtherSixteenBitPass
@@ -43,6 +44,7 @@ __all__ = [
     "ScalarsAsConstantsPass",
     "ScaleDomainsPass",
     "SentinelFillsPass",
+    "SentinelSumsPass",
     "StabilizePass",
     "StoreAsReadPass",
     "WidenOtherSixteenBitPass",

@@ -275,7 +275,9 @@ class Planner:
         """Give the consumers of an fp32 result a 16-bit copy, unless it does not fit.
 
         Casts among the consumers convert anyway, so a node used only by casts gets
-        none. A skipped cast-back is recorded with its cause."""
+        none; nor does one holding an infinity-like sentinel (cast, -1e38 is -inf, not
+        the -65504 fx16 saturates it to: a row masked whole would turn nan). A skipped
+        cast-back is recorded with its cause."""
         if not self.calibrated:
             step.cast_back_skipped = "no calibration run reached it: nothing shows it fits 16-bit"
         elif meta.overflows(node, self.limit):
@@ -283,6 +285,8 @@ class Planner:
         elif interval_below_normal((0.0, meta.observed_max_abs(node) or 0.0), self.low):
             seen = meta.observed_max_abs(node)
             step.cast_back_skipped = f"observed at most {seen:.3g}, below 16-bit's normal range"
+        elif meta.holds_sentinel(node):
+            step.cast_back_skipped = "it holds a -1e38 sentinel, which a 16-bit copy makes -inf"
         elif all(is_cast(user) for user in node.users):
             step.cast_back_skipped = "its consumers are casts, which convert it themselves"
         elif written_in_place(node):

@@ -120,14 +120,16 @@ class View:
         """An fp32 value kept wide for precision (by the policy, the accuracy budget for
         some of its uses, or a loop carrying it), not by a safety rule, and that fits
         16-bit, above and below (a value wholly below the normal range would reach the
-        reader as subnormals): a 16-bit op reading it may cast it down, as eager
-        autocast does with weights."""
+        reader as subnormals), and holds no infinity-like sentinel (cast down, its -1e38
+        is -inf, not the -65504 fx16 saturates it to: a row masked whole turns nan): a
+        16-bit op reading it may cast it down, as eager autocast does with weights."""
         decision = self.read(value).decision
         return (
             decision is not None
             and decision.reason in DOWNCASTABLE
             and not meta.overflows(value, self.limit)
             and not self.below_normal(value)
+            and not meta.holds_sentinel(value)
         )
 
     def below_normal(self, value: Node) -> bool:

@@ -1,0 +1,124 @@
+"""SentinelSumsPass: a mask's sentinel absorbs what it is added to in fp16 as in fp32.
+
+``scores + mask`` with a ``finfo(float32).min`` mask gives, in fp32, the mask's own
+value wherever the mask holds it: -3.4e38 absorbs any score. fp16 carries the mask
+saturated to -65504 (``fx16.ops.numerics``), which absorbs only scores smaller than
+half an ulp of its maximum (16): a score of -20 takes the sum to -inf, one of 2,500
+leaves -63004. A row masked whole (a padded query) then differs: fp32's softmax gives
+it equal weights, fp16's gives nan (every element -inf; 0 * nan then carries the nan
+into every row the next attention mixes) or the scores' own softmax. So, where
+calibration saw one operand of an ``add`` hold an infinity-like sentinel and the other
+reach that half ulp over the overflow margin (or go unobserved), the sum becomes
+
+    scores + mask  ->  where(mask <= -1e38, mask, scores + mask)
+
+In fp32 it is the same tensor bit for bit (the sum already is the mask there); in
+16-bit the comparison's -1e38 saturates as the mask's does, so a masked element is
+the saturated mask whatever the score. Cost: a comparison and a select on the sum's
+elements. bf16 carries sentinels at fp32's range, absorbing as fp32 does: fp16 only.
+
+Reads: what calibration observed (``fx16.meta.holds_sentinel``, ``observed_max_abs``).
+Writes: the ``le`` and ``where`` nodes after each such sum, the sum's readers moved to
+the ``where``, which holds the sum's observations (the same values) and
+``meta["fx16.stabilized"]`` (``sentinel_sum`` and why: the report lists it).
+"""
+
+import math
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from fx16 import meta
+from fx16.analysis.calibration import CalibrationAnalysis, share_observations
+from fx16.analysis.facts import Facts
+from fx16.contracts import require
+from fx16.ops.numerics import INF_LIKE, largest
+from fx16.program.casts import copy_provenance
+from fx16.program.node_ids import assign_ids
+from fx16.program.nodes import is_float_tensor, node_val
+from fx16.program.propagation import fresh_result
+from fx16.program.subgraphs import nested_graph_modules
+
+aten = torch.ops.aten
+RULE = "sentinel_sum"
+
+
+def absorbed_below(low: torch.dtype) -> float:
+    """The magnitude from which an addend is no longer absorbed by ``low``'s saturated
+    sentinel: half an ulp of its largest value (fp16: 16)."""
+    return torch.finfo(low).eps * 2.0 ** math.floor(math.log2(largest(low))) / 2
+
+
+class SentinelSumsPass(PassBase):
+    """Rewrite each sum of a sentinel mask and an addend fp16 would not absorb (see the
+    module); ``overflow_margin``: how much larger than calibration's an addend may grow."""
+
+    preserves = (CalibrationAnalysis,)  # the new sum holds the old one's observations
+
+    def __init__(self, low: torch.dtype = torch.float16, overflow_margin: float = 2.0) -> None:
+        self.low = low
+        self.reach = absorbed_below(low) / overflow_margin
+
+    def requires(self, graph_module: GraphModule) -> None:
+        require(graph_module, type(self).__name__, (CalibrationAnalysis,))
+
+    def call(self, graph_module: GraphModule) -> PassResult:
+        modified = False
+        if self.low == torch.float16:
+            for module in nested_graph_modules(graph_module):
+                found = [node for node in module.graph.nodes if self._unabsorbed(node)]
+                for node in found:
+                    _keep_the_sentinel(module, node, *_mask_and_addend(node))
+                if found and module is not graph_module:
+                    module.recompile()  # the root is recompiled by whoever runs the pipeline
+                modified |= bool(found)
+        if modified:
+            Facts.invalidate(graph_module)
+            assign_ids(graph_module)
+        return PassResult(graph_module, modified)
+
+    def _unabsorbed(self, node: Node) -> bool:
+        """A float ``add`` of two tensors (no ``alpha``) exactly one of which held a
+        sentinel on calibration, the other reaching ``reach`` there (or unobserved)."""
+        if not (node.op == "call_function" and node.target == aten.add.Tensor):
+            return False
+        if node.kwargs or len(node.args) != 2 or not is_float_tensor(node_val(node)):
+            return False
+        operands = node.args
+        if not all(isinstance(arg, Node) and is_float_tensor(node_val(arg)) for arg in operands):
+            return False
+        holding = [meta.holds_sentinel(arg) for arg in operands]
+        if holding.count(True) != 1:
+            return False
+        addend = operands[holding.index(False)]
+        magnitude = meta.observed_max_abs(addend)
+        return magnitude is None or magnitude >= self.reach
+
+
+def _mask_and_addend(total: Node) -> tuple[Node, Node]:
+    """The operands of a sum ``_unabsorbed`` accepted, the sentinel's holder first."""
+    first, second = total.args[:2]
+    return (first, second) if meta.holds_sentinel(first) else (second, first)
+
+
+def _keep_the_sentinel(module: GraphModule, total: Node, mask: Node, addend: Node) -> None:
+    """``where(mask <= -1e38, mask, total)`` after ``total``, taking over its readers."""
+    readers = list(total.users)
+    with module.graph.inserting_after(total):
+        masked = module.graph.call_function(aten.le.Scalar, (mask, -INF_LIKE))
+    with module.graph.inserting_after(masked):
+        kept = module.graph.call_function(aten.where.self, (masked, mask, total))
+    for made in (masked, kept):
+        made.meta["val"] = fresh_result(made)
+        copy_provenance(total, made)
+    for reader in readers:
+        reader.replace_input_with(total, kept)
+    share_observations(total, kept)
+    largest_addend = meta.observed_max_abs(addend)
+    seen = "unobserved" if largest_addend is None else f"up to {largest_addend:.3g}"
+    kept.meta[meta.STABILIZED] = (
+        RULE,
+        f"{mask.name}'s -1e38 absorbs {addend.name} ({seen} on calibration) in fp32; "
+        "saturated to -65504 it would not, so its masked elements keep the mask's value",
+    )

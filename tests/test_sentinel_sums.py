@@ -1,0 +1,177 @@
+"""SentinelSumsPass: ``scores + mask`` keeps the mask's -1e38 wherever the mask holds it,
+in fp16 as in fp32, so a row masked whole (a padded query) gets equal weights, not nan;
+sums fp16 absorbs anyway, and bf16 programs, are left as they are."""
+
+import math
+
+import pytest
+import torch
+
+import fx16
+from fx16 import meta
+from fx16.analysis.calibration import CalibrationAnalysis
+from fx16.passes import SentinelSumsPass
+from fx16.passes.sentinel_sums import RULE, absorbed_below
+from fx16.pipelines import run_passes
+from fx16.program.stats import program_stats
+from fx16.report import report_of
+from helpers import check_program, export, fp64_reference, max_error, run
+
+MIN = torch.finfo(torch.float32).min
+
+
+class PaddedAttention(torch.nn.Module):
+    """Two attention layers over a left-padded batch, the additive mask built as
+    Hugging Face models build it (causal and padding, ``finfo.min`` where masked): a
+    padded query sees only padded keys, its row masked whole. ``loudness`` scales the
+    query weights as trained models' are (scores of tens, not of one)."""
+
+    def __init__(self, width: int = 16, layers: int = 2, loudness: float = 16.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(width, 3 * width) for _ in range(layers))
+        with torch.no_grad():
+            for linear in self.qkv:
+                linear.weight[:width] *= loudness
+
+    def forward(self, x, keep):
+        length = x.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        allowed = causal[None, None] & keep[:, None, None, :]
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, MIN)
+        for linear in self.qkv:
+            q, k, v = linear(x).chunk(3, dim=-1)
+            scores = q[:, None] @ k[:, None].transpose(-1, -2) / math.sqrt(q.shape[-1])
+            x = x + (torch.softmax(scores + mask, dim=-1) @ v[:, None])[:, 0]
+        return x
+
+
+def _inputs():
+    torch.manual_seed(1)
+    x = torch.randn(2, 6, 16)
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[1, :2] = False  # left padding: the second sequence's first two queries see nothing
+    return x, keep
+
+
+def _rewritten(ep) -> list:
+    return [n for n in ep.graph_module.graph.nodes if (meta.stabilized(n) or ("",))[0] == RULE]
+
+
+def test_a_padded_query_keeps_equal_weights_instead_of_nan():
+    """Input graph: two layers of (q k^T / sqrt(d) + mask) -> softmax -> @ v, scores of
+    tens, one query row masked whole. Output: each mask sum is
+    ``where(mask <= -1e38, mask, sum)`` (the report says why), nothing is fp32, and the outputs hold
+    16-bit rounding of fp64 (before: 0.25 off: -65504 did not absorb the padded row's
+    scores, whose softmax replaced fp32's equal weights; scores all below -16 would
+    make that row -inf, its softmax nan)."""
+    x, keep = _inputs()
+    model = PaddedAttention().eval()
+    ep = fx16.cast_fp32_to_fp16(export(model, x, keep))
+    check_program(ep)
+    rewritten = _rewritten(ep)
+    assert len(rewritten) == 2
+    assert all(n.target is torch.ops.aten.where.self for n in rewritten)
+    rows = {row.node: row for row in report_of(ep).rows}
+    assert rows[rewritten[0].name].stabilized.startswith(f"{RULE}: ")
+    assert "absorbs" in rows[rewritten[0].name].stabilized
+    assert program_stats(ep).ops_in(torch.float32) == 0
+    (got,) = run(ep, x, keep)
+    assert bool(torch.isfinite(got).all())
+    assert max_error(fp64_reference(model, x, keep), [got]) < 8 * 2.0**-11
+
+
+def test_the_rewritten_fp32_program_computes_the_same():
+    """Before any 16-bit decision, the program with its sums rewritten gives the
+    original's outputs bit for bit: in fp32 the sum already is the mask where the mask
+    holds -3.4e38."""
+    x, keep = _inputs()
+    model = PaddedAttention().eval()
+    ep = export(model, x, keep)
+    run_passes([CalibrationAnalysis(ep), SentinelSumsPass()], ep.graph_module)
+    ep.graph_module.recompile()
+    assert _rewritten(ep)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x, keep), model(x, keep))
+
+
+def test_the_rewrite_takes_the_sums_observations():
+    """The ``where`` holds what calibration saw of the sum it replaces (the same
+    values), no second calibration run: its magnitude and sentinel are the sum's."""
+    x, keep = _inputs()
+    ep = export(PaddedAttention().eval(), x, keep)
+    run_passes([CalibrationAnalysis(ep), SentinelSumsPass()], ep.graph_module)
+    for kept in _rewritten(ep):
+        total = kept.args[2]
+        assert total.target is torch.ops.aten.add.Tensor
+        assert meta.observed_max_abs(kept) == meta.observed_max_abs(total)
+        assert meta.holds_sentinel(kept)
+
+
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])
+def test_sums_the_saturated_sentinel_absorbs_are_left_as_they_are(low):
+    """Scores of about one (fp16's -65504 absorbs anything below 16), or any scores in
+    bf16 (its saturated sentinel is fp32's): no rewrite, the program as before."""
+    x, keep = _inputs()
+    loudness = 0.05 if low == torch.float16 else 16.0
+    model = PaddedAttention(loudness=loudness).eval()
+    policy = "default" if low == torch.float16 else "auto_mixed_bf16"
+    ep = fx16.cast_fp32_to_fp16(export(model, x, keep), policy=policy)
+    check_program(ep)
+    assert not _rewritten(ep)
+    assert bool(torch.isfinite(run(ep, x, keep)[0]).all())
+
+
+def test_what_fp16_absorbs():
+    """fp16's -65504 absorbs an addend below 16 (half an ulp of its maximum) and not
+    one of 16: the pass's reach is that over the overflow margin."""
+    assert absorbed_below(torch.float16) == 16.0
+    top = torch.tensor(-65504.0, dtype=torch.float16)
+    assert (top + torch.tensor(-15.9, dtype=torch.float16)).item() == -65504.0
+    assert (top + torch.tensor(16.0, dtype=torch.float16)).item() != -65504.0
+    assert SentinelSumsPass(overflow_margin=4.0).reach == 4.0
+
+
+class MaskedWholly(torch.nn.Module):
+    """softmax(x + full(finfo.min)): every row masked whole (the fuzzer's program)."""
+
+    def forward(self, x):
+        return torch.softmax(x + torch.full(x.shape, MIN), dim=-1)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_row_masked_whole_is_uniform_as_in_fp32(sign):
+    """Inputs of thousands, either sign: fp32's softmax is 1/n everywhere; so is the
+    cast's (before: -inf sums gave nan, or +2,500 left the scores' own softmax)."""
+    x = sign * (torch.rand(3, 4) * 2500 + 1000)
+    ep = fx16.cast_fp32_to_fp16(export(MaskedWholly(), x))
+    check_program(ep)
+    assert torch.equal(run(ep, x)[0].float(), torch.full((3, 4), 0.25))
+
+
+class MaskKeptWide(torch.nn.Module):
+    """A mask some use of which cannot take a saturated sentinel (``abs``) is kept fp32;
+    the sum and select that read it then hold -3.4e38 in fp32."""
+
+    def forward(self, x, keep):
+        mask = torch.zeros(x.shape).masked_fill(~keep, MIN)
+        chosen = torch.where(mask.abs() >= 1e38, mask, x + mask)
+        return torch.softmax(chosen, dim=-1)
+
+
+def test_an_fp32_value_holding_a_sentinel_is_not_cast_down():
+    """A 16-bit softmax reading an fp32 value that holds -3.4e38 would read -inf (a cast
+    does not saturate), and a row masked whole would be nan: the value gets no 16-bit
+    copy (the decision says why), its reader computes fp32, the rows are fp32's."""
+    torch.manual_seed(0)
+    x, keep = torch.randn(4, 4) * 2500, torch.rand(4, 4) > 0.5
+    keep[0] = False
+    model = MaskKeptWide()
+    ep = fx16.cast_fp32_to_fp16(export(model, x, keep))
+    check_program(ep)
+    skipped = [
+        meta.planned(n).cast_back_skipped for n in ep.graph_module.graph.nodes if meta.planned(n)
+    ]
+    assert any("sentinel" in why for why in skipped)
+    with torch.no_grad():
+        assert torch.allclose(run(ep, x, keep)[0].float(), model(x, keep), atol=1e-3)
