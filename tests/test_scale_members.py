@@ -354,6 +354,29 @@ def test_a_square_the_domains_scale_would_flush_is_computed_unscaled():
     assert max_error(reference, got) < 8 * UNIT
 
 
+class SmallCubeBesideLoudSum(nn.Module):
+    """Readings of about 1e-2 that a sum takes past the range (x + 7e4, normalised)
+    and whose cube, about 1e-6 and already below fp16's normal range, is returned."""
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x + 7e4, (x.shape[-1],)), x**3
+
+
+def test_a_power_already_below_the_range_is_not_pushed_further_down():
+    """x is carried at 2**-2 for x + 7e4; its cube at 2**-6 would hold 1e-6 values at
+    1.6e-8, about one bit where unscaled fp16 keeps seven (0.87 off before): the cube
+    reads x unscaled, as plain fp16 computes it or fp32 does."""
+    torch.manual_seed(0)
+    model, x = SmallCubeBesideLoudSum().eval(), 1e-2 * (0.5 + torch.rand(3, 2))
+    ep = scaled_exactly(model, x)
+    (cube,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
+    assert scale_domains(ep.graph_module) and meta.scale_exponent(cube) == 0
+    cast = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(cast)
+    reference, got = fp64_reference(model, x), run(cast, x)
+    assert max_error(reference[1:], got[1:]) < 2.0**-7
+
+
 class JustPastTheLimit(nn.Module):
     """Readings up to 1.5 times the limit (49,000), normalised: one step of 2 brings them
     inside it."""

@@ -180,13 +180,14 @@ def holds_in_fp32(node: Node, exponent: int) -> bool:
 
 
 def pushed_below_fp16(node: Node, exponent: int) -> bool:
-    """``node``'s smallest calibrated nonzero magnitude is in fp16's normal range as it
-    is, and below it at ``2**exponent``, where an op other than a sum or mean reads it:
-    the scale alone would flush small elements that reader sees one by one (a power
-    doubles its operand's exponent: x carried at 2**-28 squared is at 2**-56; a mean of
-    squares absorbs the small ones)."""
+    """A scale down (``exponent`` < 0) takes ``node``'s smallest calibrated nonzero
+    magnitude below fp16's normal range, where an op other than a sum or mean reads it:
+    the scale alone would flush small elements that reader sees one by one, or take
+    bits from ones already subnormal (a power multiplies its operand's exponent: x
+    carried at 2**-28 squared is at 2**-56; x**3 of 1e-2 readings, 1e-6, carried at
+    2**-6 keeps 1 bit of 7; a mean of squares absorbs the small ones)."""
     smallest = node.meta.get(meta.OBSERVED_SMALLEST)
-    if not smallest or not smallest * 2.0**exponent < SMALLEST_NORMAL <= smallest:
+    if not smallest or exponent >= 0 or smallest * 2.0**exponent >= SMALLEST_NORMAL:
         return False
     return any(user.target not in SUMMING_OPS for user in node.users)
 
