@@ -353,3 +353,26 @@ def test_a_norms_root_mean_square_still_shrinks_with_its_inputs():
     degrees = input_degrees(ep)
     (output,) = [n for n in ep.graph.nodes if n.op == "output"][0].args[0]
     assert degrees[output] == 0.0
+
+
+class LoudBranch(nn.Module):
+    """``x + x`` in the program's graph and, in a branch, ``tanh(x * 3 + x)`` (its sum
+    larger): both sums are named ``add`` in their graphs."""
+
+    def forward(self, x):
+        doubled = x + x
+        branch = torch.cond(x.amax() > 0, lambda v: torch.tanh(v * 3 + v), torch.tanh, (x,))
+        return doubled, branch
+
+
+def test_a_value_in_a_body_is_named_with_its_body():
+    """The tightest value is the branch's ``add`` (4x the inputs, not the graph's 2x):
+    the envelope names it ``true_graph_0.add``, as the report's rows do, so its figure
+    is not read as the graph's own ``add``'s (the watch of the graph's ``add`` found
+    it 0.73x the maximum at 1.1x the stated factor)."""
+    x = torch.rand(3, 4) + 0.5
+    ep = fx16.cast_fp32_to_fp16(export(LoudBranch(), x))
+    found = report_of(ep).totals.envelope
+    assert found.headroom_node == "true_graph_0.add"
+    assert found.headroom_node in {row.node for row in report_of(ep).rows}
+    assert found.headroom == pytest.approx(65504 / float((4 * x).abs().max()), rel=1e-3)

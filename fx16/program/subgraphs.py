@@ -50,6 +50,22 @@ def nested_graph_modules(graph_module) -> list:
     return found
 
 
+def named_graph_modules(graph_module) -> list:
+    """``graph_module`` (named "") and each body of its higher-order ops, nested ones
+    too, as ``(attribute path, module)``: ``("true_graph_0", ...)``, once each."""
+    return [
+        (name, module)
+        for name, module in graph_module.named_modules()
+        if isinstance(module, torch.fx.GraphModule)
+    ]
+
+
+def qualified_name(body: str, name: str) -> str:
+    """How reports name a node ``name`` of the graph at ``body`` (``named_graph_modules``):
+    ``true_graph_0.add`` in a body, ``add`` in the program's own graph."""
+    return f"{body}.{name}" if body else name
+
+
 HIGHER_ORDER_OPS = (COND, WHILE_LOOP, MAP, SET_GRAD, AUTOCAST, INVOKE_SUBGRAPH)
 
 

@@ -41,7 +41,7 @@ from fx16.ops.numerics import largest, smallest_normal
 from fx16.program.casts import is_cast
 from fx16.program.cost import is_product
 from fx16.program.nodes import node_val
-from fx16.program.subgraphs import nested_graph_modules
+from fx16.program.subgraphs import named_graph_modules, qualified_name
 from fx16.report.degrees import input_degrees
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
@@ -138,7 +138,7 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
     quiet: tuple[float, float, str] | None = None
     logits: tuple[float, str, str] | None = None
     amplified: tuple[float, str, str] | None = None
-    for module in nested_graph_modules(ep.graph_module):
+    for body, module in named_graph_modules(ep.graph_module):
         for node in module.graph.nodes:
             rewritten += bool(meta.stabilized(node))
             decision = node.meta.get(PRECISION)
@@ -148,17 +148,17 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
                 continue
             found = _overflow_factor(node, val.dtype, degrees, decision)
             if found is not None and (headroom is None or found[0] < headroom[0]):
-                headroom = (found[0], node.name, found[1])
+                headroom = (found[0], qualified_name(body, node.name), found[1])
             found = _quietest_argument(node, val.dtype)
             if found is not None and (quiet is None or found[0] < quiet[0]):
-                quiet = (*found, node.name)
+                quiet = (*found, qualified_name(body, node.name))
         for node in module.graph.nodes:
             found = _logit_rounding(node)
             if found is not None and (logits is None or found[0] > logits[0]):
-                logits = (*found, node.name)
+                logits = _named_in(body, found, node)
             found = _amplified_rounding(node)
             if found is not None and (amplified is None or found[0] > amplified[0]):
-                amplified = (*found, node.name)
+                amplified = _named_in(body, found, node)
     status = ep.graph_module.meta.get(meta.CALIBRATION_STATUS, "skipped: not run")
     return Envelope(
         calibration=status,
@@ -179,6 +179,12 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
         amplified_node=amplified[2] if amplified else "",
         lengths=tuple(ep.graph_module.meta.get(meta.DYNAMIC_LENGTHS, ())),
     )
+
+
+def _named_in(body: str, found: tuple[float, str], node: Node) -> tuple[float, str, str]:
+    """(the figure, the product ``found`` names, ``node``), both named as reports name
+    a node of the graph at ``body``."""
+    return found[0], qualified_name(body, found[1]), qualified_name(body, node.name)
 
 
 def _overflow_factor(node: Node, dtype, degrees: dict, decision) -> tuple[float, float] | None:

@@ -20,6 +20,7 @@ from fx16.program.casts import INSERTED, WHY_RETARGETED, is_inserted
 from fx16.program.cost import flops, is_product, tensor_bytes
 from fx16.program.nodes import dtype_name, node_dtype, node_module_path, node_val, op_label
 from fx16.program.stats import ProgramStats, program_stats
+from fx16.program.subgraphs import named_graph_modules, qualified_name
 from fx16.report.envelope import Envelope, envelope
 
 # Rules of integer rows outside the castable set (see CastReport.explained).
@@ -116,7 +117,7 @@ def _row(
     """``inputs``: each graph input of the program by name, as (its kind: "parameter",
     "buffer", "constant", "input"; the module owning it: a weight's node has no module
     stack)."""
-    name = f"{body}.{node.name}" if body else node.name
+    name = qualified_name(body, node.name)
     role, owner = ("", "") if body else (inputs or {}).get(node.name, ("", ""))
     module = node_module_path(node) or owner
     op = role or op_label(node)  # a body's input is a "placeholder"
@@ -205,7 +206,7 @@ def _island_rows(graph_module: GraphModule, body: str, listed: set[str]) -> list
     retargeted cast cleanup removed, a decomposed cast's fp32 check."""
     rows = []
     for island in islands(graph_module):
-        name = f"{body}.{island.opening}" if body else island.opening
+        name = qualified_name(body, island.opening)
         if name not in listed:
             reason = Reason.EXPLICIT_FP32 if island.keep else Reason.EXPLICIT_FP32_RETARGETED
             decision = Decision(island.dtype, reason, island.why)
@@ -223,11 +224,7 @@ def decision_rows(ep: ExportedProgram) -> list[Row]:
     checks a decomposed program keeps of the model's casts that open a region
     (``fx16.analysis.explicit_fp32``).
     """
-    graphs = [
-        (name, module)
-        for name, module in ep.graph_module.named_modules()
-        if isinstance(module, GraphModule)
-    ]
+    graphs = named_graph_modules(ep.graph_module)
     nodes = [
         (body, n)
         for body, module in graphs
