@@ -48,3 +48,19 @@ def test_float_ranges_are_shared_until_the_integer_ranges_they_start_from_arrive
     ValueRangeAnalysis(program)(ep.graph_module)
     after = facts.float_ranges(program)
     assert after is not before and facts.float_ranges(program) is after
+
+
+def test_a_derived_fact_is_computed_once_per_table():
+    """``Facts.derived`` answers from the table until the graph changes: the fp32 regions
+    the rewrites and ExplicitFp32Analysis both read are found once, and a new graph
+    finds them again."""
+    ep = export(MLP(), torch.randn(2, 8))
+    facts, calls = Facts.of(ep.graph_module), []
+
+    def count():
+        calls.append(True)
+        return len(calls)
+
+    assert facts.derived("count", count) == facts.derived("count", count) == 1
+    Facts.invalidate(ep.graph_module)
+    assert Facts.of(ep.graph_module).derived("count", count) == 2

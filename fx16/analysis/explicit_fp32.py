@@ -90,13 +90,12 @@ class ExplicitFp32Analysis(Analysis):
         self.smallest = smallest_normal(self.policy.low) * overflow_margin
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        boundaries = Facts.of(graph_module).boundaries
         ranges = Facts.of(graph_module).float_ranges(self.program)
-        for submodule in boundaries.graph_modules:
+        for submodule, regions in _regions_by_graph(graph_module).items():
             for node in submodule.graph.nodes:
                 node.meta.pop(self.META_KEY, None)
             verdicts = []
-            for node, region in _regions(submodule, boundaries):
+            for node, region in regions:
                 node.meta[self.META_KEY] = self.verdict(node, region, ranges)
                 verdicts.append(node.meta[self.META_KEY])
             # an earlier cast's verdicts on casts its cleanup removed stay in the report
@@ -163,12 +162,22 @@ class ExplicitFp32Analysis(Analysis):
 def model_fp32_regions(graph_module: GraphModule) -> set[Node]:
     """The ops of every fp32 region the model opens, in every graph of the program: what
     ``explicit_fp32="keep"`` keeps fp32."""
-    boundaries = Facts.of(graph_module).boundaries
     held: set[Node] = set()
-    for submodule in boundaries.graph_modules:
-        for _, region in _regions(submodule, boundaries):
+    for regions in _regions_by_graph(graph_module).values():
+        for _, region in regions:
             held.update(region)
     return held
+
+
+def _regions_by_graph(graph_module: GraphModule) -> dict[GraphModule, list]:
+    """Each graph's ``_regions``, found once while the graph is unchanged (``Facts``):
+    the rewrites and the analysis read the same ones."""
+    facts = Facts.of(graph_module)
+    boundaries = facts.boundaries
+    return facts.derived(
+        "explicit fp32 regions",
+        lambda: {module: list(_regions(module, boundaries)) for module in boundaries.graph_modules},
+    )
 
 
 def _regions(graph_module: GraphModule, boundaries: Boundaries):

@@ -34,6 +34,7 @@ class Facts:
         self.fingerprint = _fingerprint(root)
         self._float_ranges = None
         self._float_ranges_read_value_ranges = False
+        self._derived: dict[str, object] = {}
 
     @classmethod
     def of(cls, root: GraphModule) -> "Facts":
@@ -48,6 +49,13 @@ class Facts:
     def invalidate(root: GraphModule) -> None:
         """Drop the facts of ``root``: call after rewriting its graph or a body's."""
         _TABLES.pop(root, None)
+
+    def derived(self, key: str, compute):
+        """``compute()``, once per table: a fact one module derives from the graph's
+        structure alone (the fp32 regions a model opens), dropped with the table."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
 
     @cached_property
     def graph_modules(self) -> list[GraphModule]:

@@ -65,7 +65,7 @@ class SentinelSumsPass(PassBase):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         modified = False
-        if self.low == torch.float16:
+        if self.low == torch.float16 and CalibrationAnalysis.observed(graph_module):
             for module in nested_graph_modules(graph_module):
                 found = [node for node in module.graph.nodes if self._unabsorbed(node)]
                 for node in found:
