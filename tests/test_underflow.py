@@ -580,3 +580,33 @@ def test_a_softmax_tail_is_widened_relative_to_a_largest_value_of_at_most_one():
     for smallest, kept in ((2.0**-7 * 1.001, False), (2.0**-7 * 0.9975, True)):
         marks = _analyse(export(GuardedSoftmaxLog(smallest), logits))
         assert (marks["log"] is not None) == kept, smallest
+
+
+class WideProduct(nn.Module):
+    """Two readings from 10 to 1e6, their product (1e2 to 1e12, past fp16's range) added to
+    one of them, and ``x * rsqrt(|x * y| + 1e-3)``: a scale domain carries the product at
+    about 2**-25, where its small elements (1e2) are subnormal."""
+
+    def forward(self, x, y):
+        product = x * y
+        return x + product, x * torch.rsqrt(product.abs() + 1e-3)
+
+
+def test_an_argument_a_scale_domain_carried_below_the_range_is_judged_there():
+    """The rsqrt reads its argument unscaled (100 and up), but the domain computed it at
+    2**-25 (3e-6: subnormal, its guard 1e-3 clamped to fp16's smallest subnormal, 2
+    unscaled): the verdict judges the argument where it was carried and keeps its chain
+    fp32; the second output holds 16-bit rounding (0.12 off before)."""
+    torch.manual_seed(0)
+    x = 10 * (1 + 1e5 * torch.rand(4, 8))
+    x[0, 0] = 10.0
+    y = x * (1 + 0.01 * torch.rand(4, 8))
+    model = WideProduct()
+    ep = fx16.cast_fp32_to_fp16(export(model, x, y))
+    check_program(ep)
+    (rsqrt,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.rsqrt.default]
+    decision = rsqrt.meta[PRECISION]
+    assert decision.reason is Reason.UNDERFLOW
+    assert "a scale domain carried it at 2**" in decision.detail
+    reference, got = fp64_reference(model, x, y), run(ep, x, y)
+    assert max_error(reference[1:], got[1:]) < 4 * 2.0**-11

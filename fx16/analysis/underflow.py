@@ -147,12 +147,15 @@ class UnderflowAnalysis(Analysis):
                     f"({self.normal:.3g}): in 16-bit it is subnormal or zero"
                 )
             return None
-        if smallest >= self.smallest_normal:
+        shift = end.exponent - meta.scale_exponent(argument)
+        carried = smallest * 2.0**shift if shift < 0 else smallest
+        if carried >= self.smallest_normal:
             return None
+        how = f", {carried:.3g} where a scale domain carried it at 2**{shift}" if shift < 0 else ""
         return (
-            f"{singular} {name} reaches {smallest:.3g} "
-            f"({seen}), below 16-bit's smallest normal value with the margin "
-            f"({self.smallest_normal:.3g}): in 16-bit it is subnormal or zero"
+            f"{singular} {name} reaches {smallest:.3g} ({seen}){how}, below 16-bit's smallest "
+            f"normal value with the margin ({self.smallest_normal:.3g}): in 16-bit it is "
+            "subnormal or zero"
         )
 
     def widened(self, end: "SmallEnd", argument: Node, smallest: float) -> float:
@@ -187,6 +190,7 @@ class SmallEnd:
     source: Node | None = None
     guard: float = 0.0
     path: tuple[Node, ...] = ()  # the nodes from the value to the source, and its squares
+    exponent: int = 0  # the lowest scale exponent (a scale domain's) the way passed
 
     @property
     def what(self) -> str:
@@ -196,15 +200,16 @@ class SmallEnd:
 
 
 def small_end(argument) -> SmallEnd:
-    """Walk from ``argument`` through casts, moves, sqrt and scalar guards to the op
-    that sets its small end (see ``SmallEnd``)."""
-    guard, node, path = 0.0, argument, []
+    """Walk from ``argument`` through casts, moves, sqrt, scalar guards and a scale
+    domain's multiplies to the op that sets its small end (see ``SmallEnd``)."""
+    guard, node, path, lowest = 0.0, argument, [], 0
     while isinstance(node, Node) and node.op == "call_function":
         path.append(node)
+        lowest = min(lowest, meta.scale_exponent(node))
         if meta.bounded_below(node):
             return SmallEnd("bounded", node, guard)
         target = node.target
-        if target in SMALL_END_PRESERVING_OPS:
+        if meta.range_scaled(node) or target in SMALL_END_PRESERVING_OPS:
             node = node.args[0]
         elif target in GUARD_OPS and _guard(node) is not None:
             guard = max(guard, _guard(node))
@@ -219,7 +224,7 @@ def small_end(argument) -> SmallEnd:
             return SmallEnd("statistic", node, guard, (*path, node.args[0]))
         else:
             break
-    return SmallEnd("other", node if isinstance(node, Node) else None, guard)
+    return SmallEnd("other", node if isinstance(node, Node) else None, guard, (), lowest)
 
 
 def _guard(node: Node) -> float | None:
