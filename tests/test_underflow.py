@@ -610,3 +610,16 @@ def test_an_argument_a_scale_domain_carried_below_the_range_is_judged_there():
     assert "a scale domain carried it at 2**" in decision.detail
     reference, got = fp64_reference(model, x, y), run(ep, x, y)
     assert max_error(reference[1:], got[1:]) < 4 * 2.0**-11
+
+
+def test_an_argument_a_scale_domain_lifted_is_judged_at_its_own_scale():
+    """x @ gain (1e-9 weights) is carried at 2**26 (about 6e-3 and up): the reciprocal that
+    reads it is judged there, not 2**26 lower, and computes in fp16."""
+    from benchmarks.range import TinyWeights
+
+    torch.manual_seed(0)
+    model, x = TinyWeights().eval(), torch.randn(4, 32)
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    (reciprocal,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.reciprocal.default]
+    assert reciprocal.meta[PRECISION].dtype == torch.float16
+    assert max_error(fp64_reference(model, x), run(ep, x)) < 0.02

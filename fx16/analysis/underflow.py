@@ -190,7 +190,7 @@ class SmallEnd:
     source: Node | None = None
     guard: float = 0.0
     path: tuple[Node, ...] = ()  # the nodes from the value to the source, and its squares
-    exponent: int = 0  # the lowest scale exponent (a scale domain's) the way passed
+    exponent: int = 0  # the lowest scale exponent on the way (the value's own, or a lower one)
 
     @property
     def what(self) -> str:
@@ -202,7 +202,8 @@ class SmallEnd:
 def small_end(argument) -> SmallEnd:
     """Walk from ``argument`` through casts, moves, sqrt, scalar guards and a scale
     domain's multiplies to the op that sets its small end (see ``SmallEnd``)."""
-    guard, node, path, lowest = 0.0, argument, [], 0
+    guard, node, path = 0.0, argument, []
+    lowest = meta.scale_exponent(argument) if isinstance(argument, Node) else 0
     while isinstance(node, Node) and node.op == "call_function":
         path.append(node)
         lowest = min(lowest, meta.scale_exponent(node))
