@@ -338,22 +338,6 @@ class WideRangeSquare(nn.Module):
         return x + square, x * torch.rsqrt(square.abs() + 1e-3)
 
 
-def test_a_square_the_domains_scale_would_flush_is_computed_unscaled():
-    """x is carried at about 2**-28 for x + x**2; its square at twice that exponent
-    would put the small readings' squares (1e6) below fp16's normal range, where they
-    flush and their rsqrt is inf: the square reads x unscaled instead."""
-    torch.manual_seed(0)
-    model, x = WideRangeSquare().eval(), 1e3 * (1 + 1e3 * torch.rand(4, 8))
-    ep = scaled_exactly(model, x)
-    (square,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
-    assert scale_domains(ep.graph_module) and meta.scale_exponent(square) == 0
-    cast = fx16.cast_fp32_to_fp16(export(model, x))
-    check_program(cast)
-    reference, got = fp64_reference(model, x), run(cast, x)
-    assert all(torch.isfinite(value).all() for value in got)
-    assert max_error(reference, got) < 8 * UNIT
-
-
 class SmallCubeBesideLoudSum(nn.Module):
     """Readings of about 1e-2 that a sum takes past the range (x + 7e4, normalised)
     and whose cube, about 1e-6 and already below fp16's normal range, is returned."""
@@ -362,19 +346,33 @@ class SmallCubeBesideLoudSum(nn.Module):
         return nn.functional.layer_norm(x + 7e4, (x.shape[-1],)), x**3
 
 
-def test_a_power_already_below_the_range_is_not_pushed_further_down():
-    """x is carried at 2**-2 for x + 7e4; its cube at 2**-6 would hold 1e-6 values at
-    1.6e-8, about one bit where unscaled fp16 keeps seven (0.87 off before): the cube
-    reads x unscaled, as plain fp16 computes it or fp32 does."""
+@pytest.mark.parametrize(
+    "model, draw, returned, bound",
+    [
+        (WideRangeSquare(), lambda: 1e3 * (1 + 1e3 * torch.rand(4, 8)), slice(None), 8 * UNIT),
+        (SmallCubeBesideLoudSum(), lambda: 1e-2 * (0.5 + torch.rand(3, 2)), slice(1, None), 2**-7),
+    ],
+    ids=["square_would_flush", "cube_already_below"],
+)
+def test_a_power_the_domains_scale_would_push_below_the_range_is_computed_unscaled(
+    model, draw, returned, bound
+):
+    """A square: x is carried at about 2**-28 for x + x**2; its square at twice that
+    exponent would put the small readings' squares (1e6) below fp16's normal range,
+    where they flush and their rsqrt is inf. A cube: x is carried at 2**-2 for x + 7e4;
+    its cube at 2**-6 would hold 1e-6 values at 1.6e-8, about one bit where unscaled
+    fp16 keeps seven (0.87 off before). The power reads x unscaled instead; the
+    outputs it makes hold the bound (the cube: 16-bit's subnormal steps)."""
     torch.manual_seed(0)
-    model, x = SmallCubeBesideLoudSum().eval(), 1e-2 * (0.5 + torch.rand(3, 2))
-    ep = scaled_exactly(model, x)
-    (cube,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
-    assert scale_domains(ep.graph_module) and meta.scale_exponent(cube) == 0
+    x = draw()
+    ep = scaled_exactly(model.eval(), x)
+    (power,) = [n for n in ep.graph.nodes if n.target is torch.ops.aten.pow.Tensor_Scalar]
+    assert scale_domains(ep.graph_module) and meta.scale_exponent(power) == 0
     cast = fx16.cast_fp32_to_fp16(export(model, x))
     check_program(cast)
-    reference, got = fp64_reference(model, x), run(cast, x)
-    assert max_error(reference[1:], got[1:]) < 2.0**-7
+    reference, got = fp64_reference(model, x)[returned], run(cast, x)[returned]
+    assert all(torch.isfinite(value).all() for value in got)
+    assert max_error(reference, got) < bound
 
 
 class JustPastTheLimit(nn.Module):
