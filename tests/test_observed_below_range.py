@@ -47,6 +47,17 @@ def _below_range(node) -> float | None:
     return None if absorbed else largest
 
 
+def _sixteen_bit_ops(ep) -> set[str]:
+    """The ops ``ep`` computes in a 16-bit dtype as exported (the model's own)."""
+    return {
+        node.name
+        for node in ep.graph.nodes
+        if node.op == "call_function"
+        and isinstance(val := node.meta.get("val"), torch.Tensor)
+        and val.dtype in (torch.float16, torch.bfloat16)
+    }
+
+
 def _readers(node):
     """What reads ``node``'s value, through the casts fx16 inserted (the rule judged
     the program before them)."""
@@ -67,14 +78,18 @@ def test_property_no_value_below_the_normal_range_computes_in_fp16_unlifted(
     calibrated values lie below the normal range computes in fp32 or (scale domains
     on) in fp16 at a scale 2**e that lifts its largest value to the normal range, or
     the verdict check measured fp32 no better there (``not_worth_fp32``: a value the
-    program returns in fp16, whose output rounding loses it either way)."""
+    program returns in fp16, whose output rounding loses it either way), or the model
+    computes it in 16-bit itself (``h = x.half(); h.mul_(0.5)``: its own choice)."""
     args = tuple(a * input_scale if a.is_floating_point() else a for a in case.args)
     case = dataclasses.replace(case, args=args, input_scale=case.input_scale * input_scale)
     policy = PrecisionPolicy.default(scale_range=scale_range)
     ep = check_cast(case, lambda ep: fx16.cast_fp32_to_fp16(ep, policy=policy))
+    own = _sixteen_bit_ops(case.export())
     for node in ep.graph.nodes:
         val = node.meta.get("val")
         if node.op != "call_function" or is_cast(node) or not isinstance(val, torch.Tensor):
+            continue
+        if node.name in own:
             continue
         largest = _below_range(node)
         if largest is None or val.dtype != FP16 or decision_of(node).reason is NOT_WORTH:
