@@ -36,9 +36,14 @@ A scalar argument (``x / 1e-9``) is judged the same way. A scalar an op adds as 
 weights are (InsertFP16CastsPass records that as a decision); when the values show the
 guard matters, this rule keeps the op it guards.
 
+An argument a scale domain carried lower on its way (``x * y`` at 2**-25, unscaled by a
+runtime multiply before the rsqrt) is judged at that lowest exponent: there its small
+elements were subnormal, whatever the unscaled value shows.
+
 Reads: ``meta["fx16.observed_smallest"]`` (CalibrationAnalysis), proven ranges
 (``fx16.analysis.float_range``, after ValueRangeAnalysis), ``meta["fx16.bounded_below"]``
-(StabilizePass). Writes:
+(StabilizePass), ``meta["fx16.scale_exponent"]`` and ``meta["fx16.range_scale"]``
+(ScaleDomainsPass). Writes:
 ``node.meta["fx16.underflow"]``: why (a string), on the singular op and every node
 of its elementwise past, bodies included; absent elsewhere.
 """
