@@ -6,6 +6,10 @@ import math
 
 import pytest
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
 
 import fx16
 from fx16 import meta
@@ -15,12 +19,13 @@ from fx16.passes.sentinel_sums import RULE, absorbed_below
 from fx16.pipelines import run_passes
 from fx16.program.stats import program_stats
 from fx16.report import report_of
+from fx16.testing.checks import check_outputs
 from helpers import check_program, export, fp64_reference, max_error, run
 
 MIN = torch.finfo(torch.float32).min
 
 
-class PaddedAttention(torch.nn.Module):
+class PaddedAttention(nn.Module):
     """Two attention layers over a left-padded batch, the additive mask built as
     Hugging Face models build it (causal and padding, ``finfo.min`` where masked): a
     padded query sees only padded keys, its row masked whole. ``loudness`` scales the
@@ -29,7 +34,7 @@ class PaddedAttention(torch.nn.Module):
     def __init__(self, width: int = 16, layers: int = 2, loudness: float = 16.0) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.qkv = torch.nn.ModuleList(torch.nn.Linear(width, 3 * width) for _ in range(layers))
+        self.qkv = nn.ModuleList(nn.Linear(width, 3 * width) for _ in range(layers))
         with torch.no_grad():
             for linear in self.qkv:
                 linear.weight[:width] *= loudness
@@ -132,7 +137,7 @@ def test_what_fp16_absorbs():
     assert SentinelSumsPass(overflow_margin=4.0).reach == 4.0
 
 
-class MaskedWholly(torch.nn.Module):
+class MaskedWholly(nn.Module):
     """softmax(x + full(finfo.min)): every row masked whole (the fuzzer's program)."""
 
     def forward(self, x):
@@ -149,7 +154,7 @@ def test_a_row_masked_whole_is_uniform_as_in_fp32(sign):
     assert torch.equal(run(ep, x)[0].float(), torch.full((3, 4), 0.25))
 
 
-class MaskKeptWide(torch.nn.Module):
+class MaskKeptWide(nn.Module):
     """A mask some use of which cannot take a saturated sentinel (``abs``) is kept fp32;
     the sum and select that read it then hold -3.4e38 in fp32."""
 
@@ -175,3 +180,89 @@ def test_an_fp32_value_holding_a_sentinel_is_not_cast_down():
     assert any("sentinel" in why for why in skipped)
     with torch.no_grad():
         assert torch.allclose(run(ep, x, keep)[0].float(), model(x, keep), atol=1e-3)
+
+
+def test_the_rewrite_is_in_the_saved_report(tmp_path):
+    """Saved and loaded, the cast program's report names the rewrite as the cast one
+    does (the fact is the node's ``fx16.stabilized``, which the archive keeps)."""
+    x, keep = _inputs()
+    ep = fx16.cast_fp32_to_fp16(export(PaddedAttention().eval(), x, keep))
+    torch.export.save(ep, tmp_path / "cast.pt2")
+    loaded = fx16.load(tmp_path / "cast.pt2")
+    stabilized = {row.node: row.stabilized for row in report_of(ep).rows if row.stabilized}
+    assert stabilized and all(why.startswith(f"{RULE}: ") for why in stabilized.values())
+    assert {row.node: row.stabilized for row in report_of(loaded).rows if row.stabilized} == (
+        stabilized
+    )
+
+
+class MaskedInABranch(nn.Module):
+    """The mask built in the graph, the loud scores and their sum inside a cond branch."""
+
+    def forward(self, x, keep):
+        mask = torch.zeros(x.shape).masked_fill(~keep, MIN)
+        return torch.cond(
+            x.amax() > -1e9,
+            lambda s, m: torch.softmax(s * 40.0 + m, dim=-1),
+            lambda s, m: torch.softmax(s + m, dim=-1),
+            (x, mask),
+        )
+
+
+def test_a_sum_inside_a_branch_is_rewritten_there():
+    """Calibration observes the branch's operands (the mask's sentinel crosses into
+    it): the branch's sum becomes the ``where``, and the row masked whole gets equal
+    weights, as in fp32 (before: the scores' own softmax)."""
+    torch.manual_seed(0)
+    x, keep = torch.randn(3, 4), torch.rand(3, 4) > 0.3
+    keep[0] = False
+    model = MaskedInABranch()
+    ep = fx16.cast_fp32_to_fp16(export(model, x, keep))
+    check_program(ep)
+    branch = ep.graph_module.true_graph_0
+    assert [n for n in branch.graph.nodes if (meta.stabilized(n) or ("",))[0] == RULE]
+    (got,) = run(ep, x, keep)
+    assert torch.equal(got[0].float(), torch.full((4,), 0.25))
+    with torch.no_grad():
+        assert max_error([model(x, keep)], [got]) < 4 * 2.0**-11
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(
+    st.sampled_from([1.0, 30.0, 300.0, 3000.0]),
+    st.sampled_from([1.0, -1.0]),
+    st.integers(0, 3),
+    st.integers(0, 2**16),
+)
+def test_property_masked_scores_hold_the_oracle_and_rows_masked_whole_stay_uniform(
+    loudness, sign, masked_rows, seed
+):
+    """Scores of every loudness and sign, some rows masked whole, others in part: the
+    cast holds the float oracle's bound against fp32 (no nan fp32 lacks), a row masked
+    whole is 1/n as in fp32, and the fp32 program's rewrite changes no bit."""
+    generator = torch.Generator().manual_seed(seed)
+    x = sign * loudness * torch.rand(4, 6, generator=generator)
+    keep = torch.rand(4, 6, generator=generator) > 0.4
+    keep[:, 0] = True
+    keep[:masked_rows] = False
+    model = PartlyMasked()
+    original = export(model, x, keep)
+    ep = fx16.cast_fp32_to_fp16(export(model, x, keep))
+    check_program(ep)
+    check_outputs(original, ep, (x, keep))
+    (got,) = run(ep, x, keep)
+    assert torch.equal(
+        got[:masked_rows].float(), torch.full((masked_rows, 6), 1 / 6).half().float()
+    )
+    rewritten = export(model, x, keep)
+    run_passes([CalibrationAnalysis(rewritten), SentinelSumsPass()], rewritten.graph_module)
+    rewritten.graph_module.recompile()
+    with torch.no_grad():
+        assert torch.equal(rewritten.module()(x, keep), model(x, keep))
+
+
+class PartlyMasked(nn.Module):
+    """softmax(scores + mask), the mask built from a keep flag as models build it."""
+
+    def forward(self, x, keep):
+        return torch.softmax(x + torch.zeros(x.shape).masked_fill(~keep, MIN), dim=-1)

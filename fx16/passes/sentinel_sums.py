@@ -34,10 +34,9 @@ from fx16.analysis.calibration import CalibrationAnalysis, share_observations
 from fx16.analysis.facts import Facts
 from fx16.contracts import require
 from fx16.ops.numerics import INF_LIKE, largest
-from fx16.program.casts import copy_provenance
+from fx16.passes.stable_rewrites.matching import Builder
 from fx16.program.node_ids import assign_ids
 from fx16.program.nodes import is_float_tensor, node_val
-from fx16.program.propagation import fresh_result
 from fx16.program.subgraphs import nested_graph_modules
 
 aten = torch.ops.aten
@@ -105,13 +104,9 @@ def _mask_and_addend(total: Node) -> tuple[Node, Node]:
 def _keep_the_sentinel(module: GraphModule, total: Node, mask: Node, addend: Node) -> None:
     """``where(mask <= -1e38, mask, total)`` after ``total``, taking over its readers."""
     readers = list(total.users)
-    with module.graph.inserting_after(total):
-        masked = module.graph.call_function(aten.le.Scalar, (mask, -INF_LIKE))
-    with module.graph.inserting_after(masked):
-        kept = module.graph.call_function(aten.where.self, (masked, mask, total))
-    for made in (masked, kept):
-        made.meta["val"] = fresh_result(made)
-        copy_provenance(total, made)
+    make = Builder(module.graph, total.next)  # each with its fake value and total's provenance
+    masked = make(aten.le.Scalar, mask, -INF_LIKE)
+    kept = make(aten.where.self, masked, mask, total)
     for reader in readers:
         reader.replace_input_with(total, kept)
     share_observations(total, kept)
