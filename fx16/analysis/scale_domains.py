@@ -150,6 +150,8 @@ class ScaleDomainsAnalysis(Analysis):
                 continue
             if largest > self.limit:
                 exponents[index] = -max(1, math.ceil(math.log2(largest / self.limit)))
+            elif largest < SMALLEST_NORMAL and all(meta.negligible(m) for m in members):
+                continue  # values a rewrite made that may flush: nothing to keep
             elif largest < SMALLEST_NORMAL:  # its largest magnitude brought to [1, 2)
                 exponents[index] = -math.floor(math.log2(largest))
             elif (lift := self._lift(members, tensors, magnitudes, largest)) is not None:

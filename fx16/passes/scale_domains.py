@@ -88,16 +88,20 @@ class ScaleDomainsPass(PassBase):
         graph = graph_module.graph
         inserted, replaced, unscaled = [], {}, {}
         for node, delta in plan.after.items():
-            scaled = _multiply(graph, node, delta, "starts a scale domain")
-            node.replace_all_uses_with(scaled, delete_user_cb=lambda user, s=scaled: user is not s)
+            chain = _multiply(graph, node, delta, "starts a scale domain")
+            first, scaled = chain[0], chain[-1]
+            node.replace_all_uses_with(scaled, delete_user_cb=lambda user, f=first: user is not f)
             replaced[node] = scaled
-            inserted.append(scaled)
+            inserted.extend(chain)
         for (node, delta), readers in plan.edges.items():
             source = replaced.get(node, node)
-            scaled = _multiply(graph, source, delta, "undoes a domain's scale for its reader")
+            chain = _multiply(graph, source, delta, "undoes a domain's scale for its reader")
+            scaled = chain[-1]
+            for step in chain if meta.negligible(node) else ():
+                step.meta[meta.NEGLIGIBLE] = meta.negligible(node)  # the same value
             for reader in readers:
                 reader.replace_input_with(source, scaled)
-            inserted.append(scaled)
+            inserted.extend(chain)
             unscaled[scaled] = node
         for node, exponent in plan.exponents.items():
             if isinstance(exponent, int) and exponent:
@@ -188,14 +192,25 @@ _ABSENT = object()
 REVERTED = "fx16.scale_domains_reverted"
 
 
-def _multiply(graph, node: Node, delta: int, why: str) -> Node:
-    """``node * 2**delta``, placed after ``node`` (after the last placeholder for one)."""
+# The widest single steps: powers of two that are 16-bit numbers (2**-24 its smallest).
+_MOST_STEP, _LEAST_STEP = 15, -24
+
+
+def _multiply(graph, node: Node, delta: int, why: str) -> list[Node]:
+    """``node * 2**delta``, placed after ``node`` (after the last placeholder for one): one
+    multiply, or a chain of them where 2**delta is beyond the largest 16-bit number (each
+    factor one, so no scale a domain makes is an fp32 scalar)."""
     anchor = node
     if node.op == "placeholder":
         anchor = next(n for n in graph.nodes if n.op != "placeholder").prev
-    with graph.inserting_after(anchor):
-        scaled = graph.call_function(aten.mul.Tensor, (node, 2.0**delta))
-    scaled.meta["val"] = fresh_result(scaled)
-    copy_provenance(node, scaled)
-    scaled.meta[meta.RANGE_SCALE] = f"x 2**{delta}: {why}"
-    return scaled
+    chain, left = [], delta
+    while left or not chain:
+        step = max(_LEAST_STEP, min(_MOST_STEP, left))
+        with graph.inserting_after(anchor):
+            anchor = graph.call_function(aten.mul.Tensor, (chain[-1] if chain else node, 2.0**step))
+        anchor.meta["val"] = fresh_result(anchor)
+        copy_provenance(node, anchor)
+        anchor.meta[meta.RANGE_SCALE] = f"x 2**{step}: {why}"
+        chain.append(anchor)
+        left -= step
+    return chain
