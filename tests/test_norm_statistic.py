@@ -1,7 +1,7 @@
 """The 16-bit statistic of an RMSNorm the model computes in an fp32 region of its own
 (``fx16.passes.stable_rewrites.norm_statistic``): exact in real arithmetic, and in 16-bit
-about as accurate as the fp32 statistic it replaces, where the plain 16-bit statistic is
-1.3-1.5x that error."""
+the output ``.half()`` gives with its fp32 statistic, correctly rounded, where the plain
+16-bit statistic is 1.3-1.5x that error."""
 
 import copy
 from dataclasses import replace
@@ -107,26 +107,83 @@ def _rms_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
 
 
+def _massive(rows: torch.Tensor, seed: int) -> torch.Tensor:
+    """``rows`` with two channels of a trained LLM's massive activations (|x| 450-2600)."""
+    generator = torch.Generator().manual_seed(seed)
+    count = rows.shape[0]
+    rows[:, 3] = 600 + 2000 * torch.rand(count, generator=generator)
+    rows[:, 7] = -450 - 1500 * torch.rand(count, generator=generator)
+    return rows
+
+
 @pytest.mark.parametrize("width", [64, 512])
-@pytest.mark.parametrize("loudness", [1.0, 300.0, 1e-3])
-def test_in_16_bit_it_is_about_as_accurate_as_the_fp32_statistic(width, loudness):
+@pytest.mark.parametrize("loudness", [1.0, 300.0, 1e-3, "massive"])
+def test_in_16_bit_it_gives_the_output_half_gives(width, loudness):
     """Retargeted to 16-bit (``explicit_fp32="calibrated"``, the Neural Engine's), the
-    norm's output is within 1.1x the error of ``.half()``, which keeps the statistic in
-    fp32 and rounds only the product; the plain 16-bit statistic was 1.27-1.71x (a 16-bit
-    rsqrt of a 16-bit mean rounds once per row for the whole row). Loudness 300 squares
-    past 65504; 1e-3 is near fp16's subnormals. No op of the program stays fp32."""
+    norm gives ``.half()``'s output (fp32 statistic, product rounded once), bit for bit on
+    all but a few elements within a hair of a tie, and its error; the form before gave
+    1.04-1.3x (1.3-1.5x with a plain 16-bit statistic). Loudness 300 squares past 65504;
+    1e-3 is near fp16's subnormals; "massive" rows hold two channels of 450-2600. No op
+    of the program stays fp32."""
     model = UpcastRmsNorm(width)
-    calibration = _rows(8, width, loudness, seed=1)
+
+    def rows(count: int, seed: int) -> torch.Tensor:
+        if loudness == "massive":
+            return _massive(_rows(count, width, 1.0, seed), seed)
+        return _rows(count, width, loudness, seed)
+
     ep = fx16.cast_fp32_to_fp16(
-        export(model, calibration, dynamic_shapes=ROWS), explicit_fp32="calibrated"
+        export(model, rows(8, seed=1), dynamic_shapes=ROWS), explicit_fp32="calibrated"
     )
     assert not [r for r in report_of(ep).rows if r.kind == "float" and r.dtype == "float32"]
     assert _compensated(ep.graph_module)
-    x = _rows(4096 * 64 // width, width, loudness, seed=2)
+    x = rows(4096 * 64 // width, seed=2)
     want = copy.deepcopy(model).double()(x.double())
     with torch.no_grad():
         plain = copy.deepcopy(model).half()(x.half())
-    assert _rms_error(run(ep, x)[0], want) <= 1.1 * _rms_error(plain, want)
+    got = run(ep, x)[0]
+    assert float((got == plain).double().mean()) >= 0.995
+    assert _rms_error(got, want) <= 1.005 * _rms_error(plain, want)
+
+
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| in units of fp16's last place at ``want`` (its subnormal step below
+    the normal range)."""
+    exponent = torch.floor(torch.log2(want.abs().clamp(min=2.0**-14)))
+    return (got.double() - want).abs() / 2.0 ** (exponent - 10)
+
+
+@settings(max_examples=examples(24), deadline=None)
+@given(
+    loudness=st.floats(1e-3, 1e4),
+    eps=st.sampled_from([1e-6, 1e-5, 1e-2]),
+    width=st.sampled_from([8, 64, 300, 2048]),
+    massive=st.booleans(),
+    seed=st.integers(0, 2**16),
+    norm=st.sampled_from([PlainRmsNorm, PlainL2Norm]),
+)
+def test_property_in_16_bit_the_output_is_correctly_rounded(
+    loudness, eps, width, massive, seed, norm
+):
+    """Run in fp16 on fp16 inputs of any loudness, with or without massive channels, the
+    rewritten norm's every normal output is within 0.52 of a last place of the fp64
+    result (a correctly rounded one is within 0.5), and every subnormal one within 1.5
+    subnormal steps (a row divided by its power of two holds its smallest elements as
+    subnormals). It is the fp32 form's output, not the plain 16-bit form's (1-2 ulps)."""
+    model = norm(eps)
+    x = _rows(3, width, loudness, seed)
+    if massive:
+        x = _massive(x, seed) * loudness
+    x = x.clamp(-60000, 60000).half()
+    rewritten = _rewritten_as_in_an_fp32_region(model, x.float())
+    with torch.no_grad():
+        got = rewritten(x)
+    want = model(x.double())
+    assert got.dtype == torch.float16
+    ulps = _ulps(got, want)
+    normal = want.abs() >= 2.0**-14
+    assert float(torch.where(normal, ulps, 0).max()) <= 0.52
+    assert float(torch.where(normal, 0, ulps).max()) <= 1.5
 
 
 def test_a_row_of_zeros_gives_what_fp32_gives():

@@ -542,6 +542,11 @@ def test_with_calibrated_regions_a_domain_may_let_a_region_fit():
     calibrated = fx16.cast_fp32_to_fp16(export(model, ids), explicit_fp32="calibrated")
     assert _fp32_ops(calibrated) <= 4 < _fp32_ops(kept)
     assert program_stats(calibrated).flop_share_16bit == 1.0
+    # a domain 2**18 and 2**24 from its readers undoes its scale in steps, each a 16-bit
+    # number: no scale it makes is an fp32 scalar
+    steps = [meta.range_scaled(n) for n in calibrated.graph.nodes if meta.range_scaled(n)]
+    steps = [int(step.split("2**")[1].split(":")[0]) for step in steps]
+    assert max(steps) == 15 and all(-24 <= step <= 15 for step in steps)
 
 
 @pytest.mark.parametrize(

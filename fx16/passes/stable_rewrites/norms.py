@@ -161,7 +161,7 @@ class RmsNormScaling:
             if inverse is not None:
                 inverse.meta[ROUNDING_CANCELS] = ANY_SCALE  # 2**-k, from the same k as 2**k
             eps_term = None if eps is None else EpsTerm(eps / factor**2, inverse)
-            return compensated(make, y, power_sum, None if summed else squares, dims, eps_term)
+            return compensated(make, y, power_sum, dims, eps_term, summed)
         if eps is not None:
             # sqrt(eps) / s = 2**-k * (sqrt(eps) / f), 2**-k read from k as 2**k is
             inverse = make(aten.pow.Scalar, 0.5, exponent)
