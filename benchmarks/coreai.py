@@ -218,12 +218,14 @@ def measure(build, args, input_ranges, only: set[str] | None = None) -> dict:
     return results
 
 
-DRAWS = 8  # inputs each error is the mean over: the example, then ones drawn like it
+DRAWS = 64  # inputs each error is the mean over: the example, then ones drawn like it
 
 
 def draws(args: tuple) -> list[tuple]:
     """``args``, then ``DRAWS - 1`` inputs drawn like it (seeded): floats from a standard
-    normal of the same shape, integers uniform over the example's own range."""
+    normal of the same shape, integers uniform over the example's own range (from 0 to
+    it where the example holds one number above 0, a decoder's one token: else every
+    draw would be the example)."""
     generator = torch.Generator().manual_seed(17)
 
     def like(value):
@@ -232,6 +234,7 @@ def draws(args: tuple) -> list[tuple]:
         if value.is_floating_point():
             return torch.randn(value.shape, generator=generator, dtype=value.dtype)
         low, high = int(value.min()), int(value.max())
+        low = min(low, 0) if low == high else low
         return torch.randint(low, high + 1, value.shape, generator=generator, dtype=value.dtype)
 
     return [args] + [tuple(like(value) for value in args) for _ in range(DRAWS - 1)]

@@ -51,7 +51,7 @@ class PrecisionPolicy:
         precision-sensitive op follows (``fx16.analysis.explicit_fp32``): "keep" (the
         default) keeps them all, as ``.half()`` and eager autocast do, and the stable
         rewrites leave the patterns in them alone; in a region retargeted to 16-bit an
-        RMSNorm's statistic is computed to about fp32's accuracy
+        RMSNorm is computed as its fp32 form is, rounded once
         (``fx16.passes.stable_rewrites.norm_statistic``); "calibrated" keeps one only on
         evidence that 16-bit would spoil it (a value in it beyond the 16-bit range or below
         its normal range on the calibration inputs, with the margin; an ill-conditioned op

@@ -81,10 +81,10 @@ class RmsNormScaling:
     power of two at or above sqrt(eps) where that is larger: the eps term stays below
     2**14 on any row (a row below sqrt(eps) is eps's anyway).
     Inside an fp32 region the model opens (``x.float()`` before the variance, retargeted
-    to 16-bit), the statistic after y is computed to an fp32 statistic's accuracy
-    instead (``fx16.passes.stable_rewrites.norm_statistic``): the model asked for one,
-    and a 16-bit rsqrt of a 16-bit mean rounds once per row for the whole row (1.3-1.5x
-    ``.half()``'s error on the norm's output; about 1.08x so).
+    to 16-bit), the norm after y is computed as the fp32 form computes it, rounded once
+    (``fx16.passes.stable_rewrites.norm_statistic``): the model asked for an fp32
+    statistic, and a 16-bit rsqrt of a 16-bit mean rounds once per row for the whole row
+    (1.3-1.5x ``.half()``'s error on the norm's output).
     For a mean, f = 1/64: the row's largest |y| lies in [64, 128), so every y**2 is below
     16384, and elements 1/2000 of the largest still square to a normal 16-bit number
     (scaling the largest to 1 would leave their squares subnormal, with a few bits). For
@@ -93,7 +93,7 @@ class RmsNormScaling:
     say in ``meta["fx16.rounding_cancels"]`` for the conditioning analysis.
 
     Costs: a clamp and a division per element, one largest-magnitude reduction per row,
-    in 16-bit; no fp32 (in a model's fp32 region, the residual's mean and three ops per
+    in 16-bit; no fp32 (in a model's fp32 region, a second mean and about 25 ops per
     element more)."""
 
     name = "rms_norm_scaling"
