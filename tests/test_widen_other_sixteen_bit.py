@@ -296,6 +296,20 @@ OWN_ROUNDING = (
 )
 
 
+def _runs_in_bf16(case) -> bool:
+    """Whether the model runs in bf16 as made: a step of the menu that widens to fp32 by
+    name (``(x.double() * c).float()``, an fp32 ``arange``) leaves a bf16 layer after it
+    an fp32 input it refuses, in eager as in export."""
+    try:
+        with torch.no_grad():
+            case.model(*case.args)
+    except RuntimeError as error:
+        if "type" not in str(error):
+            raise
+        return False
+    return True
+
+
 @settings(max_examples=examples(10), deadline=None)
 @given(programs())
 def test_property_a_bf16_program_widens_exactly_and_casts_within_the_bound(case):
@@ -314,6 +328,7 @@ def test_property_a_bf16_program_widens_exactly_and_casts_within_the_bound(case)
         model=copy.deepcopy(case.model).to(BF16),
         args=tuple(a.to(BF16) if a.is_floating_point() else a for a in case.args),
     )
+    assume(_runs_in_bf16(bf16))
     fp32 = dataclasses.replace(case, model=copy.deepcopy(bf16.model).float())
     with quiet():
         source, reference = bf16.export(), fp32.export()
