@@ -376,3 +376,38 @@ def test_a_value_in_a_body_is_named_with_its_body():
     assert found.headroom_node == "true_graph_0.add"
     assert found.headroom_node in {row.node for row in report_of(ep).rows}
     assert found.headroom == pytest.approx(65504 / float((4 * x).abs().max()), rel=1e-3)
+
+
+class TimesItsLayer(nn.Module):
+    """``x * linear(x)`` whose bias cancels ``W x`` on the calibration input but for
+    0.01: calibration sees the product small, while at larger inputs ``W x`` grows and
+    the bias does not."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        super().__init__()
+        self.layer = nn.Linear(x.shape[-1], x.shape[-1])
+        with torch.no_grad():
+            self.layer.bias.copy_(0.01 - x[0] @ self.layer.weight.T)
+
+    def forward(self, x):
+        return x * self.layer(x)
+
+
+def test_a_value_whose_bias_cancelled_is_bounded_by_its_parts():
+    """The product was judged by its calibrated maximum (0.022): 1.7e3x stated, and at
+    0.9x of that the cast program gave inf. Its layer mixes degrees (a bias), so the
+    product is bounded by x's maximum times the layer's plus twice its bias's: 134x,
+    and the cast program at 0.9x of it stays finite."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 8)
+    model = TimesItsLayer(x).eval()
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    found = report_of(ep).totals.envelope
+    plain = (65504 / float(model(x).abs().max())) ** 0.5
+    assert found.headroom is not None and found.headroom < plain / 5
+    args, _ = fx16.inputs_for(ep, x * 0.9 * found.headroom)
+    with torch.no_grad():
+        assert bool(ep.module()(*args).isfinite().all())
+        assert float(model(x * 0.9 * found.headroom).abs().max()) < 65504
+    args, _ = fx16.inputs_for(ep, x * 0.9 * plain)
+    assert not bool(ep.module()(*args).isfinite().all())  # the old figure was false

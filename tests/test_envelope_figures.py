@@ -14,6 +14,8 @@ import fx16
 from fx16 import meta
 from fx16.program import Program
 from fx16.report import report_of
+from fx16.report.degrees import input_degrees
+from fx16.report.growth_bounds import growth_bounds
 from fx16.testing import programs
 from fx16.testing.checks import check_outputs, quiet
 
@@ -36,6 +38,14 @@ class _Watch(torch.fx.Interpreter):
         if node.name == self.name:
             self.value = value
         return value
+
+
+def _bounded_by_parts(ep, name: str) -> bool:
+    """Whether the envelope judged the value ``name`` by a bound from its parts (it
+    mixes degrees of growth: ``x - sigmoid(x)``), not by its calibrated maximum: a
+    figure that holds, not one it reaches."""
+    (node,) = [node for node in ep.graph.nodes if node.name == name]
+    return node in growth_bounds(ep, input_degrees(ep))
 
 
 def _named(ep, name: str) -> bool:
@@ -67,7 +77,9 @@ def test_property_larger_inputs_hold_to_the_stated_factor_and_no_further():
     inputs keep 16-bit values in range, the cast program at 0.9 N holds the float
     oracle's bound against the fp32 program. The figure's unit is a value that grows as
     the inputs to its degree: where the value it names as the tightest grows so (within
-    1% from 1x to 1.1 N; ``x + 1`` does not), at 1.1 N that value has left fp16's range
+    1% from 1x to 1.1 N; ``x + 1`` does not) and was judged by its calibrated maximum
+    (not by a bound from its parts, which holds but is not reached: ``x - sigmoid(x)``
+    within 1% of x's growth), at 1.1 N that value has left fp16's range
     in the cast program (inf); where the figure was judged at a dynamic size's bound, at
     1.1 N times the value's growth to that bound (the inputs keep calibration's sizes).
     Both checks run in some of the examples (counted)."""
@@ -95,7 +107,7 @@ def test_property_larger_inputs_hold_to_the_stated_factor_and_no_further():
             and unscaled
             and abs(unscaled / (at_one * factor**found.headroom_degree) - 1) < 1e-2
         )
-        if grows and _named(ep, name):
+        if grows and _named(ep, name) and not _bounded_by_parts(ep, name):
             tight.append(True)
             # judged at a dynamic size's bound, the figure leaves room for the value's
             # growth with the size: at the calibration sizes it overflows that much later

@@ -20,6 +20,8 @@ from fx16.program.boundaries import Boundaries
 from fx16.program.casts import is_cast
 from fx16.program.nodes import is_number, node_val, tensor_leaves
 
+# Logarithms: they grow without bound, slower than any power (``d log f <= f**d``).
+LOGARITHMS = frozenset({"log", "log2", "log10"})
 # A negative power of a floored value shrinks only where the floor is this far below the
 # smallest value calibration saw it take.
 FLOOR_HEADROOM = 2.0
@@ -77,6 +79,8 @@ def _degree(node, degrees, boundaries, known, module) -> float | None:
     name = getattr(node.target, "_opname", "")
     tensors = [arg for arg in node.args if isinstance(arg, Node)]
     own = [degrees.get(arg, 0.0) for arg in tensors]
+    if name in LOGARITHMS:  # log(f v) = log v + d log f: bounded by its parts (growth_bounds)
+        return own[0] if own else 0.0
     if name in SCALE_BOUNDED_OPS:
         return 0.0
     if name in EXPONENTIAL_GROWTH_OPS:

@@ -43,6 +43,7 @@ from fx16.program.cost import is_product
 from fx16.program.nodes import node_val
 from fx16.program.subgraphs import named_graph_modules, qualified_name
 from fx16.report.degrees import input_degrees
+from fx16.report.growth_bounds import growth_bounds
 
 SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
@@ -134,6 +135,8 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
     """The envelope of the cast program ``ep``, cast with ``margin`` (see the module)."""
     rewritten = proven = 0
     degrees = input_degrees(ep)
+    bounds = growth_bounds(ep, degrees)
+    unbounded = False  # a value that mixes degrees with no bound: no figure is stated
     headroom: tuple[float, str, float] | None = None
     quiet: tuple[float, float, str] | None = None
     logits: tuple[float, str, str] | None = None
@@ -146,8 +149,9 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
             if not (isinstance(val, torch.Tensor) and val.dtype in SIXTEEN_BIT):
                 proven += bool(_narrowed_on_proof(node))
                 continue
-            found = _overflow_factor(node, val.dtype, degrees, decision)
-            if found is not None and (headroom is None or found[0] < headroom[0]):
+            found = _overflow_factor(node, val.dtype, degrees, bounds, decision)
+            unbounded = unbounded or found is _UNBOUNDED
+            if found not in (None, _UNBOUNDED) and (headroom is None or found[0] < headroom[0]):
                 headroom = (found[0], qualified_name(body, node.name), found[1])
             found = _quietest_argument(node, val.dtype)
             if found is not None and (quiet is None or found[0] < quiet[0]):
@@ -160,6 +164,7 @@ def envelope(ep: ExportedProgram, margin: float) -> Envelope:
             if found is not None and (amplified is None or found[0] > amplified[0]):
                 amplified = _named_in(body, found, node)
     status = ep.graph_module.meta.get(meta.CALIBRATION_STATUS, "skipped: not run")
+    headroom = None if unbounded else headroom
     return Envelope(
         calibration=status,
         margin=margin,
@@ -187,13 +192,18 @@ def _named_in(body: str, found: tuple[float, str], node: Node) -> tuple[float, s
     return found[0], qualified_name(body, found[1]), qualified_name(body, node.name)
 
 
-def _overflow_factor(node: Node, dtype, degrees: dict, decision) -> tuple[float, float] | None:
+_UNBOUNDED = object()  # what ``_overflow_factor`` gives a value it has no bound for
+
+
+def _overflow_factor(node: Node, dtype, degrees: dict, bounds: dict, decision):
     """(how many times larger the program's float inputs may grow before the 16-bit
     ``node`` passes the 16-bit maximum, the power its values grow by) where calibration
-    observed it and it grows with them; None otherwise. A cast to 16-bit (fx16's, a
-    scaled input's at the door, or the model's own) holds what its source held; an exponential of a
-    value growing as the inputs ** d overflows where its largest argument reaches
-    log(maximum), at (log(maximum) / largest) ** (1 / d)."""
+    observed it and it grows with them; None otherwise; ``_UNBOUNDED`` where it mixes
+    degrees of growth and no bound is known (``fx16.report.growth_bounds``). A cast to
+    16-bit (fx16's, a scaled input's at the door, or the model's own) holds what its
+    source held; a value that mixes degrees is judged by its bound, not its maximum; an
+    exponential of a value growing as the inputs ** d overflows where its largest
+    argument reaches log(maximum), at (log(maximum) / largest) ** (1 / d)."""
     source = node.args[0] if is_cast(node) else node
     if source is node and decision is None:
         return None
@@ -201,21 +211,40 @@ def _overflow_factor(node: Node, dtype, degrees: dict, decision) -> tuple[float,
         return None
     degree = degrees.get(source)
     if degree is None and op_name(source) in EXPONENTIAL_GROWTH_OPS:
-        return _exponential_factor(source, dtype, degrees)
-    observed = meta.observed_max_abs(source)
+        return _exponential_factor(source, dtype, degrees, bounds)
+    observed = bounds[source] if source in bounds else meta.observed_max_abs(source)
+    if source in bounds and observed is None and degree and degree > 0:
+        return _UNBOUNDED
     if not (degree and degree > 0 and observed and math.isfinite(observed)):
         return None
     return (largest(dtype) / observed) ** (1.0 / degree), degree
 
 
-def _exponential_factor(node: Node, dtype, degrees: dict) -> tuple[float, float] | None:
+def _exponential_factor(node: Node, dtype, degrees: dict, bounds: dict):
+    """The factor at which an exponential's argument reaches log(maximum): a growing
+    argument's by its top (or bound) and degree, an exponential argument's in turn at
+    the log of that (``exp(exp(x))``); ``_UNBOUNDED`` where the chain ends in a value
+    that grows faster than any power otherwise, or where its limit is not above 1."""
+    base = 2.0 if op_name(node) == "exp2" else math.e
+    limit = math.log(largest(dtype), base)
     argument = node.args[0] if node.args else None
+    while isinstance(argument, Node) and degrees.get(argument) is None:
+        if op_name(argument) not in EXPONENTIAL_GROWTH_OPS or limit <= 1:
+            return _UNBOUNDED
+        base = 2.0 if op_name(argument) == "exp2" else math.e
+        shift = 1.0 if op_name(argument) == "expm1" else 0.0
+        limit = math.log(limit + shift, base)
+        argument = argument.args[0]
     degree = degrees.get(argument)
     interval = meta.observed_interval(argument)
     if not (degree and degree > 0 and interval and interval[1] > 0):
         return None
-    base = 2.0 if op_name(node) == "exp2" else math.e
-    return (math.log(largest(dtype), base) / interval[1]) ** (1.0 / degree), degree
+    top = interval[1]
+    if argument in bounds:  # mixes degrees: its bound, where it has one
+        if bounds[argument] is None:
+            return _UNBOUNDED
+        top = bounds[argument]
+    return (limit / top) ** (1.0 / degree), degree
 
 
 def _narrowed_on_proof(node: Node) -> bool:
