@@ -33,8 +33,9 @@ its statistic keeps the sum's one rounding.
 
 The cost, per element: the split, three exact products and the remainder's
 concatenation and mean, then the product with its error: about 25 elementwise ops more
-than the model's form; per row, about 40 16-bit ops. Every op is one ExecuTorch's
-portable kernels run; no value is fp32.
+than the model's form; per row, about 75 16-bit ops on one value each (a converted
+Llama's Core AI program holds about 2x the ops). Every op is one ExecuTorch's portable
+kernels run; no value is fp32.
 """
 
 import math
