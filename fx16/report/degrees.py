@@ -21,7 +21,7 @@ from fx16.program.casts import is_cast
 from fx16.program.nodes import is_number, node_val, tensor_leaves
 
 # Logarithms: they grow without bound, slower than any power (``d log f <= f**d``).
-LOGARITHMS = frozenset({"log", "log2", "log10"})
+LOGARITHMS = frozenset({"log", "log2", "log10", "log1p"})
 # A negative power of a floored value shrinks only where the floor is this far below the
 # smallest value calibration saw it take.
 FLOOR_HEADROOM = 2.0

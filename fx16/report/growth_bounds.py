@@ -18,7 +18,8 @@ for every f >= 1, from its parts (a part's B: its calibrated maximum, or its own
 - an op that keeps magnitudes (a view, a cast, ``abs``, ``relu``, a mean): its operand's;
 - a logarithm, which mixes always (``log(f v) = log v + log f``): at most
   ``max(|log smallest|, |log B| + 1)`` times f**d for its argument's B and smallest
-  calibrated magnitude (``d log f <= f**d``), over ``log(base)``.
+  calibrated magnitude (``d log f <= f**d``), over ``log(base)``; ``log1p`` of an
+  argument seen at or above 0, ``log1p(B) + 1``.
 
 A body's operand and a higher-order op's result take the largest of what they stand for.
 Any other op reading such a value has no bound here (None): the envelope then states no
@@ -102,6 +103,8 @@ def _bound(node: Node, degrees: dict, bounds: dict, magnitude) -> float | None |
     mixed = any(part in bounds for part in tensors)
     if name in _BIASED:
         return _biased(node, _BIASED[name], bounds, magnitude)
+    if name == "log1p" and tensors:
+        return _log1p(tensors[0], bounds, magnitude)
     if name in _LOGARITHMS and tensors:
         return _logarithm(tensors[0], _LOGARITHMS[name], bounds, magnitude)
     if name in _SUMS or name in _SELECTIONS:
@@ -145,6 +148,17 @@ def _logarithm(argument: Node, base: float, bounds: dict, magnitude) -> float | 
     if not (largest_seen and smallest and smallest > 0):
         return None
     return max(abs(math.log(smallest)), abs(math.log(largest_seen)) + 1.0) / base
+
+
+def _log1p(argument: Node, bounds: dict, magnitude) -> float | None:
+    """``log1p(v)`` of a v calibration saw at or above 0: at most ``log1p(B) + 1`` times
+    f**d (``log1p(B f**d) <= log1p(B) + d log f``); None where v went below 0 (towards -1
+    its logarithm has no bound)."""
+    largest_seen = _of(argument, bounds, magnitude)
+    interval = meta.observed_interval(argument)
+    if largest_seen is None or not interval or interval[0] < 0:
+        return None
+    return math.log1p(largest_seen) + 1.0
 
 
 def _operands(node: Node, name: str) -> list:
