@@ -112,6 +112,17 @@ def overflows(node: Any, limit: float, proven=None) -> bool:
     return (largest_magnitude(node, proven)[0] or 0.0) > limit
 
 
+def carried_by_cast(node: Any, limit: float, smallest_normal: float) -> bool:
+    """A value kept fp32 that a cast to 16-bit carries whole, as calibration saw it:
+    within ``limit`` (the 16-bit maximum over the overflow margin), not wholly below
+    ``smallest_normal`` (it would reach its reader as subnormals), and with no
+    infinity-like sentinel (cast down, -1e38 is -inf, not the maximum fx16 saturates
+    it to)."""
+    seen = observed_max_abs(node)
+    below = bool(seen) and seen < smallest_normal
+    return not overflows(node, limit) and not below and not holds_sentinel(node)
+
+
 def largest_magnitude(node: Any, proven=None) -> tuple[float | None, str]:
     """The largest |value| of ``node`` and where it comes from: "proven" when
     ``proven`` (a range with ``low`` and ``high``) is finite, else "observed" by

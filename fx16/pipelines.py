@@ -154,7 +154,7 @@ def _deciding(program: Program, options: Fp16Options, policy: PrecisionPolicy) -
     return {
         "decide": [
             Fp32RulesAnalysis.standard(policy.low, limit, program=program, options=options),
-            VerdictCheckAnalysis(program, policy, options.calibration),
+            VerdictCheckAnalysis(program, policy, options.calibration, limit=limit),
         ],
         "convert": [
             ConvertParametersPass(program, **shared),

@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import io
+import math
 import os
 import subprocess
 import sys
@@ -217,3 +218,21 @@ def run_fx16(args, cwd=None, env=None) -> subprocess.CompletedProcess:
             traceback.print_exc()
             code = 1
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+class GeluTanh(torch.nn.Module):
+    """GELU's tanh approximation written out, as GPT-2 and many models do: its cube has
+    condition number 3."""
+
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+def gelu_tanh_mlp() -> torch.nn.Module:
+    """Two MLP blocks, linear -> the written-out GELU -> linear."""
+    torch.manual_seed(0)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(64, 256), GeluTanh(), torch.nn.Linear(256, 64))
+        for _ in range(2)
+    ]
+    return torch.nn.Sequential(*blocks).eval()

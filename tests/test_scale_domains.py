@@ -535,12 +535,15 @@ def test_with_calibrated_regions_a_domain_may_let_a_region_fit():
     """explicit_fp32="calibrated" keeps a region only on evidence; a domain through it
     is what removes the evidence (the mean of squares of a residual of 2e5), so there
     domains still cross the model's fp32 regions and they retarget to 16-bit: a few
-    fp32 ops, where "keep" keeps every region's ops."""
+    fp32 ops besides the rotary tables (kept for their conditioning, as either way),
+    where "keep" keeps every region's ops."""
     torch.manual_seed(0)
     model, ids = zoo.massive_llama(3, 2e5).eval(), zoo.massive_ids()
     kept = fx16.cast_fp32_to_fp16(export(model, ids))
     calibrated = fx16.cast_fp32_to_fp16(export(model, ids), explicit_fp32="calibrated")
-    assert _fp32_ops(calibrated) <= 4 < _fp32_ops(kept)
+    rows = report_of(calibrated).rows
+    wide = [r for r in rows if r.dtype == "float32" and r.rule != "ill_conditioned"]
+    assert len(wide) <= 4 and _fp32_ops(calibrated) < _fp32_ops(kept)
     assert program_stats(calibrated).flop_share_16bit == 1.0
     # a domain 2**18 and 2**24 from its readers undoes its scale in steps, each a 16-bit
     # number: no scale it makes is an fp32 scalar

@@ -13,14 +13,16 @@ import fx16
 from benchmarks import zoo
 from benchmarks.precision_zoo import TimestepEmbedding
 from fx16 import meta
-from fx16.analysis import Fp32RulesAnalysis, VerdictCheckAnalysis
+from fx16.analysis import Fp32RulesAnalysis, VerdictCheckAnalysis, verdict_questions
 from fx16.analysis.explicit_fp32 import islands
 from fx16.analysis.fp32_rules import ConditioningRule, fp32_rule
 from fx16.analysis.verdict_check import MEASURABLE
+from fx16.analysis.verdict_questions import CHEAP_SHARE
 from fx16.decisions import Reason
 from fx16.pipelines import fp16_stages, run_passes, without_rules
 from fx16.policy import PrecisionPolicy
 from fx16.policy.options import Fp16Options
+from fx16.program.cost import flops, is_product
 from fx16.report import report_of
 from fx16.testing import programs
 from fx16.testing.fuzz import with_steps
@@ -29,6 +31,7 @@ from helpers import (
     check_program,
     export,
     fp64_reference,
+    gelu_tanh_mlp,
     max_error,
     run,
     state_snapshot,
@@ -39,26 +42,14 @@ def _checks(ep):
     return ep.graph_module.meta[VerdictCheckAnalysis.CHECKS_KEY]
 
 
-class GeluTanh(nn.Module):
-    """GELU's tanh approximation written out, as GPT-2 and many models do: its cube has
-    condition number 3."""
-
-    def forward(self, x):
-        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x.pow(3))))
-
-
-def _gelu_tanh_mlp():
-    """Two MLP blocks with the written-out GELU."""
-    torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(64, 256), GeluTanh(), nn.Linear(256, 64)) for _ in range(2)]
-    return nn.Sequential(*blocks).eval()
-
-
-def test_gelus_cube_is_measured_once_for_every_layer_and_dropped():
+def test_gelus_cube_is_asked_once_for_every_layer_and_dropped():
     """Input: two blocks, each linear -> gelu(tanh) -> linear, the GELU left written out
     (``stabilize=False``; by default ``tanh_gelu`` makes it one op with no cube). Output:
-    one check for both cubes, not held; every op 16-bit; the error as with the rule off."""
-    model, x = _gelu_tanh_mlp(), torch.randn(8, 64)
+    one check for both cubes, not held: the cube kept fp32 reaches its 16-bit reader
+    through a cast, the same bits as a 16-bit cube (x is 16-bit, and a 16-bit kernel
+    computes x**3 in fp32 and rounds it once); every op 16-bit; the error as with the
+    rule off."""
+    model, x = gelu_tanh_mlp(), torch.randn(8, 64)
     ep = fx16.cast_fp32_to_fp16(export(model, x), stabilize=False)
     check_program(ep)
     (check,) = _checks(ep)
@@ -67,7 +58,7 @@ def test_gelus_cube_is_measured_once_for_every_layer_and_dropped():
     rows = report_of(ep).rows
     assert all(row.narrowed for row in rows if row.kind == "float")
     dropped = [row for row in rows if row.rule == "not_worth_fp32"]
-    assert dropped and all("does not measurably lower" in row.detail for row in dropped)
+    assert dropped and all("changes nothing" in row.detail for row in dropped)
     rule_off = export(model, x)
     passes = fx16.fp16_passes(rule_off, stabilize=False)
     run_passes(without_rules(passes, ConditioningRule), rule_off.graph_module)
@@ -134,7 +125,7 @@ def test_large_condition_numbers_are_not_asked_and_nothing_is_asked_without_inpu
     model = TimestepEmbedding().eval()
     ep = fx16.cast_fp32_to_fp16(export(model, torch.tensor([10, 500])))
     assert _checks(ep) == []  # sin of t up to 999: condition number ~1000
-    written_out = export(_gelu_tanh_mlp(), torch.randn(8, 64))
+    written_out = export(gelu_tanh_mlp(), torch.randn(8, 64))
     gelu = fx16.cast_fp32_to_fp16(written_out, calibration=[], stabilize=False)
     assert _checks(gelu) == []
     rows = report_of(gelu).rows
@@ -199,6 +190,10 @@ def test_property_every_answer_follows_its_measurement_and_dropped_verdicts_are_
         for question in _checks(ep):
             if question.identical:  # nothing to measure: the consumers agree bit for bit
                 assert not question.held and question.error_with is None
+            elif question.cheap:  # held unasked: a negligible share of the work
+                assert question.held and question.error_with is None
+                work = sum(flops(nodes[name][0]) for name in question.nodes)
+                assert work <= CHEAP_SHARE * _elementwise_work(ep)
             else:
                 measurable = not math.isfinite(question.error_without) or (
                     question.error_without > MEASURABLE * question.error_with
@@ -237,26 +232,61 @@ def _assert_no_value_is_kept_for_a_dropped_verdict(ep) -> None:
                 assert node in kept_for_live or node.name in held, (node.name, finding.seed)
 
 
-def test_a_dropped_verdict_withdraws_the_values_kept_fp32_for_it():
-    """A static-shape Llama: the verdict check returns the rotary embedding's cos and
-    sin to fp16 (their consumers compute the same values either way). The angles
-    before them (inv_freq, its casts, the product with the positions, the cat) were
-    kept fp32 only to feed them, "feeds cos, kept in fp32"; they are asked once more,
-    as one question, and computed in fp16 where fp32 does not pay: no op is left fp32
-    for a reader that reads it through a cast to fp16."""
+def _llama_cast(**options):
     torch.manual_seed(0)
     model, ids = zoo.llama(layers=2, vocab=64).eval(), torch.randint(0, 64, (2, 8))
-    ep = fx16.cast_fp32_to_fp16(export(model, ids))
+    ep = fx16.cast_fp32_to_fp16(export(model, ids), **options)
     check_program(ep)
-    rows = {row.node: row for row in report_of(ep).rows}
+    assert max_error(fp64_reference(model, ids), run(ep, ids)) < 1e-2
+    return ep, {row.node: row for row in report_of(ep).rows}
+
+
+def test_a_dropped_verdict_withdraws_the_values_kept_fp32_for_it(monkeypatch):
+    """A static-shape Llama, with no question cheap enough to hold unasked: the verdict
+    check returns the rotary embedding's cos and sin to fp16 (their consumers compute
+    the same values either way). The angles before them (inv_freq, its casts, the
+    product with the positions, the cat) were kept fp32 only to feed them, "feeds cos,
+    kept in fp32"; they are asked once more, as one question, and computed in fp16
+    where fp32 does not pay: no op is left fp32 for a reader that reads it through a
+    cast to fp16."""
+    monkeypatch.setattr(verdict_questions, "CHEAP_SHARE", 0.0)
+    ep, rows = _llama_cast()
     assert rows["cos"].dtype == rows["sin"].dtype == "float16"
     assert not [r.node for r in rows.values() if r.rule == "ill_conditioned"]
     (question,) = [q for q in _checks(ep) if q.label.startswith("ill_conditioned inputs of")]
     assert not question.held and {"mul", "cat"} <= set(question.nodes)
     assert "cos.default" in question.label and "sin.default" in question.label
     assert rows["cat"].dtype == "float16" and rows["cat"].rule == "not_worth_fp32"
-    assert max_error(fp64_reference(model, ids), run(ep, ids)) < 1e-2
     _assert_no_value_is_kept_for_a_dropped_verdict(ep)
+
+
+def test_a_cheap_question_holds_unasked():
+    """The same Llama by default: its rotary cos and sin (tables of 8 x 16) are far below
+    1% of the program's elementwise work, so their questions hold without a run. They
+    compute in fp32 from angles kept exact (an integer position times an fp32 frequency
+    is exact in fp32), and their readers round them once, as ``.half()`` does its own
+    tables; computed in 16-bit, they would read the angles rounded."""
+    ep, rows = _llama_cast()
+    questions = _checks(ep)
+    assert {q.label.split()[1] for q in questions} == {"cos.default", "sin.default"}
+    for question in questions:
+        assert question.held and question.cheap and question.error_with is None
+        work = sum(flops(_node(ep, name)) for name in question.nodes)
+        assert work <= CHEAP_SHARE * _elementwise_work(ep)
+    for name in ("cos", "sin", "cat", "mul"):
+        assert rows[name].dtype == "float32" and rows[name].rule == "ill_conditioned"
+    assert _node(ep, "cos").args[0].meta["val"].dtype == torch.float32
+    _assert_no_value_is_kept_for_a_dropped_verdict(ep)
+
+
+def _node(ep, name: str) -> torch.fx.Node:
+    return next(node for node in ep.graph.nodes if node.name == name)
+
+
+def _elementwise_work(ep) -> int:
+    """The FLOPs of every op but the products, over the program and its bodies."""
+    modules = [m for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    return sum(flops(n) for m in modules for n in m.graph.nodes if not is_product(n))
 
 
 class NormedOuterProduct(nn.Module):

@@ -8,13 +8,16 @@ every float user input, to the 16-bit dtype - except the values kept ``wide``, a
 the results of data movement and in-place ops (already rounded, and possibly views
 a later in-place op writes through) - so
 overflow to inf, flushing to zero and rounding all happen where the cast program
-has them; an infinity-like sentinel (|x| >= 1e38) saturates to the 16-bit maximum,
-as fx16 makes it. Ops compute from rounded inputs in fp32, as 16-bit kernels on CPUs
-and GPUs accumulate in fp32. Weights enter exact: their rounding is the same with or
-without any verdict, and rounding copies of them would double their memory.
+has them (an op computed in 16-bit reads a value kept wide rounded where the cast
+program reads it through a cast); an infinity-like sentinel (|x| >= 1e38) saturates
+to the 16-bit maximum, as fx16 makes it. Ops compute from rounded inputs in fp32, as
+16-bit kernels on CPUs and GPUs accumulate in fp32. Weights enter exact: their
+rounding is the same with or without any verdict, and rounding copies of them would
+double their memory.
 """
 
 import operator
+from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -43,13 +46,16 @@ class _Emulator(BodyInterpreter):
 
     def fetch_args_kwargs_from_env(self, node: Node) -> tuple[tuple, dict]:
         narrowed = self.emulation.narrowed_reads.get(node)
-        if not narrowed:
+        from_wide = self.emulation.reads_rounded(node, self.wide)
+        if not narrowed and not from_wide:
             return super().fetch_args_kwargs_from_env(node)
         read, rounded = self.reader_of(node), self.emulation.rounded
+        narrowed = narrowed or {}
 
         def value_of(value: Node):
-            dtype = narrowed.get(value)
-            return rounded(value, read(value), dtype) if dtype is not None else read(value)
+            if value in narrowed:
+                return rounded(value, read(value), narrowed[value])
+            return rounded(value, read(value)) if value in from_wide else read(value)
 
         return map_arg(node.args, value_of), map_arg(node.kwargs, value_of)
 
@@ -122,6 +128,7 @@ class Emulation:
         run_in_low: frozenset[Node] = frozenset(),
         narrowed_reads: dict[Node, dict[Node, torch.dtype]] | None = None,
         rounded_as: dict[Node, torch.dtype] | None = None,
+        cast_down: Callable[[Node], bool] | None = None,
     ):
         """``round_weights``: round the state tensors too, for the error of the whole
         16-bit program rather than a comparison of verdicts. ``reference``: the fp32
@@ -136,8 +143,12 @@ class Emulation:
         and feeds another a 16-bit copy: rounding only what ops produce would hand that
         one x itself).
         ``rounded_as``: nodes rounded to another 16-bit dtype than ``low`` (the ops an
-        fp16 cast computes in bf16)."""
+        fp16 cast computes in bf16).
+        ``cast_down``: which of the values kept wide an op computed in 16-bit reads
+        through a cast to 16-bit (the others make their readers compute in fp32 too);
+        None: each is read as it is."""
         self.program, self.low, self.calls = program, low, calls
+        self.cast_down = cast_down
         self.rounded_as = rounded_as or {}
         self.run_in_low = run_in_low
         self.narrowed_reads = narrowed_reads or {}
@@ -225,6 +236,22 @@ class Emulation:
 
         args, kwargs = pytree.tree_map(narrowed, (args, kwargs))
         return pytree.tree_map(widened, node.target(*args, **kwargs))
+
+    def reads_rounded(self, node: Node, wide: set[Node]) -> list[Node]:
+        """The values kept ``wide`` that ``node``, computed in 16-bit, reads rounded: those
+        ``cast_down`` names, as the cast program reads them through a cast (a cos reads
+        its fp32 angle rounded: rounding only its result would hand it the exact angle)."""
+        if self.cast_down is None or node in wide or node not in self.rounding:
+            return []
+        return [
+            arg
+            for arg in node.all_input_nodes
+            if arg in wide and self._computed(arg) and self.cast_down(arg)
+        ]
+
+    def _computed(self, node: Node) -> bool:
+        """A value the program computes or takes from its user (a weight enters exact)."""
+        return node.op != "placeholder" or node in self.rounding
 
     def rounded(self, node: Node, value, low: torch.dtype | None = None):
         """``value``, computed by ``node``, as the emulation rounds it to the 16-bit dtype

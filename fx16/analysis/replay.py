@@ -3,8 +3,8 @@ that follows the difference forward until it vanishes.
 
 ``VerdictCheckAnalysis`` asks whether an fp32 verdict pays for itself by running the
 emulated program twice. Often the answer is already clear near the verdict's nodes:
-a rotary embedding's sin and cos kept in fp32 are rounded by the very op that reads
-them, and everything after computes the same bits either way. The replay computes,
+a written-out GELU's cube kept in fp32 is rounded by the cast before the 16-bit multiply
+that reads it, and everything after computes the same bits either way. The replay computes,
 for one call, each value the difference reaches both ways (with the verdict, and
 without it) and, once, what those values depend on, in execution order, until every
 path has reconverged: then the outputs are identical and no whole run is needed.
@@ -112,7 +112,7 @@ class _Replay:
                 return False
             values = {arg: changed.get(arg, self.value(arg)) for arg in self.scope.inputs(node)}
             rounds = node in self.emulation.rounding and (node not in self.wide or node in dropped)
-            other = self.computed(node, values, rounds)
+            other = self.computed(node, values, rounds, self.wide - dropped)
             if _identical(self.value(node), other):
                 continue  # reconverged here
             changed[node] = other
@@ -138,11 +138,12 @@ class _Replay:
             if top not in self.scope.position or _opaque(top):
                 raise _TooFar
             rounds = top in self.emulation.rounding and top not in self.wide
-            self.kept[top] = self.computed(top, self.kept, rounds)
+            self.kept[top] = self.computed(top, self.kept, rounds, self.wide)
         return self.kept[node]
 
-    def computed(self, node: Node, values: dict, rounds: bool):
-        """``node``'s value from its inputs' ``values``, rounded as the emulation would."""
+    def computed(self, node: Node, values: dict, rounds: bool, wide: set[Node]):
+        """``node``'s value from its inputs' ``values``, rounded as the emulation would
+        with ``wide`` kept in fp32 (what it reads of them rounded too, where it rounds)."""
         self.computations += 1
         if self.computations > self.budget:
             raise _TooFar
@@ -155,11 +156,13 @@ class _Replay:
             value = attribute(self.scope.module[node], node.target)
         else:
             by_blocks = node.target in narrow_reads.READERS
+            from_wide = self.emulation.reads_rounded(node, wide) if rounds else []
 
             def read(arg: Node):
                 found = values[arg]
                 dtype = widened_dtype(arg, found) if arg.op == "placeholder" else None
-                return narrow_reads.as_read(found, dtype, by_blocks)
+                found = narrow_reads.as_read(found, dtype, by_blocks)
+                return self.emulation.rounded(arg, found) if arg in from_wide else found
 
             args, kwargs = map_arg((node.args, node.kwargs), read)
             value = narrow_reads.call(node.target, args, kwargs)

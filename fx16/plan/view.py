@@ -10,7 +10,7 @@ from torch.fx import Node
 
 from fx16 import meta
 from fx16.decisions import reasons
-from fx16.ops.numerics import interval_below_normal, scalar_overflows
+from fx16.ops.numerics import interval_below_normal, scalar_overflows, smallest_normal
 from fx16.plan.steps import Plan, Read, graph_read
 from fx16.policy import Precision, PrecisionPolicy
 from fx16.program.nodes import (
@@ -127,9 +127,7 @@ class View:
         return (
             decision is not None
             and decision.reason in DOWNCASTABLE
-            and not meta.overflows(value, self.limit)
-            and not self.below_normal(value)
-            and not meta.holds_sentinel(value)
+            and meta.carried_by_cast(value, self.limit, smallest_normal(self.low))
         )
 
     def below_normal(self, value: Node) -> bool:
