@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import zoo
-from fx16.program.cost import bytes_moved, flops, is_product
+from fx16.program.cost import bytes_moved, elements, flops, is_product
 from fx16.program.subgraphs import nested_graph_modules
 from fx16.testing import programs
 from fx16.testing.random_programs import MENU
@@ -93,6 +93,19 @@ def test_other_ops_count_an_element_each_and_bytes_count_what_moves():
     assert bytes_moved(nodes["exp"]) == 2 * 32 * 4  # reads and writes 32 fp32 values
     assert bytes_moved(nodes["sum_1"]) == (32 + 4) * 4
     assert flops(nodes["x"]) == 0  # placeholders compute nothing
+    assert elements(nodes["exp"]) == 32 and elements(nodes["sum_1"]) == 4  # what each produces
+    assert elements(nodes["x"]) == 0
+
+
+def test_elements_count_every_tensor_a_result_holds():
+    class Split(nn.Module):
+        def forward(self, x):
+            values, indices = x.max(-1)
+            return values, indices
+
+    ep = export(Split(), torch.randn(4, 8))
+    node = next(n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.max.dim)
+    assert elements(node) == 4 + 4  # the maxima and their indices
 
 
 # PyTorch's counter cannot run a while_loop or a map; and fx16 counts each body once per

@@ -22,7 +22,7 @@ from fx16.decisions import Reason
 from fx16.pipelines import fp16_stages, run_passes, without_rules
 from fx16.policy import PrecisionPolicy
 from fx16.policy.options import Fp16Options
-from fx16.program.cost import flops, is_product
+from fx16.program.cost import elements, is_product
 from fx16.report import report_of
 from fx16.testing import programs
 from fx16.testing.fuzz import with_steps
@@ -192,7 +192,7 @@ def test_property_every_answer_follows_its_measurement_and_dropped_verdicts_are_
                 assert not question.held and question.error_with is None
             elif question.cheap:  # held unasked: a negligible share of the work
                 assert question.held and question.error_with is None
-                work = sum(flops(nodes[name][0]) for name in question.nodes)
+                work = sum(elements(nodes[name][0]) for name in question.nodes)
                 assert work <= CHEAP_SHARE * _elementwise_work(ep)
             else:
                 measurable = not math.isfinite(question.error_without) or (
@@ -271,7 +271,7 @@ def test_a_cheap_question_holds_unasked():
     assert {q.label.split()[1] for q in questions} == {"cos.default", "sin.default"}
     for question in questions:
         assert question.held and question.cheap and question.error_with is None
-        work = sum(flops(_node(ep, name)) for name in question.nodes)
+        work = sum(elements(_node(ep, name)) for name in question.nodes)
         assert work <= CHEAP_SHARE * _elementwise_work(ep)
     for name in ("cos", "sin", "cat", "mul"):
         assert rows[name].dtype == "float32" and rows[name].rule == "ill_conditioned"
@@ -284,9 +284,9 @@ def _node(ep, name: str) -> torch.fx.Node:
 
 
 def _elementwise_work(ep) -> int:
-    """The FLOPs of every op but the products, over the program and its bodies."""
+    """The elements every op but the products produces, over the program and its bodies."""
     modules = [m for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
-    return sum(flops(n) for m in modules for n in m.graph.nodes if not is_product(n))
+    return sum(elements(n) for m in modules for n in m.graph.nodes if not is_product(n))
 
 
 class NormedOuterProduct(nn.Module):

@@ -149,7 +149,7 @@ class VerdictCheckAnalysis(Analysis):
         emulation = Emulation(
             self.program, calls, self.policy.low, reference=reference, cast_down=self.cast_down
         )
-        asking = _Asking(graph_module, emulation, wide, dropped, cheap_work(modules))
+        asking = _Asking(graph_module, emulation, wide, dropped, modules)
         for group in sorted(groups.values(), key=lambda g: g.cost, reverse=True):
             self.answer(asking, group, droppable(group, findings))
         orphans = orphaned_chains(findings, asking.wide, asking.dropped)
@@ -171,7 +171,7 @@ class VerdictCheckAnalysis(Analysis):
                 "values either way on the calibration inputs"
             )
             check = Check(group.label, names, None, None, held=False, identical=True)
-        elif is_cheap(droppable, asking.cheap_work):
+        elif is_cheap(droppable, asking.cheap_work()):
             check = Check(group.label, names, None, None, held=True, cheap=True)
         else:
             error = asking.error_with()
@@ -288,15 +288,22 @@ class VerdictCheckAnalysis(Analysis):
 @dataclass
 class _Asking:
     """What the questions of one run share: the nodes still kept in fp32 (``wide``),
-    those dropped so far, and the output error with ``wide`` kept (run when first
-    needed)."""
+    those dropped so far, the output error with ``wide`` kept and what a cheap
+    question's nodes compute at most in ``modules`` (each found when first needed)."""
 
     graph_module: GraphModule
     emulation: Emulation
     wide: set[Node]
     dropped: set[Node]
-    cheap_work: float  # a question whose nodes compute at most this is cheap
+    modules: list[GraphModule]
     error: float | None = None
+    work: float | None = None
+
+    def cheap_work(self) -> float:
+        """What a cheap question's nodes compute at most (found when first needed)."""
+        if self.work is None:
+            self.work = cheap_work(self.modules)
+        return self.work
 
     def error_with(self) -> float:
         if self.error is None:

@@ -15,7 +15,7 @@ from fx16 import meta
 from fx16.analysis.explicit_fp32 import islands
 from fx16.analysis.fp32_rules import fp32_rule
 from fx16.decisions import Reason
-from fx16.program.cost import flops, is_product
+from fx16.program.cost import elements, is_product
 from fx16.program.nodes import node_module_path, op_label
 
 # A question whose nodes compute at most this share of the program's elementwise work
@@ -61,16 +61,16 @@ def orphaned_chains(findings: list, wide: set[Node], returned: set[Node]) -> Que
 
 
 def cheap_work(modules: list[GraphModule]) -> float:
-    """``CHEAP_SHARE`` of the elementwise work of ``modules``: every op's elements, the
-    products (whose FLOPs dwarf it) left out."""
-    work = sum(flops(n) for m in modules for n in m.graph.nodes if not is_product(n))
-    return CHEAP_SHARE * work
+    """``CHEAP_SHARE`` of the elementwise work of ``modules``: the elements every op
+    produces, the products (whose FLOPs dwarf it) left out."""
+    nodes = (n for m in modules for n in m.graph.nodes if n.op == "call_function")
+    return CHEAP_SHARE * sum(elements(n) for n in nodes if not is_product(n))
 
 
-def is_cheap(nodes: set[Node], cheap_work: float) -> bool:
+def is_cheap(nodes: set[Node], work: float) -> bool:
     """Whether keeping ``nodes`` in fp32 costs nothing a device notices: no product among
-    them (one runs 8-16x slower in fp32), and their elements within ``cheap_work``."""
-    return not any(is_product(n) for n in nodes) and sum(map(flops, nodes)) <= cheap_work
+    them (one runs 8-16x slower in fp32), and the elements they produce within ``work``."""
+    return not any(is_product(n) for n in nodes) and sum(map(elements, nodes)) <= work
 
 
 def live_islands(module: GraphModule, by_name: dict[str, Node] | None = None) -> list:

@@ -47,6 +47,16 @@ def flops(node: Node) -> int:
     return max([_numel(leaf) for leaf in _tensors(node)], default=0)
 
 
+def elements(node: Node) -> int:
+    """The elements ``node``'s op produces (its result's tensors together)."""
+    if node.op != "call_function":
+        return 0
+    value = node_val(node)
+    if isinstance(value, torch.Tensor):
+        return _numel(value)
+    return sum(_numel(leaf) for leaf in pytree.tree_leaves(value) if _is_tensor(leaf))
+
+
 def bytes_moved(node: Node) -> int:
     """Bytes ``node`` reads (its tensor inputs) and writes (its tensor results)."""
     return sum(tensor_bytes(node_val(arg)) for arg in node.all_input_nodes) + tensor_bytes(
