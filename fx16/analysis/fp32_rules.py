@@ -113,6 +113,7 @@ class Fp32RulesAnalysis(Analysis):
 
     def call(self, graph_module: GraphModule) -> PassResult:
         overflow = [rule for rule in self.rules if isinstance(rule, ObservedOverflowRule)]
+        asked = [rule for rule in self.rules if not getattr(rule, "idle", False)]
         for submodule in Facts.of(graph_module).graph_modules:
             written = overflow[0].written_over(submodule.graph) if overflow else {}
             context = RuleContext(self.program, submodule)
@@ -120,7 +121,7 @@ class Fp32RulesAnalysis(Analysis):
                 node.meta.pop(self.META_KEY, None)
                 if node.op not in ("placeholder", "call_function"):
                     continue
-                for rule in self.rules:
+                for rule in asked:
                     detail = rule.applies(node, context)
                     if detail is not None:
                         node.meta[self.META_KEY] = Decision(FP32, rule.reason, detail)

@@ -57,7 +57,9 @@ class SafetyRule(Protocol):
     ``reason``: the cause it states (its ``fx16.decisions.REASON_SPECS`` entry says how
     the stages treat it); ``needs``: the analyses whose meta it reads (they must have
     run: ``Fp32RulesAnalysis.requires``); ``applies``: None where the rule does not
-    apply, else the evidence (a detail for the report, "" for none). Its docstring
+    apply, else the evidence (a detail for the report, "" for none); ``idle``, where a
+    rule has it: True when it can apply to no node (a choice the caller left empty), and
+    it is not asked. Its docstring
     says what it guards, with a before and after, and what it costs: the rules page
     (``reference/rules.md``) prints it.
     """

@@ -101,6 +101,8 @@ def _float_result_dtype(val) -> torch.dtype | None:
     """The dtype an op computes in: its float result's, the first float one's for an op
     with several results (an LSTM's output and states, a layer norm's mean and rstd);
     None for an op with no float result."""
+    if isinstance(val, torch.Tensor):  # most ops: one result, no tree to walk
+        return val.dtype if val.dtype.is_floating_point else None
     for leaf in pytree.tree_leaves(val):
         if isinstance(leaf, torch.Tensor) and leaf.dtype.is_floating_point:
             return leaf.dtype

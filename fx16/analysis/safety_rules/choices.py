@@ -23,6 +23,10 @@ class AccuracyBudgetRule:
     names: frozenset[str]
     reason = Reason.ACCURACY_FALLBACK
 
+    @property
+    def idle(self) -> bool:
+        return not self.names
+
     def applies(self, node: Node, context: RuleContext) -> str | None:
         return "" if node.name in self.names else None
 
@@ -37,6 +41,10 @@ class ForcedRule:
 
     names: frozenset[str]
     reason = Reason.FORCED
+
+    @property
+    def idle(self) -> bool:
+        return not self.names
 
     def applies(self, node: Node, context: RuleContext) -> str | None:
         return f"force_fp32={node.name!r}" if node.name in self.names else None
@@ -54,6 +62,10 @@ class IgnoredOpsRule:
 
     ops: IgnoredOps
     reason = Reason.IGNORED_OP
+
+    @property
+    def idle(self) -> bool:
+        return not self.ops
 
     def applies(self, node: Node, context: RuleContext) -> str | None:
         return self.ops.names(node) if node.op == "call_function" and self.ops else None
