@@ -2,6 +2,9 @@
 
 import pytest
 import torch
+from fuzz_profile import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fx16
 from fx16.decisions import PRECISION, Reason
@@ -235,3 +238,45 @@ def test_a_disabled_autocast_region_keeps_reading_the_models_fp32_cast(policy):
     )
     assert region.args[-1].meta["val"].dtype == torch.float32
     assert max_error(run(ep, x), reference) < 2e-2
+
+
+class RotaryBranches(torch.nn.Module):
+    """Rotary angles (positions times an fp32 inv_freq) made outside a cond and read by
+    a cos in one branch, a sin in the other: the angles pass 100, where fp16's step is
+    2**-4, so the conditioning rule keeps them and their cos and sin fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))
+        self.register_buffer("inv_freq", inv_freq)
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        angle = torch.arange(x.shape[0]).float()[:, None] * self.inv_freq
+        emb = torch.cat([angle, angle], -1)
+        h = self.proj(x)
+        return torch.cond(h.sum() > 0, lambda h, e: h * e.cos(), lambda h, e: h * e.sin(), (h, emb))
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(st.integers(100, 400), st.booleans(), st.integers(0, 2**16))
+def test_property_a_value_a_branch_keeps_fp32_enters_it_fp32(length, flip, seed):
+    """Input: the angles kept fp32 for the cos and sin inside the branches. Output: the
+    cond's operand is the fp32 angle (not a 16-bit copy the branch widens again: the
+    angles rounded to fp16 put 1.3e-2 on the output, where ``.half()``, rounding only
+    inv_freq, puts 1e-2), and the output is within 16-bit rounding of fp64 on both
+    branches, calibrated on the input itself."""
+    torch.manual_seed(seed)
+    model = RotaryBranches().eval()
+    x = torch.randn(length, 16, generator=torch.Generator().manual_seed(seed))
+    x = -x if flip else x
+    ep = fx16.cast_fp32_to_fp16(export(model, x))
+    check_program(ep)
+    cond = next(n for n in ep.graph.nodes if n.target is torch.ops.higher_order.cond)
+    assert cond.args[3][1].meta["val"].dtype == torch.float32
+    for branch in ("true_graph_0", "false_graph_0"):
+        body = getattr(ep.graph_module, branch)
+        angles = body.graph.find_nodes(op="placeholder")[1]
+        assert angles.meta["val"].dtype == torch.float32
+    for call in (x, -x):
+        assert max_error(fp64_reference(model, call), run(ep, call)) < 4 * 2.0**-11

@@ -2,7 +2,7 @@
 
 import torch
 
-from fx16.program.subgraphs import bodies_and_operands, carried_count
+from fx16.program.subgraphs import bodies_and_operands, carried_count, with_operands
 from helpers import export
 from models import AutocastRegions, Branches, GrowingLoop, MappedLayer
 
@@ -60,3 +60,24 @@ def test_autocast_regions_and_other_nodes():
         elif node.op == "call_function":
             assert bodies_and_operands(node) == ([], [])
     assert regions == 2  # the disabled and the enabled region
+
+
+def test_with_operands_puts_each_operand_back_where_it_came_from():
+    """For cond, while_loop and map: the arguments rebuilt from the operands listed are
+    the node's own, and a changed list changes only its own positions."""
+    cases = [
+        (Branches(), torch.randn(2, 4), torch.ops.higher_order.cond),
+        (GrowingLoop(), torch.randn(2, 8), torch.ops.higher_order.while_loop),
+        (MappedLayer(), torch.randn(3, 2, 8), torch.ops.higher_order.map_impl),
+    ]
+    for model, x, target in cases:
+        node = _only(export(model, x), target)
+        operands = bodies_and_operands(node)[1]
+        assert with_operands(node, operands) == node.args
+        marked = [
+            "marked" if index == len(operands) - 1 else value
+            for index, value in enumerate(operands)
+        ]
+        rebuilt = with_operands(node, marked)
+        node.args = rebuilt
+        assert bodies_and_operands(node)[1] == marked

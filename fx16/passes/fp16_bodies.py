@@ -20,7 +20,7 @@ from fx16.decisions import PRECISION
 from fx16.plan.steps import Step
 from fx16.program.casts import WHY_UPCAST, CastInserter, substitute_inputs
 from fx16.program.nodes import node_val
-from fx16.program.subgraphs import bodies_and_operands, carried_count
+from fx16.program.subgraphs import bodies_and_operands, with_operands
 
 FP32 = torch.float32
 
@@ -46,12 +46,11 @@ def apply_autocast(run, node: Node, step: Step) -> None:
 
 
 def apply_subgraphs(run, node: Node, step: Step) -> None:
-    """cond branches, set_grad_enabled bodies, while_loop and map bodies: a loop's
-    narrowed carried operands widened, each body's placeholders fed and its plan
-    applied (a loop body returning the state in the dtypes it came in), the outputs the
-    plan widens for cond's branches to agree."""
-    if carried_count(node):
-        _upcast_carried(run, node)
+    """cond branches, set_grad_enabled bodies, while_loop and map bodies: the operands
+    the plan feeds fp32 widened (a loop's carried state, a value a body keeps fp32),
+    each body's placeholders fed and its plan applied (a loop body returning the state
+    in the dtypes it came in), the outputs the plan widens for cond's branches to agree."""
+    _widen_operands(run, node, step.wide_operands)
     submodules = [getattr(run.graph_module, body.target) for body in bodies_and_operands(node)[0]]
     for number, (submodule, plan, fed) in enumerate(zip(submodules, step.bodies, step.entries)):
         _feed(fed)
@@ -96,9 +95,13 @@ def _feed(fed: dict) -> None:
             placeholder.meta[PRECISION] = read.decision
 
 
-def _upcast_carried(run, node: Node) -> None:
-    """A while_loop's carried operands that fx16 narrowed go back to fp32."""
-    condition, body, carried, additional = node.args
-    widened = tuple(run.widened(arg) if isinstance(arg, Node) else arg for arg in carried)
-    if any(new is not old for new, old in zip(widened, carried)):
-        node.args = (condition, body, widened, additional)
+def _widen_operands(run, node: Node, wide: tuple) -> None:
+    """The operands the plan feeds fp32 (a while_loop's carried state, a value a body's
+    safety rule keeps fp32) widened where fx16 narrowed them."""
+    operands = bodies_and_operands(node)[1]
+    widened = [
+        run.widened(arg) if index in wide and isinstance(arg, Node) else arg
+        for index, arg in enumerate(operands)
+    ]
+    if any(new is not old for new, old in zip(widened, operands)):
+        node.args = with_operands(node, widened)

@@ -59,18 +59,24 @@ def plan_subgraphs(planner, node: Node) -> Step:
     while_loop carries from one iteration to the next: they enter and leave the body
     in their exported dtype (widened where fx16 narrowed them), so the loop's state
     keeps its precision over every iteration, and ops inside read them through casts
-    where they fit. Where cond's branches return different dtypes, both return fp32
-    for that output.
+    where they fit; so do the operands whose placeholder a safety rule keeps fp32 in
+    any body (a rotary angle a branch's cos reads: narrowed at the boundary, it would
+    reach the cos rounded however its chain was kept). Where cond's branches return
+    different dtypes, both return fp32 for that output.
     """
     plan, carried = planner.plan, carried_count(node)
     body_nodes, operands = bodies_and_operands(node)
+    submodules = [getattr(planner.graph_module, body.target) for body in body_nodes]
+    wide = set(range(carried))
+    for submodule in submodules:  # a body's placeholder a rule keeps fp32: fed fp32
+        placeholders = submodule.graph.find_nodes(op="placeholder")
+        wide = wide | {i for i, p in enumerate(placeholders) if meta.fp32_rule(p) is not None}
     reads = [
-        (plan.widened(arg, node) if index < carried else plan.read(arg, node))
+        (plan.widened(arg, node) if index in wide else plan.read(arg, node))
         if isinstance(arg, Node)
         else None
         for index, arg in enumerate(operands)
     ]
-    submodules = [getattr(planner.graph_module, body.target) for body in body_nodes]
     bodies, entries = [], []
     for submodule in submodules:
         placeholders = submodule.graph.find_nodes(op="placeholder")
@@ -90,6 +96,7 @@ def plan_subgraphs(planner, node: Node) -> Step:
         bodies.append(_plan_body(planner, submodule, observed, fed))
         entries.append(fed)
     step = Step(None, None, node_val(node), bodies=tuple(bodies), entries=tuple(entries))
+    step.wide_operands = tuple(sorted(wide))
     if node.target is WHILE_LOOP:  # the body returns the state in the dtypes it came in
         step.carried = {index: reads[index].dtype for index in range(carried)}
         step.decision = decision(FP32, Reason.LOOP_CARRIED)

@@ -139,6 +139,7 @@ class Step:
     bodies: tuple = ()  # a higher-order op: the plan of each body
     entries: tuple = ()  # a higher-order op: each body's placeholder reads
     carried: dict | None = None  # while_loop: output index -> dtype
+    wide_operands: tuple = ()  # cond / loops / map: the operands fed fp32, by index
     outputs: tuple = ()  # cond / map: (body, output index) pairs widened to fp32
     operand_dtypes: tuple = ()  # invoke_subgraph: each operand cast to its placeholder's
 

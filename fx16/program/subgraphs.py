@@ -36,6 +36,23 @@ def bodies_and_operands(node: Node) -> tuple[list[Node], list]:
     return [], []
 
 
+def with_operands(node: Node, operands: list) -> tuple:
+    """``node``'s arguments with ``operands`` (as ``bodies_and_operands`` lists them) in
+    place of its own, for cond, while_loop, map and set_grad_enabled."""
+    args = node.args
+    if node.target is COND:
+        return (*args[:3], type(args[3])(operands))
+    if node.target is WHILE_LOOP:
+        carried = len(args[2])
+        return (*args[:2], type(args[2])(operands[:carried]), type(args[3])(operands[carried:]))
+    if node.target is MAP:
+        mapped = len(args[1])
+        return (args[0], type(args[1])(operands[:mapped]), type(args[2])(operands[mapped:]))
+    if node.target is SET_GRAD:
+        return (*args[:2], *operands)
+    raise ValueError(f"{node.format_node()}: not a higher-order op whose operands fx16 sets")
+
+
 def nested_graph_modules(graph_module) -> list:
     """``graph_module`` and the bodies of its higher-order ops, nested ones too (a body
     that several ops share, once)."""
