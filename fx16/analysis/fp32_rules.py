@@ -115,13 +115,16 @@ class Fp32RulesAnalysis(Analysis):
         overflow = [rule for rule in self.rules if isinstance(rule, ObservedOverflowRule)]
         asked = [rule for rule in self.rules if not getattr(rule, "idle", False)]
         for submodule in Facts.of(graph_module).graph_modules:
-            written = overflow[0].written_over(submodule.graph) if overflow else {}
+            held = _meta_keys(submodule)
+            here = [rule for rule in asked if _may_apply(rule, held)]
+            observed = overflow and _may_apply(overflow[0], held)
+            written = overflow[0].written_over(submodule.graph) if observed else {}
             context = RuleContext(self.program, submodule)
             for node in submodule.graph.nodes:
                 node.meta.pop(self.META_KEY, None)
                 if node.op not in ("placeholder", "call_function"):
                     continue
-                for rule in asked:
+                for rule in here:
                     detail = rule.applies(node, context)
                     if detail is not None:
                         node.meta[self.META_KEY] = Decision(FP32, rule.reason, detail)
@@ -132,6 +135,21 @@ class Fp32RulesAnalysis(Analysis):
                         node.meta[self.META_KEY] = decided
         graph_module.meta[self.RAN_KEY] = [type(rule).__name__ for rule in self.rules]
         return PassResult(graph_module, False)
+
+
+def _meta_keys(graph_module: GraphModule) -> set[str]:
+    """Every meta key some node of ``graph_module``'s graph holds."""
+    held: set[str] = set()
+    for node in graph_module.graph.nodes:
+        held.update(node.meta)
+    return held
+
+
+def _may_apply(rule, held: set[str]) -> bool:
+    """``rule`` may apply to a node of a graph whose nodes hold the meta keys ``held``:
+    it declares no ``markers``, or one of them is held."""
+    markers = getattr(rule, "markers", None)
+    return markers is None or not held.isdisjoint(markers)
 
 
 def fp32_rule(node: Node) -> Decision | None:

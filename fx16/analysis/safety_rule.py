@@ -59,7 +59,10 @@ class SafetyRule(Protocol):
     run: ``Fp32RulesAnalysis.requires``); ``applies``: None where the rule does not
     apply, else the evidence (a detail for the report, "" for none); ``idle``, where a
     rule has it: True when it can apply to no node (a choice the caller left empty), and
-    it is not asked. Its docstring
+    it is not asked; ``markers``, where a rule has them: the meta keys it reads, one of
+    which some node of a graph must hold for the rule to apply there (an analysis's
+    findings, calibration's observations); a graph holding none is not asked it. Its
+    docstring
     says what it guards, with a before and after, and what it costs: the rules page
     (``reference/rules.md``) prints it.
     """

@@ -7,6 +7,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from fx16.analysis.facts import Facts
 from fx16.program import Program
 from fx16.program.boundaries import Boundaries
 from fx16.program.casts import retype_val
@@ -94,7 +95,7 @@ class WidenOtherSixteenBitPass(PassBase):
         self.program, self.dtype = program, dtype
 
     def call(self, graph_module: GraphModule) -> PassResult:
-        boundaries = Boundaries(graph_module)
+        boundaries = Facts.of(graph_module).boundaries  # shared with the analyses after it
         widened = made_in(self.program, self.dtype, boundaries)
         if not widened:
             return PassResult(graph_module, False)
@@ -110,6 +111,7 @@ class WidenOtherSixteenBitPass(PassBase):
             module.recompile()
         if any(node in widened for node in self.program.user_input_placeholders()):
             self.program.adapt_example_inputs()  # the recorded inputs, as the program takes them
+        Facts.invalidate(graph_module)  # dtype arguments changed: the regions they open too
         return PassResult(graph_module, True)
 
     def _widen(self, node: Node) -> None:

@@ -171,9 +171,10 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
     its dtype arguments name its output type, which follows the cast; so does the one
     its declaration names (``fx16.ops.declarations``: PT2E's ``dequantize_per_tensor``
     returns fp32 for an ``out_dtype`` of None)."""
-    custom = is_custom_op(node.target)
-    if not custom and (not _takes_dtype(node.target) or not _passes_any(node, torch.dtype)):
+    kind = _dtype_kind(node.target)
+    if kind is None or (kind == "aten" and not _passes_any(node, torch.dtype)):
         return []
+    custom = kind == "custom"
     found = [
         (location, value)
         for location, _, value in schema_arguments(node)
@@ -200,11 +201,14 @@ def dtype_arguments(node: Node) -> list[tuple[Location, torch.dtype]]:
 
 
 @per_op
-def _takes_dtype(target: Any) -> bool:
-    """The op's schema declares a ScalarType argument (an ATen op passes a dtype in
-    no other); True for a target without a schema, whose arguments are unknown."""
+def _dtype_kind(target: Any) -> str | None:
+    """How an op may pass a dtype: "custom" (any custom op), "aten" (its schema declares
+    a ScalarType argument, the only kind an ATen op passes a dtype in; or it has no
+    schema, so its arguments are unknown), None (it passes none)."""
+    if is_custom_op(target):
+        return "custom"
     arguments = op_arguments(target)
-    return arguments is None or any(argument.is_dtype for argument in arguments)
+    return "aten" if arguments is None or any(argument.is_dtype for argument in arguments) else None
 
 
 def _passes_any(node: Node, types) -> bool:
@@ -225,7 +229,7 @@ def requested_dtypes(node: Node) -> list[torch.dtype]:
     (``coreai.dequantize(..., output_dtype=torch.float32)``), which follows the
     precision the op runs in, as coreai-opt treats it.
     """
-    if is_custom_op(node.target):
+    if _dtype_kind(node.target) != "aten":
         return []
     return [dtype for _, dtype in dtype_arguments(node)]
 

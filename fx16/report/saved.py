@@ -153,11 +153,17 @@ FACTS = {
 }
 
 
+# the facts by meta key: a node's meta is matched against them in one set operation
+_BY_KEY = {fact.key: (name, fact) for name, fact in FACTS.items()}
+_RANK = {fact.key: index for index, fact in enumerate(FACTS.values())}
+
+
 def _node_facts(node: Node) -> dict:
-    """``node``'s facts, JSON-ready, by name."""
+    """``node``'s facts, JSON-ready, by name (in ``FACTS``' order)."""
     kept, found = {}, node.meta
-    for name, fact in FACTS.items():
-        value = found.get(fact.key)
+    for key in sorted(found.keys() & _BY_KEY.keys(), key=_RANK.__getitem__):
+        name, fact = _BY_KEY[key]
+        value = found[key]
         if value is not None and (dumped := fact.dump(value)) is not None:
             kept[name] = json_ready(dumped) if fact.floats else dumped
     return kept
@@ -214,10 +220,11 @@ def kept_accuracy(root: GraphModule) -> AccuracySearch | None:
 
 
 def _as_data(node: Node) -> dict:
+    found = node.meta
     return {
         key: [dtype_name(made.dtype), made.reason.name, made.detail]
         for key in _KEYS
-        if isinstance(made := node.meta.get(key), Decision)
+        if key in found and isinstance(made := found[key], Decision)
     }
 
 

@@ -24,6 +24,7 @@ class UnsafeIndexRule:
     16-bit. Costs: the elementwise chain's bytes, no product FLOPs."""
 
     needs = (UnsafeIndexAnalysis,)
+    markers = (meta.UNSAFE_INDEX,)
     reason = Reason.UNSAFE_INDEX
 
     def applies(self, node: Node, context: RuleContext) -> str | None:

@@ -31,6 +31,7 @@ class ConditioningRule:
     itself ill-conditioned."""
 
     needs = (ConditioningAnalysis,)
+    markers = (meta.ILL_CONDITIONED,)
     reason = Reason.ILL_CONDITIONED
 
     def applies(self, node: Node, context: RuleContext) -> str | None:
@@ -129,6 +130,7 @@ class RouterRule:
     selection; ``routing="16-bit"`` pays nothing and lets the choice change."""
 
     needs = (RoutingAnalysis,)
+    markers = (meta.ROUTER,)
     reason = Reason.ROUTER
 
     def applies(self, node: Node, context: RuleContext) -> str | None:

@@ -32,6 +32,7 @@ class ObservedOverflowRule:
 
     limit: float
     needs = (CalibrationAnalysis,)
+    markers = (meta.OBSERVED_MAX_ABS,)
     reason = Reason.ACTIVATION_OVERFLOW
 
     def applies(self, node: Node, context: RuleContext) -> str | None:
@@ -70,6 +71,7 @@ class ObservedBelowRangeRule:
 
     low: torch.dtype
     needs = (CalibrationAnalysis,)
+    markers = (meta.OBSERVED_MAX_ABS,)
     reason = Reason.ACTIVATION_BELOW_RANGE
 
     def applies(self, node: Node, context: RuleContext) -> str | None:
@@ -115,6 +117,7 @@ class UnderflowRule:
     value's source to the singular op, no product FLOPs."""
 
     needs = (UnderflowAnalysis,)
+    markers = (meta.UNDERFLOW,)
     reason = Reason.UNDERFLOW
 
     def applies(self, node: Node, context: RuleContext) -> str | None:
