@@ -32,10 +32,12 @@ class RecastAfterWritesPass(PassBase):
 
 def _recast(module: GraphModule) -> bool:
     graph = module.graph
-    casts = [node for node in graph.nodes if is_inserted(node) and is_cast(node)]
+    nodes = list(graph.nodes)
+    if not any(node.op == "call_function" and mutated_argument(node) is not None for node in nodes):
+        return False  # a functional graph (most exports): nothing is written after a cast
+    casts = [node for node in nodes if is_inserted(node) and is_cast(node)]
     if not casts:
         return False
-    nodes = list(graph.nodes)
     position = {node: index for index, node in enumerate(nodes)}
     inserter = CastInserter(graph)
     modified = False

@@ -26,7 +26,7 @@ on the calibration inputs (``calibration``) when it changed one.
 import math
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16 import meta
@@ -71,9 +71,9 @@ class SentinelFillsPass(PassBase):
         changed = False
         for module in nested_graph_modules(graph_module):
             fine = None
-            for node in module.graph.nodes:
-                where = FILLS.get(node.target) if node.op == "call_function" else None
-                value = node.args[where[0]] if where and where[0] < len(node.args) else None
+            for node in _fills(module.graph):
+                where = FILLS[node.target]
+                value = node.args[where[0]] if where[0] < len(node.args) else None
                 if not (is_number(value) and self.top < abs(value) < INF_LIKE):
                     continue
                 fine = tolerating_sentinels(module) if fine is None else fine
@@ -94,6 +94,13 @@ class SentinelFillsPass(PassBase):
         if changed:
             recalibrate(graph_module, self.program, self.calibration)
         return PassResult(graph_module, changed)
+
+
+def _fills(graph: Graph) -> list[Node]:
+    """The nodes of ``graph`` that call a fill, in graph order (found by target)."""
+    return sorted(
+        node for target in FILLS for node in graph.find_nodes(op="call_function", target=target)
+    )
 
 
 def _largest_met(fill: Node, data: tuple[int, ...], fine: set[Node]) -> float | None:
