@@ -1,5 +1,7 @@
 """CalibrationAnalysis, and the fp16 inserter keeping observed overflows in fp32."""
 
+import math
+
 import pytest
 import torch
 from fuzz_profile import examples
@@ -10,7 +12,7 @@ import fx16
 from benchmarks.zoo import ExpLogits, ScaledAttention, SquaredSum
 from fx16.analysis import CalibrationAnalysis
 from fx16.analysis.fp32_rules import UnderflowRule
-from fx16.analysis.magnitudes import observe_floats
+from fx16.analysis.magnitudes import observe_floats, smallest_nonzero_magnitude
 from fx16.decisions import PRECISION, Reason
 from fx16.ops.numerics import INF_LIKE
 from fx16.pipelines import run_passes, without_rules
@@ -428,3 +430,23 @@ def test_float64_calibration_inputs_are_taken_as_the_float32_the_program_takes()
     ]
     assert decisions[0] == decisions[1]
     assert any(d.reason is Reason.ACTIVATION_OVERFLOW for d in decisions[0].values())
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(allow_nan=True, allow_infinity=True, width=32),
+            st.sampled_from([0.0, -0.0, 1e-45, -1e-45, 6e-8]),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+)
+def test_smallest_nonzero_magnitude_is_the_least_nonzero_magnitude(values, dtype):
+    """The one-reduction path (all of one sign) and the general one give what the
+    definition gives: the least |x| over the nonzero, non-nan elements (inf: none)."""
+    tensor = torch.tensor(values, dtype=torch.float32).to(dtype)
+    magnitudes = [abs(v) for v in tensor.tolist() if v == v and v != 0]
+    assert smallest_nonzero_magnitude(tensor) == min(magnitudes, default=math.inf)

@@ -172,10 +172,23 @@ class MagnitudeRecorder(BodyInterpreter):
 
     def _observe_smallest(self, node: Node, result) -> None:
         if isinstance(result, torch.Tensor) and result.is_floating_point() and result.numel():
-            magnitude = result.detach().abs()
-            nonzero = torch.where(magnitude > 0, magnitude, torch.inf).amin()
-            if torch.isfinite(nonzero):
-                self.smallest[node] = min(float(nonzero), self.smallest.get(node, math.inf))
+            nonzero = smallest_nonzero_magnitude(result)
+            if math.isfinite(nonzero):
+                self.smallest[node] = min(nonzero, self.smallest.get(node, math.inf))
+
+
+def smallest_nonzero_magnitude(tensor: torch.Tensor) -> float:
+    """The smallest nonzero magnitude among a float tensor's non-nan elements (inf: none).
+    One ``aminmax`` where the elements are all of one sign and finite at the small end
+    (a singular op's input mostly is: a variance, a probability), the whole tensor's
+    magnitudes otherwise."""
+    low, high = (bound.item() for bound in tensor.detach().aminmax())
+    if 0 < low < math.inf:
+        return low
+    if -math.inf < high < 0:
+        return -high
+    magnitude = tensor.detach().abs()
+    return torch.where(magnitude > 0, magnitude, torch.inf).amin().item()
 
 
 @per_op

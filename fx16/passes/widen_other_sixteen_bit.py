@@ -12,6 +12,7 @@ from fx16.program import Program
 from fx16.program.boundaries import Boundaries
 from fx16.program.casts import retype_val
 from fx16.program.cost import tensor_bytes
+from fx16.program.lazy_code import compile_when_needed
 from fx16.program.nodes import dtype_arguments, node_val, set_argument, tensor_leaves
 from fx16.program.subgraphs import AUTOCAST, bodies_and_operands, nested_graph_modules
 
@@ -108,7 +109,7 @@ class WidenOtherSixteenBitPass(PassBase):
             for node in module.graph.nodes:
                 if node in widened or any(arg in widened for arg in node.all_input_nodes):
                     self._widen(node)
-            module.recompile()
+            compile_when_needed(module)  # its code generated when first needed
         if any(node in widened for node in self.program.user_input_placeholders()):
             self.program.adapt_example_inputs()  # the recorded inputs, as the program takes them
         Facts.invalidate(graph_module)  # dtype arguments changed: the regions they open too
