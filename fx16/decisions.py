@@ -108,11 +108,14 @@ class Decision:
 
     @property
     def narrowed(self) -> bool:
-        return self.dtype in (torch.float16, torch.bfloat16, torch.int16)
+        return self.dtype in _NARROW_DTYPES
 
     def said(self) -> str:
         """The rule and the evidence, as text: "activation_overflow: observed 7e+04"."""
         return self.reason.name.lower() + (f": {self.detail}" if self.detail else "")
+
+
+_NARROW_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.int16})
 
 
 def decide(

@@ -81,12 +81,20 @@ def _size(size) -> int:
 
 
 def _numel(tensor: torch.Tensor) -> int:
-    return math.prod(_size(size) for size in tensor.shape)
+    return math.prod(_sizes(tensor.shape))
+
+
+def _sizes(shape) -> list[int]:
+    """A shape's sizes as ints (a symbolic one at its hint): the shape itself where every
+    size is an int already, the common case."""
+    if all(type(size) is int for size in shape):
+        return shape
+    return [_size(size) for size in shape]
 
 
 def _shape(arg) -> list[int] | None:
     val = node_val(arg)
-    return [_size(size) for size in val.shape] if isinstance(val, torch.Tensor) else None
+    return list(_sizes(val.shape)) if isinstance(val, torch.Tensor) else None
 
 
 def _tensors(node: Node) -> list[torch.Tensor]:
@@ -99,7 +107,10 @@ def _is_tensor(value) -> bool:
 
 
 def _out_numel(node: Node) -> int:
-    leaves = [leaf for leaf in pytree.tree_leaves(node_val(node)) if _is_tensor(leaf)]
+    value = node_val(node)
+    if isinstance(value, torch.Tensor):  # most products: one result, no tree to walk
+        return _numel(value)
+    leaves = [leaf for leaf in pytree.tree_leaves(value) if _is_tensor(leaf)]
     return _numel(leaves[0]) if leaves else 0
 
 

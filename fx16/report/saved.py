@@ -16,6 +16,7 @@ program as they read the one in memory.
 """
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
@@ -114,7 +115,7 @@ def _floats(value, node):
     return tuple(float(item) for item in value)
 
 
-_PLANNED_FIELDS = tuple(field.name for field in fields(Planned))
+_planned_fields = operator.attrgetter(*(field.name for field in fields(Planned)))
 
 # Every node fact a reader of a cast program reads (the report's rows and envelope, the
 # diagnosis), by the name it is kept under.
@@ -133,7 +134,7 @@ FACTS = {
     "negligible": Fact(meta.NEGLIGIBLE, str, _same),
     "planned": Fact(
         meta.PLANNED,
-        lambda planned: [getattr(planned, name) for name in _PLANNED_FIELDS],
+        lambda planned: list(_planned_fields(planned)),
         lambda value, node: Planned(value[0], tuple(value[1]), *value[2:]),
     ),
     "proven": Fact(
@@ -222,10 +223,27 @@ def kept_accuracy(root: GraphModule) -> AccuracySearch | None:
 def _as_data(node: Node) -> dict:
     found = node.meta
     return {
-        key: [dtype_name(made.dtype), made.reason.name, made.detail]
+        key: [_DTYPE_NAMES[made.dtype], _REASON_NAMES[made.reason], made.detail]
         for key in _KEYS
         if key in found and isinstance(made := found[key], Decision)
     }
+
+
+class _Names(dict):
+    """name(key) by key, each found once (an enum member's ``name`` and a dtype's text
+    are Python code, asked of every node)."""
+
+    def __init__(self, name) -> None:
+        super().__init__()
+        self.name = name
+
+    def __missing__(self, key):
+        found = self[key] = self.name(key)
+        return found
+
+
+_DTYPE_NAMES = _Names(dtype_name)
+_REASON_NAMES = _Names(lambda reason: reason.name)
 
 
 def _island_data(island: Island) -> list:
