@@ -353,3 +353,24 @@ def test_the_accumulating_state_rule_walks_the_graph_as_often_for_any_state(monk
         return len(walks)
 
     assert walks_for(1) == walks_for(8)
+
+
+def test_a_rule_whose_markers_no_node_holds_is_not_asked(monkeypatch):
+    """A rule that reads calibration's observations is asked of no node when nothing was
+    observed (an uncalibrated cast), and of every node once a calibration ran; what it
+    finds then is what it finds asked alone."""
+    asked = []
+    applies = ObservedOverflowRule.applies
+    monkeypatch.setattr(
+        ObservedOverflowRule,
+        "applies",
+        lambda rule, node, context: asked.append(node) or applies(rule, node, context),
+    )
+    ep = export(Model(), torch.randn(2, 8))
+    CalibrationAnalysis(Program(ep), [])(ep.graph_module)  # ran, with no inputs
+    _rules(ep, [ObservedOverflowRule(65504 / 2)])
+    assert not asked
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    found = _rules(ep, [ObservedOverflowRule(65504 / 2)])
+    assert len(asked) == sum(n.op in ("placeholder", "call_function") for n in ep.graph.nodes)
+    assert [name for name, rule in found.items() if rule] == ["mul"]  # fc(x) * 1e5
