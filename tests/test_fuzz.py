@@ -328,3 +328,15 @@ def test_6_found_a_body_reading_a_conversion_through_an_identity_op():
         once = state_snapshot(ep)
         ENTRY_POINTS[entry](ep, case)
         assert_same_state(once, state_snapshot(ep))
+
+
+def test_6_found_a_kept_norm_after_an_autocast_off_region_stabilized_on_the_second_cast():
+    """A model's fp32 RMSNorm after an ``autocast(enabled=False)`` region, kept fp32 by
+    auto_mixed_bf16 and so left unrewritten; on a second cast its opening no longer read
+    as the model's own, and StabilizePass rewrote the decided norm (fixed there: a
+    pattern whose result an earlier cast decided is left as it is)."""
+    steps = [("abs", 0, 0, 1e-09)] * 4
+    steps += [("autocast_off", 0, 0, 1e-09), ("explicit_fp32_norm", 0, 0, 1e-09)]
+    case = _shrunk(steps)
+    case.decompose = True
+    test_6_casting_twice_equals_casting_once.hypothesis.inner_test(case, "auto_mixed_bf16")

@@ -12,11 +12,13 @@ says by how much, and runs only when asked for (``eps_clamp=True``, ``--eps-clam
 On by default: ``PrecisionPolicy(stabilize=True)`` (``stabilize=False`` in the cast
 functions, ``--no-stabilize`` on the command line, turns it off) puts it early in
 ``fx16.fp16_passes``, before the analyses, which then see the stable forms.
-Reads: the graph. Writes: the rewritten nodes (the replaced ones removed), ``meta["val"]``
-and the model's provenance on the new ones, and ``meta["fx16.stabilized"]`` (the rule's
-name and what it did) on the node that now gives the pattern's result; the report lists
-them. A program without any
-pattern is left byte-identical.
+A pattern whose result fx16 decided already (a program it cast before) is left as that
+cast left it, so casting twice equals casting once.
+Reads: the graph, ``meta["fx16.precision"]``. Writes: the rewritten nodes (the replaced
+ones removed), ``meta["val"]`` and the model's provenance on the new ones, and
+``meta["fx16.stabilized"]`` (the rule's name and what it did) on the node that now gives
+the pattern's result; the report lists them. A program without any pattern is left
+byte-identical.
 """
 
 from dataclasses import replace
@@ -27,6 +29,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from fx16.analysis.explicit_fp32 import model_fp32_regions
 from fx16.analysis.facts import Facts
+from fx16.decisions import decision_of
 from fx16.meta import STABILIZED
 from fx16.passes.stable_rewrites.gelu import TanhGelu
 from fx16.passes.stable_rewrites.logs import Expm1, Log1p, LogSigmoid, LogSoftmax
@@ -105,8 +108,8 @@ class StabilizePass(PassBase):
                 if node.graph is not graph:  # removed by an earlier rewrite
                     continue
                 rewrite = rule.match(node)
-                if rewrite is None or rewrite.result in kept:
-                    continue
+                if rewrite is None or rewrite.result in kept or decision_of(rewrite.result):
+                    continue  # (decided: by an earlier cast, which left the pattern as it is)
                 if rewrite.result in regions:
                     rewrite = replace(rewrite, in_model_fp32=True)
                 made = rule.build(graph, rewrite)
