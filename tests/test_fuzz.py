@@ -340,3 +340,19 @@ def test_6_found_a_kept_norm_after_an_autocast_off_region_stabilized_on_the_seco
     case = _shrunk(steps)
     case.decompose = True
     test_6_casting_twice_equals_casting_once.hypothesis.inner_test(case, "auto_mixed_bf16")
+
+
+def test_found_a_reader_of_a_models_fp32_cast_of_a_value_fx16_cast_back():
+    """x beyond fp16 keeps a custom op's result fp32, with a 16-bit copy for its
+    readers; the model's ``.to(float32)`` of that result opens an fp32 region, and an add
+    outside it was planned to read the 16-bit copy, but was wired to the fp32 value: it
+    computed fp32 where its meta said fp16 (fixed in InsertFP16CastsPass: the redirect
+    finds the copy's fp32 source)."""
+    steps = [("abs", 0, 0, 1e-09), ("custom_dtype_argument", 0, 0, 1e-09)]
+    steps += [("abs", 0, 0, 1e-09), ("abs", 2, 0, 1e-09), ("abs", 0, 0, 1e-09)]
+    steps += [("explicit_fp32_norm", 20, 0, 1e-09), ("add", 16, 18, 1e-09)]
+    case = _shrunk(steps)
+    case.args = (case.args[0] * 1e5, case.args[1])
+    test_1_2_cast_never_raises_and_leaves_a_valid_program.hypothesis.inner_test(
+        case, "cast_fp32_to_fp16"
+    )

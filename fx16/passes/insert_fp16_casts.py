@@ -15,7 +15,7 @@ from fx16.passes.policy_pass import PolicyPass
 from fx16.plan.planner import plan_fp16, role
 from fx16.plan.precedence import Action
 from fx16.plan.steps import Plan
-from fx16.program.casts import cast_dtype
+from fx16.program.casts import cast_back_source, cast_dtype
 from fx16.program.names import kept_output_positions, user_output_positions
 from fx16.program.nodes import node_dtype
 
@@ -177,10 +177,11 @@ class _Run(Rewriter):
             return
         self.record(node, step)
         if step.region is not None:  # export routes later uses of x through x.float()
-            source = node.args[0]
+            source = node.args[0]  # x, or the 16-bit copy of an fp32 x fx16 cast back
+            original = cast_back_source(source, FP32) or source
             for user in list(node.users):
                 read = self.plan.redirects.get((user, node))
-                if read is not None and read.name == source.name:  # they read the 16-bit x
+                if read is not None and read.name == original.name:  # they read the 16-bit x
                     user.replace_input_with(node, source)
                     self.modified = True
 
