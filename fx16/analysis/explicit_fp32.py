@@ -183,11 +183,26 @@ def _regions_by_graph(graph_module: GraphModule) -> dict[GraphModule, list]:
 def _regions(graph_module: GraphModule, boundaries: Boundaries):
     """(opening, its region's ops) for each region the graph opens that holds a
     precision-sensitive op."""
-    order = {node: index for index, node in enumerate(graph_module.graph.nodes)}
+    order = _Order(graph_module.graph)
     for node in graph_module.graph.nodes:
         region = _opened_region(node, order, boundaries)
         if region and any(is_sensitive(member) for member in region):
             yield node, region
+
+
+class _Order(dict):
+    """Each node's place in ``graph``, numbered on first use (only an assertion's region
+    asks: most graphs hold none)."""
+
+    def __init__(self, graph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __missing__(self, node: Node) -> int:
+        if self:  # numbered already: not a node of this graph
+            raise KeyError(node)
+        self.update((each, index) for index, each in enumerate(self.graph.nodes))
+        return self[node]
 
 
 def _opened_region(node: Node, order: dict[Node, int], boundaries: Boundaries) -> list[Node] | None:
