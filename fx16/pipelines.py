@@ -208,15 +208,9 @@ def refuse_nothing_to_cast(program: Program, low: torch.dtype) -> None:
     saying so beats a silent no-op. A program made in the other 16-bit dtype is widened
     and cast (``WidenOtherSixteenBitPass``), unless fx16 made it so: its decisions are
     about that dtype, so the fp32 program it was cast from is the one to cast again."""
-    dtypes = {
-        leaf.dtype
-        for module in nested_graph_modules(program.graph_module)
-        for node in module.graph.nodes
-        for leaf in tensor_leaves(node_val(node))
-    }
     cast_before = cast_by_fx16(program.graph_module, PRECISION)
     other = OTHER_SIXTEEN_BIT[low]
-    if low in dtypes and FP32 not in dtypes and not cast_before:
+    if not cast_before and _computes_only_in(program, low):
         raise InvalidProgramError(
             f"the program computes in {dtype_name(low)} already and holds no float32 value: "
             f"nothing to cast to {dtype_name(low)} (cast the fp32 program it was made from, "
@@ -227,6 +221,19 @@ def refuse_nothing_to_cast(program: Program, low: torch.dtype) -> None:
             f"fx16 cast this program to {dtype_name(other)} already: cast the fp32 program "
             f"it was made from to {dtype_name(low)} instead"
         )
+
+
+def _computes_only_in(program: Program, low: torch.dtype) -> bool:
+    """The program holds a ``low`` value and no fp32 one (it stops at the first fp32
+    value: in an fp32 program, its first weight)."""
+    holds_low = False
+    for module in nested_graph_modules(program.graph_module):
+        for node in module.graph.nodes:
+            for leaf in tensor_leaves(node_val(node)):
+                if leaf.dtype == FP32:
+                    return False
+                holds_low = holds_low or leaf.dtype == low
+    return holds_low
 
 
 def without_rules(passes: list[PassBase], *rule_types: type) -> list[PassBase]:
