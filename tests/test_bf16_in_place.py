@@ -180,10 +180,10 @@ def test_weights_the_cast_keeps_fp32_are_widened_at_the_commit():
 def test_a_commit_failing_without_the_callers_tensors_leaves_a_runnable_bf16_program(
     monkeypatch,
 ):
-    """The program holding the only references, the commit runs out of memory on its
-    second tensor: a bf16 original already freed comes back bf16 from its fp16 copy
-    (exact for the values it holds), so every stored dtype is as before and the program
-    runs on bf16 inputs."""
+    """The program holding the only references, the commit converts each bf16 tensor
+    over its own memory, and fails on its second: the first, already fp16, comes back
+    bf16 from its fp16 bits (exact for the values it holds), so every stored dtype is
+    as before and the program runs on bf16 inputs."""
     import gc
 
     import fx16.program.state_commit
@@ -192,7 +192,7 @@ def test_a_commit_failing_without_the_callers_tensors_leaves_a_runnable_bf16_pro
     ep = export(model, x)
     del model
     gc.collect()
-    convert, calls = fx16.program.state_commit.tensor_to_fp16, []
+    convert, calls = fx16.program.state_commit.convert_in_place, []
 
     def fails_second(tensor, *conversion):
         calls.append(tensor.dtype)
@@ -200,9 +200,54 @@ def test_a_commit_failing_without_the_callers_tensors_leaves_a_runnable_bf16_pro
             raise MemoryError("no room for the fp16 copy")
         return convert(tensor, *conversion)
 
-    monkeypatch.setattr(fx16.program.state_commit, "tensor_to_fp16", fails_second)
+    monkeypatch.setattr(fx16.program.state_commit, "convert_in_place", fails_second)
     with pytest.raises(PassFailedError, match="commit"):
         fx16.cast_to_16_bit_precision(ep, calibration=[(x,)])
     assert calls == [BF16, BF16]  # converted from bf16 directly
     assert {t.dtype for t in ep.state_dict.values()} == {BF16}
     assert ep.module()(x.to(BF16)).dtype == BF16
+
+
+def _plain_bf16_model():
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, 8))
+    return layers.eval().to(BF16), torch.randn(4, WIDTH)
+
+
+def test_a_bf16_weight_only_the_program_holds_is_converted_over_its_own_memory():
+    """The caller dropped the model: each bf16 weight is made fp16 in its own memory
+    (the same storage, no allocation), bit for bit what a copy gives; where the caller
+    still holds the model, or a view of one weight, those tensors are copied and the
+    caller's keep their bf16 values."""
+    import gc
+
+    model, x = _plain_bf16_model()
+    copied = fx16.cast_to_16_bit_precision(export(copy.deepcopy(model), x), calibration=[(x,)])
+    ep = export(model, x)
+    del model
+    gc.collect()
+    memory = {name: tensor.data_ptr() for name, tensor in ep.state_dict.items()}
+    fx16.cast_to_16_bit_precision(ep, calibration=[(x,)])
+    check_program(ep)
+    assert {t.dtype for t in ep.state_dict.values()} == {FP16}
+    for name, tensor in ep.state_dict.items():
+        assert torch.equal(tensor, copied.state_dict[name]), name
+        assert tensor.data_ptr() == memory[name], name
+
+    model, _ = _plain_bf16_model()  # held by the caller: every weight copied
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    cast = fx16.cast_to_16_bit_precision(export(model, x), calibration=[(x,)])
+    assert {t.dtype for t in cast.state_dict.values()} == {FP16}
+    assert all(torch.equal(t, before[n]) and t.dtype == BF16 for n, t in model.state_dict().items())
+
+    model, _ = _plain_bf16_model()
+    viewed = model[0].weight.detach()[:2]  # the caller keeps a view of the first weight only
+    seen = viewed.clone()
+    ep = export(model, x)
+    del model
+    gc.collect()
+    memory = {name: tensor.data_ptr() for name, tensor in ep.state_dict.items()}
+    fx16.cast_to_16_bit_precision(ep, calibration=[(x,)])
+    assert torch.equal(viewed, seen) and viewed.dtype == BF16
+    moved = {name for name, tensor in ep.state_dict.items() if tensor.data_ptr() != memory[name]}
+    assert moved == {"0.weight"}

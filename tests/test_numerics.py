@@ -12,6 +12,7 @@ from fx16.ops.numerics import (
     FP16_MAX,
     FP16_TINY,
     conversion_scratch,
+    convert_in_place,
     finite_interval,
     interval_may_flush,
     round_scalar_to_fp16,
@@ -144,6 +145,38 @@ def test_tensor_to_fp16_is_bit_identical_to_the_definition(values, repeats, dtyp
     assert converted.dtype == dtype
     sized = [d for d in range(source.dim()) if source.shape[d] > 1]  # size 1: any stride
     assert [converted.stride(d) for d in sized] == [source.stride(d) for d in sized]
+    assert torch.equal(converted.view(torch.int16), expected.view(torch.int16))
+
+
+@given(
+    values=st.lists(
+        st.one_of(
+            st.sampled_from(_SPECIAL_VALUES),
+            st.floats(width=32, allow_nan=True, allow_infinity=True),
+            st.floats(min_value=-(2.0**-20), max_value=2.0**-20, width=32),
+        ),
+        min_size=1,
+        max_size=64,
+    ),
+    repeats=st.sampled_from([1, 3, 20000]),  # 20000 x up to 64 spans two chunks
+    to_fp16=st.booleans(),
+    may_flush=st.booleans(),
+)
+def test_converting_in_place_gives_the_copys_bits_in_the_same_memory(
+    values, repeats, to_fp16, may_flush
+):
+    """A bf16 tensor made fp16 over its own memory (or fp16 made bf16): the storage is the
+    same, and every bit is what ``tensor_to_fp16`` gives as a copy (flushed elements
+    lifted where they may flush: in every chunk)."""
+    source, dtype = (torch.bfloat16, torch.float16) if to_fp16 else (torch.float16, torch.bfloat16)
+    original = torch.tensor(values * repeats, dtype=torch.float32).to(source)
+    if not may_flush:  # the caller knows none flushes: the values that do are left out
+        tiny = torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+        original = torch.where(original.float().abs() < tiny, 0.0, original.float()).to(source)
+    expected = tensor_to_fp16(original, dtype, may_flush=may_flush)
+    memory = original.clone()
+    converted = convert_in_place(memory, dtype, may_flush=may_flush)
+    assert converted.dtype == dtype and converted.data_ptr() == memory.data_ptr()
     assert torch.equal(converted.view(torch.int16), expected.view(torch.int16))
 
 

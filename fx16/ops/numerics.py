@@ -188,6 +188,37 @@ def tensor_to_fp16(
     return converted
 
 
+def convert_in_place(
+    tensor: torch.Tensor,
+    dtype: torch.dtype,
+    scratch: torch.Tensor | None = None,
+    may_flush: bool = True,
+) -> torch.Tensor:
+    """``tensor_to_fp16(tensor, dtype, ...)`` written over ``tensor``'s own memory, for a
+    contiguous tensor of another dtype as wide (a bf16 weight made fp16): returns the
+    converted tensor, a ``dtype`` view of the same storage; ``tensor`` holds its bits
+    after. Each element is read before its own two bytes are written, as an in-place
+    elementwise op reads and writes them, so no memory is allocated for the result: no
+    fresh pages, whose faults cost a plain conversion more than the conversion itself.
+    Where an element ``may_flush``, each chunk of the original is kept in a cache-sized
+    buffer until its flushed elements are found and lifted. The caller owns the
+    storage: nothing else may read it."""
+    source = tensor.detach()
+    converted = source.view(dtype)
+    count = source.numel()
+    if not may_flush or not count:
+        converted.copy_(source)
+        return converted
+    flat_source, flat_converted = source.view(-1), converted.view(-1)
+    kept = torch.empty(min(_CHUNK, count), dtype=source.dtype, device=source.device)
+    scratch = _scratch_for(source, scratch)
+    for start in range(0, count, _CHUNK):
+        end = min(start + _CHUNK, count)
+        original = kept[: end - start].copy_(flat_source[start:end])
+        _convert_chunk(original, flat_converted[start:end], scratch[: end - start])
+    return converted
+
+
 def conversion_scratch(elements: int = 1 << 20, device: torch.device | str = "cpu") -> torch.Tensor:
     """A buffer ``tensor_to_fp16`` may reuse for a tensor of up to ``elements`` (any size
     from one chunk on) on ``device``."""

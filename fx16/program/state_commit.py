@@ -2,14 +2,25 @@
 
 Largest first, one at a time: each fp32 tensor is dropped as soon as its 16-bit copy
 replaces it, so when fx16 holds the only reference, memory falls as the commit goes
-on. A tensor stored under several names is converted once and stays shared.
+on. A tensor stored under several names is converted once and stays shared. A tensor
+of the other 16-bit dtype (a bf16 checkpoint's weight made fp16) that only the program
+holds (no caller's model, no view shares its memory) is converted over its own memory:
+no memory is allocated for it at all.
 """
+
+import sys
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from tqdm import tqdm
 
-from fx16.ops.numerics import conversion_scratch, tensor_to_fp16
+from fx16.ops.numerics import conversion_scratch, convert_in_place, tensor_to_fp16
 from fx16.program.snapshot import PENDING
+
+# How many tensors use a storage (torch's private count; without it, nothing is
+# converted in place).
+_STORAGE_USES = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def convert_state_tensors(program, targets, convert) -> dict[str, torch.Tensor]:
@@ -63,6 +74,7 @@ def commit_pending(
         shared.setdefault(id(tensor), ([], _nbytes(tensor)))[0].append(target)
     tensor = None  # only names are held: each original can go as soon as it is replaced
     groups = sorted(shared.values(), key=lambda group: -group[1])
+    alone = _held_alone()
     with tqdm(
         total=sum(nbytes for _, nbytes in groups),
         desc="fx16: converting weights",
@@ -73,18 +85,53 @@ def commit_pending(
     ) as bar:
         scratches = {}  # one per device for all: no temporaries between the copies
         for names, nbytes in groups:
-            original = program.state_tensor(names[0])
             dtype, may_flush = pending[names[0]]
+            in_place = _convertible_in_place(partial(program.state_tensor, names[0]), dtype)
+            # one reference per name and none else (asked before this loop holds one)
+            in_place = in_place and _held(partial(program.state_tensor, names[0])) == (
+                alone[0] - 1 + len(names),
+                alone[1],
+            )
+            original = program.state_tensor(names[0])
             if original.dtype.itemsize < dtype.itemsize:
                 stored = original.detach().to(dtype)
             else:
                 if original.device not in scratches:
                     scratches[original.device] = conversion_scratch(device=original.device)
-                stored = tensor_to_fp16(original, dtype, scratches[original.device], may_flush)
+                convert = convert_in_place if in_place else tensor_to_fp16
+                stored = convert(original, dtype, scratches[original.device], may_flush)
             for target in names:
                 stored = program.replace_state_tensor(target, stored)
             bar.update(nbytes)
             del original, stored  # fx16's last references to this tensor
+
+
+def _convertible_in_place(get: Callable[[], torch.Tensor], dtype: torch.dtype) -> bool:
+    """The tensor ``get()`` returns is a plain contiguous float tensor of another dtype as
+    wide as ``dtype`` (a bf16 weight to be made fp16): its memory can hold the result."""
+    tensor = get()
+    return (
+        _STORAGE_USES is not None
+        and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.is_floating_point()
+        and tensor.dtype != dtype
+        and tensor.element_size() == dtype.itemsize
+        and tensor.is_contiguous()
+    )
+
+
+def _held(get: Callable[[], torch.Tensor]) -> tuple[int, int]:
+    """(Python references to the tensor ``get()`` returns, tensors using its storage),
+    each count with this call's own."""
+    return sys.getrefcount(get()), _STORAGE_USES(get().untyped_storage()._cdata)
+
+
+def _held_alone() -> tuple[int, int]:
+    """``_held`` of a tensor one dict entry holds and no other tensor shares: what a
+    state tensor shows when only the program holds it, counted the same way (a
+    caller's model, a view of it or any other reference adds to it)."""
+    probe = {"alone": torch.empty(1)}
+    return _held(lambda: probe["alone"]) if _STORAGE_USES is not None else (0, 0)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
