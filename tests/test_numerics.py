@@ -118,16 +118,20 @@ _SPECIAL_VALUES = [
 ]
 
 
-@given(
-    values=st.lists(
-        st.one_of(
-            st.sampled_from(_SPECIAL_VALUES),
-            st.floats(width=32, allow_nan=True, allow_infinity=True),
-            st.floats(min_value=-(2.0**-20), max_value=2.0**-20, width=32),
-        ),
-        min_size=1,
-        max_size=64,
+# Up to 64 values, the special ones and the tiny ones often: the conversions' edge cases.
+_EDGE_VALUES = st.lists(
+    st.one_of(
+        st.sampled_from(_SPECIAL_VALUES),
+        st.floats(width=32, allow_nan=True, allow_infinity=True),
+        st.floats(min_value=-(2.0**-20), max_value=2.0**-20, width=32),
     ),
+    min_size=1,
+    max_size=64,
+)
+
+
+@given(
+    values=_EDGE_VALUES,
     repeats=st.sampled_from([1, 3, 9000]),  # 9000 x up to 64 spans several chunks
     dtype=st.sampled_from([torch.float16, torch.bfloat16]),
     layout=st.sampled_from(["flat", "transposed", "scalar"]),
@@ -149,15 +153,7 @@ def test_tensor_to_fp16_is_bit_identical_to_the_definition(values, repeats, dtyp
 
 
 @given(
-    values=st.lists(
-        st.one_of(
-            st.sampled_from(_SPECIAL_VALUES),
-            st.floats(width=32, allow_nan=True, allow_infinity=True),
-            st.floats(min_value=-(2.0**-20), max_value=2.0**-20, width=32),
-        ),
-        min_size=1,
-        max_size=64,
-    ),
+    values=_EDGE_VALUES,
     repeats=st.sampled_from([1, 3, 20000]),  # 20000 x up to 64 spans two chunks
     to_fp16=st.booleans(),
     may_flush=st.booleans(),
