@@ -69,9 +69,11 @@ def commit_pending(
     ``replace_state_tensor``). ``progress``: a progress bar of the bytes converted on
     stderr (None: when stderr is a terminal)."""
     shared: dict[int, tuple[list[str], int]] = {}  # by tensor: its names, its bytes
+    widths: dict[str, int] = {}  # each one's element size
     for target in pending:
         tensor = program.state_tensor(target)
         shared.setdefault(id(tensor), ([], _nbytes(tensor)))[0].append(target)
+        widths[target] = tensor.element_size()
     tensor = None  # only names are held: each original can go as soon as it is replaced
     groups = sorted(shared.values(), key=lambda group: -group[1])
     alone = _held_alone()
@@ -86,11 +88,13 @@ def commit_pending(
         scratches = {}  # one per device for all: no temporaries between the copies
         for names, nbytes in groups:
             dtype, may_flush = pending[names[0]]
-            in_place = _convertible_in_place(partial(program.state_tensor, names[0]), dtype)
-            # one reference per name and none else (asked before this loop holds one)
-            in_place = in_place and _held(partial(program.state_tensor, names[0])) == (
-                alone[0] - 1 + len(names),
-                alone[1],
+            # as wide (bf16 to fp16), one reference per name and none else (asked before
+            # this loop holds one)
+            in_place = (
+                widths[names[0]] == dtype.itemsize
+                and _convertible_in_place(partial(program.state_tensor, names[0]), dtype)
+                and _held(partial(program.state_tensor, names[0]))
+                == (alone[0] - 1 + len(names), alone[1])
             )
             original = program.state_tensor(names[0])
             if original.dtype.itemsize < dtype.itemsize:
