@@ -80,9 +80,9 @@ def _layout_signature(target: Any, args: Any, kwargs: Any) -> tuple | None:
 
 
 def _leaves(value):
-    """The leaves of an op's arguments (tuples, lists and dicts of values), and each
-    keyword's name before its value: ``pytree.tree_leaves``' order, at a fraction of its
-    cost (a rewrite describes every node it makes)."""
+    """The leaves of an op's arguments (tuples, lists and dicts of values) in order, each
+    keyword's name before its value: what ``pytree.tree_leaves`` gives, and the names, at
+    a fraction of its cost (a rewrite describes every node it makes)."""
     if isinstance(value, (tuple, list)):
         for item in value:
             yield from _leaves(item)
