@@ -222,7 +222,9 @@ def test_a_bf16_weight_only_the_program_holds_is_converted_over_its_own_memory()
     import gc
 
     model, x = _plain_bf16_model()
-    copied = fx16.cast_to_16_bit_precision(export(copy.deepcopy(model), x), calibration=[(x,)])
+    held = copy.deepcopy(model)  # the caller keeps this one: its weights are copied
+    copied = fx16.cast_to_16_bit_precision(export(held, x), calibration=[(x,)])
+    assert all(t.dtype == BF16 for t in held.state_dict().values())
     ep = export(model, x)
     del model
     gc.collect()
