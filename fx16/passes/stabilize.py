@@ -108,7 +108,8 @@ class StabilizePass(PassBase):
                 if node.graph is not graph:  # removed by an earlier rewrite
                     continue
                 rewrite = rule.match(node)
-                if rewrite is None or rewrite.result in kept or decision_of(rewrite.result):
+                decided = rewrite is not None and decision_of(rewrite.result) is not None
+                if rewrite is None or rewrite.result in kept or decided:
                     continue  # (decided: by an earlier cast, which left the pattern as it is)
                 if rewrite.result in regions:
                     rewrite = replace(rewrite, in_model_fp32=True)
