@@ -51,7 +51,6 @@ from fx16.ops.numerics import largest, smallest_normal
 from fx16.ops.tables import ASSERT_METADATA_OPS, CAST_OPS, CREATION_OPS, per_op
 from fx16.policy import PrecisionPolicy
 from fx16.program import Program
-from fx16.program.boundaries import Boundaries
 from fx16.program.casts import cast_dtype, is_cast
 from fx16.program.nodes import FLOAT_DTYPES, node_dtype, node_val, op_label, requested_dtypes
 
@@ -173,40 +172,26 @@ def _regions_by_graph(graph_module: GraphModule) -> dict[GraphModule, list]:
     """Each graph's ``_regions``, found once while the graph is unchanged (``Facts``):
     the rewrites and the analysis read the same ones."""
     facts = Facts.of(graph_module)
-    boundaries = facts.boundaries
     return facts.derived(
         "explicit fp32 regions",
-        lambda: {module: list(_regions(module, boundaries)) for module in boundaries.graph_modules},
+        lambda: {module: list(_regions(module, facts)) for module in facts.graph_modules},
     )
 
 
-def _regions(graph_module: GraphModule, boundaries: Boundaries):
+def _regions(graph_module: GraphModule, facts: Facts):
     """(opening, its region's ops) for each region the graph opens that holds a
     precision-sensitive op."""
-    order = _Order(graph_module.graph)
     for node in graph_module.graph.nodes:
-        region = _opened_region(node, order, boundaries)
+        region = _opened_region(node, facts)
         if region and any(is_sensitive(member) for member in region):
             yield node, region
 
 
-class _Order(dict):
-    """Each node's place in ``graph``, numbered on first use (only an assertion's region
-    asks: most graphs hold none)."""
-
-    def __init__(self, graph) -> None:
-        super().__init__()
-        self.graph = graph
-
-    def __missing__(self, node: Node) -> int:
-        if self:  # numbered already: not a node of this graph
-            raise KeyError(node)
-        self.update((each, index) for index, each in enumerate(self.graph.nodes))
-        return self[node]
-
-
-def _opened_region(node: Node, order: dict[Node, int], boundaries: Boundaries) -> list[Node] | None:
-    """The ops of the fp32 region ``node`` opens (in bodies too), or None if it opens none."""
+def _opened_region(node: Node, facts: Facts) -> list[Node] | None:
+    """The ops of the fp32 region ``node`` opens (in bodies too), or None if it opens none
+    (``facts``: the program's boundaries, and its nodes' places, which only an
+    assertion's region reads)."""
+    boundaries = facts.boundaries
     if node.op != "call_function":
         return None
     role = _region_role(node.target)
@@ -219,6 +204,7 @@ def _opened_region(node: Node, order: dict[Node, int], boundaries: Boundaries) -
         if asserted_dtype(node) != FP32 or not isinstance(value, Node):
             return None
         # the users the decomposed cast fed: those after the check
+        order = facts.positions
         later = sorted((u for u in value.users if order[u] > order[node]), key=order.__getitem__)
         return island_region({value}, later, boundaries)
     if role != "creation" and FP32 in requested_dtypes(node):
