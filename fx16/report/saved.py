@@ -15,6 +15,7 @@ so ``fx16.report.report_of``, ``fx16.diagnose`` and ``fx16 inspect`` read a load
 program as they read the one in memory.
 """
 
+import functools
 import math
 import operator
 from collections.abc import Callable
@@ -223,27 +224,20 @@ def kept_accuracy(root: GraphModule) -> AccuracySearch | None:
 def _as_data(node: Node) -> dict:
     found = node.meta
     return {
-        key: [_DTYPE_NAMES[made.dtype], _REASON_NAMES[made.reason], made.detail]
+        key: [_dtype_name(made.dtype), _reason_name(made.reason), made.detail]
         for key in _KEYS
         if key in found and isinstance(made := found[key], Decision)
     }
 
 
-class _Names(dict):
-    """name(key) by key, each found once (an enum member's ``name`` and a dtype's text
-    are Python code, asked of every node)."""
-
-    def __init__(self, name) -> None:
-        super().__init__()
-        self.name = name
-
-    def __missing__(self, key):
-        found = self[key] = self.name(key)
-        return found
+# A dtype's text and an enum member's name are Python code, asked of every node: each
+# is found once.
+_dtype_name = functools.cache(dtype_name)
 
 
-_DTYPE_NAMES = _Names(dtype_name)
-_REASON_NAMES = _Names(lambda reason: reason.name)
+@functools.cache
+def _reason_name(reason: Reason) -> str:
+    return reason.name
 
 
 def _island_data(island: Island) -> list:
