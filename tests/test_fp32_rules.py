@@ -374,3 +374,29 @@ def test_a_rule_whose_markers_no_node_holds_is_not_asked(monkeypatch):
     found = _rules(ep, [ObservedOverflowRule(65504 / 2)])
     assert len(asked) == sum(n.op in ("placeholder", "call_function") for n in ep.graph.nodes)
     assert [name for name, rule in found.items() if rule] == ["mul"]  # fc(x) * 1e5
+
+
+class _DividedEachCall(nn.Module):
+    """A weight divided in place by ``divisor`` on every call, then multiplied by
+    (transformers' RWKV divides its output weights by 2**0 each call)."""
+
+    def __init__(self, divisor: float) -> None:
+        super().__init__()
+        self.divisor = divisor
+        self.register_buffer("weight", torch.randn(8, 8))
+
+    def forward(self, x):
+        self.weight.div_(self.divisor)
+        return x @ self.weight
+
+
+@pytest.mark.parametrize("divisor, kept", [(1, False), (1.0, False), (1.5, True)])
+def test_a_state_updated_by_a_neutral_scalar_does_not_accumulate(divisor, kept):
+    """Divided by 1 on every call, the weight never changes: nothing rounds away, and it
+    is stored 16-bit; divided by 1.5, it shrinks each call and stays fp32."""
+    ep = fx16.cast_fp32_to_fp16(export(_DividedEachCall(divisor), torch.randn(4, 8)))
+    weight = ep.state_dict["weight"]
+    placeholder = next(n for n in ep.graph.nodes if n.op == "placeholder" and "weight" in n.name)
+    reason = placeholder.meta[PRECISION].reason
+    assert (reason is Reason.ACCUMULATING_STATE) is kept, reason
+    assert weight.dtype == (torch.float32 if kept else torch.float16)

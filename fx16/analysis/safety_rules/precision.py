@@ -102,11 +102,34 @@ def _accumulates(value: Node, sources: set[Node]) -> bool:
         if node not in on_path:
             on_path.add(node)
             pending += [user for user in node.users if user in ancestors]
-    return any(node.op == "call_function" and _arithmetic(node.target) for node in on_path)
+    return any(
+        node.op == "call_function" and _arithmetic(node.target) and not _identity(node)
+        for node in on_path
+    )
 
 
 # In-place ops that overwrite what they write (their old values are not read back).
 _OVERWRITES = packets("copy", "fill", "zero", "index_put", "index_copy", "masked_fill")
+
+
+# The scalar that leaves a value as it is, by op: an update by it adds nothing over the
+# calls (transformers' RWKV divides its output weights in place by 2**0 on every call).
+_NEUTRAL = {"mul": 1, "div": 1, "add": 0, "sub": 0}
+
+
+def _identity(node: Node) -> bool:
+    """``node`` multiplies or divides by 1, or adds or subtracts 0: its value is its
+    first argument's."""
+    name = (getattr(node.target, "_opname", "") or "").rstrip("_")
+    other = node.args[1] if len(node.args) > 1 else None
+    return (
+        name in _NEUTRAL
+        and isinstance(other, (int, float))
+        and not isinstance(other, bool)
+        and other == _NEUTRAL[name]
+        and node.kwargs.get("alpha", 1) == 1
+        and node.kwargs.get("rounding_mode") is None
+    )
 
 
 def _arithmetic(target) -> bool:
