@@ -12,7 +12,11 @@ import fx16
 from benchmarks.zoo import ExpLogits, ScaledAttention, SquaredSum
 from fx16.analysis import CalibrationAnalysis
 from fx16.analysis.fp32_rules import UnderflowRule
-from fx16.analysis.magnitudes import observe_floats, smallest_nonzero_magnitude
+from fx16.analysis.magnitudes import (
+    MagnitudeRecorder,
+    observe_floats,
+    smallest_nonzero_magnitude,
+)
 from fx16.decisions import PRECISION, Reason
 from fx16.ops.numerics import INF_LIKE
 from fx16.pipelines import run_passes, without_rules
@@ -450,3 +454,30 @@ def test_smallest_nonzero_magnitude_is_the_least_nonzero_magnitude(values, dtype
     tensor = torch.tensor(values, dtype=torch.float32).to(dtype)
     magnitudes = [abs(v) for v in tensor.tolist() if v == v and v != 0]
     assert smallest_nonzero_magnitude(tensor) == min(magnitudes, default=math.inf)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.floats(allow_nan=True, allow_infinity=True, width=32),
+            st.floats(min_value=1e-3, max_value=1e3),
+            st.sampled_from([0.0, 1e-45, -1e-45, 6e-8, 1e38, -1e38, 3.4e38, -3.4e38]),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+)
+def test_calibration_records_the_least_nonzero_magnitude_of_a_watched_value(values, dtype):
+    """What calibration records of a watched value (read from the run's own reduction
+    where the values are of one sign, past sentinels and infinities) is the least |x|
+    over its nonzero, non-nan elements, for the value an op makes and for an input."""
+    graph_module = torch.fx.symbolic_trace(lambda x: torch.ops.aten.mul.Tensor(x, 1.0))
+    watched = {node for node in graph_module.graph.nodes if node.op != "output"}
+    recorder = MagnitudeRecorder(graph_module, watched=watched)
+    tensor = torch.tensor(values, dtype=torch.float32).to(dtype)
+    recorder.run(tensor)
+    magnitudes = [abs(v) for v in tensor.tolist() if v == v and v != 0]
+    for node in watched:
+        assert recorder.smallest.get(node, math.inf) == min(magnitudes, default=math.inf)

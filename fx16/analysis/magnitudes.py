@@ -122,28 +122,38 @@ class MagnitudeRecorder(BodyInterpreter):
         result = getattr(self, node.op)(node.target, args, kwargs)
         if _centers(node.target):
             self._observe_centering(node, args)
+        interval = self._observe(node, result)
         if node in self.watched:
-            self._observe_smallest(node, result)
+            self._observe_smallest(node, result, interval)
+        return result
+
+    def _observe(self, node: Node, result) -> tuple[float, float] | None:
+        """Record ``node``'s magnitude, interval, sentinel and integer extremes for this
+        run; the interval of its finite non-sentinel values this run gave (None where
+        it was not reduced: a constant seen before, a view of an observed value)."""
         if node in self.constant:
             if node in self.observed:
-                return result
+                return None
             self.observed.add(node)
         if node.op == "call_function" and self._same_values_as_input(node, result):
-            return result
-        if node.op in ("placeholder", "call_function"):
-            magnitude, sentinel, interval = observe_floats(result)
-            if magnitude is not None and not math.isnan(magnitude):
-                self.magnitudes[node] = max(magnitude, self.magnitudes.get(node, 0.0))
-            if interval is not None and not (math.isnan(interval[0]) or math.isnan(interval[1])):
-                seen = self.intervals.get(node)
-                self.intervals[node] = interval if seen is None else _hull(seen, interval)
-            if sentinel:
-                self.sentinels.add(node)
-            extremes = integer_extremes(result)
-            if extremes is not None:
-                low, high = self.int_ranges.get(node, extremes)
-                self.int_ranges[node] = (min(low, extremes[0]), max(high, extremes[1]))
-        return result
+            return None
+        if node.op not in ("placeholder", "call_function"):
+            return None
+        magnitude, sentinel, interval = observe_floats(result)
+        if magnitude is not None and not math.isnan(magnitude):
+            self.magnitudes[node] = max(magnitude, self.magnitudes.get(node, 0.0))
+        if interval is not None and not (math.isnan(interval[0]) or math.isnan(interval[1])):
+            seen = self.intervals.get(node)
+            self.intervals[node] = interval if seen is None else _hull(seen, interval)
+        else:
+            interval = None
+        if sentinel:
+            self.sentinels.add(node)
+        extremes = integer_extremes(result)
+        if extremes is not None:
+            low, high = self.int_ranges.get(node, extremes)
+            self.int_ranges[node] = (min(low, extremes[0]), max(high, extremes[1]))
+        return interval
 
     def _same_values_as_input(self, node: Node, result) -> bool:
         """Record for a view, permute, expand, a dropout not training (an op whose
@@ -170,11 +180,29 @@ class MagnitudeRecorder(BodyInterpreter):
             ratio = cancellation_ratio(centered)
             self.centering[node] = max(ratio, self.centering.get(node, 0.0))
 
-    def _observe_smallest(self, node: Node, result) -> None:
+    def _observe_smallest(self, node: Node, result, interval) -> None:
+        """The smallest nonzero magnitude of a float tensor: of one sign, the end of
+        ``interval`` nearer zero (what this run's reduction found: infinities and
+        sentinels are larger than any value it holds), else reduced again."""
         if isinstance(result, torch.Tensor) and result.is_floating_point() and result.numel():
-            nonzero = smallest_nonzero_magnitude(result)
+            nonzero = _one_signed_nearest_zero(interval) if type(result) in _PLAIN_TENSORS else None
+            if nonzero is None:
+                nonzero = smallest_nonzero_magnitude(result)
             if math.isfinite(nonzero):
                 self.smallest[node] = min(nonzero, self.smallest.get(node, math.inf))
+
+
+def _one_signed_nearest_zero(interval: tuple[float, float] | None) -> float | None:
+    """The magnitude of the end of ``interval`` nearer zero where it lies on one side of
+    zero; None otherwise."""
+    if interval is None:
+        return None
+    low, high = interval
+    if low > 0:
+        return low
+    if high < 0:
+        return -high
+    return None
 
 
 def smallest_nonzero_magnitude(tensor: torch.Tensor) -> float:
