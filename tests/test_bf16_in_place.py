@@ -253,3 +253,41 @@ def test_a_bf16_weight_only_the_program_holds_is_converted_over_its_own_memory()
     assert torch.equal(viewed, seen) and viewed.dtype == BF16
     moved = {name for name, tensor in ep.state_dict.items() if tensor.data_ptr() != memory[name]}
     assert moved == {"0.weight"}
+
+
+def _mapped(tensor: torch.Tensor, path, shared: bool) -> nn.Parameter:
+    """``tensor``'s bytes written to the file at ``path`` and read back as a tensor of
+    its dtype and shape whose storage maps that file (shared: writes reach the file)."""
+    raw = tensor.detach().contiguous().view(torch.uint8).reshape(-1)
+    path.write_bytes(bytes(raw.tolist()))
+    storage = torch.UntypedStorage.from_file(str(path), shared, raw.numel())
+    mapped = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape)
+    return nn.Parameter(mapped, requires_grad=False)
+
+
+def test_a_weight_mapped_shared_from_a_file_is_copied_and_the_file_left_as_it_was(tmp_path):
+    """Only the program holds its weights, one of them a file mapped shared (as
+    ``torch.load(mmap=True)`` with ``MAP_SHARED`` gives): writing its fp16 bits in place
+    would change the checkpoint on disk, so that weight is copied and the file keeps
+    its bf16 bytes. A weight mapped privately (copy on write, ``torch.load``'s default)
+    is converted in place, in the process's own pages; its file is left as it was too.
+    Every weight holds what the copy path gives."""
+    import gc
+
+    model, x = _plain_bf16_model()
+    copied = fx16.cast_to_16_bit_precision(export(copy.deepcopy(model), x), calibration=[(x,)])
+    ep = export(model, x)
+    del model
+    gc.collect()
+    files = {"0.weight": (tmp_path / "shared.bin", True), "2.weight": (tmp_path / "own.bin", False)}
+    for name, (path, shared) in files.items():
+        ep.state_dict[name] = _mapped(ep.state_dict[name], path, shared)
+    written = {path: path.read_bytes() for path, _ in files.values()}
+    memory = {name: tensor.data_ptr() for name, tensor in ep.state_dict.items()}
+    fx16.cast_to_16_bit_precision(ep, calibration=[(x,)])
+    check_program(ep)
+    assert all(path.read_bytes() == before for path, before in written.items())
+    for name, tensor in ep.state_dict.items():
+        assert tensor.dtype == FP16 and torch.equal(tensor, copied.state_dict[name]), name
+    moved = {name for name, tensor in ep.state_dict.items() if tensor.data_ptr() != memory[name]}
+    assert moved == {"0.weight"}

@@ -4,8 +4,9 @@ Largest first, one at a time: each fp32 tensor is dropped as soon as its 16-bit 
 replaces it, so when fx16 holds the only reference, memory falls as the commit goes
 on. A tensor stored under several names is converted once and stays shared. A tensor
 of the other 16-bit dtype (a bf16 checkpoint's weight made fp16) that only the program
-holds (no caller's model, no view shares its memory) is converted over its own memory:
-no memory is allocated for it at all.
+holds (no caller's model, no view shares its memory) is converted over its own memory,
+where that memory is the process's own (``fx16.program.private_memory``: not a file
+mapped shared): no memory is allocated for it at all.
 """
 
 import sys
@@ -16,11 +17,13 @@ import torch
 from tqdm import tqdm
 
 from fx16.ops.numerics import conversion_scratch, convert_in_place, tensor_to_fp16
+from fx16.program.private_memory import memory_map, written_privately
 from fx16.program.snapshot import PENDING
 
 # How many tensors use a storage (torch's private count; without it, nothing is
 # converted in place).
 _STORAGE_USES = getattr(torch._C, "_storage_Use_Count", None)
+_UNREAD = object()
 
 
 def convert_state_tensors(program, targets, convert) -> dict[str, torch.Tensor]:
@@ -86,6 +89,7 @@ def commit_pending(
         disable=None if progress is None else not progress,
     ) as bar:
         scratches = {}  # one per device for all: no temporaries between the copies
+        mappings = _UNREAD  # the process's memory map, read for the first bf16 tensor
         for names, nbytes in groups:
             dtype, may_flush = pending[names[0]]
             # as wide (bf16 to fp16), one reference per name and none else (asked before
@@ -96,6 +100,10 @@ def commit_pending(
                 and _held(partial(program.state_tensor, names[0]))
                 == (alone[0] - 1 + len(names), alone[1])
             )
+            if in_place:  # and its memory is the process's own (not a file mapped shared)
+                if mappings is _UNREAD:
+                    mappings = memory_map()
+                in_place = written_privately(program.state_tensor(names[0]), mappings)
             original = program.state_tensor(names[0])
             if original.dtype.itemsize < dtype.itemsize:
                 stored = original.detach().to(dtype)
