@@ -38,44 +38,72 @@ def _fake_mode(node: Node):
 
 
 # Fake results of ops that make a new tensor, kept on their fake mode under this
-# attribute by op and input layout (see ``retype_val``: nodes with equal metadata may
-# share one value). A fake dispatch costs ~0.5 ms; the rewrites make the same few ops on
-# the same shapes in every layer.
+# attribute by op and input layout, and by op and input identity (see ``retype_val``:
+# nodes with equal metadata may share one value). A fake dispatch costs ~0.5 ms; the
+# rewrites make the same few ops on the same shapes in every layer.
 _FRESH = "_fx16_fresh_results"
 
 
 def fresh_result(node: Node) -> Any:
     """``propagate_fake(node)`` for an op whose result is a new tensor, never a view of an
     input: dispatched once per op, input layout (shape, strides, dtype, device) and other
-    arguments, and shared by the nodes that ask again."""
+    arguments, and shared by the nodes that ask again.
+
+    A node whose inputs hold the very values an earlier one read (a rewrite's nodes
+    read the values this cache gave) is answered by their identity, without describing
+    their layouts again."""
     args, kwargs = map_arg(node.args, node_val), map_arg(node.kwargs, node_val)
-    fake_mode, key = _fake_mode(node), _layout_signature(node.target, args, kwargs)
-    if fake_mode is None or key is None:
+    fake_mode = _fake_mode(node)
+    if fake_mode is None:
         return propagate_fake(node, args, kwargs)
-    cache = getattr(fake_mode, _FRESH, None)
-    if cache is None:
-        cache = {}
-        setattr(fake_mode, _FRESH, cache)
-    if key not in cache:
-        cache[key] = propagate_fake(node, args, kwargs)
-    return cache[key]
+    by_layout, by_identity = _fresh_caches(fake_mode)
+    leaves = tuple(_leaves((args, kwargs)))
+    identity = _described(node.target, leaves, id)
+    known = by_identity.get(identity) if identity is not None else None
+    if known is not None and all(a is b for a, b in zip(known[1], leaves)):
+        return known[0]
+    key = _described(node.target, leaves, _layout)
+    if key is None:
+        return propagate_fake(node, args, kwargs)
+    if key not in by_layout:
+        by_layout[key] = propagate_fake(node, args, kwargs)
+    if identity is not None:  # the leaves kept with it: no id of theirs is reused
+        by_identity[identity] = (by_layout[key], leaves)
+    return by_layout[key]
 
 
-def _layout_signature(target: Any, args: Any, kwargs: Any) -> tuple | None:
-    """The op and what decides its result's metadata: each tensor's shape, strides,
-    dtype and device, the other arguments as they are (None when one has no plain
-    description or a size is symbolic)."""
+def _fresh_caches(fake_mode) -> tuple[dict, dict]:
+    """The fake mode's results by input layout, and by input identity."""
+    caches = getattr(fake_mode, _FRESH, None)
+    if caches is None:
+        caches = ({}, {})
+        setattr(fake_mode, _FRESH, caches)
+    return caches
+
+
+def _layout(value: torch.Tensor) -> tuple | None:
+    """A tensor's shape, strides, dtype and device (None where a size is symbolic)."""
+    shape, stride = tuple(value.shape), value.stride()
+    if not all(type(size) is int for size in (*shape, *stride)):
+        return None
+    return (shape, stride, value.dtype, value.device)
+
+
+def _described(target: Any, leaves: tuple, tensor_part) -> tuple | None:
+    """The op with each of its arguments' leaves described: a tensor by
+    ``tensor_part``, any other plain value as it is (None when a leaf has no plain
+    description)."""
     described = []
-    for value in _leaves((args, kwargs)):
+    for value in leaves:
         if isinstance(value, torch.Tensor):
-            shape, stride = tuple(value.shape), value.stride()
-            if not all(type(size) is int for size in (*shape, *stride)):
+            part = tensor_part(value)
+            if part is None:
                 return None
-            described.append((shape, stride, value.dtype, value.device))
         elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
-            described.append((type(value), value))
+            part = (type(value), value)
         else:
             return None
+        described.append(part)
     return (target, tuple(described))
 
 
@@ -137,15 +165,11 @@ def retyped_result(node: Node, args: Any = None, kwargs: Any = None) -> Any:
 def _signature(target: Any, args: Any, kwargs: Any) -> tuple | None:
     """The op and what decides its output dtypes: input dtypes and the other arguments
     (None when an argument has no plain description)."""
-    described = []
-    for value in _leaves((args, kwargs)):
-        if isinstance(value, torch.Tensor):
-            described.append(value.dtype)
-        elif value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
-            described.append((type(value), value))
-        else:
-            return None
-    return (target, tuple(described))
+    return _described(target, tuple(_leaves((args, kwargs))), _dtype_of)
+
+
+def _dtype_of(value: torch.Tensor) -> torch.dtype:
+    return value.dtype
 
 
 def _concrete(size) -> int:

@@ -53,7 +53,12 @@ class Builder:
 
     def __call__(self, target, *args, **kwargs) -> Node:
         with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args, kwargs)
+            node = self.graph.call_function(target)
+        # its arguments given once it is made: ``create_node`` walks them with pytree to
+        # warn of raw SymInts, which no rewrite passes (a norm's rewrite makes ~120 nodes)
+        node.args = args
+        if kwargs:
+            node.kwargs = kwargs
         node.meta["val"] = fresh_result(node)  # every op it makes computes a new tensor
         copy_provenance(self.anchor, node)
         return node
