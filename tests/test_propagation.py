@@ -59,3 +59,24 @@ def test_fresh_results_are_shared_only_between_equal_layouts():
             expected.dtype,
         )
     assert made[2] is not made[0] and made[2].stride() != made[0].stride()
+
+
+def test_a_fresh_result_asked_about_the_same_input_values_is_answered_by_identity(monkeypatch):
+    """Asked again about inputs holding the very values an earlier ask read, the
+    answer is the same result without describing any layout again; an input given a
+    new value (fp16 now) is described and answered anew, with its dtype."""
+    from fx16.program import propagation
+
+    ep = export(AbsTwice(), torch.randn(4, 6))
+    first = next(n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.abs.default)
+    described = []
+    layout = propagation._layout
+    monkeypatch.setattr(
+        propagation, "_layout", lambda value: described.append(value) or layout(value)
+    )
+    made = fresh_result(first)
+    assert len(described) == 1
+    assert fresh_result(first) is made and len(described) == 1
+    source = first.args[0]
+    source.meta["val"] = retype_val(source.meta["val"], torch.float16)
+    assert fresh_result(first).dtype == torch.float16 and len(described) == 2
