@@ -66,7 +66,7 @@ def _rewritten(ep) -> list:
 def test_a_padded_query_keeps_equal_weights_instead_of_nan():
     """Input graph: two layers of (q k^T / sqrt(d) + mask) -> softmax -> @ v, scores of
     tens, one query row masked whole. Output: each mask sum is
-    ``where(mask <= -1e38, mask, sum)`` (the report says why), nothing is fp32, and the outputs hold
+    ``where(mask + scores * 0 <= -1e38, mask, sum)`` (the report says why), nothing is fp32, and the outputs hold
     16-bit rounding of fp64 (before: 0.25 off: -65504 did not absorb the padded row's
     scores, whose softmax replaced fp32's equal weights; scores all below -16 would
     make that row -inf, its softmax nan)."""
@@ -98,6 +98,36 @@ def test_the_rewritten_fp32_program_computes_the_same():
     assert _rewritten(ep)
     with torch.no_grad():
         assert torch.equal(ep.module()(x, keep), model(x, keep))
+
+
+class MaskedSum(nn.Module):
+    """``scores * 1.0 + mask``, the mask ``sentinel`` where ``allowed`` is False."""
+
+    def __init__(self, sentinel: float) -> None:
+        super().__init__()
+        self.sentinel = sentinel
+
+    def forward(self, scores, allowed):
+        return scores * 1.0 + torch.zeros(allowed.shape).masked_fill(~allowed, self.sentinel)
+
+
+def test_an_inf_or_nan_score_at_a_masked_place_gives_what_fp32_gives():
+    """A score of inf, -inf or nan where the mask holds -3.4e38: fp32's sum is inf or
+    nan there, and so is the rewritten program's, as everywhere else, bit for bit
+    (long-fuzz finding: ``x.half().float()`` of 76,506 is inf, which the rewrite had
+    replaced with the mask)."""
+    scores = torch.tensor([[2500.0, math.inf, -math.inf, math.nan, -30.0, 3.0]])
+    allowed = torch.tensor([[True, False, False, False, False, True]])
+    ep = export(MaskedSum(MIN), scores, allowed)
+    with torch.no_grad():
+        expected = ep.module()(scores, allowed)
+    run_passes([CalibrationAnalysis(ep), SentinelSumsPass()], ep.graph_module)
+    ep.graph_module.recompile()
+    assert _rewritten(ep)
+    with torch.no_grad():
+        got = ep.module()(scores, allowed)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+    assert not bool(torch.isfinite(got[0, 1:4]).any())
 
 
 def test_the_rewrite_takes_the_sums_observations():

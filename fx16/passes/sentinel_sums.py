@@ -10,16 +10,18 @@ into every row the next attention mixes) or the scores' own softmax. So, where
 calibration saw one operand of an ``add`` hold an infinity-like sentinel and the other
 reach that half ulp over the overflow margin (or go unobserved), the sum becomes
 
-    scores + mask  ->  where(mask <= -1e38, mask, scores + mask)
+    scores + mask  ->  where(mask + scores * 0 <= -1e38, mask, scores + mask)
 
-In fp32 it is the same tensor bit for bit (the sum already is the mask there); in
-16-bit the comparison's -1e38 saturates as the mask's does, so a masked element is
-the saturated mask whatever the score. Cost: a comparison and a select on the sum's
-elements. bf16 carries sentinels at fp32's range, absorbing as fp32 does: fp16 only.
+In fp32 it is the same tensor bit for bit: the sum already is the mask there, except
+where a score is inf or nan (the sum is then inf or nan), which ``scores * 0`` (nan
+there, 0 elsewhere) leaves to the sum. In 16-bit the comparison's -1e38 saturates as the
+mask's does, so a masked element is the saturated mask whatever its finite score.
+Cost: a product, a sum, a comparison and a select on the sum's elements. bf16 carries
+sentinels at fp32's range, absorbing as fp32 does: fp16 only.
 
 Reads: what calibration observed (``fx16.meta.holds_sentinel``, ``observed_max_abs``).
-Writes: the ``le`` and ``where`` nodes after each such sum, the sum's readers moved to
-the ``where``, which holds the sum's observations (the same values) and
+Writes: the ``mul``, ``add``, ``le`` and ``where`` nodes after each such sum, the sum's
+readers moved to the ``where``, which holds the sum's observations (the same values) and
 ``meta["fx16.stabilized"]`` (``sentinel_sum`` and why: the report lists it).
 """
 
@@ -102,14 +104,23 @@ def _mask_and_addend(total: Node) -> tuple[Node, Node]:
 
 
 def _keep_the_sentinel(module: GraphModule, total: Node, mask: Node, addend: Node) -> None:
-    """``where(mask <= -1e38, mask, total)`` after ``total``, taking over its readers."""
+    """``where(mask + addend * 0 <= -1e38, mask, total)`` after ``total``, taking over its
+    readers. ``addend * 0`` is 0 where the addend is finite and nan where it is inf or
+    nan, so only there is the comparison false: fp32's sum is the mask wherever the
+    addend is finite and the mask holds the sentinel, and an inf or nan addend makes it
+    inf or nan, which the sum keeps."""
     readers = list(total.users)
     make = Builder(module.graph, total.next)  # each with its fake value and total's provenance
-    masked = make(aten.le.Scalar, mask, -INF_LIKE)
+    zeroed = make(aten.mul.Tensor, addend, 0.0)
+    unless_not_finite = make(aten.add.Tensor, mask, zeroed)
+    masked = make(aten.le.Scalar, unless_not_finite, -INF_LIKE)
     kept = make(aten.where.self, masked, mask, total)
     for reader in readers:
         reader.replace_input_with(total, kept)
     share_observations(total, kept)
+    share_observations(mask, unless_not_finite)  # the mask's values (nan ignored, as observed)
+    if meta.observed_max_abs(addend) is not None:  # zeros, nan ignored
+        zeroed.meta.update({meta.OBSERVED_MAX_ABS: 0.0, meta.OBSERVED_INTERVAL: (0.0, 0.0)})
     largest_addend = meta.observed_max_abs(addend)
     seen = "unobserved" if largest_addend is None else f"up to {largest_addend:.3g}"
     kept.meta[meta.STABILIZED] = (
