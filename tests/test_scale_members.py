@@ -410,3 +410,24 @@ def test_a_decomposed_cond_branch_folds_into_its_weights_as_before():
         found = scale_domains(ep.graph_module)
         folds.append(sorted(name for domain in found for name in domain.folded))
     assert folds[0] and folds[0] == folds[1]
+
+
+class TinyProduct(nn.Module):
+    """A product of two inputs, scaled after."""
+
+    def forward(self, x, y):
+        return (x * y) * 2.0
+
+
+def test_a_stable_rewrites_negligible_part_seeds_no_domain():
+    """A product observed below the normal range seeds a domain (a scale can lift it);
+    marked as a stable rewrite's negligible part (the exact error of a product, whose
+    flushing the rewrite proved harmless), it seeds none."""
+    from fx16.analysis.scale_members import grow_domains
+
+    ep = export(TinyProduct(), torch.randn(4), torch.randn(4))
+    product = next(n for n in ep.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    (domain,) = grow_domains({product: 1e-7}, LIMIT, {}, set())
+    assert product in domain
+    product.meta[meta.NEGLIGIBLE] = "a product's exact error, below 2**-24 of the value"
+    assert grow_domains({product: 1e-7}, LIMIT, {}, set()) == []

@@ -66,10 +66,10 @@ def _rewritten(ep) -> list:
 def test_a_padded_query_keeps_equal_weights_instead_of_nan():
     """Input graph: two layers of (q k^T / sqrt(d) + mask) -> softmax -> @ v, scores of
     tens, one query row masked whole. Output: each mask sum is
-    ``where(mask + scores * 0 <= -1e38, mask, sum)`` (the report says why), nothing is fp32, and the outputs hold
-    16-bit rounding of fp64 (before: 0.25 off: -65504 did not absorb the padded row's
-    scores, whose softmax replaced fp32's equal weights; scores all below -16 would
-    make that row -inf, its softmax nan)."""
+    ``where(mask + scores * 0 <= -1e38, mask, sum)`` (the report says why), nothing is
+    fp32, and the outputs hold 16-bit rounding of fp64 (before: 0.25 off: -65504 did not
+    absorb the padded row's scores, whose softmax replaced fp32's equal weights; scores
+    all below -16 would make that row -inf, its softmax nan)."""
     x, keep = _inputs()
     model = PaddedAttention().eval()
     ep = fx16.cast_fp32_to_fp16(export(model, x, keep))

@@ -44,7 +44,7 @@ from fractions import Fraction
 import torch
 
 from fx16.ops.declarations import declaration
-from fx16.ops.tables import CAST_OPS, CREATION_OPS, VALUE_PRESERVING_OPS, overloads, per_op
+from fx16.ops.tables import CREATION_OPS, VALUE_PRESERVING_OPS, is_cast_op, overloads, per_op
 
 
 class Kind(enum.Enum):
@@ -275,7 +275,7 @@ def rule_of(node) -> ScaleRule:
     (the model's own ``x.half()``) is opaque, for it overflows and flushes at fixed
     magnitudes; a cast to fp32 or fp64 is exact at any scale."""
     rule = scale_rule(node.target)
-    if node.target in CAST_OPS:
+    if is_cast_op(node.target):
         val = node.meta.get("val")
         if getattr(val, "dtype", None) not in _WIDE:
             return OPAQUE

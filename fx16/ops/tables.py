@@ -84,6 +84,13 @@ def is_custom_op(target) -> bool:
 # Ops that only change a tensor's dtype (and possibly copy it).
 CAST_OPS = overloads("_to_copy.default", "to.dtype", "to.dtype_layout")
 
+
+@per_op
+def is_cast_op(target) -> bool:
+    """``target`` is one of ``CAST_OPS`` (a node calling it may still keep its dtype)."""
+    return target in CAST_OPS
+
+
 # Ops that make a new floating tensor from sizes and scalars (or from another
 # tensor's shape): their precision is set by a ``dtype`` argument, not by inputs.
 CREATION_OPS = overloads(

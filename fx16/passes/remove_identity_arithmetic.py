@@ -45,7 +45,13 @@ class RemoveIdentityArithmeticPass(ReplaceBySource):
     """
 
     def candidates(self, graph: Graph) -> list[Node]:
-        return [node for node in graph.nodes if node.target in IDENTITIES]
+        """The calls of ``IDENTITIES``' ops, in graph order (found by target, no walk)."""
+        found = [
+            node
+            for target in IDENTITIES
+            for node in graph.find_nodes(op="call_function", target=target, sort=False)
+        ]
+        return sorted(found)
 
     def match(self, node: Node) -> bool:
         if len(node.args) != 2 or not isinstance(node.args[0], Node):

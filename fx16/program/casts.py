@@ -11,7 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph, Node
 
-from fx16.ops.tables import CAST_OPS, per_op
+from fx16.ops.tables import CAST_OPS, is_cast_op
 from fx16.program.nodes import SIXTEEN_BIT_DTYPES, node_dtype, node_val
 
 aten = torch.ops.aten
@@ -64,7 +64,7 @@ def cast_op_nodes(graph: Graph) -> list[Node]:
 
 def is_cast(node: Node) -> bool:
     """True for a node that changes only the dtype of its first argument."""
-    if node.op != "call_function" or not _is_cast_op(node.target):
+    if node.op != "call_function" or not is_cast_op(node.target):
         return False
     if not isinstance(cast_dtype(node), torch.dtype) or not isinstance(node.args[0], Node):
         return False
@@ -84,11 +84,6 @@ def is_cast(node: Node) -> bool:
         memory_format = node.args[4] if len(node.args) > 4 else None
         return not copy and memory_format in _PRESERVE
     return True
-
-
-@per_op
-def _is_cast_op(target) -> bool:
-    return target in CAST_OPS
 
 
 def is_inserted(node: Node) -> bool:
