@@ -185,37 +185,32 @@ class MagnitudeRecorder(BodyInterpreter):
         ``interval`` nearer zero (what this run's reduction found: infinities and
         sentinels are larger than any value it holds), else reduced again."""
         if isinstance(result, torch.Tensor) and result.is_floating_point() and result.numel():
-            nonzero = _one_signed_nearest_zero(interval) if type(result) in _PLAIN_TENSORS else None
-            if nonzero is None:
-                nonzero = smallest_nonzero_magnitude(result)
+            plain = type(result) in _PLAIN_TENSORS
+            nonzero = smallest_nonzero_magnitude(result, interval if plain else None)
             if math.isfinite(nonzero):
                 self.smallest[node] = min(nonzero, self.smallest.get(node, math.inf))
 
 
-def _one_signed_nearest_zero(interval: tuple[float, float] | None) -> float | None:
-    """The magnitude of the end of ``interval`` nearer zero where it lies on one side of
-    zero; None otherwise."""
-    if interval is None:
-        return None
-    low, high = interval
-    if low > 0:
-        return low
-    if high < 0:
-        return -high
-    return None
-
-
-def smallest_nonzero_magnitude(tensor: torch.Tensor) -> float:
+def smallest_nonzero_magnitude(
+    tensor: torch.Tensor, interval: tuple[float, float] | None = None
+) -> float:
     """The smallest nonzero magnitude among a float tensor's non-nan elements (inf: none).
-    One ``aminmax`` where the elements are all of one sign and finite at the small end
-    (a singular op's input mostly is: a variance, a probability), the whole tensor's
-    magnitudes otherwise."""
-    low, high = (bound.item() for bound in tensor.detach().aminmax())
+    Where the elements are all of one sign, the end of their interval nearer zero:
+    ``interval`` where a reduction of this run found it (``observe_floats``': its finite
+    non-sentinel values, and infinities and sentinels are larger than any), else one
+    ``aminmax`` (a singular op's input mostly is: a variance, a probability). Otherwise
+    the least of the magnitudes, looked at again past zeros only where one is zero."""
+    if interval is None:
+        interval = tuple(bound.item() for bound in tensor.detach().aminmax())
+    low, high = interval
     if 0 < low < math.inf:
         return low
     if -math.inf < high < 0:
         return -high
     magnitude = tensor.detach().abs()
+    least = magnitude.amin().item()
+    if least > 0:  # no zero among them (a nan fails the comparison)
+        return least
     return torch.where(magnitude > 0, magnitude, torch.inf).amin().item()
 
 
