@@ -81,6 +81,10 @@ def is_custom_op(target) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.namespace not in BUILTIN_NAMESPACES
 
 
+# The scalar that leaves a value as it is, by op name: ``x * 1``, ``x / 1``, ``x + 0``,
+# ``x - 0`` (their in-place forms too).
+NEUTRAL_SCALARS = {"mul": 1, "div": 1, "add": 0, "sub": 0}
+
 # Ops that only change a tensor's dtype (and possibly copy it).
 CAST_OPS = overloads("_to_copy.default", "to.dtype", "to.dtype_layout")
 

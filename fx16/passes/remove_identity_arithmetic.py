@@ -3,6 +3,7 @@
 import torch
 from torch.fx import Graph, Node
 
+from fx16.ops.tables import NEUTRAL_SCALARS
 from fx16.passes.cast_rule import ReplaceBySource
 from fx16.program.nodes import node_val
 
@@ -10,14 +11,9 @@ aten = torch.ops.aten
 
 # op -> the scalar second argument that leaves the first as it is
 IDENTITIES = {
-    aten.mul.Tensor: 1,
-    aten.mul.Scalar: 1,
-    aten.div.Tensor: 1,
-    aten.div.Scalar: 1,
-    aten.add.Tensor: 0,
-    aten.add.Scalar: 0,
-    aten.sub.Tensor: 0,
-    aten.sub.Scalar: 0,
+    getattr(getattr(aten, name), overload): value
+    for name, value in NEUTRAL_SCALARS.items()
+    for overload in ("Tensor", "Scalar")
 }
 
 

@@ -14,7 +14,7 @@ from fx16.analysis.routing import RoutingAnalysis
 from fx16.analysis.safety_rule import RuleContext
 from fx16.decisions import Reason
 from fx16.ops.kinds import DATA_MOVEMENT_OPS, packets
-from fx16.ops.tables import CAST_OPS
+from fx16.ops.tables import CAST_OPS, NEUTRAL_SCALARS
 from fx16.program.aliases import alias_group
 from fx16.program.nodes import is_float_tensor, node_val
 
@@ -112,21 +112,17 @@ def _accumulates(value: Node, sources: set[Node]) -> bool:
 _OVERWRITES = packets("copy", "fill", "zero", "index_put", "index_copy", "masked_fill")
 
 
-# The scalar that leaves a value as it is, by op: an update by it adds nothing over the
-# calls (transformers' RWKV divides its output weights in place by 2**0 on every call).
-_NEUTRAL = {"mul": 1, "div": 1, "add": 0, "sub": 0}
-
-
 def _identity(node: Node) -> bool:
-    """``node`` multiplies or divides by 1, or adds or subtracts 0: its value is its
-    first argument's."""
+    """``node`` multiplies or divides by 1, or adds or subtracts 0 (``NEUTRAL_SCALARS``):
+    its value is its first argument's, and an update by it adds nothing over the calls
+    (transformers' RWKV divides its output weights in place by 2**0 on every call)."""
     name = (getattr(node.target, "_opname", "") or "").rstrip("_")
     other = node.args[1] if len(node.args) > 1 else None
     return (
-        name in _NEUTRAL
+        name in NEUTRAL_SCALARS
         and isinstance(other, (int, float))
         and not isinstance(other, bool)
-        and other == _NEUTRAL[name]
+        and other == NEUTRAL_SCALARS[name]
         and node.kwargs.get("alpha", 1) == 1
         and node.kwargs.get("rounding_mode") is None
     )
