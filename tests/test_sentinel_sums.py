@@ -132,7 +132,8 @@ def test_an_inf_or_nan_score_at_a_masked_place_gives_what_fp32_gives():
 
 def test_the_rewrite_takes_the_sums_observations():
     """The ``where`` holds what calibration saw of the sum it replaces (the same
-    values), no second calibration run: its magnitude and sentinel are the sum's."""
+    values), no second calibration run: its magnitude and sentinel are the sum's; the
+    comparison's ``mask + scores * 0`` holds the mask's, ``scores * 0`` zeros."""
     x, keep = _inputs()
     ep = export(PaddedAttention().eval(), x, keep)
     run_passes([CalibrationAnalysis(ep), SentinelSumsPass()], ep.graph_module)
@@ -141,6 +142,11 @@ def test_the_rewrite_takes_the_sums_observations():
         assert total.target is torch.ops.aten.add.Tensor
         assert meta.observed_max_abs(kept) == meta.observed_max_abs(total)
         assert meta.holds_sentinel(kept)
+        compared = kept.args[0].args[0]  # mask + scores * 0: the mask's values
+        mask, zeroed = compared.args
+        assert meta.holds_sentinel(compared) and meta.holds_sentinel(mask)
+        assert meta.observed_max_abs(compared) == meta.observed_max_abs(mask)
+        assert meta.observed_max_abs(zeroed) == 0.0
 
 
 @pytest.mark.parametrize("low", [torch.float16, torch.bfloat16])

@@ -119,9 +119,9 @@ def _keep_the_sentinel(module: GraphModule, total: Node, mask: Node, addend: Nod
         reader.replace_input_with(total, kept)
     share_observations(total, kept)
     share_observations(mask, unless_not_finite)  # the mask's values (nan ignored, as observed)
-    if meta.observed_max_abs(addend) is not None:  # zeros, nan ignored
-        zeroed.meta.update({meta.OBSERVED_MAX_ABS: 0.0, meta.OBSERVED_INTERVAL: (0.0, 0.0)})
     largest_addend = meta.observed_max_abs(addend)
+    if largest_addend is not None:  # zeros, nan ignored
+        zeroed.meta.update({meta.OBSERVED_MAX_ABS: 0.0, meta.OBSERVED_INTERVAL: (0.0, 0.0)})
     seen = "unobserved" if largest_addend is None else f"up to {largest_addend:.3g}"
     kept.meta[meta.STABILIZED] = (
         RULE,
