@@ -130,6 +130,22 @@ def test_an_inf_or_nan_score_at_a_masked_place_gives_what_fp32_gives():
     assert not bool(torch.isfinite(got[0, 1:4]).any())
 
 
+def test_a_sum_guarded_already_is_left_as_it_is():
+    """The pass run again on its own result (a program cast twice: the second
+    calibration still sees the mask's -3.4e38 and the scores beyond 16) changes
+    nothing: each sum keeps the one ``where`` it got (long fuzz, ``test_6``: an arange
+    mask times ``finfo.min`` was wrapped in a second ``where`` on the second cast)."""
+    x, keep = _inputs()
+    ep = export(PaddedAttention().eval(), x, keep)
+    run_passes([CalibrationAnalysis(ep), SentinelSumsPass()], ep.graph_module)
+    ep.graph_module.recompile()
+    code, nodes = ep.graph_module.code, len(ep.graph_module.graph.nodes)
+    assert len(_rewritten(ep)) == 2
+    assert not run_passes([CalibrationAnalysis(ep), SentinelSumsPass()], ep.graph_module)
+    ep.graph_module.recompile()
+    assert len(ep.graph_module.graph.nodes) == nodes and ep.graph_module.code == code
+
+
 def test_the_rewrite_takes_the_sums_observations():
     """The ``where`` holds what calibration saw of the sum it replaces (the same
     values), no second calibration run: its magnitude and sentinel are the sum's; the

@@ -81,10 +81,13 @@ class SentinelSumsPass(PassBase):
 
     def _unabsorbed(self, node: Node) -> bool:
         """A float ``add`` of two tensors (no ``alpha``) exactly one of which held a
-        sentinel on calibration, the other reaching ``reach`` there (or unobserved)."""
+        sentinel on calibration, the other reaching ``reach`` there (or unobserved), and
+        not guarded already (a program cast before: casting twice equals casting once)."""
         if not (node.op == "call_function" and node.target == aten.add.Tensor):
             return False
         if node.kwargs or len(node.args) != 2 or not is_float_tensor(node_val(node)):
+            return False
+        if _guarded(node):
             return False
         operands = node.args
         if not all(isinstance(arg, Node) and is_float_tensor(node_val(arg)) for arg in operands):
@@ -95,6 +98,15 @@ class SentinelSumsPass(PassBase):
         addend = operands[holding.index(False)]
         magnitude = meta.observed_max_abs(addend)
         return magnitude is None or magnitude >= self.reach
+
+
+def _guarded(total: Node) -> bool:
+    """``total`` is read only by the ``where`` this pass made for it (its third operand)."""
+    readers = list(total.users)
+    if len(readers) != 1 or readers[0].target != aten.where.self:
+        return False
+    kept = readers[0]
+    return (meta.stabilized(kept) or ("",))[0] == RULE and kept.args[2] is total
 
 
 def _mask_and_addend(total: Node) -> tuple[Node, Node]:
