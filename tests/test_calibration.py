@@ -334,6 +334,29 @@ def test_a_mask_the_example_does_not_fill_is_still_a_sentinel_fp16_carries():
     torch.testing.assert_close(run(ep, scores, padded)[0].float(), expected, atol=2e-3, rtol=0)
 
 
+def test_a_second_run_replaces_what_the_first_observed():
+    """Calibrated on a padded mask, then on an all-true one: the second run's facts
+    replace the first's on every node (before: the first run's sentinel stayed, so a
+    program cast twice was rewritten as if its mask still held -3.4e38)."""
+    scores = torch.randn(2, 4)
+    padded = torch.tensor([[True, True, False, False]] * 2)
+    ep = export(PaddingMask(), scores, padded)
+    bias = _by_target(ep, aten.where.self)
+    CalibrationAnalysis(Program(ep), [(scores, padded)])(ep.graph_module)
+    assert bias.meta.get(CalibrationAnalysis.SENTINEL_KEY)
+    first = {n: n.meta.get(KEY) for n in ep.graph_module.graph.nodes}
+    quiet = 1e-3 * scores
+    CalibrationAnalysis(Program(ep), [(quiet, torch.ones(2, 4, dtype=torch.bool))])(ep.graph_module)
+    assert CalibrationAnalysis.SENTINEL_KEY not in bias.meta
+    assert bias.meta[KEY] == 0.0 and first[bias] == 0.0
+    added = _by_target(ep, aten.add.Tensor)
+    assert first[added] > 0.1  # the unmasked scores
+    assert added.meta[KEY] == pytest.approx(quiet.abs().max().item(), rel=1e-6)
+    assert added.meta[CalibrationAnalysis.INTERVAL_KEY] == pytest.approx(
+        (quiet.min().item(), quiet.max().item()), rel=1e-6
+    )
+
+
 @settings(max_examples=examples(8), deadline=None)
 @given(programs(), st.integers(1, 3))
 def test_property_views_record_what_reducing_them_would(case, calls):

@@ -67,6 +67,9 @@ class CalibrationAnalysis(Analysis):
     loop, every slice of a map), and a body's placeholder that no run reached (the
     branch not taken) has what its operands held.
 
+    A run replaces what an earlier one observed (a program cast before, or calibrated on
+    other inputs): every node's observations are dropped before this run's are written.
+
     Run it before anything converts the program: it observes the values the
     original precision computes. Buffers the program updates in place are copied
     first, so calibrating changes no state. Calibration inputs the program fails on
@@ -116,6 +119,7 @@ class CalibrationAnalysis(Analysis):
                     return self.failed(graph_module, index, error)
                 shapes.append([getattr(value, "shape", None) for value in inputs])
         graph_module.meta[self.OUTPUTS_KEY] = outputs
+        _forget_observations(boundaries)
         for node, magnitude in recorder.magnitudes.items():
             node.meta[self.META_KEY] = magnitude
         _judge_at_size_bounds(graph_module, recorder, shapes)
@@ -227,10 +231,18 @@ def recalibrate(graph_module: GraphModule, program: Program, calibration: list |
     """Forget what calibration observed of ``graph_module`` (and the facts derived from
     it) and observe the rewritten program again on the same inputs."""
     Facts.invalidate(graph_module)
-    for node in graph_module.graph.nodes:
-        for key in _RECALIBRATED:
-            node.meta.pop(key, None)
     CalibrationAnalysis(program, calibration)(graph_module)
+
+
+def _forget_observations(boundaries: Boundaries) -> None:
+    """Drop what an earlier run observed, in the bodies too (a program cast before, or
+    calibrated on other inputs): this run's observations replace them whole, so a
+    sentinel or a magnitude it did not see is not kept, and a body's placeholder no run
+    reached takes its operands' observations."""
+    for module in boundaries.graph_modules:
+        for node in module.graph.nodes:
+            for key in (*_RECALIBRATED, meta.SIZE_GROWTH):
+                node.meta.pop(key, None)
 
 
 def share_observations(source: Node, target: Node) -> None:
