@@ -20,7 +20,15 @@ from fx16.pipelines import run_passes
 from fx16.program.stats import program_stats
 from fx16.report import report_of
 from fx16.testing.checks import check_outputs
-from helpers import check_program, export, fp64_reference, max_error, run
+from helpers import (
+    assert_same_state,
+    check_program,
+    export,
+    fp64_reference,
+    max_error,
+    run,
+    state_snapshot,
+)
 
 MIN = torch.finfo(torch.float32).min
 
@@ -144,6 +152,19 @@ def test_a_sum_guarded_already_is_left_as_it_is():
     assert not run_passes([CalibrationAnalysis(ep), SentinelSumsPass()], ep.graph_module)
     ep.graph_module.recompile()
     assert len(ep.graph_module.graph.nodes) == nodes and ep.graph_module.code == code
+
+
+@pytest.mark.parametrize("entry", [fx16.cast_fp32_to_fp16, fx16.cast_to_16_bit_precision])
+def test_a_padded_attention_cast_twice_equals_cast_once(entry):
+    """The whole cast again on its own result: the same code and state, one ``where``
+    per mask sum (before: each sum got a second one)."""
+    x, keep = _inputs()
+    ep = export(PaddedAttention().eval(), x, keep)
+    entry(ep)
+    once = state_snapshot(ep)
+    entry(ep)
+    assert_same_state(once, state_snapshot(ep))
+    assert len(_rewritten(ep)) == 2
 
 
 def test_the_rewrite_takes_the_sums_observations():
