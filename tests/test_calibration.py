@@ -304,6 +304,40 @@ def test_inside_a_cond_branch_a_dropout_not_training_records_its_inputs_observat
     assert (low, high) == pytest.approx((float((x * 40).min()), float((x * 40).max())))
 
 
+class CastsInBranches(torch.nn.Module):
+    """An fp16 input widened in either branch; the branch not taken also narrows the
+    widened value again and widens that."""
+
+    def forward(self, x):
+        return torch.cond(
+            x.float().sum() > 0,
+            lambda a: a.float() * 2.0,
+            lambda a: a.float() + a.float().half().float(),
+            (x,),
+        )
+
+
+def test_an_exact_cast_no_run_reached_holds_what_its_source_holds():
+    """The branch not taken: its placeholder holds the operand's observations, the
+    widening cast of it the same (its values are the placeholder's); the narrowing cast
+    and the cast after it hold none (fp16 may overflow where fp32 did not)."""
+    x = (torch.rand(2, 3) + 0.5).half()  # the true branch is taken
+    ep = export(CastsInBranches(), x)
+    CalibrationAnalysis(Program(ep))(ep.graph_module)
+    untaken = ep.graph_module.false_graph_0.graph
+    (placeholder,) = untaken.find_nodes(op="placeholder")
+    casts = [n for n in untaken.nodes if n.target == aten.to.dtype]
+    widened = [n for n in casts if n.args[0] is placeholder]
+    assert widened and all(
+        n.meta[KEY] == placeholder.meta[KEY] == pytest.approx(float(x.abs().max()))
+        and n.meta[CalibrationAnalysis.INTERVAL_KEY]
+        == placeholder.meta[CalibrationAnalysis.INTERVAL_KEY]
+        for n in widened
+    )
+    narrowed = [n for n in casts if n.args[0] is not placeholder]
+    assert len(narrowed) == 2 and all(KEY not in n.meta for n in narrowed)
+
+
 class PaddingMask(torch.nn.Module):
     """T5's additive mask: where(keep, 0, finfo.min) added to the scores, then softmax."""
 

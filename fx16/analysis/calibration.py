@@ -20,6 +20,7 @@ from fx16.ops.scaling import Kind, rule_of
 from fx16.ops.tables import SENTINEL_ABSORBING_OPS, SENTINEL_PASSING_OPS, per_op
 from fx16.program import Program
 from fx16.program.boundaries import Boundaries
+from fx16.program.casts import cast_dtype, is_cast, represents_exactly, source_dtype
 
 _OBSERVED = "observed on"  # how a status that observed the program begins
 
@@ -65,7 +66,9 @@ class CalibrationAnalysis(Analysis):
     Facts cross the boundaries of higher-order ops (``fx16.program.boundaries``): a body's
     nodes are observed where the body ran (cond's branch taken, every iteration of a
     loop, every slice of a map), and a body's placeholder that no run reached (the
-    branch not taken) has what its operands held.
+    branch not taken) has what its operands held, and so has an exact cast of a value no
+    run reached (the casts an earlier cast put in that branch: cast again, it reads as
+    it did).
 
     A run replaces what an earlier one observed (a program cast before, or calibrated on
     other inputs): every node's observations are dropped before this run's are written.
@@ -135,7 +138,7 @@ class CalibrationAnalysis(Analysis):
             node.meta[self.CENTERING_KEY] = ratio
         for node, smallest in recorder.smallest.items():
             node.meta[self.SMALLEST_KEY] = smallest
-        _share_with_unreached_placeholders(boundaries)
+        _share_with_unreached_values(boundaries)
         graph_module.meta[self.STATUS_KEY] = f"{_OBSERVED} {len(calls)} input(s)"
         return PassResult(graph_module, False)
 
@@ -178,18 +181,34 @@ _OBSERVATIONS = (
 )
 
 
-def _share_with_unreached_placeholders(boundaries: Boundaries) -> None:
+def _share_with_unreached_values(boundaries: Boundaries) -> None:
     """A body's placeholder no run reached (cond's branch not taken) holds what its
-    operands held: their observations, combined."""
+    operands held: their observations, combined; then, in graph order, a cast no run
+    reached that represents its source exactly (fp16 to fp32) holds what its source does."""
     for module in boundaries.graph_modules:
         for placeholder in module.graph.find_nodes(op="placeholder"):
             sources = boundaries.crossing_sources(placeholder)
             if CalibrationAnalysis.META_KEY in placeholder.meta or not sources:
                 continue
-            for key in _OBSERVATIONS:
-                seen = [source.meta[key] for source in sources if key in source.meta]
-                if seen:
-                    placeholder.meta[key] = _combined(key, seen)
+            _share(placeholder, sources)
+        for node in module.graph.nodes:
+            if CalibrationAnalysis.META_KEY not in node.meta and _exact_cast(node):
+                _share(node, [node.args[0]])
+
+
+def _share(node: Node, sources: list[Node]) -> None:
+    for key in _OBSERVATIONS:
+        seen = [source.meta[key] for source in sources if key in source.meta]
+        if seen:
+            node.meta[key] = _combined(key, seen)
+
+
+def _exact_cast(node: Node) -> bool:
+    """A cast whose every result is its source's value (fp16 or bf16 to fp32)."""
+    if not is_cast(node):
+        return False
+    source, target = source_dtype(node), cast_dtype(node)
+    return source is not None and target is not None and represents_exactly(source, target)
 
 
 def _combined(key: str, seen: list):
@@ -241,25 +260,27 @@ def _forget_observations(boundaries: Boundaries) -> None:
     reached takes its operands' observations."""
     for module in boundaries.graph_modules:
         for node in module.graph.nodes:
-            for key in (*_RECALIBRATED, meta.SIZE_GROWTH):
+            for key in _OBSERVED_FACTS:
                 node.meta.pop(key, None)
 
 
 def share_observations(source: Node, target: Node) -> None:
     """Give ``target``, a node a pass made to compute the same values as ``source``,
     what calibration observed of ``source`` (no second run)."""
-    for key in (*_RECALIBRATED, meta.SIZE_GROWTH):
+    for key in _OBSERVED_FACTS:
         if key in source.meta:
             target.meta[key] = source.meta[key]
 
 
-_RECALIBRATED = (
+# What calibration writes on a node: a run replaces them all, a rewrite shares them.
+_OBSERVED_FACTS = (
     meta.OBSERVED_MAX_ABS,
     meta.OBSERVED_INTERVAL,
     meta.OBSERVED_SENTINEL,
     meta.OBSERVED_CENTERING,
     meta.OBSERVED_SMALLEST,
     meta.OBSERVED_INT_RANGE,
+    meta.SIZE_GROWTH,
 )
 
 
