@@ -293,6 +293,44 @@ def test_a_sum_inside_a_branch_is_rewritten_there():
         assert max_error([model(x, keep)], [got]) < 4 * 2.0**-11
 
 
+def _guards(ep) -> int:
+    """The ``where`` nodes this pass made, in every graph of ``ep`` (bodies too)."""
+    return sum(
+        (meta.stabilized(node) or ("",))[0] == RULE
+        for module in ep.graph_module.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    )
+
+
+def test_a_sum_inside_a_branch_is_guarded_once_when_cast_twice():
+    """The branch's sum, cast again: its ``where`` is left as it is, the branch's code too."""
+    torch.manual_seed(0)
+    x, keep = torch.randn(3, 4), torch.rand(3, 4) > 0.3
+    keep[0] = False
+    ep = fx16.cast_fp32_to_fp16(export(MaskedInABranch(), x, keep))
+    branch = ep.graph_module.true_graph_0
+    code = branch.code
+    assert _guards(ep) == 1
+    fx16.cast_fp32_to_fp16(ep)
+    assert _guards(ep) == 1 and ep.graph_module.true_graph_0.code == code
+
+
+def test_a_saved_and_loaded_cast_program_cast_again_keeps_one_guard_per_sum(tmp_path):
+    """A cast program saved, loaded and cast again: still one ``where`` per mask sum (the
+    loaded mask holds -65504, no sentinel, on the second calibration), and it computes
+    as the loaded one, bit for bit."""
+    x, keep = _inputs()
+    ep = fx16.cast_fp32_to_fp16(export(PaddedAttention().eval(), x, keep))
+    torch.export.save(ep, tmp_path / "cast.pt2")
+    loaded = fx16.load(tmp_path / "cast.pt2")
+    (before,) = run(loaded, x, keep)
+    fx16.cast_fp32_to_fp16(loaded)
+    assert _guards(loaded) == 2
+    (after,) = run(loaded, x, keep)
+    assert torch.equal(after, before)
+
+
 @settings(max_examples=examples(12), deadline=None)
 @given(
     st.sampled_from([1.0, 30.0, 300.0, 3000.0]),
